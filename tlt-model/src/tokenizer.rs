@@ -1,0 +1,117 @@
+//! Tokenizers: `tokenizer.json` files, and the byte-level BPE tokenizer embedded in GGUF metadata.
+
+use std::path::Path;
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+
+use crate::{Error, Result};
+
+/// GGUF `token_type` of control tokens (`<|im_start|>`, `<|endoftext|>`, ...).
+const TOKEN_TYPE_CONTROL: i32 = 3;
+/// GGUF `token_type` of user-defined tokens.
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// The Llama-3 pre-tokenizer regex (llama.cpp `llama-bpe`).
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// The Qwen2 pre-tokenizer regex (llama.cpp `qwen2`).
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Loads a Hugging Face `tokenizer.json`.
+pub fn load_tokenizer_json(path: &Path) -> Result<Tokenizer> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    Tokenizer::from_bytes(&bytes).map_err(|e| Error::malformed(path, "tokenizer.json", e))
+}
+
+/// The pieces of a GGUF-embedded tokenizer (`tokenizer.ggml.*` metadata).
+#[derive(Debug, Clone)]
+pub struct GgufVocab {
+    /// `tokenizer.ggml.model` (only `gpt2`, byte-level BPE, is supported).
+    pub model: String,
+    /// `tokenizer.ggml.pre`, selecting the pre-tokenizer regex.
+    pub pre: String,
+    /// Token strings by id.
+    pub tokens: Vec<String>,
+    /// Merges as `"a b"` strings, highest priority first.
+    pub merges: Vec<String>,
+    /// Token types by id (3 = control, 4 = user-defined); empty if absent.
+    pub token_types: Vec<i32>,
+}
+
+/// Builds the byte-level BPE tokenizer llama.cpp would use for this vocabulary.
+///
+/// `path` only labels errors.
+pub fn tokenizer_from_gguf_vocab(vocab: &GgufVocab, path: &Path) -> Result<Tokenizer> {
+    if vocab.model != "gpt2" {
+        return Err(Error::Unsupported { path: path.into(), what: "tokenizer model", value: vocab.model.clone() });
+    }
+    let pre: PreTokenizerWrapper = match vocab.pre.as_str() {
+        "smollm" | "starcoder" | "refact" | "default" | "gpt2" | "gpt-2" => {
+            let byte_level = ByteLevel::new(false, true, true);
+            if vocab.pre == "gpt2" || vocab.pre == "gpt-2" || vocab.pre == "default" {
+                byte_level.into()
+            } else {
+                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+            }
+        }
+        "llama-bpe" | "llama3" | "qwen2" => {
+            let regex = if vocab.pre == "qwen2" { QWEN2_REGEX } else { LLAMA3_REGEX };
+            let split = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(|e| Error::Tokenizer(e.to_string()))?;
+            Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
+        }
+        other => {
+            return Err(Error::Unsupported { path: path.into(), what: "tokenizer pre-tokenizer", value: other.into() })
+        }
+    };
+    let token_ids: tokenizers::models::bpe::Vocab =
+        vocab.tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    if token_ids.len() != vocab.tokens.len() {
+        return Err(Error::malformed(path, "gguf", "tokenizer.ggml.tokens holds duplicate tokens"));
+    }
+    let merges = vocab
+        .merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| Error::malformed(path, "gguf", format!("merge `{m}` is not `a b`")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(token_ids, merges)
+        .build()
+        .map_err(|e| Error::malformed(path, "gguf", format!("tokenizer: {e}")))?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(pre));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+    let added = |kind: i32, special: bool| -> Vec<AddedToken> {
+        vocab
+            .token_types
+            .iter()
+            .zip(&vocab.tokens)
+            .filter(|(t, _)| **t == kind)
+            .map(|(_, tok)| AddedToken::from(tok.clone(), special))
+            .collect()
+    };
+    tokenizer.add_special_tokens(added(TOKEN_TYPE_CONTROL, true)).map_err(|e| Error::Tokenizer(e.to_string()))?;
+    tokenizer.add_tokens(added(TOKEN_TYPE_USER_DEFINED, false)).map_err(|e| Error::Tokenizer(e.to_string()))?;
+    Ok(tokenizer)
+}
+
+/// Encodes `text` (special tokens like `<|im_start|>` are recognised; no BOS is added).
+pub fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let enc = tokenizer.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+    Ok(enc.get_ids().to_vec())
+}
+
+/// Decodes ids to text, keeping special tokens.
+pub fn decode(tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
+    tokenizer.decode(ids, false).map_err(|e| Error::Tokenizer(e.to_string()))
+}

@@ -1,0 +1,172 @@
+//! The decoder's parameters, named as in Hugging Face checkpoints.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Tensor};
+
+use crate::config::LlamaConfig;
+use crate::{Error, Result};
+
+/// A linear layer with weights stored `[out, in]` (the `nn.Linear` layout).
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// `[out_features, in_features]`, f32.
+    pub weight: Tensor,
+    /// `[out_features]`, present on Qwen2's q/k/v projections.
+    pub bias: Option<Tensor>,
+}
+
+/// The parameters of one decoder block.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    /// Query projection.
+    pub q_proj: Linear,
+    /// Key projection.
+    pub k_proj: Linear,
+    /// Value projection.
+    pub v_proj: Linear,
+    /// Attention output projection.
+    pub o_proj: Linear,
+    /// SwiGLU gate projection.
+    pub gate_proj: Linear,
+    /// SwiGLU up projection.
+    pub up_proj: Linear,
+    /// SwiGLU down projection.
+    pub down_proj: Linear,
+    /// RMSNorm weight before attention.
+    pub input_layernorm: Tensor,
+    /// RMSNorm weight before the MLP.
+    pub post_attention_layernorm: Tensor,
+}
+
+/// All parameters of a Llama-family decoder.
+#[derive(Debug, Clone)]
+pub struct LlamaWeights {
+    /// `[vocab, hidden]` token embedding.
+    pub embed_tokens: Tensor,
+    /// The decoder blocks.
+    pub layers: Vec<LayerWeights>,
+    /// Final RMSNorm weight.
+    pub norm: Tensor,
+    /// `[vocab, hidden]` output projection; `None` when tied to the embedding.
+    pub lm_head: Option<Tensor>,
+}
+
+/// Where tensors come from while loading: a checkpoint that hands out f32 tensors by HF name.
+pub trait TensorSource {
+    /// The file or directory, for error messages.
+    fn path(&self) -> &Path;
+    /// The tensor called `name` (HF naming), converted to f32, or `None` if absent.
+    fn get(&mut self, name: &str) -> Result<Option<Tensor>>;
+}
+
+impl LlamaWeights {
+    /// Loads every parameter `cfg` implies from `src`, checking names and shapes.
+    pub fn load(cfg: &LlamaConfig, src: &mut dyn TensorSource) -> Result<Self> {
+        let arch = cfg.architecture()?;
+        let (h, v, ffn) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
+        let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+        let mut loader = Loader { src, path: PathBuf::new() };
+        loader.path = loader.src.path().to_path_buf();
+        let embed_tokens = loader.required("model.embed_tokens.weight", &[v, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let bias = arch.qkv_bias();
+            layers.push(LayerWeights {
+                q_proj: loader.linear(&format!("{p}.self_attn.q_proj"), q, h, bias)?,
+                k_proj: loader.linear(&format!("{p}.self_attn.k_proj"), kv, h, bias)?,
+                v_proj: loader.linear(&format!("{p}.self_attn.v_proj"), kv, h, bias)?,
+                o_proj: loader.linear(&format!("{p}.self_attn.o_proj"), h, q, false)?,
+                gate_proj: loader.linear(&format!("{p}.mlp.gate_proj"), ffn, h, false)?,
+                up_proj: loader.linear(&format!("{p}.mlp.up_proj"), ffn, h, false)?,
+                down_proj: loader.linear(&format!("{p}.mlp.down_proj"), h, ffn, false)?,
+                input_layernorm: loader.required(&format!("{p}.input_layernorm.weight"), &[h])?,
+                post_attention_layernorm: loader
+                    .required(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+            });
+        }
+        let norm = loader.required("model.norm.weight", &[h])?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(loader.required("lm_head.weight", &[v, h])?)
+        };
+        Ok(Self { embed_tokens, layers, norm, lm_head })
+    }
+
+    /// The output projection (the embedding when tied).
+    pub fn lm_head(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// Every parameter with its HF name, mutable, in a fixed order (a tied head appears once).
+    pub fn entries_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        let mut out: Vec<(String, &mut Tensor)> = vec![("model.embed_tokens.weight".into(), &mut self.embed_tokens)];
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            let linears = [
+                ("self_attn.q_proj", &mut l.q_proj),
+                ("self_attn.k_proj", &mut l.k_proj),
+                ("self_attn.v_proj", &mut l.v_proj),
+                ("self_attn.o_proj", &mut l.o_proj),
+                ("mlp.gate_proj", &mut l.gate_proj),
+                ("mlp.up_proj", &mut l.up_proj),
+                ("mlp.down_proj", &mut l.down_proj),
+            ];
+            for (name, lin) in linears {
+                out.push((format!("{p}.{name}.weight"), &mut lin.weight));
+                if let Some(b) = lin.bias.as_mut() {
+                    out.push((format!("{p}.{name}.bias"), b));
+                }
+            }
+            out.push((format!("{p}.input_layernorm.weight"), &mut l.input_layernorm));
+            out.push((format!("{p}.post_attention_layernorm.weight"), &mut l.post_attention_layernorm));
+        }
+        out.push(("model.norm.weight".into(), &mut self.norm));
+        if let Some(head) = self.lm_head.as_mut() {
+            out.push(("lm_head.weight".into(), head));
+        }
+        out
+    }
+
+    /// Every parameter with its HF name (cheap clones sharing storage), in [`Self::entries_mut`] order.
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut shallow = self.clone();
+        shallow.entries_mut().into_iter().map(|(n, t)| (n, t.clone())).collect()
+    }
+
+    /// Total number of scalar parameters.
+    pub fn num_params(&self) -> usize {
+        self.named_tensors().iter().map(|(_, t)| t.elem_count()).sum()
+    }
+}
+
+struct Loader<'a> {
+    src: &'a mut dyn TensorSource,
+    path: PathBuf,
+}
+
+impl Loader<'_> {
+    fn required(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self
+            .src
+            .get(name)?
+            .ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: name.into() })?;
+        if t.dims() != shape {
+            return Err(Error::ShapeMismatch {
+                path: self.path.clone(),
+                name: name.into(),
+                expected: shape.to_vec(),
+                got: t.dims().to_vec(),
+            });
+        }
+        Ok(t.to_dtype(DType::F32)?.contiguous()?)
+    }
+
+    fn linear(&mut self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
+        let weight = self.required(&format!("{prefix}.weight"), &[out, inp])?;
+        let bias = if bias { Some(self.required(&format!("{prefix}.bias"), &[out])?) } else { None };
+        Ok(Linear { weight, bias })
+    }
+}
