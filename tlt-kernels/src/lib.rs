@@ -1,9 +1,35 @@
 //! # tlt-kernels
 //!
-//! Hot CPU kernels with runtime SIMD dispatch: skinny GEMM for 1..64 rows (f32, f16/bf16, Q8_0/Q4 weights), tree-masked attention over a KV cache, and sampling primitives.
+//! Hot CPU kernels for small-batch LLM inference, with run-time SIMD dispatch (AVX-512, AVX2+FMA, portable):
 //!
-//! **Status:** this crate is reserved in the workspace layout and holds no code yet; its contents are
-//! specified in the project's issue tracker ("tlt-kernels: make verifying k tokens cost about as much as decoding one") and land with that issue. It deliberately exports
-//! nothing rather than placeholder code.
+//! - [`gemm`]: the skinny GEMM `y[m, n] = x[m, k] · W[n, k]^T (+ bias)` for `m` = 1..64 that streams each
+//!   weight once per call, so verifying k drafted tokens costs about what decoding one does while memory is
+//!   the bound. Weights in f32, f16, bf16 (converted in registers) and GGUF Q8_0/Q4_0/Q4_1 blocks.
 //!
-//! **Where it sits:** depends on candle-core (and cudarc behind `cuda`); used by `tlt-model`, `tlt-spec-decode`. See the workspace `DESIGN.md` for the crate boundaries.
+//! ```
+//! use tlt_kernels::{gemm, Matrix, WeightDType};
+//!
+//! # fn main() -> tlt_kernels::Result<()> {
+//! let (n, k, m) = (3, 64, 2);
+//! let w: Vec<f32> = (0..n * k).map(|i| (i % 7) as f32 - 3.0).collect();
+//! let x: Vec<f32> = (0..m * k).map(|i| (i % 5) as f32 * 0.5).collect();
+//! let mut y = vec![0.0; m * n];
+//! gemm(&x, m, Matrix::from_f32(n, k, &w, WeightDType::F32)?.view(), None, &mut y)?;
+//! let expect: f32 = (0..k).map(|i| x[i] * w[2 * k + i]).sum();
+//! assert!((y[2] - expect).abs() < 1e-4);
+//! # Ok(()) }
+//! ```
+//!
+//! # Features
+//! None: CPU only. Each kernel's instruction set is picked at run time ([`Isa::best`]) or explicitly
+//! ([`GemmConfig`]), so every path is testable on one machine.
+
+mod error;
+mod gemm;
+mod isa;
+pub mod quant;
+mod simd;
+
+pub use error::{Error, Result};
+pub use gemm::{gemm, gemm_with, GemmConfig, MatRef, Matrix, WeightDType, WeightsRef};
+pub use isa::Isa;

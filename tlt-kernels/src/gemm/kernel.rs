@@ -1,0 +1,154 @@
+//! The register-tiled skinny GEMM, written once over [`Simd`] and [`Format`].
+//!
+//! `y[m, n] = x[m, k] · W[n, k]^T`. The outer loop walks `NR`-row panels of `W`; for each panel every block of
+//! up to `MR` rows of `x` is multiplied while the panel is hot in L1, so each weight byte comes from memory once
+//! per call whatever `m` is. Weights are converted to f32 in registers.
+
+use super::format::{Format, F32};
+use crate::quant::QK;
+use crate::simd::Simd;
+
+/// Largest row block of `x` computed per tile.
+pub(crate) const MR: usize = 4;
+
+/// Computes `out[i][r] = x_i · w_r` for `mr` rows of x and `NR` weight rows.
+///
+/// # Safety
+/// `x` points at `MR_` rows of `k` f32 with stride `ldx`; each `w[r]` at a row of `k` elements of `F`.
+#[inline(always)]
+unsafe fn tile<S: Simd, F: Format, const MR_: usize, const NR: usize>(
+    x: *const f32,
+    ldx: usize,
+    w: [*const F::Elem; NR],
+    k: usize,
+) -> [[f32; NR]; MR_] {
+    unsafe {
+        let mut acc = [[S::zero(); NR]; MR_];
+        let chunks = k / QK;
+        let per_chunk = QK / S::LANES;
+        for c in 0..chunks {
+            for j in 0..per_chunk {
+                let wv: [S::V; NR] = std::array::from_fn(|r| F::load::<S>(w[r], c, j));
+                let off = c * QK + j * S::LANES;
+                for (i, acc_i) in acc.iter_mut().enumerate() {
+                    let xv = S::load(x.add(i * ldx + off));
+                    for r in 0..NR {
+                        acc_i[r] = S::fma(xv, wv[r], acc_i[r]);
+                    }
+                }
+            }
+        }
+        let mut out = [[0f32; NR]; MR_];
+        for i in 0..MR_ {
+            for r in 0..NR {
+                let mut s = S::reduce_add(acc[i][r]);
+                for e in chunks * QK..k {
+                    s += *x.add(i * ldx + e) * F::get(w[r], e);
+                }
+                out[i][r] = s;
+            }
+        }
+        out
+    }
+}
+
+/// Shape of one call: `x` is `[m, k]` row-major, `w` rows hold `k` elements, `y` is `[m, n]` row-major.
+#[derive(Clone, Copy)]
+pub(crate) struct Dims {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// Multiplies the weight rows `rows` (a sub-range of `0..n`) for all `m` rows of `x`, writing `y[.., rows]`.
+///
+/// # Safety
+/// `x` holds `m * k` f32; `w` holds `n` rows of `row_elems` `F::Elem` each; `y` holds `m * n` f32 and no other
+/// thread writes the columns `rows` concurrently. The CPU supports `S`.
+#[inline(always)]
+pub(crate) unsafe fn panel_range<S: Simd, F: Format, const NR: usize>(
+    x: *const f32,
+    w: *const F::Elem,
+    row_elems: usize,
+    y: *mut f32,
+    d: Dims,
+    rows: std::ops::Range<usize>,
+) {
+    unsafe {
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            if rows.end - r0 >= NR {
+                let wr: [*const F::Elem; NR] = std::array::from_fn(|r| w.add((r0 + r) * row_elems));
+                row_blocks::<S, F, NR>(x, wr, y, d, r0);
+                r0 += NR;
+            } else {
+                row_blocks::<S, F, 1>(x, [w.add(r0 * row_elems)], y, d, r0);
+                r0 += 1;
+            }
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn row_blocks<S: Simd, F: Format, const NR: usize>(
+    x: *const f32,
+    w: [*const F::Elem; NR],
+    y: *mut f32,
+    d: Dims,
+    r0: usize,
+) {
+    unsafe {
+        let mut i0 = 0;
+        while i0 < d.m {
+            let xi = x.add(i0 * d.k);
+            let left = d.m - i0;
+            match left.min(MR) {
+                4 => store(y, d.n, i0, r0, tile::<S, F, 4, NR>(xi, d.k, w, d.k)),
+                3 => store(y, d.n, i0, r0, tile::<S, F, 3, NR>(xi, d.k, w, d.k)),
+                2 => store(y, d.n, i0, r0, tile::<S, F, 2, NR>(xi, d.k, w, d.k)),
+                _ => store(y, d.n, i0, r0, tile::<S, F, 1, NR>(xi, d.k, w, d.k)),
+            }
+            i0 += MR;
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn store<const MR_: usize, const NR: usize>(y: *mut f32, n: usize, i0: usize, r0: usize, v: [[f32; NR]; MR_]) {
+    for (i, row) in v.iter().enumerate() {
+        for (r, val) in row.iter().enumerate() {
+            unsafe { *y.add((i0 + i) * n + r0 + r) = *val };
+        }
+    }
+}
+
+/// Dequantizes weight rows `rows` into `scratch` (f32, `k` per row) for the many-row path.
+///
+/// # Safety
+/// As [`panel_range`]; `scratch` holds `rows.len() * k` f32.
+#[inline(always)]
+pub(crate) unsafe fn dequant_rows<S: Simd, F: Format>(
+    w: *const F::Elem,
+    row_elems: usize,
+    k: usize,
+    rows: std::ops::Range<usize>,
+    scratch: *mut f32,
+) {
+    unsafe {
+        for (o, r) in rows.enumerate() {
+            let row = w.add(r * row_elems);
+            let dst = scratch.add(o * k);
+            for c in 0..k / QK {
+                for j in 0..QK / S::LANES {
+                    S::store(dst.add(c * QK + j * S::LANES), F::load::<S>(row, c, j));
+                }
+            }
+            for e in (k / QK) * QK..k {
+                *dst.add(e) = F::get(row, e);
+            }
+        }
+    }
+}
+
+/// The f32 format, re-exported for the many-row path.
+pub(crate) type F32Format = F32;

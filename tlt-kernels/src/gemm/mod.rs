@@ -1,0 +1,169 @@
+//! Skinny GEMM `y[m, n] = x[m, k] · W[n, k]^T (+ bias)` for small `m`, streaming the weights once per call.
+
+mod format;
+mod kernel;
+mod matrix;
+
+use std::ops::Range;
+
+use crate::simd::{Scalar, Simd};
+use crate::{Error, Isa, Result};
+use format::{Bf16, Format, Q4_0, Q4_1, Q8_0, F16, F32};
+use kernel::{Dims, MR};
+pub use matrix::{MatRef, Matrix, WeightDType, WeightsRef};
+
+/// How to run a GEMM: instruction set and number of threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmConfig {
+    /// Instruction set (must be available on this CPU).
+    pub isa: Isa,
+    /// Worker threads (1 = the calling thread only; more uses rayon's global pool).
+    pub threads: usize,
+}
+
+impl Default for GemmConfig {
+    /// The best available ISA on one thread.
+    fn default() -> Self {
+        Self { isa: Isa::best(), threads: 1 }
+    }
+}
+
+/// `y = x · W^T (+ bias)` with the default configuration. `x` is `[m, k]`, `y` is `[m, n]`, row-major.
+pub fn gemm(x: &[f32], m: usize, w: MatRef<'_>, bias: Option<&[f32]>, y: &mut [f32]) -> Result<()> {
+    gemm_with(GemmConfig::default(), x, m, w, bias, y)
+}
+
+/// [`gemm`] with an explicit ISA and thread count.
+pub fn gemm_with(
+    cfg: GemmConfig,
+    x: &[f32],
+    m: usize,
+    w: MatRef<'_>,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<()> {
+    let (n, k) = (w.n(), w.k());
+    check_len("x", m * k, x.len())?;
+    check_len("y", m * n, y.len())?;
+    if let Some(b) = bias {
+        check_len("bias", n, b.len())?;
+    }
+    if !cfg.isa.is_available() {
+        return Err(Error::IsaUnavailable(cfg.isa));
+    }
+    if cfg.threads == 0 {
+        return Err(Error::InvalidArgument("threads must be at least 1".into()));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let d = Dims { m, n, k };
+    match w.data() {
+        WeightsRef::F32(s) => run::<F32>(cfg, x, s, k, y, d),
+        WeightsRef::F16(s) => run::<F16>(cfg, x, s, k, y, d),
+        WeightsRef::Bf16(s) => run::<Bf16>(cfg, x, s, k, y, d),
+        WeightsRef::Q8_0(s) => run::<Q8_0>(cfg, x, s, k / 32, y, d),
+        WeightsRef::Q4_0(s) => run::<Q4_0>(cfg, x, s, k / 32, y, d),
+        WeightsRef::Q4_1(s) => run::<Q4_1>(cfg, x, s, k / 32, y, d),
+    }
+    if let Some(b) = bias {
+        for row in y.chunks_exact_mut(n) {
+            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        }
+    }
+    Ok(())
+}
+
+fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(Error::ShapeMismatch { what, expected, got })
+    }
+}
+
+/// Raw pointers shared with worker threads.
+#[derive(Clone, Copy)]
+struct Shared<E> {
+    x: *const f32,
+    w: *const E,
+    y: *mut f32,
+}
+// SAFETY: workers read `x` and `w` and write disjoint column ranges of `y` while `run` waits for them.
+unsafe impl<E> Send for Shared<E> {}
+unsafe impl<E> Sync for Shared<E> {}
+
+type RangeFn<E> = unsafe fn(Shared<E>, usize, Dims, Range<usize>);
+
+/// Splits the weight rows across threads and runs the kernel for `cfg.isa` on each part.
+fn run<F: Format>(cfg: GemmConfig, x: &[f32], w: &[F::Elem], row_elems: usize, y: &mut [f32], d: Dims) {
+    let f: RangeFn<F::Elem> = match cfg.isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => range_avx512::<F>,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => range_avx2::<F>,
+        _ => range_scalar::<F>,
+    };
+    let p = Shared { x: x.as_ptr(), w: w.as_ptr(), y: y.as_mut_ptr() };
+    // Split on multiples of 16 rows so every part keeps full register tiles.
+    let parts = cfg.threads.min(d.n.div_ceil(16)).max(1);
+    if parts == 1 {
+        // SAFETY: lengths were checked by `gemm_with`; the ISA is available.
+        unsafe { f(p, row_elems, d, 0..d.n) };
+        return;
+    }
+    let per = d.n.div_ceil(parts).div_ceil(16) * 16;
+    rayon::scope(|s| {
+        for t in 0..parts {
+            let rows = (t * per).min(d.n)..((t + 1) * per).min(d.n);
+            if rows.is_empty() {
+                continue;
+            }
+            // SAFETY: as above; parts write disjoint columns of y.
+            s.spawn(move |_| unsafe { f(p, row_elems, d, rows) });
+        }
+    });
+}
+
+/// Runs the kernel on weight rows `rows`. For many rows of a converted format, panels are first dequantized to
+/// f32 in a small scratch buffer so the conversion is paid once per weight, not once per row block.
+#[inline(always)]
+unsafe fn range_generic<S: Simd, F: Format, const NR: usize>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
+    unsafe {
+        if !F::CONVERTS || d.m <= MR {
+            kernel::panel_range::<S, F, NR>(p.x, p.w, row_elems, p.y, d, rows);
+            return;
+        }
+        const PANEL: usize = 16;
+        SCRATCH.with_borrow_mut(|scratch| {
+            scratch.resize(PANEL * d.k, 0.0);
+            let mut r0 = rows.start;
+            while r0 < rows.end {
+                let r1 = (r0 + PANEL).min(rows.end);
+                kernel::dequant_rows::<S, F>(p.w, row_elems, d.k, r0..r1, scratch.as_mut_ptr());
+                kernel::panel_range::<S, kernel::F32Format, NR>(p.x, scratch.as_ptr(), d.k, p.y.add(r0), d, 0..r1 - r0);
+                r0 = r1;
+            }
+        });
+    }
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+unsafe fn range_scalar<F: Format>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
+    unsafe { range_generic::<Scalar, F, 4>(p, row_elems, d, rows) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn range_avx2<F: Format>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
+    unsafe { range_generic::<crate::simd::Avx2, F, 2>(p, row_elems, d, rows) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn range_avx512<F: Format>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
+    unsafe { range_generic::<crate::simd::Avx512, F, 4>(p, row_elems, d, rows) }
+}
