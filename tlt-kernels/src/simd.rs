@@ -34,6 +34,8 @@ pub(crate) unsafe trait Simd: Copy {
     unsafe fn reduce_add(v: Self::V) -> f32;
     /// Maximum of all lanes.
     unsafe fn reduce_max(v: Self::V) -> f32;
+    /// Hints the cache line at `p` into L1 (never faults, whatever `p` is).
+    unsafe fn prefetch(p: *const u8);
     /// `LANES` IEEE half floats from `p`, widened.
     unsafe fn load_f16(p: *const u16) -> Self::V;
     /// `LANES` bfloat16 from `p`, widened.
@@ -94,6 +96,8 @@ unsafe impl Simd for Scalar {
     unsafe fn reduce_max(v: Self::V) -> f32 {
         v.iter().copied().fold(f32::NEG_INFINITY, f32::max)
     }
+    #[inline(always)]
+    unsafe fn prefetch(_p: *const u8) {}
     #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> Self::V {
         let h = unsafe { std::ptr::read_unaligned(p as *const [u16; 8]) };
@@ -188,6 +192,10 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn prefetch(p: *const u8) {
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        }
+        #[inline(always)]
         unsafe fn load_f16(p: *const u16) -> Self::V {
             unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
         }
@@ -265,6 +273,10 @@ mod x86 {
         #[inline(always)]
         unsafe fn reduce_max(v: Self::V) -> f32 {
             unsafe { _mm512_reduce_max_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8) {
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
         }
         #[inline(always)]
         unsafe fn load_f16(p: *const u16) -> Self::V {

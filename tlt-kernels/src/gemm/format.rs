@@ -12,6 +12,11 @@ pub(crate) unsafe trait Format: Copy + Send + Sync + 'static {
     type Elem: Copy + Send + Sync;
     /// Whether elements need converting to f32 (everything but f32 itself).
     const CONVERTS: bool = true;
+    /// Bytes of one 32-element chunk of a row.
+    const CHUNK_BYTES: usize;
+    /// Whether the kernel should software-prefetch the next panel (helps the converting formats, whose
+    /// slower compute leaves the hardware prefetcher behind; hurts plain f32).
+    const PREFETCH: bool = true;
     /// Vector `j` (of `32 / LANES`) of chunk `c` of `row`, as f32.
     unsafe fn load<S: Simd>(row: *const Self::Elem, c: usize, j: usize) -> S::V;
     /// Element `i` of `row` as f32 (for tails and references).
@@ -34,6 +39,8 @@ pub(crate) struct Q4_1;
 unsafe impl Format for F32 {
     type Elem = f32;
     const CONVERTS: bool = false;
+    const CHUNK_BYTES: usize = 128;
+    const PREFETCH: bool = false;
     #[inline(always)]
     unsafe fn load<S: Simd>(row: *const f32, c: usize, j: usize) -> S::V {
         unsafe { S::load(row.add(c * QK + j * S::LANES)) }
@@ -46,6 +53,7 @@ unsafe impl Format for F32 {
 
 unsafe impl Format for F16 {
     type Elem = u16;
+    const CHUNK_BYTES: usize = 64;
     #[inline(always)]
     unsafe fn load<S: Simd>(row: *const u16, c: usize, j: usize) -> S::V {
         unsafe { S::load_f16(row.add(c * QK + j * S::LANES)) }
@@ -58,6 +66,7 @@ unsafe impl Format for F16 {
 
 unsafe impl Format for Bf16 {
     type Elem = u16;
+    const CHUNK_BYTES: usize = 64;
     #[inline(always)]
     unsafe fn load<S: Simd>(row: *const u16, c: usize, j: usize) -> S::V {
         unsafe { S::load_bf16(row.add(c * QK + j * S::LANES)) }
@@ -70,11 +79,60 @@ unsafe impl Format for Bf16 {
 
 #[inline(always)]
 fn f16_bits(b: u16) -> f32 {
-    half::f16::from_bits(b).to_f32()
+    F16_TO_F32[b as usize]
+}
+
+/// Every f16 bit pattern widened to f32, computed at compile time: block scales become one broadcast load
+/// instead of an insert + convert + broadcast on the vector ports.
+static F16_TO_F32: [f32; 1 << 16] = {
+    let mut t = [0f32; 1 << 16];
+    let mut i = 0;
+    while i < (1 << 16) {
+        t[i] = f16_to_f32_const(i as u16);
+        i += 1;
+    }
+    t
+};
+
+const fn f16_to_f32_const(h: u16) -> f32 {
+    let sign = ((h as u32) & 0x8000) << 16;
+    let exp = ((h >> 10) & 0x1F) as u32;
+    let man = (h & 0x3FF) as u32;
+    let bits = if exp == 0 {
+        if man == 0 {
+            sign
+        } else {
+            // Subnormal: normalise the mantissa.
+            let mut e = 127 - 15 + 1;
+            let mut m = man;
+            while m & 0x400 == 0 {
+                m <<= 1;
+                e -= 1;
+            }
+            sign | ((e as u32) << 23) | ((m & 0x3FF) << 13)
+        }
+    } else if exp == 0x1F {
+        sign | 0x7F80_0000 | (man << 13)
+    } else {
+        sign | ((exp + 127 - 15) << 23) | (man << 13)
+    };
+    f32::from_bits(bits)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn f16_table_matches_half() {
+        for b in 0..=u16::MAX {
+            let (want, got) = (half::f16::from_bits(b).to_f32(), super::f16_bits(b));
+            assert!(want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()), "{b:#x}");
+        }
+    }
 }
 
 unsafe impl Format for Q8_0 {
     type Elem = BlockQ8_0;
+    const CHUNK_BYTES: usize = 34;
     #[inline(always)]
     unsafe fn load<S: Simd>(row: *const BlockQ8_0, c: usize, j: usize) -> S::V {
         unsafe {
@@ -105,6 +163,7 @@ unsafe fn nibble_vec<S: Simd>(qs: &[u8; QK / 2], j: usize) -> S::V {
 
 unsafe impl Format for Q4_0 {
     type Elem = BlockQ4_0;
+    const CHUNK_BYTES: usize = 18;
     #[inline(always)]
     unsafe fn load<S: Simd>(row: *const BlockQ4_0, c: usize, j: usize) -> S::V {
         unsafe {
@@ -124,6 +183,7 @@ unsafe impl Format for Q4_0 {
 
 unsafe impl Format for Q4_1 {
     type Elem = BlockQ4_1;
+    const CHUNK_BYTES: usize = 20;
     #[inline(always)]
     unsafe fn load<S: Simd>(row: *const BlockQ4_1, c: usize, j: usize) -> S::V {
         unsafe {

@@ -26,9 +26,18 @@ unsafe fn tile<S: Simd, F: Format, const MR_: usize, const NR: usize>(
         let mut acc = [[S::zero(); NR]; MR_];
         let chunks = k / QK;
         let per_chunk = QK / S::LANES;
+        // Prefetch the same chunk of the next panel (rows are contiguous, so it starts NR rows further on).
+        let ahead = NR * k / QK * F::CHUNK_BYTES;
         for c in 0..chunks {
+            for wr in w.iter().filter(|_| F::PREFETCH) {
+                S::prefetch((*wr as *const u8).wrapping_add(ahead + c * F::CHUNK_BYTES));
+            }
             for j in 0..per_chunk {
-                let wv: [S::V; NR] = std::array::from_fn(|r| F::load::<S>(w[r], c, j));
+                // Plain loops, not closures: a closure would not inherit the caller's target features.
+                let mut wv = [S::zero(); NR];
+                for r in 0..NR {
+                    wv[r] = F::load::<S>(w[r], c, j);
+                }
                 let off = c * QK + j * S::LANES;
                 for (i, acc_i) in acc.iter_mut().enumerate() {
                     let xv = S::load(x.add(i * ldx + off));
@@ -78,7 +87,10 @@ pub(crate) unsafe fn panel_range<S: Simd, F: Format, const NR: usize>(
         let mut r0 = rows.start;
         while r0 < rows.end {
             if rows.end - r0 >= NR {
-                let wr: [*const F::Elem; NR] = std::array::from_fn(|r| w.add((r0 + r) * row_elems));
+                let mut wr = [w; NR];
+                for (r, p) in wr.iter_mut().enumerate() {
+                    *p = w.add((r0 + r) * row_elems);
+                }
                 row_blocks::<S, F, NR>(x, wr, y, d, r0);
                 r0 += NR;
             } else {

@@ -128,23 +128,30 @@ fn run<F: Format>(cfg: GemmConfig, x: &[f32], w: &[F::Elem], row_elems: usize, y
 /// Runs the kernel on weight rows `rows`. For many rows of a converted format, panels are first dequantized to
 /// f32 in a small scratch buffer so the conversion is paid once per weight, not once per row block.
 #[inline(always)]
-unsafe fn range_generic<S: Simd, F: Format, const NR: usize>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
+unsafe fn range_generic<S: Simd, F: Format, const NR: usize, const NR1: usize>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
     unsafe {
-        if !F::CONVERTS || d.m <= MR {
+        if d.m == 1 {
+            // One row: a wider panel keeps more weight streams in flight.
+            kernel::panel_range::<S, F, NR1>(p.x, p.w, row_elems, p.y, d, rows);
+            return;
+        }
+        if !F::CONVERTS || d.m <= 2 * MR {
             kernel::panel_range::<S, F, NR>(p.x, p.w, row_elems, p.y, d, rows);
             return;
         }
         const PANEL: usize = 16;
-        SCRATCH.with_borrow_mut(|scratch| {
-            scratch.resize(PANEL * d.k, 0.0);
-            let mut r0 = rows.start;
-            while r0 < rows.end {
-                let r1 = (r0 + PANEL).min(rows.end);
-                kernel::dequant_rows::<S, F>(p.w, row_elems, d.k, r0..r1, scratch.as_mut_ptr());
-                kernel::panel_range::<S, kernel::F32Format, NR>(p.x, scratch.as_ptr(), d.k, p.y.add(r0), d, 0..r1 - r0);
-                r0 = r1;
-            }
-        });
+        // Take the scratch buffer out of the thread-local so the kernels below run in this function (a closure
+        // would not inherit its target features).
+        let mut scratch = SCRATCH.take();
+        scratch.resize(PANEL * d.k, 0.0);
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = (r0 + PANEL).min(rows.end);
+            kernel::dequant_rows::<S, F>(p.w, row_elems, d.k, r0..r1, scratch.as_mut_ptr());
+            kernel::panel_range::<S, kernel::F32Format, NR>(p.x, scratch.as_ptr(), d.k, p.y.add(r0), d, 0..r1 - r0);
+            r0 = r1;
+        }
+        SCRATCH.set(scratch);
     }
 }
 
@@ -153,17 +160,17 @@ thread_local! {
 }
 
 unsafe fn range_scalar<F: Format>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
-    unsafe { range_generic::<Scalar, F, 4>(p, row_elems, d, rows) }
+    unsafe { range_generic::<Scalar, F, 4, 4>(p, row_elems, d, rows) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn range_avx2<F: Format>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
-    unsafe { range_generic::<crate::simd::Avx2, F, 2>(p, row_elems, d, rows) }
+    unsafe { range_generic::<crate::simd::Avx2, F, 2, 4>(p, row_elems, d, rows) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
 unsafe fn range_avx512<F: Format>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
-    unsafe { range_generic::<crate::simd::Avx512, F, 4>(p, row_elems, d, rows) }
+    unsafe { range_generic::<crate::simd::Avx512, F, 4, 8>(p, row_elems, d, rows) }
 }
