@@ -1,1 +1,154 @@
-fn main(){}
+//! Project automation for the TLT workspace, run as `cargo xtask <command>` (an alias in `.cargo/config.toml`).
+//!
+//! - `fetch-assets`: download and verify the offline assets (the SmolLM2-135M-Instruct GGUF) into the cache;
+//! - `test`: `fetch-assets`, then every test of the workspace (`cargo nextest run --release --workspace`, or
+//!   `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF;
+//! - `demo`: `fetch-assets`, then the main demo (today: chat generation with SmolLM2);
+//! - `bench <suite>`: benchmark suites writing `target/bench/<suite>.json` and `.md`.
+//!
+//! See `xtask/README.md` for every option and every field of the benchmark reports.
+
+mod assets;
+mod bench_decode;
+mod candle_ref;
+mod sysinfo;
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, ExitStatus};
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use tracing::{info, warn};
+
+/// The prompt `cargo xtask demo` asks SmolLM2 by default.
+const DEMO_PROMPT: &str = "What is 15 + 27? Explain step by step.";
+
+/// Command line of `cargo xtask`.
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", about = "TLT project automation: assets, tests, demo, benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Download and verify the offline assets (SmolLM2-135M-Instruct GGUF) into $TLT_CACHE or <workspace>/.cache.
+    FetchAssets,
+    /// Fetch assets, then run all tests of the workspace (cargo nextest, or cargo test without it).
+    Test {
+        /// Extra arguments for the test runner, after `--`.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Fetch assets, then run the main demo: chat generation with SmolLM2-135M-Instruct.
+    Demo {
+        /// The question to ask.
+        #[arg(long, default_value = DEMO_PROMPT)]
+        prompt: String,
+        /// Most tokens to generate.
+        #[arg(long, default_value_t = 128)]
+        max_new_tokens: usize,
+    },
+    /// Run a benchmark suite; results go to target/bench/<suite>.json and .md.
+    Bench {
+        #[command(subcommand)]
+        suite: Suite,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum Suite {
+    /// Batched greedy decode of SmolLM2-135M (f32): tlt-model vs candle-transformers' Llama, side by side.
+    Decode(bench_decode::DecodeArgs),
+}
+
+/// The workspace root (the parent of this crate's directory).
+pub(crate) fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// The cargo that runs us (`$CARGO`), or `cargo` from `PATH`.
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+/// Runs `cmd`, returning its exit status.
+fn run(mut cmd: Command) -> Result<ExitStatus> {
+    info!(command = ?cmd, "running");
+    cmd.status().with_context(|| format!("starting {:?}", cmd.get_program()))
+}
+
+/// Maps a child's exit status to ours (a signal becomes 1).
+fn exit_code(status: ExitStatus) -> ExitCode {
+    match status.code() {
+        Some(0) => ExitCode::SUCCESS,
+        Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        None => ExitCode::FAILURE,
+    }
+}
+
+fn test(args: &[String]) -> Result<ExitCode> {
+    let gguf = assets::fetch_assets()?;
+    let nextest = cargo().args(["nextest", "--version"]).output().is_ok_and(|o| o.status.success());
+    let mut cmd = cargo();
+    if nextest {
+        cmd.args(["nextest", "run", "--release", "--workspace"]);
+    } else {
+        warn!("cargo-nextest is not installed; falling back to `cargo test`");
+        cmd.args(["test", "--release", "--workspace"]);
+    }
+    cmd.args(args).env("TLT_SMOLLM2_GGUF", &gguf);
+    Ok(exit_code(run(cmd)?))
+}
+
+fn demo(prompt: &str, max_new_tokens: usize) -> Result<ExitCode> {
+    let gguf = assets::fetch_assets()?;
+    let mut cmd = cargo();
+    cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "generate", "--", "--chat", "--model"])
+        .arg(&gguf)
+        .arg("--max-new-tokens")
+        .arg(max_new_tokens.to_string())
+        .arg("--prompt")
+        .arg(prompt)
+        .env("TLT_SMOLLM2_GGUF", &gguf);
+    Ok(exit_code(run(cmd)?))
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    match dispatch(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Cmd::FetchAssets => {
+            let gguf = assets::fetch_assets()?;
+            println!("{}", gguf.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Test { args } => test(&args),
+        Cmd::Demo { prompt, max_new_tokens } => demo(&prompt, max_new_tokens),
+        Cmd::Bench { suite: Suite::Decode(args) } => {
+            bench_decode::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

