@@ -97,6 +97,9 @@ pub enum Error {
     /// Building or running the tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// A kernel rejected its arguments.
+    #[error(transparent)]
+    Kernel(#[from] tlt_kernels::Error),
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

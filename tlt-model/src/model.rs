@@ -7,7 +7,12 @@ use candle_core::{Device, Tensor};
 use crate::cache::{KvCache, SeqId};
 use crate::config::LlamaConfig;
 use crate::ops;
+use crate::linear::linear;
 use crate::weights::{Linear, LlamaWeights};
+
+fn lin(x: &[f32], rows: usize, l: &Linear) -> Result<Vec<f32>> {
+    linear(x, rows, &l.weight, l.bias.as_ref(), l.packed.as_deref())
+}
 use crate::{Error, Result};
 
 /// A Llama-family decoder. Weights are read-only; all per-sequence state lives in a [`KvCache`].
@@ -241,9 +246,9 @@ impl Llama {
         for (li, lw) in self.weights.layers.iter().enumerate() {
             record(li, &x);
             let xn = ops::rms_norm_rows(&x, &lw.input_layernorm.to_vec1::<f32>()?, eps);
-            let mut q = linear(&xn, t, &lw.q_proj)?;
-            let mut k = linear(&xn, t, &lw.k_proj)?;
-            let v = linear(&xn, t, &lw.v_proj)?;
+            let mut q = lin(&xn, t, &lw.q_proj)?;
+            let mut k = lin(&xn, t, &lw.k_proj)?;
+            let v = lin(&xn, t, &lw.v_proj)?;
             ops::apply_rope(&mut q, hd, &cos, &sin);
             ops::apply_rope(&mut k, hd, &cos, &sin);
             let kvd = cfg.kv_dim();
@@ -262,13 +267,13 @@ impl Llama {
                     &mut attn[r.start * cfg.q_dim()..r.end * cfg.q_dim()],
                 );
             }
-            let o = linear(&attn, t, &lw.o_proj)?;
+            let o = lin(&attn, t, &lw.o_proj)?;
             ops::add_assign(&mut x, &o);
             let xn = ops::rms_norm_rows(&x, &lw.post_attention_layernorm.to_vec1::<f32>()?, eps);
-            let mut gate = linear(&xn, t, &lw.gate_proj)?;
-            let up = linear(&xn, t, &lw.up_proj)?;
+            let mut gate = lin(&xn, t, &lw.gate_proj)?;
+            let up = lin(&xn, t, &lw.up_proj)?;
             ops::silu_mul_assign(&mut gate, &up);
-            let down = linear(&gate, t, &lw.down_proj)?;
+            let down = lin(&gate, t, &lw.down_proj)?;
             ops::add_assign(&mut x, &down);
         }
         record(cfg.num_hidden_layers, &x);
@@ -292,11 +297,12 @@ impl Llama {
             logit_rows.push(start..start + rows.len());
         }
         let n_rows = head_in.len() / h;
-        let head = Linear { weight: self.weights.lm_head().clone(), bias: None };
         let logits = if n_rows == 0 {
             Tensor::zeros((0, cfg.vocab_size), candle_core::DType::F32, &Device::Cpu)?
         } else {
-            Tensor::from_vec(linear(&head_in, n_rows, &head)?, (n_rows, cfg.vocab_size), &Device::Cpu)?
+            let head = self.weights.head_packed.as_deref();
+            let y = linear(&head_in, n_rows, self.weights.lm_head(), None, head)?;
+            Tensor::from_vec(y, (n_rows, cfg.vocab_size), &Device::Cpu)?
         };
         let taps = tapped
             .into_iter()
@@ -327,15 +333,4 @@ fn ancestor_lists(parents: &[Option<usize>], n: usize) -> Result<Vec<Vec<usize>>
         lists.push(list);
     }
     Ok(lists)
-}
-
-/// `y = x W^T (+ b)` for `rows` rows of `x`.
-fn linear(x: &[f32], rows: usize, lin: &Linear) -> Result<Vec<f32>> {
-    let (_, inp) = lin.weight.dims2()?;
-    let xt = Tensor::from_slice(x, (rows, inp), &Device::Cpu)?;
-    let mut y = xt.matmul(&lin.weight.t()?)?;
-    if let Some(b) = &lin.bias {
-        y = y.broadcast_add(b)?;
-    }
-    Ok(y.flatten_all()?.to_vec1()?)
 }

@@ -52,8 +52,10 @@ impl Llama {
 
     /// Turns every parameter into a trainable [`Var`] (in place) and returns them, named, for an optimizer.
     ///
-    /// The inference forward reads the same storage, so optimizer steps are visible to it immediately.
+    /// The inference forward reads the same storage, so optimizer steps are visible to it immediately
+    /// (packed inference copies, which would go stale, are dropped).
     pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
+        self.pack_for_inference(crate::WeightDType::F32)?;
         let mut vars = Vec::new();
         for (name, t) in self.weights_mut().entries_mut() {
             let var = Var::from_tensor(t)?;

@@ -2,7 +2,10 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use candle_core::{DType, Tensor};
+use tlt_kernels::Matrix;
 
 use crate::config::LlamaConfig;
 use crate::{Error, Result};
@@ -10,10 +13,20 @@ use crate::{Error, Result};
 /// A linear layer with weights stored `[out, in]` (the `nn.Linear` layout).
 #[derive(Debug, Clone)]
 pub struct Linear {
-    /// `[out_features, in_features]`, f32.
+    /// `[out_features, in_features]`, f32: what training, saving and (unless `packed`) inference read.
     pub weight: Tensor,
     /// `[out_features]`, present on Qwen2's q/k/v projections.
     pub bias: Option<Tensor>,
+    /// A converted copy (e.g. Q8_0) the inference forward reads instead of `weight`; see
+    /// [`crate::Llama::pack_for_inference`]. Training does not update it.
+    pub packed: Option<Arc<Matrix>>,
+}
+
+impl Linear {
+    /// A layer without a packed inference copy.
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self { weight, bias, packed: None }
+    }
 }
 
 /// The parameters of one decoder block.
@@ -39,6 +52,35 @@ pub struct LayerWeights {
     pub post_attention_layernorm: Tensor,
 }
 
+impl LayerWeights {
+    /// The block's linear layers and norms, each with its HF module name.
+    fn parts_mut(&mut self) -> ([(&'static str, &mut Linear); 7], [(&'static str, &mut Tensor); 2]) {
+        let LayerWeights {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            gate_proj,
+            up_proj,
+            down_proj,
+            input_layernorm,
+            post_attention_layernorm,
+        } = self;
+        (
+            [
+                ("self_attn.q_proj", q_proj),
+                ("self_attn.k_proj", k_proj),
+                ("self_attn.v_proj", v_proj),
+                ("self_attn.o_proj", o_proj),
+                ("mlp.gate_proj", gate_proj),
+                ("mlp.up_proj", up_proj),
+                ("mlp.down_proj", down_proj),
+            ],
+            [("input_layernorm", input_layernorm), ("post_attention_layernorm", post_attention_layernorm)],
+        )
+    }
+}
+
 /// All parameters of a Llama-family decoder.
 #[derive(Debug, Clone)]
 pub struct LlamaWeights {
@@ -50,6 +92,8 @@ pub struct LlamaWeights {
     pub norm: Tensor,
     /// `[vocab, hidden]` output projection; `None` when tied to the embedding.
     pub lm_head: Option<Tensor>,
+    /// A converted copy of the output projection for inference (see [`Linear::packed`]).
+    pub head_packed: Option<Arc<Matrix>>,
 }
 
 /// Where tensors come from while loading: a checkpoint that hands out f32 tensors by HF name.
@@ -92,7 +136,7 @@ impl LlamaWeights {
         } else {
             Some(loader.required("lm_head.weight", &[v, h])?)
         };
-        Ok(Self { embed_tokens, layers, norm, lm_head })
+        Ok(Self { embed_tokens, layers, norm, lm_head, head_packed: None })
     }
 
     /// The output projection (the embedding when tied).
@@ -100,28 +144,28 @@ impl LlamaWeights {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 
+    /// Every linear layer with its HF name prefix (without `.weight`).
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let (linears, _) = l.parts_mut();
+            out.extend(linears.into_iter().map(|(name, lin)| (format!("model.layers.{i}.{name}"), lin)));
+        }
+        out
+    }
+
     /// Every parameter with its HF name, mutable, in a fixed order (a tied head appears once).
     pub fn entries_mut(&mut self) -> Vec<(String, &mut Tensor)> {
         let mut out: Vec<(String, &mut Tensor)> = vec![("model.embed_tokens.weight".into(), &mut self.embed_tokens)];
         for (i, l) in self.layers.iter_mut().enumerate() {
-            let p = format!("model.layers.{i}");
-            let linears = [
-                ("self_attn.q_proj", &mut l.q_proj),
-                ("self_attn.k_proj", &mut l.k_proj),
-                ("self_attn.v_proj", &mut l.v_proj),
-                ("self_attn.o_proj", &mut l.o_proj),
-                ("mlp.gate_proj", &mut l.gate_proj),
-                ("mlp.up_proj", &mut l.up_proj),
-                ("mlp.down_proj", &mut l.down_proj),
-            ];
+            let (linears, norms) = l.parts_mut();
             for (name, lin) in linears {
-                out.push((format!("{p}.{name}.weight"), &mut lin.weight));
+                out.push((format!("model.layers.{i}.{name}.weight"), &mut lin.weight));
                 if let Some(b) = lin.bias.as_mut() {
-                    out.push((format!("{p}.{name}.bias"), b));
+                    out.push((format!("model.layers.{i}.{name}.bias"), b));
                 }
             }
-            out.push((format!("{p}.input_layernorm.weight"), &mut l.input_layernorm));
-            out.push((format!("{p}.post_attention_layernorm.weight"), &mut l.post_attention_layernorm));
+            out.extend(norms.into_iter().map(|(name, t)| (format!("model.layers.{i}.{name}.weight"), t)));
         }
         out.push(("model.norm.weight".into(), &mut self.norm));
         if let Some(head) = self.lm_head.as_mut() {
@@ -167,6 +211,6 @@ impl Loader<'_> {
     fn linear(&mut self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
         let weight = self.required(&format!("{prefix}.weight"), &[out, inp])?;
         let bias = if bias { Some(self.required(&format!("{prefix}.bias"), &[out])?) } else { None };
-        Ok(Linear { weight, bias })
+        Ok(Linear::new(weight, bias))
     }
 }

@@ -214,3 +214,32 @@ proptest! {
         prop_assert!(max_diff(one_at_a_time(&model, &seqtoks).last().unwrap(), &again) <= TOL);
     }
 }
+
+#[test]
+fn packed_inference_weights_track_f32() {
+    // Q8_0 needs k % 32 == 0: hidden 64, ffn 96.
+    let reference = tiny();
+    let tokens = [3u32, 9, 27, 1, 40];
+    let want = one_at_a_time(&reference, &tokens);
+    for (dtype, tol) in [(tlt_model::WeightDType::F16, 1e-2), (tlt_model::WeightDType::Q8_0, 0.1), (tlt_model::WeightDType::Q4_0, 1.0)] {
+        let mut model = reference.clone();
+        model.pack_for_inference(dtype).unwrap();
+        assert_eq!(model.inference_dtype(), dtype);
+        assert!(model.weight_bytes_per_token() < reference.weight_bytes_per_token());
+        let got = one_at_a_time(&model, &tokens);
+        for (a, b) in want.iter().zip(&got) {
+            assert!(max_diff(a, b) <= tol, "{dtype:?}: {}", max_diff(a, b));
+        }
+        // Every path agrees with itself under packed weights too.
+        let mut cache = model.new_cache();
+        let seq = cache.add_sequence();
+        let full = all_logits(&model, &mut cache, seq, &tokens);
+        for (a, b) in got.iter().zip(&full) {
+            assert!(max_diff(a, b) <= TOL, "{dtype:?} prefill vs decode");
+        }
+    }
+    let mut model = reference.clone();
+    model.pack_for_inference(tlt_model::WeightDType::Q8_0).unwrap();
+    model.make_trainable().unwrap();
+    assert_eq!(model.inference_dtype(), tlt_model::WeightDType::F32, "training drops stale packs");
+}
