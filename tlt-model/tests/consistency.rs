@@ -221,14 +221,17 @@ fn packed_inference_weights_track_f32() {
     let reference = tiny();
     let tokens = [3u32, 9, 27, 1, 40];
     let want = one_at_a_time(&reference, &tokens);
-    for (dtype, tol) in [(tlt_model::WeightDType::F16, 1e-2), (tlt_model::WeightDType::Q8_0, 0.1), (tlt_model::WeightDType::Q4_0, 1.0)] {
+    let scale = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+    // Tolerance relative to the largest logit: half precision, 8-bit and 4-bit weights.
+    for (dtype, rel) in [(tlt_model::WeightDType::F16, 2e-3), (tlt_model::WeightDType::Q8_0, 2e-2), (tlt_model::WeightDType::Q4_0, 0.2)] {
+        let tol = rel * scale;
         let mut model = reference.clone();
         model.pack_for_inference(dtype).unwrap();
         assert_eq!(model.inference_dtype(), dtype);
         assert!(model.weight_bytes_per_token() < reference.weight_bytes_per_token());
         let got = one_at_a_time(&model, &tokens);
         for (a, b) in want.iter().zip(&got) {
-            assert!(max_diff(a, b) <= tol, "{dtype:?}: {}", max_diff(a, b));
+            assert!(max_diff(a, b) <= tol, "{dtype:?}: {} > {tol}", max_diff(a, b));
         }
         // Every path agrees with itself under packed weights too.
         let mut cache = model.new_cache();
