@@ -5,6 +5,11 @@
 //! - [`gemm`]: the skinny GEMM `y[m, n] = x[m, k] · W[n, k]^T (+ bias)` for `m` = 1..64 that streams each
 //!   weight once per call, so verifying k drafted tokens costs about what decoding one does while memory is
 //!   the bound. Weights in f32, f16, bf16 (converted in registers) and GGUF Q8_0/Q4_0/Q4_1 blocks.
+//! - [`tree_attention`]: GQA softmax attention of `n` new tokens over a committed KV prefix and over each other,
+//!   causally or along a token tree given by parent links (speculative verification), with an online softmax
+//!   and no materialised mask.
+//! - Sampling primitives: [`argmax`], [`probs`] (temperature, top-k, top-p), [`log_softmax`], [`categorical`],
+//!   [`sample`] and a deterministic, forkable [`SeededRng`].
 //!
 //! ```
 //! use tlt_kernels::{gemm, Matrix, WeightDType};
@@ -24,12 +29,16 @@
 //! None: CPU only. Each kernel's instruction set is picked at run time ([`Isa::best`]) or explicitly
 //! ([`GemmConfig`]), so every path is testable on one machine.
 
+mod attention;
 mod error;
 mod gemm;
 mod isa;
 pub mod quant;
+mod sampling;
 mod simd;
 
+pub use attention::{tree_attention, tree_attention_with, AttnShape, Visibility};
 pub use error::{Error, Result};
 pub use gemm::{gemm, gemm_with, GemmConfig, MatRef, Matrix, WeightDType, WeightsRef};
 pub use isa::Isa;
+pub use sampling::{argmax, categorical, log_softmax, probs, sample, SamplingParams, SeededRng};

@@ -52,7 +52,9 @@ fn check(isa: Isa, threads: usize, dtype: WeightDType, m: usize, n: usize, k: us
 fn every_isa_and_dtype_on_fixed_shapes() {
     for isa in Isa::available() {
         for dtype in DTYPES {
-            for (m, n, k) in [(1, 1, 32), (1, 7, 64), (3, 9, 96), (4, 16, 128), (5, 13, 160), (8, 33, 64), (17, 6, 32), (64, 19, 96)] {
+            for (m, n, k) in
+                [(1, 1, 32), (1, 7, 64), (3, 9, 96), (4, 16, 128), (5, 13, 160), (8, 33, 64), (17, 6, 32), (64, 19, 96)]
+            {
                 check(isa, 1, dtype, m, n, k, (m * n * k) as u64, m % 2 == 0);
             }
         }
@@ -98,10 +100,22 @@ fn shape_errors_are_reported() {
     let w = Matrix::from_f32(4, 64, &values(256, 1), WeightDType::F32).unwrap();
     let cfg = GemmConfig::default();
     let mut y = vec![0.0; 8];
-    assert!(matches!(gemm_with(cfg, &[0.0; 10], 2, w.view(), None, &mut y), Err(Error::ShapeMismatch { what: "x", .. })));
-    assert!(matches!(gemm_with(cfg, &[0.0; 128], 2, w.view(), None, &mut y[..7]), Err(Error::ShapeMismatch { what: "y", .. })));
-    assert!(matches!(gemm_with(cfg, &[0.0; 128], 2, w.view(), Some(&[0.0; 3]), &mut y), Err(Error::ShapeMismatch { what: "bias", .. })));
-    assert!(matches!(gemm_with(GemmConfig { threads: 0, ..cfg }, &[0.0; 128], 2, w.view(), None, &mut y), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        gemm_with(cfg, &[0.0; 10], 2, w.view(), None, &mut y),
+        Err(Error::ShapeMismatch { what: "x", .. })
+    ));
+    assert!(matches!(
+        gemm_with(cfg, &[0.0; 128], 2, w.view(), None, &mut y[..7]),
+        Err(Error::ShapeMismatch { what: "y", .. })
+    ));
+    assert!(matches!(
+        gemm_with(cfg, &[0.0; 128], 2, w.view(), Some(&[0.0; 3]), &mut y),
+        Err(Error::ShapeMismatch { what: "bias", .. })
+    ));
+    assert!(matches!(
+        gemm_with(GemmConfig { threads: 0, ..cfg }, &[0.0; 128], 2, w.view(), None, &mut y),
+        Err(Error::InvalidArgument(_))
+    ));
     assert!(matches!(Matrix::from_f32(2, 48, &[0.0; 96], WeightDType::Q8_0), Err(Error::BlockAlignment { k: 48 })));
     assert!(matches!(MatRef::new(2, 64, WeightsRef::F32(&[0.0; 127])), Err(Error::ShapeMismatch { .. })));
 }

@@ -119,9 +119,10 @@ impl KvCache {
     pub fn commit(&mut self, seq: SeqId, accepted: &[usize]) -> Result<()> {
         let kv_dim = self.kv_dim;
         let s = self.get_mut(seq)?;
-        let parents = s.pending.take().ok_or_else(|| {
-            Error::InvalidInput(format!("commit on sequence {} without a pending tree", seq.0))
-        })?;
+        let parents = s
+            .pending
+            .take()
+            .ok_or_else(|| Error::InvalidInput(format!("commit on sequence {} without a pending tree", seq.0)))?;
         let is_path = accepted.iter().enumerate().all(|(i, &node)| {
             node < parents.len() && parents[node] == if i == 0 { None } else { Some(accepted[i - 1]) }
         });

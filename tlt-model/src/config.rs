@@ -202,11 +202,7 @@ impl LlamaConfig {
             }
         }
         if self.num_attention_heads % self.kv_heads() != 0 {
-            return Err(invalid(
-                "num_key_value_heads",
-                self.kv_heads(),
-                "must divide num_attention_heads",
-            ));
+            return Err(invalid("num_key_value_heads", self.kv_heads(), "must divide num_attention_heads"));
         }
         if self.head_dim() % 2 != 0 {
             return Err(invalid("head_dim", self.head_dim(), "must be even for RoPE"));
@@ -256,8 +252,7 @@ impl LlamaConfig {
     /// RoPE inverse frequencies (length `head_dim / 2`), with scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f64> {
         let d = self.head_dim();
-        let base: Vec<f64> =
-            (0..d / 2).map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d as f64)).collect();
+        let base: Vec<f64> = (0..d / 2).map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d as f64)).collect();
         match &self.rope_scaling {
             None => base,
             Some(RopeScaling::Linear { factor }) => base.into_iter().map(|f| f / factor).collect(),

@@ -96,7 +96,11 @@ impl GgufFile {
     }
 
     fn bad_type(&self, key: &str, v: &Value) -> Error {
-        Error::malformed(&self.path, "gguf", format!("metadata `{key}` has unexpected type or value {:?}", v.value_type()))
+        Error::malformed(
+            &self.path,
+            "gguf",
+            format!("metadata `{key}` has unexpected type or value {:?}", v.value_type()),
+        )
     }
 
     /// The model configuration implied by the metadata, in Hugging Face terms.
@@ -161,7 +165,10 @@ impl GgufFile {
             None => Vec::new(),
             Some(v) => {
                 let items = v.to_vec().map_err(|_| self.bad_type("tokenizer.ggml.token_type", v))?;
-                items.iter().map(|x| x.to_i32().map_err(|_| self.bad_type("tokenizer.ggml.token_type", x))).collect::<Result<_>>()?
+                items
+                    .iter()
+                    .map(|x| x.to_i32().map_err(|_| self.bad_type("tokenizer.ggml.token_type", x)))
+                    .collect::<Result<_>>()?
             }
         };
         let vocab = GgufVocab {

@@ -69,7 +69,8 @@ impl TensorSource for SafetensorsSource {
         if !matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16 | Dtype::F64) {
             return Err(Error::UnsupportedDType { path: path.clone(), name: name.into(), dtype: format!("{dtype:?}") });
         }
-        let t = st.load(name, &Device::Cpu).map_err(|e| Error::malformed(path, "safetensors", format!("`{name}`: {e}")))?;
+        let t =
+            st.load(name, &Device::Cpu).map_err(|e| Error::malformed(path, "safetensors", format!("`{name}`: {e}")))?;
         Ok(Some(t.to_dtype(DType::F32)?))
     }
 }

@@ -45,8 +45,7 @@ impl TensorSource for RandomSource {
 
     fn get(&mut self, name: &str) -> Result<Option<Tensor>> {
         let cfg = &self.cfg;
-        let (h, q, kv, ffn, v) =
-            (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.vocab_size);
+        let (h, q, kv, ffn, v) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.vocab_size);
         let (shape, mean, std): (Vec<usize>, f64, f64) = if name.ends_with("norm.weight") {
             (vec![h], 1.0, 0.1)
         } else if name.ends_with(".bias") {

@@ -52,8 +52,8 @@ pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, load_gguf, unpermute_rows, GgufFile};
 pub use hf::{atomic_write, load_hf_dir, save_hf_dir};
 pub use model::{ForwardOutput, Llama, LogitsFor, SeqInput, Tap};
-pub use tokenizer::{decode, encode, load_tokenizer_json, tokenizer_from_gguf_vocab, GgufVocab};
 pub use tlt_kernels::WeightDType;
+pub use tokenizer::{decode, encode, load_tokenizer_json, tokenizer_from_gguf_vocab, GgufVocab};
 pub use weights::{LayerWeights, Linear, LlamaWeights, TensorSource};
 
 /// A model with what came with it in the checkpoint.

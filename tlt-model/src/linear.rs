@@ -49,9 +49,8 @@ pub(crate) fn with_f32_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Resu
     let Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
         return Err(Error::InvalidInput(format!("inference needs f32 CPU weights, got {:?}", t.dtype())));
     };
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| Error::InvalidInput("inference needs contiguous weights".into()))?;
+    let (start, end) =
+        layout.contiguous_offsets().ok_or_else(|| Error::InvalidInput("inference needs contiguous weights".into()))?;
     Ok(f(&data[start..end]))
 }
 
@@ -76,15 +75,18 @@ impl Llama {
 
     /// The format the inference forward reads the linear layers in.
     pub fn inference_dtype(&self) -> WeightDType {
-        self.weights().layers.first().and_then(|l| l.q_proj.packed.as_ref()).map_or(WeightDType::F32, |m| m.view().dtype())
+        self.weights()
+            .layers
+            .first()
+            .and_then(|l| l.q_proj.packed.as_ref())
+            .map_or(WeightDType::F32, |m| m.view().dtype())
     }
 
     /// Bytes of weights one decode step streams through the linear layers and the LM head.
     pub fn weight_bytes_per_token(&self) -> usize {
         let w = self.weights();
-        let bytes = |t: &Tensor, p: Option<&Arc<Matrix>>| -> usize {
-            p.map_or(t.elem_count() * 4, |m| m.view().bytes())
-        };
+        let bytes =
+            |t: &Tensor, p: Option<&Arc<Matrix>>| -> usize { p.map_or(t.elem_count() * 4, |m| m.view().bytes()) };
         let mut total = bytes(w.lm_head(), w.head_packed.as_ref());
         for l in &w.layers {
             for lin in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj] {

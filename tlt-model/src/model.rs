@@ -3,11 +3,12 @@
 use std::ops::Range;
 
 use candle_core::{Device, Tensor};
+use tlt_kernels::{tree_attention, AttnShape, Visibility};
 
 use crate::cache::{KvCache, SeqId};
 use crate::config::LlamaConfig;
-use crate::ops;
 use crate::linear::linear;
+use crate::ops;
 use crate::weights::{Linear, LlamaWeights};
 
 fn lin(x: &[f32], rows: usize, l: &Linear) -> Result<Vec<f32>> {
@@ -90,8 +91,8 @@ struct Plan {
     seq: SeqId,
     base: usize,
     rows: Range<usize>,
-    /// For each new token, the new-token indices it attends to (ancestors and itself, ascending).
-    visible: Vec<Vec<usize>>,
+    /// Position of each new token: `base + depth`.
+    positions: Vec<usize>,
     tree: Option<Vec<Option<usize>>>,
 }
 
@@ -184,7 +185,10 @@ impl Llama {
         for tap in taps {
             if let Tap::LayerInput(i) = tap {
                 if *i > self.cfg.num_hidden_layers {
-                    return Err(Error::InvalidInput(format!("tap of layer {i} in a {}-layer model", self.cfg.num_hidden_layers)));
+                    return Err(Error::InvalidInput(format!(
+                        "tap of layer {i} in a {}-layer model",
+                        self.cfg.num_hidden_layers
+                    )));
                 }
             }
         }
@@ -204,15 +208,16 @@ impl Llama {
             if let Some(&bad) = input.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
                 return Err(Error::InvalidInput(format!("token id {bad} >= vocab size {}", self.cfg.vocab_size)));
             }
-            let visible = match input.tree {
-                None => (0..n).map(|i| (0..=i).collect()).collect(),
-                Some(parents) => ancestor_lists(parents, n)?,
+            let base = cache.len(input.seq)?;
+            let positions = match input.tree {
+                None => (base..base + n).collect(),
+                Some(parents) => tree_depths(parents, n)?.into_iter().map(|d| base + d).collect(),
             };
             plans.push(Plan {
                 seq: input.seq,
-                base: cache.len(input.seq)?,
+                base,
                 rows: row..row + n,
-                visible,
+                positions,
                 tree: input.tree.map(<[Option<usize>]>::to_vec),
             });
             row += n;
@@ -226,11 +231,9 @@ impl Llama {
         let eps = cfg.rms_norm_eps as f32;
         let tokens: Vec<u32> = inputs.iter().flat_map(|i| i.tokens.iter().copied()).collect();
         let t = tokens.len();
-        let positions: Vec<usize> = plans
-            .iter()
-            .flat_map(|p| p.visible.iter().map(move |vis| p.base + vis.len() - 1))
-            .collect();
+        let positions: Vec<usize> = plans.iter().flat_map(|p| p.positions.iter().copied()).collect();
         let (cos, sin) = ops::rope_table(&self.inv_freq, &positions);
+        let scale = 1.0 / (hd as f32).sqrt();
 
         let ids = Tensor::from_slice(&tokens, t, &Device::Cpu)?;
         let mut x: Vec<f32> = self.weights.embed_tokens.index_select(&ids, 0)?.flatten_all()?.to_vec1()?;
@@ -257,15 +260,17 @@ impl Llama {
                 let r = p.rows.clone();
                 cache.append(p.seq, li, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd])?;
                 let (keys, values) = cache.layer(p.seq, li)?;
-                ops::attention(
+                let vis = p.tree.as_deref().map_or(Visibility::Causal, Visibility::Tree);
+                tree_attention(
                     &q[r.start * cfg.q_dim()..r.end * cfg.q_dim()],
                     keys,
                     values,
                     p.base,
-                    &p.visible,
-                    ops::HeadLayout { n_heads: cfg.num_attention_heads, n_kv_heads: cfg.kv_heads(), head_dim: hd },
+                    vis,
+                    AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), hd),
+                    scale,
                     &mut attn[r.start * cfg.q_dim()..r.end * cfg.q_dim()],
-                );
+                )?;
             }
             let o = lin(&attn, t, &lw.o_proj)?;
             ops::add_assign(&mut x, &o);
@@ -315,22 +320,20 @@ impl Llama {
     }
 }
 
-/// For each node of a tree given by `parents`, the sorted list of its ancestors and itself.
-fn ancestor_lists(parents: &[Option<usize>], n: usize) -> Result<Vec<Vec<usize>>> {
+/// Depth of each node of a tree given by `parents` (0 for nodes attached to the prefix).
+fn tree_depths(parents: &[Option<usize>], n: usize) -> Result<Vec<usize>> {
     if parents.len() != n {
         return Err(Error::InvalidInput(format!("{} parents for {n} tree tokens", parents.len())));
     }
-    let mut lists: Vec<Vec<usize>> = Vec::with_capacity(n);
+    let mut depths: Vec<usize> = Vec::with_capacity(n);
     for (i, parent) in parents.iter().enumerate() {
-        let mut list = match parent {
-            None => Vec::new(),
-            Some(p) if *p < i => lists[*p].clone(),
+        depths.push(match parent {
+            None => 0,
+            Some(p) if *p < i => depths[*p] + 1,
             Some(p) => {
                 return Err(Error::InvalidInput(format!("tree node {i} has parent {p}; parents must precede children")))
             }
-        };
-        list.push(i);
-        lists.push(list);
+        });
     }
-    Ok(lists)
+    Ok(depths)
 }

@@ -1,14 +1,6 @@
 //! Row-wise f32 building blocks of the inference forward.
 //!
-//! These are plain, portable loops; `tlt-kernels` provides the SIMD versions.
-
-/// Shape of the attention heads.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct HeadLayout {
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-}
+//! Plain, portable loops for the cheap element-wise steps; matmuls and attention live in `tlt-kernels`.
 
 /// Cosine and sine tables, `[positions, head_dim / 2]` each.
 pub(crate) fn rope_table(inv_freq: &[f64], positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
@@ -62,59 +54,4 @@ pub(crate) fn add_assign(x: &mut [f32], y: &[f32]) {
 /// `gate = silu(gate) * up`.
 pub(crate) fn silu_mul_assign(gate: &mut [f32], up: &[f32]) {
     gate.iter_mut().zip(up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
-}
-
-/// Attention of `n` new query rows against a sequence's cache.
-///
-/// `keys`/`values` hold `base` committed rows followed by the `n` new rows; new token `i` attends to all
-/// committed rows and to the new rows listed in `visible[i]`.
-pub(crate) fn attention(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    base: usize,
-    visible: &[Vec<usize>],
-    layout: HeadLayout,
-    out: &mut [f32],
-) {
-    let HeadLayout { n_heads, n_kv_heads, head_dim: d } = layout;
-    let (q_dim, kv_dim) = (n_heads * d, n_kv_heads * d);
-    let group = n_heads / n_kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
-    let mut scores = Vec::new();
-    for (i, vis) in visible.iter().enumerate() {
-        let rows = || (0..base).chain(vis.iter().map(|j| base + j));
-        for h in 0..n_heads {
-            let qh = &q[i * q_dim + h * d..i * q_dim + (h + 1) * d];
-            let kv_off = (h / group) * d;
-            scores.clear();
-            scores.extend(rows().map(|r| dot(qh, &keys[r * kv_dim + kv_off..r * kv_dim + kv_off + d]) * scale));
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let oh = &mut out[i * q_dim + h * d..i * q_dim + (h + 1) * d];
-            oh.fill(0.0);
-            for (p, r) in scores.iter().zip(rows()) {
-                let vr = &values[r * kv_dim + kv_off..r * kv_dim + kv_off + d];
-                let w = p / sum;
-                oh.iter_mut().zip(vr).for_each(|(o, v)| *o += w * v);
-            }
-        }
-    }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorise without reassociation flags.
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    acc.iter().sum::<f32>() + ra.iter().zip(rb).map(|(x, y)| x * y).sum::<f32>()
 }

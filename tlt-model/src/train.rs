@@ -122,7 +122,6 @@ fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
 }
 
 fn causal_mask(t: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
-    let data: Vec<f32> =
-        (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let data: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
     Ok(Tensor::from_vec(data, (t, t), dev)?.to_dtype(dtype)?)
 }

@@ -126,16 +126,11 @@ impl LlamaWeights {
                 up_proj: loader.linear(&format!("{p}.mlp.up_proj"), ffn, h, false)?,
                 down_proj: loader.linear(&format!("{p}.mlp.down_proj"), h, ffn, false)?,
                 input_layernorm: loader.required(&format!("{p}.input_layernorm.weight"), &[h])?,
-                post_attention_layernorm: loader
-                    .required(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                post_attention_layernorm: loader.required(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
             });
         }
         let norm = loader.required("model.norm.weight", &[h])?;
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(loader.required("lm_head.weight", &[v, h])?)
-        };
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(loader.required("lm_head.weight", &[v, h])?) };
         Ok(Self { embed_tokens, layers, norm, lm_head, head_packed: None })
     }
 
@@ -193,10 +188,8 @@ struct Loader<'a> {
 
 impl Loader<'_> {
     fn required(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self
-            .src
-            .get(name)?
-            .ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: name.into() })?;
+        let t =
+            self.src.get(name)?.ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: name.into() })?;
         if t.dims() != shape {
             return Err(Error::ShapeMismatch {
                 path: self.path.clone(),

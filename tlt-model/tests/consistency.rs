@@ -124,7 +124,13 @@ fn taps_expose_layer_inputs_and_final_norm() {
     let relogits = out.taps[2].matmul(&head).unwrap();
     assert!(max_diff(&rows(&relogits).concat(), &rows(&out.logits).concat()) <= TOL);
     assert_eq!(Tap::eagle3(30), [Tap::LayerInput(2), Tap::LayerInput(15), Tap::LayerInput(27), Tap::FinalNorm]);
-    assert!(model.forward(&mut cache, &[SeqInput { seq, tokens: &[1], tree: None, logits: LogitsFor::Last }], &[Tap::LayerInput(4)]).is_err());
+    assert!(model
+        .forward(
+            &mut cache,
+            &[SeqInput { seq, tokens: &[1], tree: None, logits: LogitsFor::Last }],
+            &[Tap::LayerInput(4)]
+        )
+        .is_err());
 }
 
 #[test]
@@ -152,11 +158,7 @@ fn bad_inputs_are_errors_and_leave_the_cache_untouched() {
 /// A random tree: node `i`'s parent is a random earlier node or `None` (attached to the prefix).
 fn tree_strategy(max_nodes: usize) -> impl Strategy<Value = Vec<Option<usize>>> {
     prop::collection::vec(any::<prop::sample::Index>(), 1..=max_nodes).prop_map(|picks| {
-        picks
-            .iter()
-            .enumerate()
-            .map(|(i, pick)| if i == 0 { None } else { pick.index(i + 1).checked_sub(1) })
-            .collect()
+        picks.iter().enumerate().map(|(i, pick)| if i == 0 { None } else { pick.index(i + 1).checked_sub(1) }).collect()
     })
 }
 
@@ -224,7 +226,9 @@ fn packed_inference_weights_track_f32() {
     let scale = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
     // Tolerance relative to the largest logit: half precision, 8-bit and 4-bit weights (random 4-bit weights
     // compound through the layers; a layout bug would still give errors of the order of the logits).
-    for (dtype, rel) in [(tlt_model::WeightDType::F16, 2e-3), (tlt_model::WeightDType::Q8_0, 2e-2), (tlt_model::WeightDType::Q4_0, 0.5)] {
+    for (dtype, rel) in
+        [(tlt_model::WeightDType::F16, 2e-3), (tlt_model::WeightDType::Q8_0, 2e-2), (tlt_model::WeightDType::Q4_0, 0.5)]
+    {
         let tol = rel * scale;
         let mut model = reference.clone();
         model.pack_for_inference(dtype).unwrap();

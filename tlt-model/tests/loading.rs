@@ -206,21 +206,45 @@ fn gguf_errors_are_specific() {
         write_gguf(&model, &p, &spec);
         load_gguf(&p)
     };
-    let r = case("arch.gguf", GgufSpec { meta: vec![("general.architecture", Some(Value::String("gpt2".into())))], ..Default::default() });
+    let r = case(
+        "arch.gguf",
+        GgufSpec { meta: vec![("general.architecture", Some(Value::String("gpt2".into())))], ..Default::default() },
+    );
     assert!(matches!(r, Err(Error::Unsupported { what: "GGUF architecture", .. })), "{r:?}");
-    let r = case("type.gguf", GgufSpec { meta: vec![("llama.block_count", Some(Value::String("two".into())))], ..Default::default() });
+    let r = case(
+        "type.gguf",
+        GgufSpec { meta: vec![("llama.block_count", Some(Value::String("two".into())))], ..Default::default() },
+    );
     assert!(matches!(r, Err(Error::Malformed { .. })), "{r:?}");
     let r = case("missing-key.gguf", GgufSpec { meta: vec![("llama.embedding_length", None)], ..Default::default() });
     assert!(matches!(&r, Err(Error::InvalidConfig { field, .. }) if field == "llama.embedding_length"), "{r:?}");
-    let r = case("zero-heads.gguf", GgufSpec { meta: vec![("llama.attention.head_count", Some(Value::U32(0)))], ..Default::default() });
+    let r = case(
+        "zero-heads.gguf",
+        GgufSpec { meta: vec![("llama.attention.head_count", Some(Value::U32(0)))], ..Default::default() },
+    );
     assert!(matches!(r, Err(Error::InvalidConfig { .. })), "{r:?}");
     let r = case("missing-tensor.gguf", GgufSpec { skip_tensor: Some("blk.1.ffn_up.weight"), ..Default::default() });
-    assert!(matches!(&r, Err(Error::MissingTensor { name, .. }) if name == "model.layers.1.mlp.up_proj.weight"), "{r:?}");
+    assert!(
+        matches!(&r, Err(Error::MissingTensor { name, .. }) if name == "model.layers.1.mlp.up_proj.weight"),
+        "{r:?}"
+    );
     let r = case("shape.gguf", GgufSpec { reshape_tensor: Some("blk.0.attn_v.weight"), ..Default::default() });
-    assert!(matches!(&r, Err(Error::ShapeMismatch { name, .. }) if name == "model.layers.0.self_attn.v_proj.weight"), "{r:?}");
-    let r = case("tok.gguf", GgufSpec { meta: vec![("tokenizer.ggml.model", Some(Value::String("llama".into())))], ..Default::default() });
+    assert!(
+        matches!(&r, Err(Error::ShapeMismatch { name, .. }) if name == "model.layers.0.self_attn.v_proj.weight"),
+        "{r:?}"
+    );
+    let r = case(
+        "tok.gguf",
+        GgufSpec { meta: vec![("tokenizer.ggml.model", Some(Value::String("llama".into())))], ..Default::default() },
+    );
     assert!(matches!(r, Err(Error::Unsupported { what: "tokenizer model", .. })), "{r:?}");
-    let r = case("merges.gguf", GgufSpec { meta: vec![("tokenizer.ggml.merges", Some(Value::Array(vec![Value::String("nospace".into())])))], ..Default::default() });
+    let r = case(
+        "merges.gguf",
+        GgufSpec {
+            meta: vec![("tokenizer.ggml.merges", Some(Value::Array(vec![Value::String("nospace".into())])))],
+            ..Default::default()
+        },
+    );
     assert!(matches!(r, Err(Error::Malformed { .. })), "{r:?}");
 }
 
@@ -229,7 +253,8 @@ fn hf_save_load_round_trip() {
     let model = tiny_model(300, true);
     let dir = scratch("hf");
     save_hf_dir(&model, None, &dir, DType::F32).unwrap();
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["architectures"][0], "LlamaForCausalLM");
     assert_eq!(cfg["torch_dtype"], "float32");
     // HF transformers insists on `format: pt` metadata in the safetensors header.
@@ -290,7 +315,9 @@ fn hf_errors_are_specific() {
     assert!(matches!(&load_hf_dir(&dir), Err(Error::UnsupportedDType { name, .. }) if *name == named[2].0));
     let named = model.weights().named_tensors();
     safetensors::serialize_to_file(named[1..].iter().map(|(n, t)| (n.as_str(), t)), None, &st).unwrap();
-    assert!(matches!(&load_hf_dir(&dir), Err(Error::MissingTensor { name, .. }) if name == "model.embed_tokens.weight"));
+    assert!(
+        matches!(&load_hf_dir(&dir), Err(Error::MissingTensor { name, .. }) if name == "model.embed_tokens.weight")
+    );
 
     // Bad config values and bad JSON.
     let cfg_path = dir.join("config.json");

@@ -47,8 +47,7 @@ fn matches_llama_cpp_on_smollm2() {
         println!("SKIPPED: SmolLM2 GGUF not found; run `cargo xtask fetch-assets` (or `cargo xtask test`, which sets TLT_SMOLLM2_GGUF)");
         return;
     };
-    let fixture: Fixture =
-        serde_json::from_str(include_str!("fixtures/smollm2_parity.json")).expect("fixture parses");
+    let fixture: Fixture = serde_json::from_str(include_str!("fixtures/smollm2_parity.json")).expect("fixture parses");
     let loaded = load_gguf(&path).expect("SmolLM2 loads");
     let (model, tok) = (loaded.model, loaded.tokenizer.expect("GGUF carries a tokenizer"));
     assert_eq!(encode(&tok, "The capital of France is").unwrap(), vec![504, 3575, 282, 4649, 314]);

@@ -15,10 +15,7 @@ fn tiny(model_type: &str, tied: bool) -> Llama {
 fn batch(dtype_dev: &Device) -> (Tensor, Tensor) {
     let ids: Vec<u32> = vec![1, 5, 9, 2, 7, 3, 3, 8, 0, 4, 11, 6, 2, 2];
     let tgt: Vec<u32> = vec![5, 9, 2, 7, 3, 3, 8, 4, 11, 6, 2, 2, 1, 0];
-    (
-        Tensor::from_vec(ids, (2, 7), dtype_dev).expect("ids"),
-        Tensor::from_vec(tgt, (2, 7), dtype_dev).expect("targets"),
-    )
+    (Tensor::from_vec(ids, (2, 7), dtype_dev).expect("ids"), Tensor::from_vec(tgt, (2, 7), dtype_dev).expect("targets"))
 }
 
 fn loss(model: &Llama, ids: &Tensor, tgt: &Tensor) -> Tensor {
@@ -93,7 +90,8 @@ fn adamw_reduces_the_loss_and_inference_sees_the_update() {
     let mut cache = model.new_cache();
     let seq = cache.add_sequence();
     let toks = ids.get(0).unwrap().to_vec1::<u32>().unwrap();
-    let out = model.forward(&mut cache, &[SeqInput { seq, tokens: &toks, tree: None, logits: LogitsFor::All }], &[]).unwrap();
+    let out =
+        model.forward(&mut cache, &[SeqInput { seq, tokens: &toks, tree: None, logits: LogitsFor::All }], &[]).unwrap();
     let infer = out.logits.to_vec2::<f32>().unwrap();
     for (a, b) in train.iter().flatten().zip(infer.iter().flatten()) {
         assert!((a - b).abs() <= 1e-4);

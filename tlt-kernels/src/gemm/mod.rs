@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use crate::simd::{Scalar, Simd};
 use crate::{Error, Isa, Result};
-use format::{Bf16, Format, Q4_0, Q4_1, Q8_0, F16, F32};
+use format::{Bf16, Format, F16, F32, Q4_0, Q4_1, Q8_0};
 use kernel::{Dims, MR};
 pub use matrix::{MatRef, Matrix, WeightDType, WeightsRef};
 
@@ -128,7 +128,12 @@ fn run<F: Format>(cfg: GemmConfig, x: &[f32], w: &[F::Elem], row_elems: usize, y
 /// Runs the kernel on weight rows `rows`. For many rows of a converted format, panels are first dequantized to
 /// f32 in a small scratch buffer so the conversion is paid once per weight, not once per row block.
 #[inline(always)]
-unsafe fn range_generic<S: Simd, F: Format, const NR: usize, const NR1: usize>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
+unsafe fn range_generic<S: Simd, F: Format, const NR: usize, const NR1: usize>(
+    p: Shared<F::Elem>,
+    row_elems: usize,
+    d: Dims,
+    rows: Range<usize>,
+) {
     unsafe {
         if d.m == 1 {
             // One row: a wider panel keeps more weight streams in flight.

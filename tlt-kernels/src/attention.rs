@@ -1,0 +1,583 @@
+//! Tree attention: softmax attention of `n` new query tokens over a committed KV prefix and over each other,
+//! where each new token sees its ancestors in a token tree (speculative verification) or all earlier new tokens
+//! (causal decode / prefill).
+//!
+//! The kernel is written once over [`Simd`] and runs flash-attention style: key rows are processed in tiles of
+//! [`TILE`]; for each tile the scores of every query vector of a GQA group are computed, folded into a running
+//! (online) softmax, and the tile's value rows are accumulated while they are hot in L1. Each key/value row thus
+//! comes from memory once per kv head, for all query heads sharing it and all `n` query tokens. No
+//! `[n, base + n]` mask is ever built: visibility among the new tokens comes from per-node ancestor bitsets of the
+//! `n` new tokens (or from `r <= i` for causal attention).
+
+// Hot loops index fixed-size register arrays on purpose (closures would not inherit the target features).
+#![allow(clippy::needless_range_loop)]
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use crate::simd::{Scalar, Simd};
+use crate::{Error, Isa, Result};
+
+/// Key rows per tile.
+const TILE: usize = 32;
+
+/// Head layout of one attention layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttnShape {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (`n_heads` must be a multiple; `n_heads / n_kv_heads` query heads share each).
+    pub n_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+impl AttnShape {
+    /// A shape with `n_heads` query heads, `n_kv_heads` key/value heads of `head_dim` elements each.
+    pub const fn new(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Self {
+        Self { n_heads, n_kv_heads, head_dim }
+    }
+
+    /// Checks that all sizes are non-zero, that `n_heads` is a multiple of `n_kv_heads` and that row widths fit
+    /// in `usize`.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::InvalidArgument(format!("{m} (shape {self:?})")));
+        if self.n_heads == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
+            return bad("attention heads and head_dim must be non-zero");
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return bad("n_heads must be a multiple of n_kv_heads");
+        }
+        if self.n_heads.checked_mul(self.head_dim).is_none() {
+            return bad("n_heads * head_dim overflows");
+        }
+        Ok(())
+    }
+
+    /// Query heads per key/value head (0 for an invalid shape with `n_kv_heads == 0`).
+    pub fn group_size(&self) -> usize {
+        self.n_heads.checked_div(self.n_kv_heads).unwrap_or(0)
+    }
+
+    /// Elements of one query or output row: `n_heads * head_dim` (saturating).
+    pub fn q_width(&self) -> usize {
+        self.n_heads.saturating_mul(self.head_dim)
+    }
+
+    /// Elements of one key or value row: `n_kv_heads * head_dim` (saturating).
+    pub fn kv_width(&self) -> usize {
+        self.n_kv_heads.saturating_mul(self.head_dim)
+    }
+}
+
+/// Which of the `n` new tokens each new token sees (besides the whole committed prefix, which all see).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Visibility<'a> {
+    /// New token `i` sees new tokens `0..=i` (plain decode, chunked prefill).
+    Causal,
+    /// A token tree: `parents[i]` is the index of token `i`'s parent among the new tokens (it must be `< i`), or
+    /// `None` if its parent is the last committed token. Token `i` sees itself and its ancestors. The number of
+    /// new tokens is `parents.len()`.
+    Tree(&'a [Option<usize>]),
+}
+
+/// Tree attention with the best instruction set of this CPU: `out[i] = softmax(q_i · Kᵀ · scale, masked) · V` for
+/// the `n` new query rows.
+///
+/// - `q`: `[n, n_heads * head_dim]` row-major;
+/// - `keys`, `values`: `[base + n, n_kv_heads * head_dim]` row-major: the `base` committed rows, then the `n` new
+///   rows (already written);
+/// - `out`: `[n, n_heads * head_dim]`.
+///
+/// New token `i` attends to all `base` committed rows and to the new rows allowed by `vis`. Query head `h` uses
+/// kv head `h / (n_heads / n_kv_heads)`. `n` is `parents.len()` for [`Visibility::Tree`] and
+/// `q.len() / (n_heads * head_dim)` for [`Visibility::Causal`]; `n = 0` is a no-op.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for an invalid [`AttnShape`], a non-finite `scale` or a parent index `>= i`;
+/// [`Error::ShapeMismatch`] when a buffer length disagrees with the shapes.
+///
+/// ```
+/// use tlt_kernels::{tree_attention, AttnShape, Visibility};
+///
+/// # fn main() -> tlt_kernels::Result<()> {
+/// let shape = AttnShape::new(2, 1, 4);
+/// let (base, n) = (3, 2);
+/// let q = vec![0.1; n * 8];
+/// let keys = vec![0.2; (base + n) * 4];
+/// let values: Vec<f32> = (0..(base + n) * 4).map(|i| i as f32).collect();
+/// let mut out = vec![0.0; n * 8];
+/// // Token 1 is a sibling of token 0: both see only the prefix and themselves.
+/// tree_attention(&q, &keys, &values, base, Visibility::Tree(&[None, None]), shape, 0.5, &mut out)?;
+/// // All scores are equal, so token 0 averages value rows 0, 1, 2 and 3.
+/// assert!((out[0] - (0.0 + 4.0 + 8.0 + 12.0) / 4.0).abs() < 1e-4);
+/// # Ok(()) }
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn tree_attention(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    base: usize,
+    vis: Visibility<'_>,
+    shape: AttnShape,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    tree_attention_with(Isa::best(), q, keys, values, base, vis, shape, scale, out)
+}
+
+/// [`tree_attention`] on an explicit instruction set.
+///
+/// # Errors
+/// As [`tree_attention`], plus [`Error::IsaUnavailable`] if this CPU lacks `isa`.
+#[allow(clippy::too_many_arguments)]
+pub fn tree_attention_with(
+    isa: Isa,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    base: usize,
+    vis: Visibility<'_>,
+    shape: AttnShape,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    shape.validate()?;
+    if !isa.is_available() {
+        return Err(Error::IsaUnavailable(isa));
+    }
+    if !scale.is_finite() {
+        return Err(Error::InvalidArgument(format!("attention scale must be finite, got {scale}")));
+    }
+    let (qw, kvw) = (shape.q_width(), shape.kv_width());
+    let n = match vis {
+        Visibility::Tree(parents) => parents.len(),
+        Visibility::Causal => q.len() / qw,
+    };
+    let overflow = || Error::InvalidArgument("attention buffer sizes overflow usize".into());
+    let q_len = n.checked_mul(qw).ok_or_else(overflow)?;
+    let kv_len = base.checked_add(n).and_then(|r| r.checked_mul(kvw)).ok_or_else(overflow)?;
+    check_len("q", q_len, q.len())?;
+    check_len("keys", kv_len, keys.len())?;
+    check_len("values", kv_len, values.len())?;
+    check_len("out", q_len, out.len())?;
+    let (anc, words) = match vis {
+        Visibility::Causal => (Vec::new(), 0),
+        Visibility::Tree(parents) => ancestors(parents)?,
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    let args = Args { q, k: keys, v: values, base, n, shape, scale, anc: &anc, words };
+    let f: KernelFn = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => attend_avx512,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => attend_avx2,
+        _ => attend_scalar,
+    };
+    let mut scratch = SCRATCH.take();
+    // SAFETY: all lengths were checked above, parents are < their child, and `isa` is available.
+    unsafe { f(&args, out, &mut scratch) };
+    SCRATCH.set(scratch);
+    Ok(())
+}
+
+fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(Error::ShapeMismatch { what, expected, got })
+    }
+}
+
+/// Per-node ancestor-or-self bitsets over the `n` new tokens: `words` u64 per node.
+fn ancestors(parents: &[Option<usize>]) -> Result<(Vec<u64>, usize)> {
+    let n = parents.len();
+    let words = n.div_ceil(64);
+    let mut anc = vec![0u64; n * words];
+    for (i, p) in parents.iter().enumerate() {
+        if let Some(p) = *p {
+            if p >= i {
+                return Err(Error::InvalidArgument(format!(
+                    "tree parent of token {i} is {p}; parents must precede their children"
+                )));
+            }
+            anc.copy_within(p * words..(p + 1) * words, i * words);
+        }
+        anc[i * words + i / 64] |= 1u64 << (i % 64);
+    }
+    Ok((anc, words))
+}
+
+/// `exp(x)` for `x <= 88` to about 2e-7 relative error, exactly 0 below -87.3 (so `exp(-inf) = 0`). Branch-free
+/// so loops over it vectorise.
+#[inline(always)]
+pub(crate) fn exp_approx(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer kept in the low mantissa bits.
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let xc = x.clamp(-87.3, 88.0);
+    let t = xc * LOG2E + MAGIC;
+    let nf = t - MAGIC;
+    let r = xc - nf * LN2_HI - nf * LN2_LO;
+    // Taylor series of degree 7 on |r| <= ln2 / 2.
+    let mut p = 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    let ni = (t.to_bits() as i32).wrapping_sub(0x4B40_0000);
+    let pow2 = f32::from_bits((ni.wrapping_add(127) << 23) as u32);
+    if x < -87.3 {
+        0.0
+    } else {
+        p * pow2
+    }
+}
+
+/// Validated arguments of one call.
+struct Args<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    base: usize,
+    n: usize,
+    shape: AttnShape,
+    scale: f32,
+    /// Ancestor bitsets (`words` per new token); empty for causal attention.
+    anc: &'a [u64],
+    words: usize,
+}
+
+/// Per-thread working memory, reused across calls.
+#[derive(Default)]
+struct Scratch {
+    /// Scaled queries of one GQA group, `[n * group, head_dim]`.
+    qs: Vec<f32>,
+    /// Un-normalised outputs, `[n * group, head_dim]`.
+    acc: Vec<f32>,
+    /// Running max and running sum of each query vector.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    /// Scores then probabilities of one tile, `[n * group, TILE]`.
+    s: Vec<f32>,
+    /// Whether a query vector sees any row of the current tile.
+    live: Vec<bool>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Raw views of the scratch buffers.
+#[derive(Clone, Copy)]
+struct Buf {
+    qs: *mut f32,
+    acc: *mut f32,
+    m: *mut f32,
+    l: *mut f32,
+    s: *mut f32,
+    live: *mut bool,
+}
+
+type KernelFn = unsafe fn(&Args<'_>, &mut [f32], &mut Scratch);
+
+unsafe fn attend_scalar(a: &Args<'_>, out: &mut [f32], sc: &mut Scratch) {
+    unsafe { attend::<Scalar>(a, out, sc) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_avx2(a: &Args<'_>, out: &mut [f32], sc: &mut Scratch) {
+    unsafe { attend::<crate::simd::Avx2>(a, out, sc) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn attend_avx512(a: &Args<'_>, out: &mut [f32], sc: &mut Scratch) {
+    unsafe { attend::<crate::simd::Avx512>(a, out, sc) }
+}
+
+/// The whole attention, one kv head (GQA group) at a time.
+///
+/// # Safety
+/// `a` was validated by [`tree_attention_with`]; the CPU supports `S`.
+#[inline(always)]
+unsafe fn attend<S: Simd>(a: &Args<'_>, out: &mut [f32], sc: &mut Scratch) {
+    unsafe {
+        let AttnShape { n_heads: h, n_kv_heads: kvh, head_dim: d } = a.shape;
+        let gq = h / kvh;
+        let nq = a.n * gq;
+        let qw = h * d;
+        sc.qs.resize(nq * d, 0.0);
+        sc.acc.resize(nq * d, 0.0);
+        sc.m.resize(nq, 0.0);
+        sc.l.resize(nq, 0.0);
+        sc.s.resize(nq * TILE, 0.0);
+        sc.live.resize(nq, false);
+        let b = Buf {
+            qs: sc.qs.as_mut_ptr(),
+            acc: sc.acc.as_mut_ptr(),
+            m: sc.m.as_mut_ptr(),
+            l: sc.l.as_mut_ptr(),
+            s: sc.s.as_mut_ptr(),
+            live: sc.live.as_mut_ptr(),
+        };
+        let (qp, op) = (a.q.as_ptr(), out.as_mut_ptr());
+        for g in 0..kvh {
+            // Query vector j = i * gq + hh is token i, head g * gq + hh; pre-scaled.
+            for j in 0..nq {
+                let src = qp.add((j / gq) * qw + (g * gq + j % gq) * d);
+                let dst = b.qs.add(j * d);
+                for e in 0..d {
+                    *dst.add(e) = *src.add(e) * a.scale;
+                }
+                *b.m.add(j) = f32::NEG_INFINITY;
+                *b.l.add(j) = 0.0;
+            }
+            for e in 0..nq * d {
+                *b.acc.add(e) = 0.0;
+            }
+            let kp = a.k.as_ptr().add(g * d);
+            let vp = a.v.as_ptr().add(g * d);
+            // The committed prefix: every query vector sees every row.
+            let mut r0 = 0;
+            while r0 < a.base {
+                let r1 = (r0 + TILE).min(a.base);
+                tile::<S>(a, b, kp, vp, r0..r1, 0, None);
+                r0 = r1;
+            }
+            // The new rows: token i only sees rows r <= i, so tile [r0, r1) only concerns tokens >= r0.
+            r0 = 0;
+            while r0 < a.n {
+                let r1 = (r0 + TILE).min(a.n);
+                tile::<S>(a, b, kp, vp, a.base + r0..a.base + r1, r0 * gq, Some(r0));
+                r0 = r1;
+            }
+            for j in 0..nq {
+                let dst = op.add((j / gq) * qw + (g * gq + j % gq) * d);
+                let src = b.acc.add(j * d);
+                // Every token sees itself, so l > 0.
+                let inv = 1.0 / *b.l.add(j);
+                for e in 0..d {
+                    *dst.add(e) = *src.add(e) * inv;
+                }
+            }
+        }
+    }
+}
+
+/// Dot products of `q` with the four key rows `k`, each of `d` elements.
+#[inline(always)]
+unsafe fn dots4<S: Simd>(q: *const f32, k: [*const f32; 4], d: usize) -> [f32; 4] {
+    unsafe {
+        let mut acc = [S::zero(); 4];
+        let mut e = 0;
+        while e + S::LANES <= d {
+            let qv = S::load(q.add(e));
+            for x in 0..4 {
+                acc[x] = S::fma(qv, S::load(k[x].add(e)), acc[x]);
+            }
+            e += S::LANES;
+        }
+        let mut out = S::reduce_add4(acc[0], acc[1], acc[2], acc[3]);
+        for x in 0..4 {
+            for t in e..d {
+                out[x] += *q.add(t) * *k[x].add(t);
+            }
+        }
+        out
+    }
+}
+
+/// Dot product of `q` with the key row `k` of `d` elements.
+#[inline(always)]
+unsafe fn dot1<S: Simd>(q: *const f32, k: *const f32, d: usize) -> f32 {
+    unsafe {
+        let mut acc = S::zero();
+        let mut e = 0;
+        while e + S::LANES <= d {
+            acc = S::fma(S::load(q.add(e)), S::load(k.add(e)), acc);
+            e += S::LANES;
+        }
+        let mut s = S::reduce_add(acc);
+        for t in e..d {
+            s += *q.add(t) * *k.add(t);
+        }
+        s
+    }
+}
+
+/// Processes key/value rows `rows` (absolute, `< base + n`) for query vectors `j0..n * group`: scores, optional
+/// masking (`new_start` is the index among the new tokens of `rows.start` when these are new rows), online
+/// softmax update and value accumulation.
+///
+/// # Safety
+/// As [`attend`]; `kp`/`vp` point at this group's first key/value element; `rows.len() <= TILE`.
+#[inline(always)]
+unsafe fn tile<S: Simd>(
+    a: &Args<'_>,
+    b: Buf,
+    kp: *const f32,
+    vp: *const f32,
+    rows: Range<usize>,
+    j0: usize,
+    new_start: Option<usize>,
+) {
+    unsafe {
+        let d = a.shape.head_dim;
+        let kvw = a.shape.n_kv_heads * d;
+        let gq = a.shape.n_heads / a.shape.n_kv_heads;
+        let nq = a.n * gq;
+        let t = rows.len();
+        let lanes = S::LANES;
+
+        // 1. Scores, four key rows at a time.
+        for j in j0..nq {
+            let qj = b.qs.add(j * d);
+            let srow = b.s.add(j * TILE);
+            let mut tt = 0;
+            while tt + 4 <= t {
+                let mut ks = [kp; 4];
+                for x in 0..4 {
+                    ks[x] = kp.add((rows.start + tt + x) * kvw);
+                }
+                let s4 = dots4::<S>(qj, ks, d);
+                for x in 0..4 {
+                    *srow.add(tt + x) = s4[x];
+                }
+                tt += 4;
+            }
+            while tt < t {
+                *srow.add(tt) = dot1::<S>(qj, kp.add((rows.start + tt) * kvw), d);
+                tt += 1;
+            }
+        }
+
+        // 2. Mask the new rows a token does not see.
+        if let Some(r0) = new_start {
+            for j in j0..nq {
+                let i = j / gq;
+                let srow = b.s.add(j * TILE);
+                for tt in 0..t {
+                    let r = r0 + tt;
+                    let visible = if a.words == 0 {
+                        r <= i
+                    } else {
+                        (*a.anc.get_unchecked(i * a.words + r / 64) >> (r % 64)) & 1 == 1
+                    };
+                    if !visible {
+                        *srow.add(tt) = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+
+        // 3. Online softmax: rescale the running state to the new max, turn scores into probabilities.
+        for j in j0..nq {
+            let srow = b.s.add(j * TILE);
+            let mut mv = S::splat(f32::NEG_INFINITY);
+            let mut tt = 0;
+            while tt + lanes <= t {
+                mv = S::max(mv, S::load(srow.add(tt)));
+                tt += lanes;
+            }
+            let mut mx = S::reduce_max(mv);
+            for x in tt..t {
+                mx = mx.max(*srow.add(x));
+            }
+            if mx == f32::NEG_INFINITY {
+                *b.live.add(j) = false;
+                continue;
+            }
+            *b.live.add(j) = true;
+            let m_old = *b.m.add(j);
+            let m_new = m_old.max(mx);
+            for x in 0..t {
+                *srow.add(x) = exp_approx(*srow.add(x) - m_new);
+            }
+            let mut sv = S::zero();
+            tt = 0;
+            while tt + lanes <= t {
+                sv = S::add(sv, S::load(srow.add(tt)));
+                tt += lanes;
+            }
+            let mut sum = S::reduce_add(sv);
+            for x in tt..t {
+                sum += *srow.add(x);
+            }
+            let corr = exp_approx(m_old - m_new);
+            *b.l.add(j) = *b.l.add(j) * corr + sum;
+            *b.m.add(j) = m_new;
+            if corr != 1.0 {
+                let accj = b.acc.add(j * d);
+                for e in 0..d {
+                    *accj.add(e) *= corr;
+                }
+            }
+        }
+
+        // 4. acc_j += P_j · V_tile, four vectors of head_dim at a time held in registers.
+        let vrow0 = vp.add(rows.start * kvw);
+        for j in j0..nq {
+            if !*b.live.add(j) {
+                continue;
+            }
+            let prow = b.s.add(j * TILE);
+            let accj = b.acc.add(j * d);
+            let mut c = 0;
+            while c + 4 * lanes <= d {
+                // Even and odd rows in separate accumulators: eight independent FMA chains.
+                let mut acc = [S::zero(); 4];
+                let mut acc2 = [S::zero(); 4];
+                for x in 0..4 {
+                    acc[x] = S::load(accj.add(c + x * lanes));
+                }
+                let mut tt = 0;
+                while tt + 2 <= t {
+                    let (p0, p1) = (S::splat(*prow.add(tt)), S::splat(*prow.add(tt + 1)));
+                    let vr = vrow0.add(tt * kvw + c);
+                    for x in 0..4 {
+                        acc[x] = S::fma(p0, S::load(vr.add(x * lanes)), acc[x]);
+                        acc2[x] = S::fma(p1, S::load(vr.add(kvw + x * lanes)), acc2[x]);
+                    }
+                    tt += 2;
+                }
+                if tt < t {
+                    let p0 = S::splat(*prow.add(tt));
+                    let vr = vrow0.add(tt * kvw + c);
+                    for x in 0..4 {
+                        acc[x] = S::fma(p0, S::load(vr.add(x * lanes)), acc[x]);
+                    }
+                }
+                for x in 0..4 {
+                    S::store(accj.add(c + x * lanes), S::add(acc[x], acc2[x]));
+                }
+                c += 4 * lanes;
+            }
+            while c + lanes <= d {
+                let mut acc = S::load(accj.add(c));
+                for tt in 0..t {
+                    acc = S::fma(S::splat(*prow.add(tt)), S::load(vrow0.add(tt * kvw + c)), acc);
+                }
+                S::store(accj.add(c), acc);
+                c += lanes;
+            }
+            if c < d {
+                for tt in 0..t {
+                    let p = *prow.add(tt);
+                    let vr = vrow0.add(tt * kvw);
+                    for e in c..d {
+                        *accj.add(e) += p * *vr.add(e);
+                    }
+                }
+            }
+        }
+    }
+}
