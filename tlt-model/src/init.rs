@@ -1,40 +1,24 @@
 //! Seeded random initialisation, for tests, examples and tiny models.
 
 use candle_core::{Device, Tensor};
+use tlt_kernels::SeededRng;
 
 use crate::config::LlamaConfig;
 use crate::model::Llama;
 use crate::weights::{LlamaWeights, TensorSource};
 use crate::Result;
 
-/// SplitMix64: a tiny, well-distributed, seedable generator (no dependency, stable across versions).
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Standard normal by Box-Muller.
-    fn normal(&mut self) -> f64 {
-        let u1 = self.uniform().max(f64::MIN_POSITIVE);
-        let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
+/// Standard normal by Box-Muller from the shared seeded generator.
+fn normal(rng: &mut SeededRng) -> f64 {
+    let u1 = rng.uniform().max(f64::MIN_POSITIVE);
+    let u2 = rng.uniform();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
 }
 
 /// Produces random tensors for whatever name is asked: norms near 1, matrices ~ N(0, 1/fan_in),
 /// embeddings ~ N(0, 1), biases ~ N(0, 0.1).
 struct RandomSource {
-    rng: SplitMix,
+    rng: SeededRng,
     cfg: LlamaConfig,
 }
 
@@ -65,7 +49,7 @@ impl TensorSource for RandomSource {
             (vec![out, inp], 0.0, 1.0 / (inp as f64).sqrt())
         };
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = (0..n).map(|_| (mean + std * self.rng.normal()) as f32).collect();
+        let data: Vec<f32> = (0..n).map(|_| (mean + std * normal(&mut self.rng)) as f32).collect();
         Ok(Some(Tensor::from_vec(data, shape, &Device::Cpu)?))
     }
 }
@@ -74,7 +58,7 @@ impl Llama {
     /// A model with seeded random weights (same seed, same weights, on every machine).
     pub fn random(cfg: LlamaConfig, seed: u64) -> Result<Self> {
         cfg.validate()?;
-        let mut src = RandomSource { rng: SplitMix(seed), cfg: cfg.clone() };
+        let mut src = RandomSource { rng: SeededRng::new(seed), cfg: cfg.clone() };
         let weights = LlamaWeights::load(&cfg, &mut src)?;
         Llama::new(cfg, weights)
     }

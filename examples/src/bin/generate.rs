@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressState, ProgressStyle};
+use tlt_kernels::{SamplingParams, SeededRng};
 use tracing::info;
 
 /// Where `cargo xtask fetch-assets` puts the SmolLM2 GGUF, relative to the cache directory.
@@ -65,67 +66,6 @@ fn chat_prompt(prompt: &str) -> String {
     format!(
         "<|im_start|>system\n{SMOLLM2_SYSTEM}<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
     )
-}
-
-/// A tiny seeded generator (SplitMix64); enough for categorical sampling in an example.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)`.
-    fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// Greedy or temperature sampling over one row of logits.
-struct Sampler {
-    temperature: f32,
-    rng: SplitMix64,
-}
-
-impl Sampler {
-    fn sample(&mut self, logits: &[f32]) -> Result<u32> {
-        if logits.is_empty() {
-            bail!("empty logits");
-        }
-        if self.temperature <= 0.0 {
-            return Ok(argmax(logits));
-        }
-        let inv_t = 1.0 / f64::from(self.temperature);
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let weights: Vec<f64> = logits.iter().map(|&l| ((f64::from(l) - f64::from(max)) * inv_t).exp()).collect();
-        let total: f64 = weights.iter().sum();
-        if !total.is_finite() || total <= 0.0 {
-            bail!("logits are not finite");
-        }
-        let mut u = self.rng.next_f64() * total;
-        for (i, w) in weights.iter().enumerate() {
-            if u < *w {
-                return Ok(i as u32);
-            }
-            u -= w;
-        }
-        Ok(argmax(logits))
-    }
-}
-
-/// Index of the largest value (the first on ties).
-fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences.
@@ -223,14 +163,17 @@ fn main() -> Result<()> {
         bail!("the prompt encodes to no tokens");
     }
     let eos = cfg.eos_ids();
-    let mut sampler = Sampler { temperature: args.temperature, rng: SplitMix64(args.seed) };
+    let params = SamplingParams { temperature: args.temperature, ..SamplingParams::default() };
+    params.validate()?;
+    let mut rng = SeededRng::new(args.seed);
+    let mut sample = |logits: &[f32]| -> Result<u32> { Ok(tlt_kernels::sample(logits, &params, &mut rng)? as u32) };
 
     let mut cache = model.new_cache();
     let seq = cache.add_sequence();
     let t0 = Instant::now();
     let logits = model.prefill(&mut cache, seq, &prompt)?;
     let prefill = t0.elapsed();
-    let mut next = sampler.sample(&logits.to_vec1::<f32>()?)?;
+    let mut next = sample(&logits.to_vec1::<f32>()?)?;
 
     let bar = ProgressBar::new(args.max_new_tokens as u64);
     bar.set_style(
@@ -257,7 +200,7 @@ fn main() -> Result<()> {
         let logits = model.decode(&mut cache, &[(seq, next)])?;
         decode_time += t.elapsed();
         steps += 1;
-        next = sampler.sample(&logits.squeeze(0)?.to_vec1::<f32>()?)?;
+        next = sample(&logits.squeeze(0)?.to_vec1::<f32>()?)?;
     }
     bar.finish_and_clear();
     out.finish()?;
