@@ -7,7 +7,11 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::GgmlDType;
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use tlt_kernels::quant::blocks_from_bytes;
+use tlt_kernels::{Matrix, WeightDType};
 use candle_core::{Device, Tensor};
 use tokenizers::Tokenizer;
 
@@ -188,6 +192,49 @@ impl GgufFile {
 
     /// Reads and dequantizes the GGUF tensor `name` (GGUF naming) to f32.
     pub fn tensor_f32(&mut self, name: &str) -> Result<Option<Tensor>> {
+        match self.qtensor(name)? {
+            Some(q) => Ok(Some(q.dequantize(&Device::Cpu)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The 2-D tensor `name` kept in its stored Q8_0/Q4_0/Q4_1 blocks, with rows reordered to HF order when
+    /// `heads` (count, head_dim) says it is a rope-permuted q/k weight; `None` if absent or stored otherwise.
+    pub fn tensor_blocks(&mut self, name: &str, heads: Option<(usize, usize)>) -> Result<Option<Matrix>> {
+        let Some(q) = self.qtensor(name)? else { return Ok(None) };
+        let dtype = match q.dtype() {
+            GgmlDType::Q8_0 => WeightDType::Q8_0,
+            GgmlDType::Q4_0 => WeightDType::Q4_0,
+            GgmlDType::Q4_1 => WeightDType::Q4_1,
+            _ => return Ok(None),
+        };
+        let (n, k) = q.shape().dims2()?;
+        let raw = q.data()?;
+        let row = dtype.row_bytes(k);
+        let bytes: Vec<u8> = match heads {
+            None => raw.into_owned(),
+            Some((count, d)) if count * d != n || d % 2 != 0 => {
+                return Err(Error::InvalidInput(format!("`{name}`: {n} rows are not {count} heads of {d}")))
+            }
+            Some((_, d)) => (0..n)
+                .flat_map(|r| {
+                    // HF row h*d + i*(d/2) + j comes from GGUF row h*d + 2j + i.
+                    let (h, i, j) = (r / d, (r % d) / (d / 2), r % (d / 2));
+                    let src = h * d + 2 * j + i;
+                    raw[src * row..(src + 1) * row].iter().copied()
+                })
+                .collect(),
+        };
+        let bad = || Error::malformed(&self.path, "gguf", format!("tensor `{name}`: truncated blocks"));
+        let m = match dtype {
+            WeightDType::Q8_0 => Matrix::from_q8_0(n, k, blocks_from_bytes(&bytes).ok_or_else(bad)?)?,
+            WeightDType::Q4_0 => Matrix::from_q4_0(n, k, blocks_from_bytes(&bytes).ok_or_else(bad)?)?,
+            _ => Matrix::from_q4_1(n, k, blocks_from_bytes(&bytes).ok_or_else(bad)?)?,
+        };
+        Ok(Some(m))
+    }
+
+    fn qtensor(&mut self, name: &str) -> Result<Option<QTensor>> {
         let Some(info) = self.content.tensor_infos.get(name) else { return Ok(None) };
         if matches!(info.ggml_dtype, GgmlDType::Q8_1 | GgmlDType::Q8K) {
             return Err(Error::UnsupportedDType {
@@ -199,7 +246,7 @@ impl GgufFile {
         let q = info
             .read(&mut self.reader, self.content.tensor_data_offset, &Device::Cpu)
             .map_err(|e| Error::malformed(&self.path, "gguf", format!("tensor `{name}`: {e}")))?;
-        Ok(Some(q.dequantize(&Device::Cpu)?))
+        Ok(Some(q))
     }
 }
 
@@ -268,14 +315,43 @@ pub fn unpermute_rows(w: &Tensor, n_heads: usize, head_dim: usize) -> Result<Ten
     Ok(w.reshape((n_heads, head_dim / 2, 2, inp))?.transpose(1, 2)?.contiguous()?.reshape((rows, inp))?)
 }
 
+/// What the inference forward of a GGUF model reads for its linear layers and LM head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GgufWeights {
+    /// Everything dequantized to f32 (exact reference; 4 bytes per weight streamed).
+    #[default]
+    F32,
+    /// Q8_0/Q4_0/Q4_1 tensors kept in the file's blocks for inference (others read as f32). The f32 copy
+    /// stays for training and saving.
+    AsStored,
+}
+
 /// Loads a GGUF model (weights dequantized to f32) with its embedded tokenizer and chat template.
 pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
+    load_gguf_with(path, GgufWeights::F32)
+}
+
+/// [`load_gguf`], choosing what the inference forward reads.
+pub fn load_gguf_with(path: &Path, inference: GgufWeights) -> Result<LoadedModel> {
     let mut file = GgufFile::open(path)?;
     let cfg = file.config()?;
     let tokenizer = file.tokenizer()?;
     let chat_template = file.chat_template();
     let permuted_qk = cfg.model_type == "llama";
-    let weights = LlamaWeights::load(&cfg, &mut GgufSource { file: &mut file, cfg: &cfg, permuted_qk })?;
+    let mut weights = LlamaWeights::load(&cfg, &mut GgufSource { file: &mut file, cfg: &cfg, permuted_qk })?;
+    if inference == GgufWeights::AsStored {
+        for (name, lin) in weights.linears_mut() {
+            let heads = match permuted_qk {
+                true if name.ends_with("q_proj") => Some((cfg.num_attention_heads, cfg.head_dim())),
+                true if name.ends_with("k_proj") => Some((cfg.kv_heads(), cfg.head_dim())),
+                _ => None,
+            };
+            let gguf_name = hf_to_gguf_name(&format!("{name}.weight")).unwrap_or_default();
+            lin.packed = file.tensor_blocks(&gguf_name, heads)?.map(Arc::new);
+        }
+        let head = if cfg.tie_word_embeddings { "token_embd.weight" } else { "output.weight" };
+        weights.head_packed = file.tensor_blocks(head, None)?.map(Arc::new);
+    }
     Ok(LoadedModel { model: Llama::new(cfg, weights)?, tokenizer, chat_template })
 }
 

@@ -49,7 +49,7 @@ mod weights;
 pub use cache::{KvCache, SeqId};
 pub use config::{Architecture, EosTokens, LlamaConfig, RopeScaling};
 pub use error::{Error, Result};
-pub use gguf::{hf_to_gguf_name, load_gguf, unpermute_rows, GgufFile};
+pub use gguf::{hf_to_gguf_name, load_gguf, load_gguf_with, unpermute_rows, GgufFile, GgufWeights};
 pub use hf::{atomic_write, load_hf_dir, save_hf_dir};
 pub use model::{ForwardOutput, Llama, LogitsFor, SeqInput, Tap};
 pub use tlt_kernels::WeightDType;

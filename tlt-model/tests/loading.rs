@@ -164,6 +164,18 @@ fn gguf_quantized_tensors_are_dequantized() {
         let got = &loaded.model.weights().layers[1].down_proj.weight;
         let diff = (got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert_eq!(diff, 0.0, "{dtype:?}");
+
+        // Keeping the file's blocks for inference reads exactly the same values (q/k rows reordered blockwise).
+        let kept = tlt_model::load_gguf_with(&path, tlt_model::GgufWeights::AsStored).unwrap().model;
+        let toks = [5, 80, 2, 261];
+        let (a, b) = (logits(&loaded.model, &toks), logits(&kept, &toks));
+        if dtype == GgmlDType::F16 {
+            assert_eq!(kept.inference_dtype(), tlt_model::WeightDType::F32, "f16 is not kept as blocks");
+        } else {
+            assert_ne!(kept.inference_dtype(), tlt_model::WeightDType::F32, "{dtype:?} kept");
+            assert!(kept.weight_bytes_per_token() < loaded.model.weight_bytes_per_token() / 3);
+        }
+        assert!(max_diff(&a, &b) <= 1e-4, "{dtype:?}: {}", max_diff(&a, &b));
     }
 }
 
