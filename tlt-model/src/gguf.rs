@@ -10,9 +10,9 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
 use tlt_kernels::quant::blocks_from_bytes;
 use tlt_kernels::{Matrix, WeightDType};
-use candle_core::{Device, Tensor};
 use tokenizers::Tokenizer;
 
 use crate::config::{LlamaConfig, RopeScaling};

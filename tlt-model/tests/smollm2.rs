@@ -95,6 +95,21 @@ fn matches_llama_cpp_on_smollm2() {
         100.0 * top1
     );
     assert!(full_matches >= 7, "greedy continuation identical on only {full_matches}/8 prompts");
+
+    // The shipped Q4_1/Q8_0 blocks kept for inference hold exactly the dequantized values: same logits.
+    let kept = tlt_model::load_gguf_with(&path, tlt_model::GgufWeights::AsStored).unwrap().model;
+    assert_eq!(kept.inference_dtype(), tlt_model::WeightDType::Q4_1);
+    let case = &fixture.prompts[0];
+    let run = |m: &tlt_model::Llama| {
+        let mut cache = m.new_cache();
+        let seq = cache.add_sequence();
+        let input = SeqInput { seq, tokens: &case.prompt_ids, tree: None, logits: LogitsFor::All };
+        m.forward(&mut cache, &[input], &[]).unwrap().logits.to_vec2::<f32>().unwrap()
+    };
+    let (a, b) = (run(&model), run(&kept));
+    let diff = a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    println!("Q4_1 blocks kept for inference vs f32: max |logit diff| {diff:.5}");
+    assert!(diff <= 1e-2, "kept-quantized logits differ by {diff}");
     assert!(top1 >= 0.99, "top-1 agreement {top1}");
     assert!(max_logit_diff <= 0.05, "top-5 logits differ by up to {max_logit_diff}");
 }
