@@ -4,19 +4,33 @@
 //! Per batch size `b`: `b` distinct prompts of exactly `prompt_tokens` tokens are prefilled (timed separately),
 //! then `new_tokens` decode steps run over the whole batch, each feeding every sequence its greedy token. Both
 //! implementations repeat this `repeats` times, alternating which goes first; medians are reported.
+//!
+//! Besides: the cost of verifying an 8-token draft (chain and branching tree) against one decode step at batch 1,
+//! and batch-1 decode with Q8_0 weights (tlt-model's packed inference weights against candle-transformers'
+//! quantized Llama on a Q8_0 GGUF).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::{Tensor, D};
 use indicatif::{ProgressBar, ProgressState, ProgressStyle};
 use serde::Serialize;
-use tlt_model::{Llama, LogitsFor, SeqInput};
+use tlt_model::{KvCache, Llama, LogitsFor, SeqId, SeqInput, WeightDType};
 use tracing::{info, warn};
 
-use crate::candle_ref::CandleLlama;
+use crate::candle_ref::{requantize_gguf, CandleLlama, CandleQuantLlama};
+use crate::report::{self, median};
 use crate::sysinfo::{self, MachineInfo};
+
+/// Draft tokens a verification scores.
+const VERIFY_NODES: usize = 8;
+/// The branching draft tree of the verification measurement (parent links, 8 nodes, depth 4).
+const BRANCHING_TREE: [Option<usize>; VERIFY_NODES] =
+    [None, Some(0), Some(0), Some(1), Some(1), Some(2), Some(3), Some(4)];
+/// Greedy tokens compared between the two Q8_0 implementations.
+const Q8_CHECK_TOKENS: usize = 8;
 
 /// Options of `cargo xtask bench decode`.
 #[derive(Debug, Clone, clap::Args)]
@@ -39,6 +53,18 @@ pub struct DecodeArgs {
     /// 9m52s. Raise it to repeat larger batches too.
     #[arg(long, default_value_t = 4)]
     single_run_from: usize,
+    /// Batch sizes at least this large decode `--large-batch-new-tokens` steps instead of `--new-tokens`.
+    #[arg(long, default_value_t = 64)]
+    large_batch_from: usize,
+    /// Decode steps per run for batch sizes of at least `--large-batch-from` (at most `--new-tokens`).
+    #[arg(long, default_value_t = 32)]
+    large_batch_new_tokens: usize,
+    /// Timed repeats of the draft-verification measurement (at least 10).
+    #[arg(long, default_value_t = 10)]
+    verify_repeats: usize,
+    /// Skip the batch-1 Q8_0 comparison (and building its GGUF).
+    #[arg(long)]
+    skip_q8_0: bool,
     /// Decode steps whose greedy tokens must agree between the two implementations at batch 1.
     #[arg(long, default_value_t = 16)]
     check_steps: usize,
@@ -99,6 +125,8 @@ pub struct BatchResult {
     pub batch: usize,
     /// Runs per implementation.
     pub repeats: usize,
+    /// Decode steps per run.
+    pub new_tokens: usize,
     /// Bytes of weights one decode step reads (all linear weights and biases, plus the LM head once).
     pub weight_bytes_per_step: u64,
     /// tlt-model.
@@ -154,6 +182,75 @@ pub struct Probe {
     pub threads: usize,
 }
 
+/// Batch-1 throughput of a pair of implementations, side by side.
+#[derive(Debug, Clone, Serialize)]
+pub struct Pair {
+    /// Weight format both read.
+    pub weights: &'static str,
+    /// Bytes of weights one decode step of ours reads.
+    pub weight_bytes_per_step: u64,
+    /// tlt-model's tokens per second.
+    pub ours_tokens_per_s: f64,
+    /// candle-transformers' tokens per second.
+    pub candle_tokens_per_s: f64,
+    /// `ours_tokens_per_s / candle_tokens_per_s`.
+    pub ratio_vs_candle_transformers: f64,
+}
+
+/// Batch-1 decode with Q8_0 weights: tlt-model (`pack_for_inference(Q8_0)`) vs candle-transformers' quantized Llama.
+#[derive(Debug, Clone, Serialize)]
+pub struct Q8Result {
+    /// The headline figures.
+    #[serde(flatten)]
+    pub pair: Pair,
+    /// Runs per implementation.
+    pub repeats: usize,
+    /// Decode steps per run.
+    pub new_tokens: usize,
+    /// The Q8_0 GGUF candle-transformers loads (re-quantized from the model's GGUF).
+    pub candle_gguf: String,
+    /// tlt-model's full figures (`bw_fraction` against `weight_bytes_per_step`).
+    pub ours: ImplResult,
+    /// candle-transformers' full figures (same byte count).
+    pub candle_transformers: ImplResult,
+    /// Greedy agreement of the two over the first tokens (informative: the weights are quantized separately).
+    pub greedy_agreement: Sanity,
+}
+
+/// One draft shape of the verification measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct TreeTiming {
+    /// Parent links of the 8 draft nodes.
+    pub parents: Vec<Option<usize>>,
+    /// Median time of `verify_tree` plus `commit(seq, &[])`, ms.
+    pub verify_ms: f64,
+    /// Every repeat's time, ms, in run order.
+    pub verify_ms_runs: Vec<f64>,
+    /// `verify_ms / decode1_ms`.
+    pub verify8_over_decode1: f64,
+}
+
+/// Cost of scoring an 8-token draft against one decode step, batch 1, f32, at the same context.
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyResult {
+    /// Committed tokens before every timed call (the prefill).
+    pub context: usize,
+    /// Draft nodes per verification.
+    pub nodes: usize,
+    /// Timed repeats of each measurement (interleaved).
+    pub repeats: usize,
+    /// Median time of one `decode` step (then truncated back to `context`), ms.
+    pub decode1_ms: f64,
+    /// Every repeat's decode time, ms, in run order.
+    pub decode1_ms_runs: Vec<f64>,
+    /// `chain.verify8_over_decode1`.
+    pub verify8_over_decode1: f64,
+    /// A chain of 8 tokens (`parents = [None, Some(0), ..., Some(6)]`).
+    pub chain: TreeTiming,
+    /// A branching tree of 8 nodes.
+    pub tree: TreeTiming,
+}
+
 /// The whole `decode.json`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -179,6 +276,12 @@ pub struct Report {
     pub sanity: Sanity,
     /// One entry per batch size.
     pub results: Vec<BatchResult>,
+    /// The f32 pair at batch 1 (copied from `results`; `null` without batch 1).
+    pub f32_batch1: Option<Pair>,
+    /// Batch-1 decode with Q8_0 weights (`null` with `--skip-q8-0`).
+    pub q8_0: Option<Q8Result>,
+    /// Draft verification against single-token decode at batch 1 (f32).
+    pub verify: VerifyResult,
 }
 
 /// Greedy token of every row of `[rows, vocab]` logits.
@@ -255,14 +358,99 @@ fn run_candle(model: &CandleLlama, prompts: &[Vec<u32>], steps: usize, bar: &Pro
     Ok(Run { prefill, decode: t.elapsed(), tokens0 })
 }
 
-fn median(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+/// candle-transformers' quantized Llama at batch 1: a `[1, len]` prefill, then `steps` `[1, 1]` steps.
+fn run_candle_quant(model: &mut CandleQuantLlama, prompt: &[u32], steps: usize, bar: &ProgressBar) -> Result<Run> {
+    model.reset();
+    let t = Instant::now();
+    let mut next = argmax_rows(&model.forward(prompt, 0)?)?;
+    let prefill = t.elapsed();
+    let mut tokens0 = vec![next[0]];
+    let t = Instant::now();
+    for step in 0..steps {
+        next = argmax_rows(&model.forward(&next[..1], prompt.len() + step)?)?;
+        tokens0.push(next[0]);
+        bar.inc(1);
     }
+    Ok(Run { prefill, decode: t.elapsed(), tokens0 })
+}
+
+/// One `decode` step of `seq` (at its committed length `ctx`), then truncated back to `ctx`; returns ms.
+fn time_decode1(model: &Llama, cache: &mut KvCache, seq: SeqId, ctx: usize, token: u32) -> Result<f64> {
+    let t = Instant::now();
+    std::hint::black_box(model.decode(cache, &[(seq, token)])?);
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    cache.truncate(seq, ctx)?;
+    Ok(ms)
+}
+
+/// `verify_tree` of `tokens` with `parents`, then `commit(seq, &[])` (discarding the tree); returns ms.
+fn time_verify(
+    model: &Llama,
+    cache: &mut KvCache,
+    seq: SeqId,
+    tokens: &[u32],
+    parents: &[Option<usize>],
+) -> Result<f64> {
+    let t = Instant::now();
+    std::hint::black_box(model.verify_tree(cache, seq, tokens, parents)?);
+    cache.commit(seq, &[])?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// After prefilling `prompt`, times one decode step, an 8-token chain and an 8-node branching tree, interleaved
+/// (rotating the order each repeat), at the same committed context.
+fn measure_verify(model: &Llama, prompt: &[u32], draft: &[u32], repeats: usize) -> Result<VerifyResult> {
+    let chain: Vec<Option<usize>> = (0..VERIFY_NODES).map(|i| i.checked_sub(1)).collect();
+    let tree = BRANCHING_TREE.to_vec();
+    let mut cache = model.new_cache();
+    let seq = cache.add_sequence();
+    model.prefill(&mut cache, seq, prompt)?;
+    let ctx = prompt.len();
+    // Warm-up, not timed.
+    time_decode1(model, &mut cache, seq, ctx, draft[0])?;
+    time_verify(model, &mut cache, seq, draft, &chain)?;
+    time_verify(model, &mut cache, seq, draft, &tree)?;
+    let (mut dec, mut ch, mut tr) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..repeats {
+        for what in 0..3 {
+            match (what + r) % 3 {
+                0 => dec.push(time_decode1(model, &mut cache, seq, ctx, draft[0])?),
+                1 => ch.push(time_verify(model, &mut cache, seq, draft, &chain)?),
+                _ => tr.push(time_verify(model, &mut cache, seq, draft, &tree)?),
+            }
+        }
+    }
+    let decode1_ms = median(&dec);
+    let timing = |parents: Vec<Option<usize>>, runs: Vec<f64>| {
+        let verify_ms = median(&runs);
+        TreeTiming { parents, verify_ms, verify_ms_runs: runs, verify8_over_decode1: verify_ms / decode1_ms }
+    };
+    let chain = timing(chain, ch);
+    let tree = timing(tree, tr);
+    info!(
+        decode1_ms = format!("{decode1_ms:.2}"),
+        chain_ms = format!("{:.2}", chain.verify_ms),
+        tree_ms = format!("{:.2}", tree.verify_ms),
+        chain_ratio = format!("{:.2}", chain.verify8_over_decode1),
+        tree_ratio = format!("{:.2}", tree.verify8_over_decode1),
+        "verify 8 vs decode 1"
+    );
+    Ok(VerifyResult {
+        context: ctx,
+        nodes: VERIFY_NODES,
+        repeats,
+        decode1_ms,
+        decode1_ms_runs: dec,
+        verify8_over_decode1: chain.verify8_over_decode1,
+        chain,
+        tree,
+    })
+}
+
+/// Where the re-quantized Q8_0 GGUF of `src` lives: `<cache>/requant/<stem>.Q8_0.gguf`.
+fn q8_gguf_path(src: &Path) -> PathBuf {
+    let stem = src.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+    crate::assets::cache_dir().join("requant").join(format!("{stem}.Q8_0.gguf"))
 }
 
 fn summarize(runs: &[Run], batch: usize, steps: usize, bytes: u64, bw_gbs: f64) -> ImplResult {
@@ -302,9 +490,14 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     if args.prompt_tokens + args.new_tokens + 1 > model.config().max_position_embeddings {
         bail!("prompt + new tokens exceed the model's context");
     }
+    if args.verify_repeats < 10 {
+        bail!("--verify-repeats must be at least 10");
+    }
     let reference = CandleLlama::from_model(&model).context("building candle-transformers' Llama")?;
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
     let prompts = make_prompts(&tokenizer, max_batch, args.prompt_tokens)?;
+    let draft: Vec<u32> =
+        make_prompts(&tokenizer, 1, args.prompt_tokens + VERIFY_NODES)?[0][args.prompt_tokens..].to_vec();
     let bytes = weight_bytes_per_step(&model);
     let machine = MachineInfo::collect();
     info!(model = %path.display(), params = model.weights().num_params(), weight_bytes_per_step = bytes,
@@ -316,8 +509,34 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
 
     let sanity = check_agreement(&model, &reference, &prompts[0], args.check_steps)?;
 
+    info!(context = args.prompt_tokens, repeats = args.verify_repeats, "timing verification of 8 draft tokens");
+    let verify = measure_verify(&model, &prompts[0], &draft, args.verify_repeats)?;
+
+    // Q8_0: our packed inference weights on a clone (sharing the f32 tensors), candle's quantized Llama on a GGUF.
+    let q8 = if args.skip_q8_0 {
+        None
+    } else {
+        let mut ours = model.clone();
+        ours.pack_for_inference(WeightDType::Q8_0)?;
+        let gguf = q8_gguf_path(&path);
+        if !gguf.exists() {
+            info!(from = %path.display(), to = %gguf.display(), "writing a Q8_0 GGUF for candle-transformers");
+        }
+        requantize_gguf(&path, &gguf, GgmlDType::Q8_0)?;
+        let theirs = CandleQuantLlama::load(&gguf).context("loading candle-transformers' quantized Llama")?;
+        Some((ours, theirs, gguf))
+    };
+
     let repeats_for = |b: usize| if b >= args.single_run_from { 1 } else { args.repeats };
-    let total: usize = args.batches.iter().map(|&b| 2 * repeats_for(b) * args.new_tokens).sum();
+    let steps_for = |b: usize| {
+        if b >= args.large_batch_from {
+            args.large_batch_new_tokens.clamp(1, args.new_tokens)
+        } else {
+            args.new_tokens
+        }
+    };
+    let q8_steps = if q8.is_some() { 2 * args.repeats * args.new_tokens } else { 0 };
+    let total: usize = args.batches.iter().map(|&b| 2 * repeats_for(b) * steps_for(b)).sum::<usize>() + q8_steps;
     let bar = ProgressBar::new(total as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps ({rate}) {msg}")?
@@ -331,20 +550,21 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         let batch_prompts = &prompts[..b];
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         let repeats = repeats_for(b);
+        let steps = steps_for(b);
         for r in 0..repeats {
             // Alternate the order so drift (thermal, page cache) does not favour one side.
             for ours_turn in if r % 2 == 0 { [true, false] } else { [false, true] } {
                 let who = if ours_turn { "tlt-model" } else { "candle-transformers" };
                 bar.set_message(format!("batch {b}, {who}, run {}/{repeats}", r + 1));
                 if ours_turn {
-                    ours.push(run_ours(&model, batch_prompts, args.new_tokens, &bar)?);
+                    ours.push(run_ours(&model, batch_prompts, steps, &bar)?);
                 } else {
-                    theirs.push(run_candle(&reference, batch_prompts, args.new_tokens, &bar)?);
+                    theirs.push(run_candle(&reference, batch_prompts, steps, &bar)?);
                 }
             }
         }
-        let ours = summarize(&ours, b, args.new_tokens, bytes, bw_gbs);
-        let theirs = summarize(&theirs, b, args.new_tokens, bytes, bw_gbs);
+        let ours = summarize(&ours, b, steps, bytes, bw_gbs);
+        let theirs = summarize(&theirs, b, steps, bytes, bw_gbs);
         // `println` on a hidden bar (stderr not a terminal) prints nothing; log above the bar instead.
         bar.suspend(|| {
             info!(
@@ -358,23 +578,83 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         results.push(BatchResult {
             batch: b,
             repeats,
+            new_tokens: steps,
             weight_bytes_per_step: bytes,
             ratio_vs_candle_transformers: ours.tokens_per_s / theirs.tokens_per_s,
             ours,
             candle_transformers: theirs,
         });
     }
+
+    let q8_0 = match q8 {
+        None => None,
+        Some((ours_model, mut theirs_model, gguf)) => {
+            let q8_bytes = ours_model.weight_bytes_per_token() as u64;
+            let prompt = &prompts[0];
+            let hidden = ProgressBar::hidden();
+            let ours_tokens =
+                run_ours(&ours_model, std::slice::from_ref(prompt), Q8_CHECK_TOKENS - 1, &hidden)?.tokens0;
+            let theirs_tokens = run_candle_quant(&mut theirs_model, prompt, Q8_CHECK_TOKENS - 1, &hidden)?.tokens0;
+            let greedy_agreement = agreement(ours_tokens, theirs_tokens);
+            if !greedy_agreement.tokens_match {
+                bar.suspend(|| {
+                    info!(index = ?greedy_agreement.first_mismatch, "Q8_0 greedy tokens differ from candle-transformers' (separately quantized weights)")
+                });
+            }
+            let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+            for r in 0..args.repeats {
+                for ours_turn in if r % 2 == 0 { [true, false] } else { [false, true] } {
+                    let who = if ours_turn { "tlt-model" } else { "candle-transformers" };
+                    bar.set_message(format!("batch 1 Q8_0, {who}, run {}/{}", r + 1, args.repeats));
+                    if ours_turn {
+                        ours.push(run_ours(&ours_model, std::slice::from_ref(prompt), args.new_tokens, &bar)?);
+                    } else {
+                        theirs.push(run_candle_quant(&mut theirs_model, prompt, args.new_tokens, &bar)?);
+                    }
+                }
+            }
+            let ours = summarize(&ours, 1, args.new_tokens, q8_bytes, bw_gbs);
+            let theirs = summarize(&theirs, 1, args.new_tokens, q8_bytes, bw_gbs);
+            bar.suspend(|| {
+                info!(
+                    ours_tok_s = format!("{:.1}", ours.tokens_per_s),
+                    candle_tok_s = format!("{:.1}", theirs.tokens_per_s),
+                    ratio = format!("{:.2}", ours.tokens_per_s / theirs.tokens_per_s),
+                    "batch 1 Q8_0 done"
+                )
+            });
+            Some(Q8Result {
+                pair: Pair {
+                    weights: "q8_0",
+                    weight_bytes_per_step: q8_bytes,
+                    ours_tokens_per_s: ours.tokens_per_s,
+                    candle_tokens_per_s: theirs.tokens_per_s,
+                    ratio_vs_candle_transformers: ours.tokens_per_s / theirs.tokens_per_s,
+                },
+                repeats: args.repeats,
+                new_tokens: args.new_tokens,
+                candle_gguf: gguf.display().to_string(),
+                ours,
+                candle_transformers: theirs,
+                greedy_agreement,
+            })
+        }
+    };
     bar.finish_and_clear();
 
+    let f32_batch1 = results.iter().find(|b| b.batch == 1).map(|b| Pair {
+        weights: "f32",
+        weight_bytes_per_step: b.weight_bytes_per_step,
+        ours_tokens_per_s: b.ours.tokens_per_s,
+        candle_tokens_per_s: b.candle_transformers.tokens_per_s,
+        ratio_vs_candle_transformers: b.ratio_vs_candle_transformers,
+    });
     let report = Report {
         suite: "decode",
-        schema_version: 1,
+        schema_version: 2,
         timestamp,
         git_commit: sysinfo::git_commit(),
-        command_line: std::iter::once("cargo xtask".to_string())
-            .chain(std::env::args().skip(1))
-            .collect::<Vec<_>>()
-            .join(" "),
+        command_line: report::command_line(),
         machine,
         workload: Workload {
             model_path: path.display().to_string(),
@@ -393,9 +673,12 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         },
         sanity,
         results,
+        f32_batch1,
+        q8_0,
+        verify,
     };
     let table = markdown(&report);
-    write_outputs(&report, &table)?;
+    report::write_outputs("decode", &report, &table)?;
     println!("{table}");
     Ok(())
 }
@@ -407,23 +690,29 @@ fn check_agreement(model: &Llama, reference: &CandleLlama, prompt: &[u32], steps
     let prompts = [prompt.to_vec()];
     let ours = run_ours(model, &prompts, steps - 1, &hidden)?.tokens0;
     let theirs = run_candle(reference, &prompts, steps - 1, &hidden)?.tokens0;
-    let first_mismatch = ours.iter().zip(&theirs).position(|(a, b)| a != b);
-    match first_mismatch {
+    let sanity = agreement(ours, theirs);
+    match sanity.first_mismatch {
         None => info!(tokens = steps, "greedy tokens agree with candle-transformers at batch 1"),
         Some(i) => warn!(
             index = i,
-            ours = ours[i],
-            candle_transformers = theirs[i],
+            ours = sanity.ours[i],
+            candle_transformers = sanity.candle_transformers[i],
             "greedy tokens DISAGREE with candle-transformers at batch 1"
         ),
     }
-    Ok(Sanity {
-        tokens_compared: steps,
+    Ok(sanity)
+}
+
+/// Compares two greedy token streams.
+fn agreement(ours: Vec<u32>, theirs: Vec<u32>) -> Sanity {
+    let first_mismatch = ours.iter().zip(&theirs).position(|(a, b)| a != b);
+    Sanity {
+        tokens_compared: ours.len().min(theirs.len()),
         tokens_match: first_mismatch.is_none(),
         first_mismatch,
         ours,
         candle_transformers: theirs,
-    })
+    }
 }
 
 /// The markdown summary table.
@@ -432,9 +721,9 @@ fn markdown(r: &Report) -> String {
         "# decode: tlt-model vs candle-transformers (SmolLM2-135M, f32, greedy)\n\n\
          {} prompt tokens, {} new tokens; {} ({} threads); single-thread read bandwidth {:.2} GB/s; \
          weights read per step {:.1} MB; commit {}; {}\n\n\
-         | batch | runs | ours tok/s | ours ms/step | ours prefill ms | ours GB/s | ours bw_fraction \
+         | batch | runs | steps | ours tok/s | ours ms/step | ours prefill ms | ours GB/s | ours bw_fraction \
          | candle tok/s | candle ms/step | candle prefill ms | ratio vs candle |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         r.workload.prompt_tokens,
         r.workload.new_tokens,
         r.machine.cpu_model,
@@ -447,9 +736,10 @@ fn markdown(r: &Report) -> String {
     for b in &r.results {
         let (o, c) = (&b.ours, &b.candle_transformers);
         s.push_str(&format!(
-            "| {} | {} | {:.1} | {:.1} | {:.0} | {:.2} | {:.3} | {:.1} | {:.1} | {:.0} | {:.2} |\n",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.2} | {:.3} | {:.1} | {:.1} | {:.0} | {:.2} |\n",
             b.batch,
             b.repeats,
+            b.new_tokens,
             o.tokens_per_s,
             o.ms_per_step,
             o.prefill_ms,
@@ -467,19 +757,61 @@ fn markdown(r: &Report) -> String {
         format!("greedy tokens DISAGREE with candle-transformers at token {:?}", r.sanity.first_mismatch)
     };
     s.push_str(&format!("\nSanity: {agree}.\n"));
+    if let Some(q) = &r.q8_0 {
+        let o = &q.ours;
+        s.push_str(&format!(
+            "\n## batch 1, Q8_0 weights (tlt-model packed vs candle-transformers quantized_llama)\n\n\
+             | weights | weights read per step MB | ours tok/s | ours ms/step | ours bw_fraction | candle tok/s \
+             | candle ms/step | ratio vs candle |\n|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        ));
+        if let Some(f) = &r.f32_batch1 {
+            let b1 = r.results.iter().find(|b| b.batch == 1);
+            s.push_str(&format!(
+                "| f32 | {:.1} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.2} |\n",
+                f.weight_bytes_per_step as f64 / 1e6,
+                f.ours_tokens_per_s,
+                b1.map_or(f64::NAN, |b| b.ours.ms_per_step),
+                b1.map_or(f64::NAN, |b| b.ours.bw_fraction),
+                f.candle_tokens_per_s,
+                b1.map_or(f64::NAN, |b| b.candle_transformers.ms_per_step),
+                f.ratio_vs_candle_transformers
+            ));
+        }
+        s.push_str(&format!(
+            "| q8_0 | {:.1} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.2} |\n",
+            q.pair.weight_bytes_per_step as f64 / 1e6,
+            q.pair.ours_tokens_per_s,
+            o.ms_per_step,
+            o.bw_fraction,
+            q.pair.candle_tokens_per_s,
+            q.candle_transformers.ms_per_step,
+            q.pair.ratio_vs_candle_transformers
+        ));
+        let g = &q.greedy_agreement;
+        s.push_str(&format!(
+            "\nQ8_0 greedy agreement over the first {} tokens: {} (informative only; the two quantize separately).\n",
+            g.tokens_compared,
+            match g.first_mismatch {
+                None => "all agree".to_string(),
+                Some(i) => format!("first difference at token {i}"),
+            }
+        ));
+    }
+    let v = &r.verify;
+    s.push_str(&format!(
+        "\n## verifying {} draft tokens vs one decode step (batch 1, f32, context {}, median of {})\n\n\
+         | draft | ms | ÷ decode step |\n|---|---:|---:|\n| decode 1 token | {:.2} | 1.00 |\n\
+         | chain of {} | {:.2} | {:.2} |\n| branching tree {:?} | {:.2} | {:.2} |\n",
+        v.nodes,
+        v.context,
+        v.repeats,
+        v.decode1_ms,
+        v.nodes,
+        v.chain.verify_ms,
+        v.chain.verify8_over_decode1,
+        v.tree.parents.iter().map(|p| p.map_or(-1, |p| p as i64)).collect::<Vec<_>>(),
+        v.tree.verify_ms,
+        v.tree.verify8_over_decode1,
+    ));
     s
-}
-
-fn write_outputs(report: &Report, table: &str) -> Result<()> {
-    let dir = crate::workspace_root().join("target").join("bench");
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let json = serde_json::to_string_pretty(report)?;
-    write(&dir.join("decode.json"), &json)?;
-    write(&dir.join("decode.md"), table)?;
-    info!(dir = %dir.display(), "wrote decode.json and decode.md");
-    Ok(())
-}
-
-fn write(path: &Path, text: &str) -> Result<()> {
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }

@@ -4,13 +4,15 @@
 //! - `test`: `fetch-assets`, then every test of the workspace (`cargo nextest run --release --workspace`, or
 //!   `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF;
 //! - `demo`: `fetch-assets`, then the main demo (today: chat generation with SmolLM2);
-//! - `bench <suite>`: benchmark suites writing `target/bench/<suite>.json` and `.md`.
+//! - `bench <suite>`: benchmark suites (`decode`, `kernels`) writing `target/bench/<suite>.json` and `.md`.
 //!
 //! See `xtask/README.md` for every option and every field of the benchmark reports.
 
 mod assets;
 mod bench_decode;
+mod bench_kernels;
 mod candle_ref;
+mod report;
 mod sysinfo;
 
 use std::io::IsTerminal;
@@ -62,6 +64,8 @@ enum Cmd {
 enum Suite {
     /// Batched greedy decode of SmolLM2-135M (f32): tlt-model vs candle-transformers' Llama, side by side.
     Decode(bench_decode::DecodeArgs),
+    /// Skinny GEMM per weight shape, format and row count, weights from DRAM; f32 vs candle-core's matmul.
+    Kernels(bench_kernels::KernelArgs),
 }
 
 /// The workspace root (the parent of this crate's directory).
@@ -148,6 +152,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Demo { prompt, max_new_tokens } => demo(&prompt, max_new_tokens),
         Cmd::Bench { suite: Suite::Decode(args) } => {
             bench_decode::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench { suite: Suite::Kernels(args) } => {
+            bench_kernels::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
     }

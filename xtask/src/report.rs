@@ -1,0 +1,50 @@
+//! Helpers every benchmark suite shares: medians, the invocation, and writing `target/bench/<suite>.{json,md}`.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use tracing::info;
+
+/// Median of `xs` (mean of the two middle values for an even count; NaN when empty).
+pub fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// How the suite was invoked: `cargo xtask` followed by our arguments.
+pub fn command_line() -> String {
+    std::iter::once("cargo xtask".to_string()).chain(std::env::args().skip(1)).collect::<Vec<_>>().join(" ")
+}
+
+/// Writes `target/bench/<suite>.json` (pretty-printed `report`) and `target/bench/<suite>.md` (`table`).
+pub fn write_outputs(suite: &str, report: &impl Serialize, table: &str) -> Result<()> {
+    let dir = crate::workspace_root().join("target").join("bench");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let json = serde_json::to_string_pretty(report)?;
+    write(&dir.join(format!("{suite}.json")), &json)?;
+    write(&dir.join(format!("{suite}.md")), table)?;
+    info!(dir = %dir.display(), "wrote {suite}.json and {suite}.md");
+    Ok(())
+}
+
+fn write(path: &Path, text: &str) -> Result<()> {
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
+}
