@@ -39,6 +39,6 @@ mod simd;
 
 pub use attention::{tree_attention, tree_attention_with, AttnShape, Visibility};
 pub use error::{Error, Result};
-pub use gemm::{gemm, gemm_with, GemmConfig, MatRef, Matrix, WeightDType, WeightsRef};
+pub use gemm::{default_threads, gemm, gemm_with, GemmConfig, MatRef, Matrix, WeightDType, WeightsRef};
 pub use isa::Isa;
 pub use sampling::{argmax, categorical, log_softmax, probs, sample, SamplingParams, SeededRng};

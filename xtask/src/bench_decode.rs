@@ -503,8 +503,10 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     info!(model = %path.display(), params = model.weights().num_params(), weight_bytes_per_step = bytes,
           threads = machine.candle_threads, "decode benchmark");
 
-    info!(mib = args.probe_mib.max(512), "probing single-thread read bandwidth");
-    let bw_gbs = sysinfo::read_bandwidth_gbs(args.probe_mib, 5);
+    // The model's GEMMs run on all cores (tlt_kernels::default_threads); probe with the same count.
+    let probe_threads = tlt_kernels::default_threads();
+    info!(mib = args.probe_mib.max(512), threads = probe_threads, "probing read bandwidth");
+    let bw_gbs = sysinfo::read_bandwidth_gbs(args.probe_mib, 5, probe_threads);
     info!(gb_per_s = format!("{bw_gbs:.2}"), "read bandwidth");
 
     let sanity = check_agreement(&model, &reference, &prompts[0], args.check_steps)?;
@@ -669,7 +671,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
             method: "sum of an f32 buffer, 16 accumulators, best pass",
             buffer_mib: args.probe_mib.max(512),
             passes: 5,
-            threads: 1,
+            threads: probe_threads,
         },
         sanity,
         results,
@@ -719,7 +721,7 @@ fn agreement(ours: Vec<u32>, theirs: Vec<u32>) -> Sanity {
 fn markdown(r: &Report) -> String {
     let mut s = format!(
         "# decode: tlt-model vs candle-transformers (SmolLM2-135M, f32, greedy)\n\n\
-         {} prompt tokens, {} new tokens; {} ({} threads); single-thread read bandwidth {:.2} GB/s; \
+         {} prompt tokens, {} new tokens; {} ({} threads); read bandwidth {:.2} GB/s (probe on the model's thread count); \
          weights read per step {:.1} MB; commit {}; {}\n\n\
          | batch | runs | steps | ours tok/s | ours ms/step | ours prefill ms | ours GB/s | ours bw_fraction \
          | candle tok/s | candle ms/step | candle prefill ms | ratio vs candle |\n\

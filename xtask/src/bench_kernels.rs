@@ -92,6 +92,9 @@ pub struct KernelArgs {
     /// The copies of each matrix together exceed this many MiB (the smallest count that does, at least 2).
     #[arg(long, default_value_t = 256)]
     set_mib: usize,
+    /// Threads for our GEMM and the bandwidth probe (default: the cores available, as candle uses).
+    #[arg(long)]
+    threads: Option<usize>,
     /// Size of the read-bandwidth probe buffer in MiB (at least 512).
     #[arg(long, default_value_t = 512)]
     probe_mib: usize,
@@ -292,7 +295,7 @@ fn pass_ours(set: &Set, shape: Shape, cfg: GemmConfig, x: &[f32], m: usize, y: &
 }
 
 /// One pass of candle's `x.matmul(&w.t())` over every copy; seconds per call. Afterwards it sleeps
-/// [`SETTLE`] (untimed) so candle's worker threads are parked before our single-threaded pass runs.
+/// [`SETTLE`] (untimed) so candle's worker threads are parked before our pass runs.
 fn pass_candle(ts: &[Tensor], x: &Tensor) -> Result<f64> {
     let t = Instant::now();
     for w in ts {
@@ -334,10 +337,11 @@ pub fn run(args: &KernelArgs) -> Result<()> {
     let timestamp = sysinfo::utc_timestamp();
     let machine = MachineInfo::collect();
     let isa = Isa::best();
-    let cfg = GemmConfig { isa, threads: 1 };
-    info!(isa = isa.name(), candle_threads = machine.candle_threads, "kernel benchmark");
-    info!(mib = args.probe_mib.max(512), "probing single-thread read bandwidth");
-    let bw_gbs = sysinfo::read_bandwidth_gbs(args.probe_mib, 5);
+    let threads = args.threads.unwrap_or_else(tlt_kernels::default_threads).max(1);
+    let cfg = GemmConfig { isa, threads };
+    info!(isa = isa.name(), threads, candle_threads = machine.candle_threads, "kernel benchmark");
+    info!(mib = args.probe_mib.max(512), threads, "probing read bandwidth");
+    let bw_gbs = sysinfo::read_bandwidth_gbs(args.probe_mib, 5, threads);
     info!(gb_per_s = format!("{bw_gbs:.2}"), "read bandwidth");
 
     let mut results: Vec<Entry> = Vec::new();
@@ -443,7 +447,7 @@ pub fn run(args: &KernelArgs) -> Result<()> {
             method: "sum of an f32 buffer, 16 accumulators, best pass",
             buffer_mib: args.probe_mib.max(512),
             passes: 5,
-            threads: 1,
+            threads,
         },
         results,
         checks,
@@ -480,11 +484,12 @@ fn evaluate_targets(results: &[Entry], shape: &str) -> Vec<Target> {
 fn markdown(r: &Report, shapes: &[Shape], dtypes: &[WeightDType], ms: &[usize]) -> String {
     let mut s = format!(
         "# kernels: skinny GEMM y[m,n] = x[m,k]·W[n,k]^T, weights from DRAM\n\n\
-         tlt-kernels `gemm_with` ({}, 1 thread) vs candle-core `x.matmul(&w.t())` ({} threads); {}; single-thread read \
-         bandwidth {:.2} GB/s; every call reads its own copy of W (sets of ≥ {} MiB); median of {} passes; \
+         tlt-kernels `gemm_with` ({}, {} threads) vs candle-core `x.matmul(&w.t())` ({} threads); {}; read \
+         bandwidth with the same threads {:.2} GB/s; every call reads its own copy of W (sets of ≥ {} MiB); median of {} passes; \
          commit {}; {}\n\n\
          Cells: µs per call (ratio to m=1). `GB/s`, `bw` (fraction of the probe) and `vs f32` are at m=1.\n",
         r.isa,
+        r.threads,
         r.machine.candle_threads,
         r.machine.cpu_model,
         r.read_bandwidth_gbs,

@@ -1,8 +1,8 @@
 //! Project automation for the TLT workspace, run as `cargo xtask <command>` (an alias in `.cargo/config.toml`).
 //!
 //! - `fetch-assets`: download and verify the offline assets (the SmolLM2-135M-Instruct GGUF) into the cache;
-//! - `test`: `fetch-assets`, then every test of the workspace (`cargo nextest run --release --workspace`, or
-//!   `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF;
+//! - `test`: `fetch-assets`, then the doc tests (`cargo test --release --workspace --doc`) and every other test of
+//!   the workspace (`cargo nextest run --release --workspace`, or `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF;
 //! - `demo`: `fetch-assets`, then the main demo (today: chat generation with SmolLM2);
 //! - `bench <suite>`: benchmark suites (`decode`, `kernels`) writing `target/bench/<suite>.json` and `.md`.
 //!
@@ -98,6 +98,13 @@ fn exit_code(status: ExitStatus) -> ExitCode {
 
 fn test(args: &[String]) -> Result<ExitCode> {
     let gguf = assets::fetch_assets()?;
+    // Doc tests first (nextest does not run them), so the runner's summary of all other tests comes last.
+    let mut doc = cargo();
+    doc.args(["test", "--release", "--workspace", "--doc"]);
+    let code = run(doc)?;
+    if !code.success() {
+        return Ok(exit_code(code));
+    }
     let nextest = cargo().args(["nextest", "--version"]).output().is_ok_and(|o| o.status.success());
     let mut cmd = cargo();
     if nextest {

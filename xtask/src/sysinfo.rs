@@ -91,20 +91,23 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 
 /// A STREAM-style read-bandwidth probe, in GB/s (10^9 bytes per second).
 ///
-/// Sums a `mib` MiB f32 buffer (at least 512 MiB, far larger than any cache) on one thread with 16 independent
-/// accumulators so the loop vectorizes and is bound by memory, not by the add latency; returns the best of `reps`
-/// passes. It is the bandwidth one core can pull, the right yardstick for decode steps whose matmuls are
-/// memory-bound but do not scale across the few cores of a small VM.
-pub fn read_bandwidth_gbs(mib: usize, reps: usize) -> f64 {
+/// Sums a `mib` MiB f32 buffer (at least 512 MiB, far larger than any cache), split across `threads` scoped
+/// threads, with 16 independent accumulators so the loop vectorizes and is bound by memory, not by the add
+/// latency; returns the best of `reps` passes (wall time of the slowest thread). Use the thread count of the
+/// kernel it is the yardstick for.
+pub fn read_bandwidth_gbs(mib: usize, reps: usize, threads: usize) -> f64 {
     let n = mib.max(512) * (1 << 20) / std::mem::size_of::<f32>();
     let buf: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+    let part = n.div_ceil(threads.max(1));
     let mut best = f64::INFINITY;
     for _ in 0..reps.max(1) {
         let t = Instant::now();
-        let s = sum_f32(std::hint::black_box(&buf));
-        let secs = t.elapsed().as_secs_f64();
-        std::hint::black_box(s);
-        best = best.min(secs);
+        std::thread::scope(|s| {
+            for chunk in buf.chunks(part) {
+                s.spawn(move || std::hint::black_box(sum_f32(std::hint::black_box(chunk))));
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
     }
     (n * std::mem::size_of::<f32>()) as f64 / best / 1e9
 }
