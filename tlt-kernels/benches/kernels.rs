@@ -9,13 +9,7 @@ use tlt_kernels::{gemm, probs, tree_attention_with, AttnShape, Isa, Matrix, Samp
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    tlt_kernels::SeededRng::new(seed).uniform_vec(n, -1.0, 1.0)
 }
 
 fn bench_gemm(c: &mut Criterion) {

@@ -345,6 +345,11 @@ impl SeededRng {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
+    /// `n` values uniform in `[low, high)` (test data, random initialisation).
+    pub fn uniform_vec(&mut self, n: usize, low: f32, high: f32) -> Vec<f32> {
+        (0..n).map(|_| low + (high - low) * self.uniform() as f32).collect()
+    }
+
     /// An independent generator for sub-stream `stream` (e.g. a sequence id), derived from the current state
     /// without advancing it: the same parent state and stream always give the same child.
     pub fn fork(&self, stream: u64) -> SeededRng {

@@ -9,13 +9,7 @@ const DTYPES: [WeightDType; 6] =
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    tlt_kernels::SeededRng::new(seed).uniform_vec(n, -1.0, 1.0)
 }
 
 /// Checks `gemm` against f64 on the dequantized weights: |y - ref| <= 1e-5 * sum |x_i w_i| (+ tiny floor).

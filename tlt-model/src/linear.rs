@@ -82,7 +82,7 @@ impl Llama {
             .map_or(WeightDType::F32, |m| m.view().dtype())
     }
 
-    /// Bytes of weights one decode step streams through the linear layers and the LM head.
+    /// Bytes of weights one decode step streams through the linear layers (weights and biases) and the LM head.
     pub fn weight_bytes_per_token(&self) -> usize {
         let w = self.weights();
         let bytes =
@@ -90,7 +90,7 @@ impl Llama {
         let mut total = bytes(w.lm_head(), w.head_packed.as_ref());
         for l in &w.layers {
             for lin in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj] {
-                total += bytes(&lin.weight, lin.packed.as_ref());
+                total += bytes(&lin.weight, lin.packed.as_ref()) + lin.bias.as_ref().map_or(0, |b| b.elem_count() * 4);
             }
         }
         total

@@ -303,19 +303,6 @@ fn make_prompts(tokenizer: &tokenizers::Tokenizer, n: usize, len: usize) -> Resu
         .collect()
 }
 
-/// Bytes of weights one decode step reads: every linear layer's weight and bias, plus the LM head.
-fn weight_bytes_per_step(model: &Llama) -> u64 {
-    let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
-    let w = model.weights();
-    let layers: u64 = w
-        .layers
-        .iter()
-        .flat_map(|l| [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj])
-        .map(|lin| bytes(&lin.weight) + lin.bias.as_ref().map_or(0, bytes))
-        .sum();
-    layers + bytes(w.lm_head())
-}
-
 /// tlt-model: one batched prefill, then `steps` batched decode steps.
 fn run_ours(model: &Llama, prompts: &[Vec<u32>], steps: usize, bar: &ProgressBar) -> Result<Run> {
     let mut cache = model.new_cache();
@@ -498,7 +485,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     let prompts = make_prompts(&tokenizer, max_batch, args.prompt_tokens)?;
     let draft: Vec<u32> =
         make_prompts(&tokenizer, 1, args.prompt_tokens + VERIFY_NODES)?[0][args.prompt_tokens..].to_vec();
-    let bytes = weight_bytes_per_step(&model);
+    let bytes = model.weight_bytes_per_token() as u64;
     let machine = MachineInfo::collect();
     info!(model = %path.display(), params = model.weights().num_params(), weight_bytes_per_step = bytes,
           threads = machine.candle_threads, "decode benchmark");
@@ -679,7 +666,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         q8_0,
         verify,
     };
-    let table = markdown(&report);
+    let table = crate::bench_decode_md::markdown(&report);
     report::write_outputs("decode", &report, &table)?;
     println!("{table}");
     Ok(())
@@ -715,105 +702,4 @@ fn agreement(ours: Vec<u32>, theirs: Vec<u32>) -> Sanity {
         ours,
         candle_transformers: theirs,
     }
-}
-
-/// The markdown summary table.
-fn markdown(r: &Report) -> String {
-    let mut s = format!(
-        "# decode: tlt-model vs candle-transformers (SmolLM2-135M, f32, greedy)\n\n\
-         {} prompt tokens, {} new tokens; {} ({} threads); read bandwidth {:.2} GB/s (probe on the model's thread count); \
-         weights read per step {:.1} MB; commit {}; {}\n\n\
-         | batch | runs | steps | ours tok/s | ours ms/step | ours prefill ms | ours GB/s | ours bw_fraction \
-         | candle tok/s | candle ms/step | candle prefill ms | ratio vs candle |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        r.workload.prompt_tokens,
-        r.workload.new_tokens,
-        r.machine.cpu_model,
-        r.machine.candle_threads,
-        r.read_bandwidth_gbs,
-        r.results.first().map_or(0.0, |b| b.weight_bytes_per_step as f64 / 1e6),
-        r.git_commit,
-        r.timestamp,
-    );
-    for b in &r.results {
-        let (o, c) = (&b.ours, &b.candle_transformers);
-        s.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.2} | {:.3} | {:.1} | {:.1} | {:.0} | {:.2} |\n",
-            b.batch,
-            b.repeats,
-            b.new_tokens,
-            o.tokens_per_s,
-            o.ms_per_step,
-            o.prefill_ms,
-            o.achieved_gbs,
-            o.bw_fraction,
-            c.tokens_per_s,
-            c.ms_per_step,
-            c.prefill_ms,
-            b.ratio_vs_candle_transformers
-        ));
-    }
-    let agree = if r.sanity.tokens_match {
-        format!("greedy tokens agree with candle-transformers for {} tokens at batch 1", r.sanity.tokens_compared)
-    } else {
-        format!("greedy tokens DISAGREE with candle-transformers at token {:?}", r.sanity.first_mismatch)
-    };
-    s.push_str(&format!("\nSanity: {agree}.\n"));
-    if let Some(q) = &r.q8_0 {
-        let o = &q.ours;
-        s.push_str(&format!(
-            "\n## batch 1, Q8_0 weights (tlt-model packed vs candle-transformers quantized_llama)\n\n\
-             | weights | weights read per step MB | ours tok/s | ours ms/step | ours bw_fraction | candle tok/s \
-             | candle ms/step | ratio vs candle |\n|---|---:|---:|---:|---:|---:|---:|---:|\n"
-        ));
-        if let Some(f) = &r.f32_batch1 {
-            let b1 = r.results.iter().find(|b| b.batch == 1);
-            s.push_str(&format!(
-                "| f32 | {:.1} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.2} |\n",
-                f.weight_bytes_per_step as f64 / 1e6,
-                f.ours_tokens_per_s,
-                b1.map_or(f64::NAN, |b| b.ours.ms_per_step),
-                b1.map_or(f64::NAN, |b| b.ours.bw_fraction),
-                f.candle_tokens_per_s,
-                b1.map_or(f64::NAN, |b| b.candle_transformers.ms_per_step),
-                f.ratio_vs_candle_transformers
-            ));
-        }
-        s.push_str(&format!(
-            "| q8_0 | {:.1} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.2} |\n",
-            q.pair.weight_bytes_per_step as f64 / 1e6,
-            q.pair.ours_tokens_per_s,
-            o.ms_per_step,
-            o.bw_fraction,
-            q.pair.candle_tokens_per_s,
-            q.candle_transformers.ms_per_step,
-            q.pair.ratio_vs_candle_transformers
-        ));
-        let g = &q.greedy_agreement;
-        s.push_str(&format!(
-            "\nQ8_0 greedy agreement over the first {} tokens: {} (informative only; the two quantize separately).\n",
-            g.tokens_compared,
-            match g.first_mismatch {
-                None => "all agree".to_string(),
-                Some(i) => format!("first difference at token {i}"),
-            }
-        ));
-    }
-    let v = &r.verify;
-    s.push_str(&format!(
-        "\n## verifying {} draft tokens vs one decode step (batch 1, f32, context {}, median of {})\n\n\
-         | draft | ms | ÷ decode step |\n|---|---:|---:|\n| decode 1 token | {:.2} | 1.00 |\n\
-         | chain of {} | {:.2} | {:.2} |\n| branching tree {:?} | {:.2} | {:.2} |\n",
-        v.nodes,
-        v.context,
-        v.repeats,
-        v.decode1_ms,
-        v.nodes,
-        v.chain.verify_ms,
-        v.chain.verify8_over_decode1,
-        v.tree.parents.iter().map(|p| p.map_or(-1, |p| p as i64)).collect::<Vec<_>>(),
-        v.tree.verify_ms,
-        v.tree.verify8_over_decode1,
-    ));
-    s
 }

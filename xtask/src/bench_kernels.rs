@@ -246,13 +246,7 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
-    (0..len)
-        .map(|_| {
-            s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    tlt_kernels::SeededRng::new(seed).uniform_vec(len, -1.0, 1.0)
 }
 
 /// The smallest number of copies (at least 2) of `bytes` whose total exceeds `set_mib` MiB.

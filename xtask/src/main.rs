@@ -10,6 +10,7 @@
 
 mod assets;
 mod bench_decode;
+mod bench_decode_md;
 mod bench_kernels;
 mod candle_ref;
 mod report;
