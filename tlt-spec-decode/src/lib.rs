@@ -1,9 +1,52 @@
 //! # tlt-spec-decode
 //!
-//! Model-agnostic speculative decoding: `Target`/`Drafter` traits, EAGLE-2 dynamic draft trees, n-gram drafting, greedy and lossless tree speculative sampling, and the batched draft-verify-commit engine.
+//! Model-agnostic speculative decoding for TLT rollouts. This is the model-free core: a round drafts a token
+//! tree, the target scores every node in one tree-masked forward, and a verifier decides which root path to
+//! keep plus one extra token.
 //!
-//! **Status:** this crate is reserved in the workspace layout and holds no code yet; its contents are
-//! specified in the project's issue tracker ("tlt-spec-decode: lossless tree speculative decoding, batched") and land with that issue. It deliberately exports
-//! nothing rather than placeholder code.
+//! - [`Plan`]: the round's shape (`steps`, `top_k`, `verify_tokens`), as chosen by the scheduler's bandit.
+//! - [`DraftTree`]: node 0 is the last committed token (not yet fed to the target), every other node has a
+//!   smaller-indexed parent. Builders: [`DraftTree::chain`], [`DraftTree::eagle2`] (EAGLE-2 dynamic tree from a
+//!   drafter callback), [`DraftTree::push_child`], and [`NgramDrafter::propose`] (prompt lookup).
+//! - [`verify_greedy`] and [`verify_sampling`] (lossless tree speculative sampling under temperature, top-k and
+//!   top-p, exact for the drafting schemes named by [`Proposal`]) return an [`Accepted`] path and next token.
 //!
-//! **Where it sits:** depends on `tlt-kernels`, candle-core; used by `tlt-drafter`, `tlt-rl`. See the workspace `DESIGN.md` for the crate boundaries.
+//! [`DraftTree::parents`] is exactly `tlt_model::SeqInput::tree`, and [`Accepted::path`] is exactly what
+//! `tlt_model::KvCache::commit` keeps. The sampling primitives ([`SamplingParams`], [`SeededRng`]) are
+//! `tlt-kernels`' own, re-exported.
+//!
+//! ```
+//! use tlt_spec_decode::{verify_sampling, DraftTree, Plan, Proposal, SamplingParams, SeededRng};
+//!
+//! # fn main() -> tlt_spec_decode::Result<()> {
+//! // A toy drafter over a 4-token vocabulary that always proposes "previous + 1" (likely) or "previous + 2".
+//! let plan = Plan { steps: 3, top_k: 2, verify_tokens: 6 };
+//! let tree = DraftTree::eagle2(0, &plan, |path: &[u32]| {
+//!     let last = *path.last().unwrap_or(&0);
+//!     vec![((last + 1) % 4, (0.7f32).ln()), ((last + 2) % 4, (0.2f32).ln())]
+//! })?;
+//! assert_eq!(tree.len(), 6);
+//! assert_eq!(tree.tokens()[..4], [0, 1, 2, 2]);
+//! // The target agrees with the drafter everywhere: logits favour "token + 1".
+//! let rows: Vec<Vec<f32>> =
+//!     tree.tokens().iter().map(|&t| (0..4).map(|v| if v == (t + 1) % 4 { 4.0 } else { 0.0 }).collect()).collect();
+//! let mut rng = SeededRng::new(42);
+//! let acc = verify_sampling(&tree, &rows, Proposal::PointMass, &SamplingParams::default(), &mut rng)?;
+//! assert!(tree.is_root_path(&acc.path));
+//! let committed = acc.committed_tokens(&tree)?;
+//! assert_eq!(committed.len(), acc.path.len());
+//! # Ok(()) }
+//! ```
+
+mod error;
+mod ngram;
+mod plan;
+mod tree;
+mod verify;
+
+pub use error::{Error, Result};
+pub use ngram::NgramDrafter;
+pub use plan::Plan;
+pub use tlt_kernels::{SamplingParams, SeededRng};
+pub use tree::{DraftTree, Node};
+pub use verify::{verify_greedy, verify_sampling, Accepted, Proposal};
