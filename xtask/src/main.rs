@@ -37,7 +37,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Download and verify the offline assets (SmolLM2-135M-Instruct GGUF) into $TLT_CACHE or <workspace>/.cache.
+    /// Download and verify the offline assets (SmolLM2-135M-Instruct GGUF) into `$TLT_CACHE` or `<workspace>/.cache`.
     FetchAssets,
     /// Fetch assets, then run all tests of the workspace (cargo nextest, or cargo test without it).
     Test {
@@ -54,7 +54,7 @@ enum Cmd {
         #[arg(long, default_value_t = 128)]
         max_new_tokens: usize,
     },
-    /// Run a benchmark suite; results go to target/bench/<suite>.json and .md.
+    /// Run a benchmark suite; results go to `target/bench/<suite>.json` and `.md`.
     Bench {
         #[command(subcommand)]
         suite: Suite,
