@@ -39,6 +39,9 @@ pub enum Error {
         /// The vocabulary size of the rows.
         vocab: usize,
     },
+    /// The target model failed (its error, as text).
+    #[error("target: {0}")]
+    Target(String),
     /// Any other out-of-range argument.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

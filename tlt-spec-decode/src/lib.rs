@@ -11,6 +11,11 @@
 //! - [`verify_greedy`] and [`verify_sampling`] (lossless tree speculative sampling under temperature, top-k and
 //!   top-p, exact for the drafting schemes named by [`Proposal`]) return an [`Accepted`] path and next token.
 //!
+//! On top of that core sits the batched [`Engine`] (draft → one target forward → verify → commit, per-request
+//! stop, log-probs and hidden states of committed tokens), generic over the [`Target`] and [`Drafter`] seams;
+//! `tlt_model::Llama` implements [`Target`] with its `KvCache` as the state, [`NgramDrafter`] implements
+//! [`Drafter`].
+//!
 //! [`DraftTree::parents`] is exactly `tlt_model::SeqInput::tree`, and [`Accepted::path`] is exactly what
 //! `tlt_model::KvCache::commit` keeps. The sampling primitives ([`SamplingParams`], [`SeededRng`]) are
 //! `tlt-kernels`' own, re-exported.
@@ -38,15 +43,24 @@
 //! # Ok(()) }
 //! ```
 
+mod drafter;
+mod engine;
 mod error;
+mod llama;
 mod ngram;
+mod params;
 mod plan;
+mod target;
 mod tree;
 mod verify;
 
+pub use drafter::Drafter;
+pub use engine::{Counters, Engine, FinishReason, Finished, RequestId};
 pub use error::{Error, Result};
 pub use ngram::NgramDrafter;
+pub use params::SpecParams;
 pub use plan::Plan;
+pub use target::{SeqHandle, Target, TargetInput, TargetOutput};
 pub use tlt_kernels::{SamplingParams, SeededRng};
 pub use tree::{DraftTree, Node};
 pub use verify::{verify_greedy, verify_sampling, Accepted, Proposal};

@@ -1,0 +1,396 @@
+//! The batched draft → verify → commit engine.
+
+use std::time::Instant;
+
+use tlt_kernels::{log_softmax, SeededRng};
+
+use crate::{
+    verify_greedy, verify_sampling, DraftTree, Drafter, Error, Plan, Proposal, Result, SeqHandle, SpecParams, Target,
+    TargetInput,
+};
+
+/// Identifies a request of an [`Engine`] (dense, in order of [`Engine::add_request`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub usize);
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It produced a stop token (the last token of its output).
+    Stop,
+    /// It reached `max_new_tokens` or the target's context limit.
+    Length,
+}
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    /// The request.
+    pub id: RequestId,
+    /// Its prompt.
+    pub prompt: Vec<u32>,
+    /// Generated tokens (a stop token, if any, is the last one).
+    pub tokens: Vec<u32>,
+    /// `logprobs[i]`: the target's log-probability of `tokens[i]` at temperature 1 (no top-k/top-p), given
+    /// everything before it.
+    pub logprobs: Vec<f32>,
+    /// When recording was on ([`Engine::record_hidden`]): `hidden[i]` is the target's final-norm hidden state
+    /// at the position that predicted `tokens[i]` (the previous token's position), as EAGLE training pairs it.
+    pub hidden: Option<Vec<Vec<f32>>>,
+    /// Why it ended.
+    pub reason: FinishReason,
+}
+
+/// Engine counters since construction (or [`Engine::reset_counters`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Counters {
+    /// Engine rounds (one target forward each).
+    pub rounds: u64,
+    /// Sequence-rounds (sum over rounds of the live sequences in it).
+    pub seq_rounds: u64,
+    /// Drafted tokens sent for verification (tree nodes other than roots).
+    pub drafted: u64,
+    /// Drafted tokens accepted.
+    pub accepted: u64,
+    /// Tokens committed (accepted drafts + one per sequence-round, before stop truncation).
+    pub committed: u64,
+    /// Seconds in the drafter.
+    pub draft_s: f64,
+    /// Seconds in target forwards of rounds (tree verification).
+    pub forward_s: f64,
+    /// Seconds deciding acceptance (verification on the logits).
+    pub verify_s: f64,
+    /// Seconds committing: cache commit, log-probs, hidden states, bookkeeping.
+    pub commit_s: f64,
+    /// Seconds prefilling prompts.
+    pub prefill_s: f64,
+}
+
+impl Counters {
+    /// Mean committed tokens per sequence-round (accept length + 1 on average).
+    pub fn mean_accept_len(&self) -> f64 {
+        if self.seq_rounds == 0 {
+            0.0
+        } else {
+            self.committed as f64 / self.seq_rounds as f64
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Live {
+    id: RequestId,
+    handle: SeqHandle,
+    prompt_len: usize,
+    /// Prompt + generated. The last token is the root of the next round: committed but not yet fed.
+    history: Vec<u32>,
+    logprobs: Vec<f32>,
+    hidden: Option<Vec<Vec<f32>>>,
+    rng: SeededRng,
+}
+
+/// Runs speculative (or plain) decoding for a batch of requests against one [`Target`].
+///
+/// Each round ([`Engine::step`]) drafts a tree per live sequence (a root-only tree without a drafter), scores
+/// all trees in **one** batched target forward, verifies each (greedy at temperature 0, otherwise lossless
+/// tree speculative sampling with point-mass proposals), commits the accepted path in the target's cache and
+/// appends the accepted tokens plus the bonus/correction token. The last committed token is kept as the next
+/// round's root and not yet fed, so plain and speculative rounds are the same state machine: a drafter can be
+/// switched on or off between any two rounds without re-prefilling.
+///
+/// ```
+/// use tlt_model::{Llama, LlamaConfig};
+/// use tlt_spec_decode::{Engine, NgramDrafter, Plan, SpecParams};
+///
+/// # fn main() -> tlt_spec_decode::Result<()> {
+/// let model = Llama::random(LlamaConfig::tiny(32, 64, 2), 0).map_err(|e| tlt_spec_decode::Error::Target(e.to_string()))?;
+/// let mut engine = Engine::new(&model, SpecParams::greedy(12))?;
+/// engine.add_request(&[1, 2, 3, 1, 2])?;
+/// engine.add_request(&[7])?;
+/// engine.step(None, &Plan::chain(1))?; // a plain round
+/// let mut ngram = NgramDrafter::default();
+/// engine.run_to_completion(Some(&mut ngram), &Plan { steps: 4, top_k: 2, verify_tokens: 8 })?;
+/// for f in engine.finished() {
+///     assert_eq!(f.tokens.len(), 12);
+///     assert_eq!(f.logprobs.len(), 12);
+/// }
+/// assert!(engine.counters().rounds >= 3);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Engine<T: Target> {
+    target: T,
+    state: T::State,
+    params: SpecParams,
+    stop: Vec<u32>,
+    record_hidden: bool,
+    next_id: usize,
+    live: Vec<Live>,
+    finished: Vec<Finished>,
+    counters: Counters,
+}
+
+impl<T: Target> Engine<T> {
+    /// An engine with an empty batch.
+    ///
+    /// # Errors
+    /// If `params` are invalid ([`SpecParams::validate`]).
+    pub fn new(target: T, params: SpecParams) -> Result<Self> {
+        params.validate()?;
+        let state = target.new_state();
+        let stop = params.stop_token_ids.clone().unwrap_or_else(|| target.eos_ids());
+        Ok(Self {
+            target,
+            state,
+            params,
+            stop,
+            record_hidden: false,
+            next_id: 0,
+            live: Vec::new(),
+            finished: Vec::new(),
+            counters: Counters::default(),
+        })
+    }
+
+    /// Whether to record the target's final-norm hidden states of committed tokens. Applies to requests that
+    /// have not generated a token yet.
+    pub fn record_hidden(&mut self, on: bool) {
+        self.record_hidden = on;
+    }
+
+    /// The target.
+    pub fn target(&self) -> &T {
+        &self.target
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &SpecParams {
+        &self.params
+    }
+
+    /// The stop tokens in effect.
+    pub fn stop_tokens(&self) -> &[u32] {
+        &self.stop
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Zeroes the counters.
+    pub fn reset_counters(&mut self) {
+        self.counters = Counters::default();
+    }
+
+    /// Number of requests still generating.
+    pub fn num_live(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Whether no request is generating.
+    pub fn is_idle(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    /// Finished requests, in the order they finished.
+    pub fn finished(&self) -> &[Finished] {
+        &self.finished
+    }
+
+    /// Takes the finished requests out of the engine.
+    pub fn take_finished(&mut self) -> Vec<Finished> {
+        std::mem::take(&mut self.finished)
+    }
+
+    /// Adds a request: prefills all of `prompt` but its last token, which becomes the root of its first round.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty prompt, a prompt that fills the target's context, or a token
+    /// outside the vocabulary; [`Error::Target`] if the prefill fails.
+    pub fn add_request(&mut self, prompt: &[u32]) -> Result<RequestId> {
+        if prompt.is_empty() {
+            return Err(Error::InvalidArgument("empty prompt".into()));
+        }
+        if let Some(max) = self.target.max_context() {
+            if prompt.len() >= max {
+                return Err(Error::InvalidArgument(format!(
+                    "prompt of {} tokens leaves no room in the target's context of {max}",
+                    prompt.len()
+                )));
+            }
+        }
+        let vocab = self.target.vocab_size();
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidArgument(format!("prompt token {bad} >= vocabulary size {vocab}")));
+        }
+        let t0 = Instant::now();
+        let handle = self.target.new_sequence(&mut self.state);
+        if prompt.len() > 1 {
+            let input = TargetInput { seq: handle, tokens: &prompt[..prompt.len() - 1], tree: None, logits: false };
+            if let Err(e) = self.target.forward(&mut self.state, &[input], false) {
+                let _ = self.target.remove(&mut self.state, handle);
+                return Err(e);
+            }
+        }
+        self.counters.prefill_s += t0.elapsed().as_secs_f64();
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        self.live.push(Live {
+            id,
+            handle,
+            prompt_len: prompt.len(),
+            history: prompt.to_vec(),
+            logprobs: Vec::new(),
+            hidden: None,
+            rng: SeededRng::new(self.params.seed).fork(id.0 as u64),
+        });
+        Ok(id)
+    }
+
+    /// One round for every live request: draft (with `drafter`, else plain decoding), one batched target
+    /// forward, verify, commit, stop checks. Does nothing when no request is live.
+    ///
+    /// # Errors
+    /// [`Error::InvalidPlan`] for an invalid `plan` (when drafting), a drafter's error, a tree whose root is
+    /// not the sequence's last token, or a target error. After an error the engine's requests are in an
+    /// unspecified state.
+    pub fn step(&mut self, mut drafter: Option<&mut dyn Drafter>, plan: &Plan) -> Result<()> {
+        if self.live.is_empty() {
+            return Ok(());
+        }
+        if drafter.is_some() {
+            plan.validate()?;
+        }
+        // Draft.
+        let t0 = Instant::now();
+        let mut trees = Vec::with_capacity(self.live.len());
+        for s in &self.live {
+            let root = *s.history.last().unwrap_or(&0);
+            let tree = match drafter.as_deref_mut() {
+                Some(d) => d.propose(s.id.0, &s.history, plan)?,
+                None => DraftTree::new(root),
+            };
+            if tree.root_token() != root {
+                return Err(Error::InvalidTree(format!(
+                    "draft for request {} is rooted at token {}, not at its last token {root}",
+                    s.id.0,
+                    tree.root_token()
+                )));
+            }
+            trees.push(tree);
+        }
+        let t1 = Instant::now();
+        self.counters.draft_s += (t1 - t0).as_secs_f64();
+
+        // One batched forward.
+        let tokens: Vec<Vec<u32>> = trees.iter().map(DraftTree::tokens).collect();
+        let parents: Vec<Vec<Option<usize>>> = trees.iter().map(DraftTree::parents).collect();
+        let inputs: Vec<TargetInput<'_>> = self
+            .live
+            .iter()
+            .enumerate()
+            .map(|(i, s)| TargetInput { seq: s.handle, tokens: &tokens[i], tree: Some(&parents[i]), logits: true })
+            .collect();
+        let out = self.target.forward(&mut self.state, &inputs, self.record_hidden)?;
+        let t2 = Instant::now();
+        self.counters.forward_s += (t2 - t1).as_secs_f64();
+
+        // Verify.
+        let mut accepted = Vec::with_capacity(trees.len());
+        for (i, (s, tree)) in self.live.iter_mut().zip(&trees).enumerate() {
+            let rows: Vec<&[f32]> = (0..tree.len()).map(|r| out.logits_row(i, r)).collect::<Result<_>>()?;
+            let acc = if self.params.sampling.temperature == 0.0 {
+                verify_greedy(tree, &rows)?
+            } else {
+                verify_sampling(tree, &rows, Proposal::PointMass, &self.params.sampling, &mut s.rng)?
+            };
+            accepted.push(acc);
+        }
+        let t3 = Instant::now();
+        self.counters.verify_s += (t3 - t2).as_secs_f64();
+
+        // Commit.
+        self.counters.rounds += 1;
+        let mut done = Vec::new();
+        for (i, (s, (tree, acc))) in self.live.iter_mut().zip(trees.iter().zip(&accepted)).enumerate() {
+            self.target.commit(&mut self.state, s.handle, &acc.path)?;
+            self.counters.seq_rounds += 1;
+            self.counters.drafted += (tree.len() - 1) as u64;
+            self.counters.accepted += acc.accepted_drafts() as u64;
+            let committed = acc.committed_tokens(tree)?;
+            self.counters.committed += committed.len() as u64;
+            if self.record_hidden && s.hidden.is_none() && s.logprobs.is_empty() {
+                s.hidden = Some(Vec::new());
+            }
+            let mut reason = None;
+            let mut kept = 0;
+            for (k, &tok) in committed.iter().enumerate() {
+                let row = out.logits_row(i, acc.path[k])?;
+                let lp = log_softmax(row)?;
+                s.logprobs.push(lp[tok as usize]);
+                if let Some(h) = s.hidden.as_mut() {
+                    match out.hidden_row(i, acc.path[k]) {
+                        Some(r) => h.push(r.to_vec()),
+                        None => h.push(Vec::new()),
+                    }
+                }
+                s.history.push(tok);
+                kept += 1;
+                let generated = s.history.len() - s.prompt_len;
+                if self.stop.contains(&tok) {
+                    reason = Some(FinishReason::Stop);
+                } else if generated >= self.params.max_new_tokens
+                    || self.target.max_context().is_some_and(|m| s.history.len() >= m)
+                {
+                    reason = Some(FinishReason::Length);
+                }
+                if reason.is_some() {
+                    break;
+                }
+            }
+            if let Some(d) = drafter.as_deref_mut() {
+                d.observe(s.id.0, &committed[..kept]);
+            }
+            if let Some(r) = reason {
+                done.push((i, r));
+            }
+        }
+        for &(i, reason) in done.iter().rev() {
+            let s = self.live.remove(i);
+            self.target.remove(&mut self.state, s.handle)?;
+            self.finished.push(Finished {
+                id: s.id,
+                tokens: s.history[s.prompt_len..].to_vec(),
+                prompt: {
+                    let mut p = s.history;
+                    p.truncate(s.prompt_len);
+                    p
+                },
+                logprobs: s.logprobs,
+                hidden: s.hidden,
+                reason,
+            });
+        }
+        // Keep finish order by request id within a round.
+        let n = done.len();
+        let len = self.finished.len();
+        self.finished[len - n..].sort_by_key(|f| f.id);
+        self.counters.commit_s += t3.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Runs rounds until no request is live.
+    ///
+    /// # Errors
+    /// As [`Engine::step`].
+    pub fn run_to_completion(&mut self, mut drafter: Option<&mut dyn Drafter>, plan: &Plan) -> Result<()> {
+        while !self.live.is_empty() {
+            match drafter {
+                Some(ref mut d) => self.step(Some(&mut **d), plan)?,
+                None => self.step(None, plan)?,
+            }
+        }
+        Ok(())
+    }
+}

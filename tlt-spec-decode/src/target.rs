@@ -1,0 +1,146 @@
+//! The target model seam: what the engine needs from the model it verifies drafts with.
+
+use std::ops::Range;
+
+use crate::{Error, Result};
+
+/// Handle of one sequence inside a [`Target`]'s state (for `tlt_model`, the `SeqId` index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqHandle(pub usize);
+
+/// New tokens for one sequence in a batched [`Target::forward`].
+#[derive(Debug, Clone, Copy)]
+pub struct TargetInput<'a> {
+    /// The sequence; its committed tokens are the context.
+    pub seq: SeqHandle,
+    /// The new tokens (at least one).
+    pub tokens: &'a [u32],
+    /// `None`: a causal append, committed at once (prefill). `Some(parents)`: a token tree in
+    /// [`DraftTree::parents`](crate::DraftTree::parents) form, tentative until [`Target::commit`].
+    pub tree: Option<&'a [Option<usize>]>,
+    /// Whether to return a logits row for every new token (`false`: none, e.g. a prefill).
+    pub logits: bool,
+}
+
+/// What a batched [`Target::forward`] returns: flat row-major buffers plus each input's rows.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TargetOutput {
+    /// Width of a logits row.
+    pub vocab: usize,
+    /// `[rows, vocab]` logits, rows of all inputs in input order.
+    pub logits: Vec<f32>,
+    /// For each input, its rows in `logits` (empty when it asked for none).
+    pub logit_rows: Vec<Range<usize>>,
+    /// Width of a hidden-state row (0 when none were asked for).
+    pub hidden_size: usize,
+    /// `[tokens, hidden_size]` final-norm hidden states of every new token of every input, when asked for.
+    pub hidden: Option<Vec<f32>>,
+    /// For each input, its rows in `hidden`.
+    pub hidden_rows: Vec<Range<usize>>,
+}
+
+impl TargetOutput {
+    /// Logits row `r` of input `input` (`r` counts from the input's first row).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] if the input or row does not exist.
+    pub fn logits_row(&self, input: usize, r: usize) -> Result<&[f32]> {
+        let rows = self.logit_rows.get(input).ok_or(Error::ShapeMismatch {
+            what: "target output inputs",
+            expected: input + 1,
+            got: self.logit_rows.len(),
+        })?;
+        if r >= rows.len() {
+            return Err(Error::ShapeMismatch { what: "target logits rows", expected: r + 1, got: rows.len() });
+        }
+        let at = (rows.start + r) * self.vocab;
+        self.logits.get(at..at + self.vocab).ok_or(Error::ShapeMismatch {
+            what: "target logits buffer",
+            expected: at + self.vocab,
+            got: self.logits.len(),
+        })
+    }
+
+    /// Hidden-state row `r` of input `input`, if hidden states were returned.
+    pub fn hidden_row(&self, input: usize, r: usize) -> Option<&[f32]> {
+        let rows = self.hidden_rows.get(input)?;
+        if r >= rows.len() {
+            return None;
+        }
+        let at = (rows.start + r) * self.hidden_size;
+        self.hidden.as_ref()?.get(at..at + self.hidden_size)
+    }
+}
+
+/// A target model driven by the [`Engine`](crate::Engine): batched forward over token trees with tentative
+/// cache entries, and commit of an accepted root path. Weights are read-only (`&self`); all per-sequence state
+/// lives in [`Target::State`] (the KV cache).
+pub trait Target {
+    /// The mutable per-batch state (the KV cache).
+    type State;
+
+    /// Width of a logits row.
+    fn vocab_size(&self) -> usize;
+    /// The end-of-sequence tokens (the default stop tokens).
+    fn eos_ids(&self) -> Vec<u32>;
+    /// The longest context (committed tokens) a sequence may reach, if bounded.
+    fn max_context(&self) -> Option<usize> {
+        None
+    }
+    /// A fresh, empty state.
+    fn new_state(&self) -> Self::State;
+    /// Starts an empty sequence.
+    fn new_sequence(&self, state: &mut Self::State) -> SeqHandle;
+    /// Frees a sequence.
+    ///
+    /// # Errors
+    /// If `seq` is unknown.
+    fn remove(&self, state: &mut Self::State, seq: SeqHandle) -> Result<()>;
+    /// Rolls `seq` back to its first `len` committed tokens, dropping tentative entries.
+    ///
+    /// # Errors
+    /// If `seq` is unknown or has fewer than `len` tokens.
+    fn truncate(&self, state: &mut Self::State, seq: SeqHandle, len: usize) -> Result<()>;
+    /// One batched forward. With `hidden`, also the final-norm hidden state of every new token.
+    ///
+    /// # Errors
+    /// On bad input (unknown or repeated sequence, empty tokens, token out of vocabulary, a sequence with a
+    /// pending tree); the state is then left as it was.
+    fn forward(&self, state: &mut Self::State, inputs: &[TargetInput<'_>], hidden: bool) -> Result<TargetOutput>;
+    /// Keeps the tentative tree nodes `path` (a root path) of `seq` and drops the others.
+    ///
+    /// # Errors
+    /// If `seq` has no pending tree or `path` is not a root path of it.
+    fn commit(&self, state: &mut Self::State, seq: SeqHandle, path: &[usize]) -> Result<()>;
+}
+
+impl<T: Target + ?Sized> Target for &T {
+    type State = T::State;
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+    fn eos_ids(&self) -> Vec<u32> {
+        (**self).eos_ids()
+    }
+    fn max_context(&self) -> Option<usize> {
+        (**self).max_context()
+    }
+    fn new_state(&self) -> Self::State {
+        (**self).new_state()
+    }
+    fn new_sequence(&self, state: &mut Self::State) -> SeqHandle {
+        (**self).new_sequence(state)
+    }
+    fn remove(&self, state: &mut Self::State, seq: SeqHandle) -> Result<()> {
+        (**self).remove(state, seq)
+    }
+    fn truncate(&self, state: &mut Self::State, seq: SeqHandle, len: usize) -> Result<()> {
+        (**self).truncate(state, seq, len)
+    }
+    fn forward(&self, state: &mut Self::State, inputs: &[TargetInput<'_>], hidden: bool) -> Result<TargetOutput> {
+        (**self).forward(state, inputs, hidden)
+    }
+    fn commit(&self, state: &mut Self::State, seq: SeqHandle, path: &[usize]) -> Result<()> {
+        (**self).commit(state, seq, path)
+    }
+}
