@@ -22,7 +22,7 @@ use tracing::{info, warn};
 
 use crate::candle_ref::{requantize_gguf, CandleLlama, CandleQuantLlama};
 use crate::report::{self, median};
-use crate::sysinfo::{self, MachineInfo};
+use crate::sysinfo::{self, MachineInfo, Probe};
 
 /// Draft tokens a verification scores.
 const VERIFY_NODES: usize = 8;
@@ -167,19 +167,6 @@ pub struct Workload {
     pub new_tokens: usize,
     /// Token choice.
     pub sampling: &'static str,
-}
-
-/// The read-bandwidth probe.
-#[derive(Debug, Clone, Serialize)]
-pub struct Probe {
-    /// What it does.
-    pub method: &'static str,
-    /// Buffer size, MiB.
-    pub buffer_mib: usize,
-    /// Passes; the best is kept.
-    pub passes: usize,
-    /// Threads.
-    pub threads: usize,
 }
 
 /// Batch-1 throughput of a pair of implementations, side by side.
@@ -493,7 +480,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     // The model's GEMMs run on all cores (tlt_kernels::default_threads); probe with the same count.
     let probe_threads = tlt_kernels::default_threads();
     info!(mib = args.probe_mib.max(512), threads = probe_threads, "probing read bandwidth");
-    let bw_gbs = sysinfo::read_bandwidth_gbs(args.probe_mib, 5, probe_threads);
+    let (bw_gbs, probe) = Probe::run(args.probe_mib, probe_threads);
     info!(gb_per_s = format!("{bw_gbs:.2}"), "read bandwidth");
 
     let sanity = check_agreement(&model, &reference, &prompts[0], args.check_steps)?;
@@ -654,12 +641,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
             sampling: "greedy",
         },
         read_bandwidth_gbs: bw_gbs,
-        read_bandwidth_probe: Probe {
-            method: "sum of an f32 buffer, 16 accumulators, best pass",
-            buffer_mib: args.probe_mib.max(512),
-            passes: 5,
-            threads: probe_threads,
-        },
+        read_bandwidth_probe: probe,
         sanity,
         results,
         f32_batch1,

@@ -19,7 +19,7 @@ use tlt_kernels::{gemm_with, GemmConfig, Isa, MatRef, Matrix, WeightDType, Weigh
 use tracing::{info, warn};
 
 use crate::report::{self, median};
-use crate::sysinfo::{self, MachineInfo};
+use crate::sysinfo::{self, MachineInfo, Probe};
 
 const MIB: usize = 1 << 20;
 
@@ -165,19 +165,6 @@ pub struct Check {
     pub m: usize,
     /// `max |ours - candle| / max |candle|`.
     pub max_rel_err: f64,
-}
-
-/// The read-bandwidth probe.
-#[derive(Debug, Clone, Serialize)]
-pub struct Probe {
-    /// What it does.
-    pub method: &'static str,
-    /// Buffer size, MiB.
-    pub buffer_mib: usize,
-    /// Passes; the best is kept.
-    pub passes: usize,
-    /// Threads.
-    pub threads: usize,
 }
 
 /// The whole `kernels.json`.
@@ -335,7 +322,7 @@ pub fn run(args: &KernelArgs) -> Result<()> {
     let cfg = GemmConfig { isa, threads };
     info!(isa = isa.name(), threads, candle_threads = machine.candle_threads, "kernel benchmark");
     info!(mib = args.probe_mib.max(512), threads, "probing read bandwidth");
-    let bw_gbs = sysinfo::read_bandwidth_gbs(args.probe_mib, 5, threads);
+    let (bw_gbs, probe) = Probe::run(args.probe_mib, threads);
     info!(gb_per_s = format!("{bw_gbs:.2}"), "read bandwidth");
 
     let mut results: Vec<Entry> = Vec::new();
@@ -437,12 +424,7 @@ pub fn run(args: &KernelArgs) -> Result<()> {
         repeats: args.repeats,
         set_mib_min: args.set_mib,
         read_bandwidth_gbs: bw_gbs,
-        read_bandwidth_probe: Probe {
-            method: "sum of an f32 buffer, 16 accumulators, best pass",
-            buffer_mib: args.probe_mib.max(512),
-            passes: 5,
-            threads,
-        },
+        read_bandwidth_probe: probe,
         results,
         checks,
         targets,

@@ -89,6 +89,32 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     (y, m, d)
 }
 
+/// How the read bandwidth of a bench run was measured (recorded in its JSON).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Probe {
+    /// What it does.
+    pub method: &'static str,
+    /// Buffer size, MiB.
+    pub buffer_mib: usize,
+    /// Passes; the best is kept.
+    pub passes: usize,
+    /// Threads.
+    pub threads: usize,
+}
+
+impl Probe {
+    /// Runs [`read_bandwidth_gbs`] with 5 passes on `threads` threads; returns GB/s and the description.
+    pub fn run(mib: usize, threads: usize) -> (f64, Probe) {
+        let probe = Probe {
+            method: "sum of an f32 buffer, 16 accumulators, best pass",
+            buffer_mib: mib.max(512),
+            passes: 5,
+            threads,
+        };
+        (read_bandwidth_gbs(mib, probe.passes, threads), probe)
+    }
+}
+
 /// A STREAM-style read-bandwidth probe, in GB/s (10^9 bytes per second).
 ///
 /// Sums a `mib` MiB f32 buffer (at least 512 MiB, far larger than any cache), split across `threads` scoped
