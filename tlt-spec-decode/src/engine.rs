@@ -4,9 +4,10 @@ use std::time::Instant;
 
 use tlt_kernels::{log_softmax, SeededRng};
 
+use crate::stop::StopStrings;
 use crate::{
-    verify_greedy, verify_sampling, DraftTree, Drafter, Error, Plan, Proposal, Result, SeqHandle, SpecParams, Target,
-    TargetInput,
+    DraftContext, DraftTree, Drafter, Error, ExactVerifier, HiddenStates, Plan, Result, SeqHandle, SpecParams, Target,
+    TargetInput, TokenDecoder, Verifier,
 };
 
 /// Identifies a request of an [`Engine`] (dense, in order of [`Engine::add_request`]).
@@ -18,6 +19,11 @@ pub struct RequestId(pub usize);
 pub enum FinishReason {
     /// It produced a stop token (the last token of its output).
     Stop,
+    /// Its text came to contain `params.stop[index]` (the token completing it is the last of its output).
+    StopString {
+        /// Which stop string.
+        index: usize,
+    },
     /// It reached `max_new_tokens` or the target's context limit.
     Length,
 }
@@ -34,11 +40,19 @@ pub struct Finished {
     /// `logprobs[i]`: the target's log-probability of `tokens[i]` at temperature 1 (no top-k/top-p), given
     /// everything before it.
     pub logprobs: Vec<f32>,
-    /// When recording was on ([`Engine::record_hidden`]): `hidden[i]` is the target's final-norm hidden state
-    /// at the position that predicted `tokens[i]` (the previous token's position), as EAGLE training pairs it.
-    pub hidden: Option<Vec<Vec<f32>>>,
+    /// When recording was on ([`Engine::record_hidden`]): the target's features at every position fed, prompt
+    /// included: `prompt.len() + tokens.len() - 1` rows, row `t` predicting token `t + 1` of prompt + tokens
+    /// (EAGLE's pairing). [`Finished::token_hidden`] picks the row that predicted a generated token.
+    pub hidden: Option<HiddenStates>,
     /// Why it ended.
     pub reason: FinishReason,
+}
+
+impl Finished {
+    /// The recorded feature at the position that predicted `tokens[i]` (the previous token's position).
+    pub fn token_hidden(&self, i: usize) -> Option<&[f32]> {
+        self.hidden.as_ref()?.row(self.prompt.len() + i - 1)
+    }
 }
 
 /// Engine counters since construction (or [`Engine::reset_counters`]).
@@ -85,15 +99,25 @@ struct Live {
     /// Prompt + generated. The last token is the root of the next round: committed but not yet fed.
     history: Vec<u32>,
     logprobs: Vec<f32>,
-    hidden: Option<Vec<Vec<f32>>>,
+    /// Features of every fed position (`history.len() - 1` rows) when recording.
+    hidden: Option<HiddenStates>,
     rng: SeededRng,
+}
+
+/// Appends `rows` (flat, `width` wide) to `h`, adopting `width` while `h` is still empty.
+fn append_hidden(h: &mut HiddenStates, width: usize, rows: &[f32]) -> Result<()> {
+    if h.is_empty() && h.width() != width {
+        *h = HiddenStates::new(width);
+    }
+    h.extend_flat(rows)
 }
 
 /// Runs speculative (or plain) decoding for a batch of requests against one [`Target`].
 ///
 /// Each round ([`Engine::step`]) drafts a tree per live sequence (a root-only tree without a drafter), scores
 /// all trees in **one** batched target forward, verifies each (greedy at temperature 0, otherwise lossless
-/// tree speculative sampling with point-mass proposals), commits the accepted path in the target's cache and
+/// tree speculative sampling with point-mass proposals; see [`Engine::with_verifier`]), commits the accepted
+/// path in the target's cache and
 /// appends the accepted tokens plus the bonus/correction token. The last committed token is kept as the next
 /// round's root and not yet fed, so plain and speculative rounds are the same state machine: a drafter can be
 /// switched on or off between any two rounds without re-prefilling.
@@ -123,6 +147,9 @@ pub struct Engine<T: Target> {
     state: T::State,
     params: SpecParams,
     stop: Vec<u32>,
+    stop_strings: StopStrings,
+    decoder: Option<Box<dyn TokenDecoder>>,
+    verifier: Box<dyn Verifier>,
     record_hidden: bool,
     next_id: usize,
     live: Vec<Live>,
@@ -139,11 +166,15 @@ impl<T: Target> Engine<T> {
         params.validate()?;
         let state = target.new_state();
         let stop = params.stop_token_ids.clone().unwrap_or_else(|| target.eos_ids());
+        let stop_strings = StopStrings::new(&params.stop);
         Ok(Self {
             target,
             state,
             params,
             stop,
+            stop_strings,
+            decoder: None,
+            verifier: Box::new(ExactVerifier),
             record_hidden: false,
             next_id: 0,
             live: Vec::new(),
@@ -152,8 +183,22 @@ impl<T: Target> Engine<T> {
         })
     }
 
-    /// Whether to record the target's final-norm hidden states of committed tokens. Applies to requests that
-    /// have not generated a token yet.
+    /// Replaces the acceptance rule (default [`ExactVerifier`], lossless). Any other rule changes the output
+    /// distribution; use it knowingly.
+    pub fn with_verifier(mut self, verifier: Box<dyn Verifier>) -> Self {
+        self.verifier = verifier;
+        self
+    }
+
+    /// Sets the token decoder that stop strings ([`SpecParams::stop`]) are matched with.
+    pub fn with_decoder(mut self, decoder: Box<dyn TokenDecoder>) -> Self {
+        self.decoder = Some(decoder);
+        self
+    }
+
+    /// Whether to record the target's hidden features (for `tlt_model::Llama` the final-norm state) at every
+    /// position of requests added from now on, prompt included: returned in [`Finished::hidden`] and given to
+    /// drafters ([`DraftContext::hidden`]). Feature-level drafters (EAGLE) need it.
     pub fn record_hidden(&mut self, on: bool) {
         self.record_hidden = on;
     }
@@ -206,9 +251,12 @@ impl<T: Target> Engine<T> {
     /// Adds a request: prefills all of `prompt` but its last token, which becomes the root of its first round.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for an empty prompt, a prompt that fills the target's context, or a token
-    /// outside the vocabulary; [`Error::Target`] if the prefill fails.
+    /// [`Error::InvalidArgument`] for an empty prompt, a prompt that fills the target's context, a token
+    /// outside the vocabulary, or stop strings without a decoder; [`Error::Target`] if the prefill fails.
     pub fn add_request(&mut self, prompt: &[u32]) -> Result<RequestId> {
+        if !self.stop_strings.is_empty() && self.decoder.is_none() {
+            return Err(Error::InvalidArgument("stop strings need a token decoder (Engine::with_decoder)".into()));
+        }
         if prompt.is_empty() {
             return Err(Error::InvalidArgument("empty prompt".into()));
         }
@@ -226,9 +274,19 @@ impl<T: Target> Engine<T> {
         }
         let t0 = Instant::now();
         let handle = self.target.new_sequence(&mut self.state);
+        let mut hidden = self.record_hidden.then(HiddenStates::default);
         if prompt.len() > 1 {
             let input = TargetInput { seq: handle, tokens: &prompt[..prompt.len() - 1], tree: None, logits: false };
-            if let Err(e) = self.target.forward(&mut self.state, &[input], false) {
+            let out = self.target.forward(&mut self.state, &[input], hidden.is_some()).and_then(|out| {
+                if let Some(h) = hidden.as_mut() {
+                    let rows = out.hidden.as_deref().ok_or_else(|| {
+                        Error::Target("the target returned no hidden states for a recording request".into())
+                    })?;
+                    append_hidden(h, out.hidden_size, rows)?;
+                }
+                Ok(())
+            });
+            if let Err(e) = out {
                 let _ = self.target.remove(&mut self.state, handle);
                 return Err(e);
             }
@@ -242,7 +300,7 @@ impl<T: Target> Engine<T> {
             prompt_len: prompt.len(),
             history: prompt.to_vec(),
             logprobs: Vec::new(),
-            hidden: None,
+            hidden,
             rng: SeededRng::new(self.params.seed).fork(id.0 as u64),
         });
         Ok(id)
@@ -264,13 +322,36 @@ impl<T: Target> Engine<T> {
         }
         // Draft.
         let t0 = Instant::now();
-        let mut trees = Vec::with_capacity(self.live.len());
-        for s in &self.live {
+        let trees = match drafter.as_deref_mut() {
+            Some(d) => {
+                if d.needs_hidden() {
+                    if let Some(s) = self.live.iter().find(|s| s.hidden.is_none()) {
+                        return Err(Error::InvalidArgument(format!(
+                            "the drafter needs hidden states but request {} records none (Engine::record_hidden \
+                             before add_request)",
+                            s.id.0
+                        )));
+                    }
+                }
+                let ctxs: Vec<DraftContext<'_>> = self
+                    .live
+                    .iter()
+                    .map(|s| DraftContext {
+                        request: s.id,
+                        history: &s.history,
+                        prompt_len: s.prompt_len,
+                        hidden: s.hidden.as_ref(),
+                    })
+                    .collect();
+                d.propose_batch(&ctxs, plan)?
+            }
+            None => self.live.iter().map(|s| DraftTree::new(*s.history.last().unwrap_or(&0))).collect(),
+        };
+        if trees.len() != self.live.len() {
+            return Err(Error::ShapeMismatch { what: "draft trees", expected: self.live.len(), got: trees.len() });
+        }
+        for (s, tree) in self.live.iter().zip(&trees) {
             let root = *s.history.last().unwrap_or(&0);
-            let tree = match drafter.as_deref_mut() {
-                Some(d) => d.propose(s.id.0, &s.history, plan)?,
-                None => DraftTree::new(root),
-            };
             if tree.root_token() != root {
                 return Err(Error::InvalidTree(format!(
                     "draft for request {} is rooted at token {}, not at its last token {root}",
@@ -278,7 +359,6 @@ impl<T: Target> Engine<T> {
                     tree.root_token()
                 )));
             }
-            trees.push(tree);
         }
         let t1 = Instant::now();
         self.counters.draft_s += (t1 - t0).as_secs_f64();
@@ -292,7 +372,8 @@ impl<T: Target> Engine<T> {
             .enumerate()
             .map(|(i, s)| TargetInput { seq: s.handle, tokens: &tokens[i], tree: Some(&parents[i]), logits: true })
             .collect();
-        let out = self.target.forward(&mut self.state, &inputs, self.record_hidden)?;
+        let want_hidden = self.live.iter().any(|s| s.hidden.is_some());
+        let out = self.target.forward(&mut self.state, &inputs, want_hidden)?;
         let t2 = Instant::now();
         self.counters.forward_s += (t2 - t1).as_secs_f64();
 
@@ -300,12 +381,7 @@ impl<T: Target> Engine<T> {
         let mut accepted = Vec::with_capacity(trees.len());
         for (i, (s, tree)) in self.live.iter_mut().zip(&trees).enumerate() {
             let rows: Vec<&[f32]> = (0..tree.len()).map(|r| out.logits_row(i, r)).collect::<Result<_>>()?;
-            let acc = if self.params.sampling.temperature == 0.0 {
-                verify_greedy(tree, &rows)?
-            } else {
-                verify_sampling(tree, &rows, Proposal::PointMass, &self.params.sampling, &mut s.rng)?
-            };
-            accepted.push(acc);
+            accepted.push(self.verifier.verify(tree, &rows, &self.params.sampling, &mut s.rng)?);
         }
         let t3 = Instant::now();
         self.counters.verify_s += (t3 - t2).as_secs_f64();
@@ -320,9 +396,6 @@ impl<T: Target> Engine<T> {
             self.counters.accepted += acc.accepted_drafts() as u64;
             let committed = acc.committed_tokens(tree)?;
             self.counters.committed += committed.len() as u64;
-            if self.record_hidden && s.hidden.is_none() && s.logprobs.is_empty() {
-                s.hidden = Some(Vec::new());
-            }
             let mut reason = None;
             let mut kept = 0;
             for (k, &tok) in committed.iter().enumerate() {
@@ -330,16 +403,21 @@ impl<T: Target> Engine<T> {
                 let lp = log_softmax(row)?;
                 s.logprobs.push(lp[tok as usize]);
                 if let Some(h) = s.hidden.as_mut() {
-                    match out.hidden_row(i, acc.path[k]) {
-                        Some(r) => h.push(r.to_vec()),
-                        None => h.push(Vec::new()),
-                    }
+                    let row = out.hidden_row(i, acc.path[k]).ok_or_else(|| {
+                        Error::Target("the target returned no hidden states for a recording request".into())
+                    })?;
+                    append_hidden(h, out.hidden_size, row)?;
                 }
                 s.history.push(tok);
                 kept += 1;
                 let generated = s.history.len() - s.prompt_len;
                 if self.stop.contains(&tok) {
                     reason = Some(FinishReason::Stop);
+                } else if let Some(index) = match self.decoder.as_deref() {
+                    Some(dec) => self.stop_strings.find(dec, &s.history[s.prompt_len..])?,
+                    None => None,
+                } {
+                    reason = Some(FinishReason::StopString { index });
                 } else if generated >= self.params.max_new_tokens
                     || self.target.max_context().is_some_and(|m| s.history.len() >= m)
                 {
@@ -350,7 +428,7 @@ impl<T: Target> Engine<T> {
                 }
             }
             if let Some(d) = drafter.as_deref_mut() {
-                d.observe(s.id.0, &committed[..kept]);
+                d.observe(s.id, &committed[..kept]);
             }
             if let Some(r) = reason {
                 done.push((i, r));
@@ -359,6 +437,9 @@ impl<T: Target> Engine<T> {
         for &(i, reason) in done.iter().rev() {
             let s = self.live.remove(i);
             self.target.remove(&mut self.state, s.handle)?;
+            if let Some(d) = drafter.as_deref_mut() {
+                d.release(s.id);
+            }
             self.finished.push(Finished {
                 id: s.id,
                 tokens: s.history[s.prompt_len..].to_vec(),

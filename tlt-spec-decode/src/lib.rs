@@ -46,21 +46,26 @@
 mod drafter;
 mod engine;
 mod error;
+mod hidden;
 mod llama;
 mod ngram;
 mod params;
 mod plan;
+mod stop;
 mod target;
 mod tree;
 mod verify;
 
-pub use drafter::Drafter;
+pub use drafter::{DraftContext, Drafter};
 pub use engine::{Counters, Engine, FinishReason, Finished, RequestId};
 pub use error::{Error, Result};
+pub use hidden::HiddenStates;
+pub use llama::TappedLlama;
 pub use ngram::NgramDrafter;
 pub use params::SpecParams;
 pub use plan::Plan;
+pub use stop::TokenDecoder;
 pub use target::{SeqHandle, Target, TargetInput, TargetOutput};
 pub use tlt_kernels::{SamplingParams, SeededRng};
 pub use tree::{DraftTree, Node};
-pub use verify::{verify_greedy, verify_sampling, Accepted, Proposal};
+pub use verify::{verify_greedy, verify_sampling, Accepted, ExactVerifier, Proposal, Verifier};

@@ -14,8 +14,7 @@ struct SamplingParamsDef {
     top_p: Option<f32>,
 }
 
-/// How the [`Engine`](crate::Engine) generates: sampling, length, stop tokens, seed. (Stop strings are not
-/// supported yet: the engine works on token ids only.)
+/// How the [`Engine`](crate::Engine) generates: sampling, length, stop tokens and strings, seed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SpecParams {
@@ -26,13 +25,22 @@ pub struct SpecParams {
     pub max_new_tokens: usize,
     /// Tokens that end a request (kept in its output). `None` (default): the target's end-of-sequence tokens.
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Strings that end a request once the generated text contains one (the token completing it is kept).
+    /// Needs a [`TokenDecoder`](crate::TokenDecoder) ([`Engine::with_decoder`](crate::Engine::with_decoder)).
+    pub stop: Vec<String>,
     /// Seed of the sampling streams (each request forks its own stream by request id). Default 0.
     pub seed: u64,
 }
 
 impl Default for SpecParams {
     fn default() -> Self {
-        Self { sampling: SamplingParams::default(), max_new_tokens: 512, stop_token_ids: None, seed: 0 }
+        Self {
+            sampling: SamplingParams::default(),
+            max_new_tokens: 512,
+            stop_token_ids: None,
+            stop: Vec::new(),
+            seed: 0,
+        }
     }
 }
 
@@ -43,14 +51,18 @@ impl SpecParams {
     }
 
     /// Checks the sampling ranges (temperature finite and `>= 0`, `top_k >= 1`, `0 < top_p <= 1`) and
-    /// `max_new_tokens >= 1`.
+    /// `max_new_tokens >= 1` and non-empty stop strings.
     ///
     /// # Errors
-    /// [`Error::Kernel`] for bad sampling params, [`Error::InvalidArgument`] for `max_new_tokens == 0`.
+    /// [`Error::Kernel`] for bad sampling params, [`Error::InvalidArgument`] for `max_new_tokens == 0` or an
+    /// empty stop string.
     pub fn validate(&self) -> Result<()> {
         self.sampling.validate()?;
         if self.max_new_tokens == 0 {
             return Err(Error::InvalidArgument("max_new_tokens must be at least 1".into()));
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return Err(Error::InvalidArgument("stop strings must not be empty".into()));
         }
         Ok(())
     }

@@ -237,6 +237,45 @@ pub fn verify_sampling<R: AsRef<[f32]>>(
     }
 }
 
+/// The acceptance rule the [`Engine`](crate::Engine) applies to each verified tree. The default,
+/// [`ExactVerifier`], is lossless; the seam exists for lossy rules (e.g. typical acceptance) and for testing that
+/// the engine's statistical tests catch a biased rule.
+pub trait Verifier: std::fmt::Debug {
+    /// Accepts a root path of `tree` given the target's logits row at every node (`rows[i]` for node `i`),
+    /// drawing randomness from `rng` only.
+    ///
+    /// # Errors
+    /// On inconsistent shapes or invalid logits/params.
+    fn verify(
+        &self,
+        tree: &DraftTree,
+        rows: &[&[f32]],
+        params: &SamplingParams,
+        rng: &mut SeededRng,
+    ) -> Result<Accepted>;
+}
+
+/// Lossless verification of deterministic drafts: [`verify_greedy`] at temperature 0, otherwise
+/// [`verify_sampling`] with [`Proposal::PointMass`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExactVerifier;
+
+impl Verifier for ExactVerifier {
+    fn verify(
+        &self,
+        tree: &DraftTree,
+        rows: &[&[f32]],
+        params: &SamplingParams,
+        rng: &mut SeededRng,
+    ) -> Result<Accepted> {
+        if params.temperature == 0.0 {
+            verify_greedy(tree, rows)
+        } else {
+            verify_sampling(tree, rows, Proposal::PointMass, params, rng)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,9 @@ mod engine_common;
 use engine_common::{greedy_reference, run_batches, ChainOracle};
 use tlt_kernels::log_softmax;
 use tlt_model::{Llama, LlamaConfig, LogitsFor, SeqInput, Tap};
-use tlt_spec_decode::{Drafter, Engine, Error, FinishReason, NgramDrafter, Plan, SamplingParams, SpecParams};
+use tlt_spec_decode::{
+    DraftContext, Drafter, Engine, Error, FinishReason, NgramDrafter, Plan, SamplingParams, SpecParams,
+};
 
 const VOCAB: usize = 32;
 
@@ -90,7 +92,7 @@ fn switching_the_drafter_mid_generation_needs_no_prefill() {
     }
 }
 
-/// Teacher-forced log-probs and final-norm states of `tokens` after `prompt`.
+/// Teacher-forced log-probs of `tokens` after `prompt`, and final-norm states of every position fed.
 fn teacher_forced(m: &Llama, prompt: &[u32], tokens: &[u32]) -> (Vec<f32>, Vec<Vec<f32>>) {
     let mut cache = m.new_cache();
     let seq = cache.add_sequence();
@@ -102,7 +104,7 @@ fn teacher_forced(m: &Llama, prompt: &[u32], tokens: &[u32]) -> (Vec<f32>, Vec<V
     let hid = out.taps[0].to_vec2::<f32>().unwrap();
     let p = prompt.len() - 1;
     let lps = tokens.iter().enumerate().map(|(i, &t)| log_softmax(&rows[p + i]).unwrap()[t as usize]).collect();
-    (lps, hid[p..].to_vec())
+    (lps, hid)
 }
 
 #[test]
@@ -114,6 +116,7 @@ fn logprobs_and_hidden_states_match_a_teacher_forced_forward() {
             max_new_tokens: 20,
             stop_token_ids: Some(vec![]),
             seed: 3,
+            ..SpecParams::default()
         };
         let mut engine = Engine::new(&m, params).unwrap();
         engine.record_hidden(true);
@@ -126,14 +129,17 @@ fn logprobs_and_hidden_states_match_a_teacher_forced_forward() {
             assert_eq!(f.tokens.len(), 20);
             assert_eq!(f.logprobs.len(), 20);
             let hidden = f.hidden.as_ref().expect("recorded");
-            assert_eq!(hidden.len(), 20);
+            assert_eq!(hidden.len(), f.prompt.len() + 20 - 1, "every fed position, prompt included");
             let (lps, hid) = teacher_forced(&m, &f.prompt, &f.tokens);
             for i in 0..20 {
                 assert!((lps[i] - f.logprobs[i]).abs() < 1e-3, "logprob {i}: {} vs {}", lps[i], f.logprobs[i]);
                 assert!(f.logprobs[i] <= 0.0);
-                let d = hid[i].iter().zip(&hidden[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                assert!(d < 1e-3, "hidden {i} differs by {d}");
             }
+            for (t, want) in hid.iter().enumerate() {
+                let d = want.iter().zip(hidden.row(t).unwrap()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(d < 1e-3, "hidden {t} differs by {d}");
+            }
+            assert_eq!(f.token_hidden(0), hidden.row(f.prompt.len() - 1));
         }
     }
 }
@@ -144,6 +150,7 @@ fn sample_all(m: &Llama, seed: u64, drafter: Option<&mut dyn Drafter>) -> Vec<Ve
         max_new_tokens: 16,
         stop_token_ids: Some(vec![]),
         seed,
+        ..SpecParams::default()
     };
     let mut engine = Engine::new(m, params).unwrap();
     for p in prompts() {
@@ -236,7 +243,7 @@ fn bad_input_is_an_error() {
     // A drafter whose tree is not rooted at the last token.
     struct Wrong;
     impl Drafter for Wrong {
-        fn propose(&mut self, _: usize, _: &[u32], _: &Plan) -> tlt_spec_decode::Result<tlt_spec_decode::DraftTree> {
+        fn propose(&mut self, _: &DraftContext<'_>, _: &Plan) -> tlt_spec_decode::Result<tlt_spec_decode::DraftTree> {
             Ok(tlt_spec_decode::DraftTree::chain(5, &[1]))
         }
     }
@@ -252,6 +259,7 @@ fn params_round_trip_through_serde() {
         sampling: SamplingParams { temperature: 0.7, top_k: Some(5), top_p: Some(0.9) },
         max_new_tokens: 9,
         stop_token_ids: Some(vec![2]),
+        stop: vec!["\n\n".into()],
         seed: 4,
     };
     let text = serde_json::to_string(&p).unwrap();

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use tlt_model::Llama;
-use tlt_spec_decode::{DraftTree, Drafter, Engine, Finished, Plan, Result, SpecParams};
+use tlt_spec_decode::{DraftContext, DraftTree, Drafter, Engine, Finished, Plan, Result, SpecParams};
 
 pub fn argmax(row: &[f32]) -> u32 {
     row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
@@ -61,9 +61,10 @@ pub struct ChainOracle {
 }
 
 impl Drafter for ChainOracle {
-    fn propose(&mut self, seq_id: usize, history: &[u32], plan: &Plan) -> Result<DraftTree> {
+    fn propose(&mut self, ctx: &DraftContext<'_>, plan: &Plan) -> Result<DraftTree> {
+        let history = ctx.history;
         let root = *history.last().expect("non-empty history");
-        let Some((prompt_len, cont)) = self.source.get(&seq_id) else {
+        let Some((prompt_len, cont)) = self.source.get(&ctx.request.0) else {
             return Ok(DraftTree::new(root));
         };
         let g = history.len() - prompt_len;
