@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use tlt_kernels::{categorical, probs};
-use tlt_spec_decode::{Accepted, DraftTree, Proposal, Result, SamplingParams, SeededRng};
+use tlt_spec_decode::{Accepted, DraftTree, Proposal, Result, SamplingParams, SeededRng, Verifier};
 
 /// Vocabulary size of the toy models.
 pub const VOCAB: usize = 8;
@@ -293,10 +293,10 @@ pub enum BiasedVerifier {
 
 impl BiasedVerifier {
     /// Verifies like [`tlt_spec_decode::verify_sampling`]'s signature, but wrongly.
-    pub fn verify(
+    pub fn verify<R: AsRef<[f32]>>(
         self,
         tree: &DraftTree,
-        rows: &[Vec<f32>],
+        rows: &[R],
         proposal: Proposal<'_>,
         params: &SamplingParams,
         rng: &mut SeededRng,
@@ -304,7 +304,7 @@ impl BiasedVerifier {
         let mut path = vec![0];
         let mut cur = 0;
         'descend: loop {
-            let p = probs(&rows[cur], params)?;
+            let p = probs(rows[cur].as_ref(), params)?;
             for &child in tree.children(cur)? {
                 let t = tree.nodes()[child].token as usize;
                 let accept = match self {
@@ -326,5 +326,18 @@ impl BiasedVerifier {
             let next = categorical(&p, rng.uniform())? as u32;
             return Ok(Accepted { path, next_token: next });
         }
+    }
+}
+
+/// In the [`Engine`](tlt_spec_decode::Engine), biased verifiers see deterministic drafts.
+impl Verifier for BiasedVerifier {
+    fn verify(
+        &self,
+        tree: &DraftTree,
+        rows: &[&[f32]],
+        params: &SamplingParams,
+        rng: &mut SeededRng,
+    ) -> Result<Accepted> {
+        BiasedVerifier::verify(*self, tree, rows, Proposal::PointMass, params, rng)
     }
 }
