@@ -45,7 +45,7 @@ impl AttnShape {
         if self.n_heads == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
             return bad("attention heads and head_dim must be non-zero");
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad("n_heads must be a multiple of n_kv_heads");
         }
         if self.n_heads.checked_mul(self.head_dim).is_none() {

@@ -132,7 +132,7 @@ pub fn dequantize_blocks<B: QuantBlock>(blocks: &[B]) -> Vec<f32> {
 
 /// Parses GGUF block bytes; `None` if the length is not a whole number of blocks.
 pub fn blocks_from_bytes<B: QuantBlock>(bytes: &[u8]) -> Option<Vec<B>> {
-    (bytes.len() % B::BYTES == 0).then(|| bytes.chunks_exact(B::BYTES).map(B::from_bytes).collect())
+    bytes.len().is_multiple_of(B::BYTES).then(|| bytes.chunks_exact(B::BYTES).map(B::from_bytes).collect())
 }
 
 #[cfg(test)]

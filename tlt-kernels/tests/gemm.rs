@@ -1,5 +1,6 @@
 //! The skinny GEMM against a naive f64 reference, for every weight format and every instruction set this CPU
 //! has, over odd shapes and m = 1..64.
+#![allow(clippy::unwrap_used, clippy::too_many_arguments)] // Tests: a panic is the failure report.
 
 use proptest::prelude::*;
 use tlt_kernels::{gemm_with, Error, GemmConfig, Isa, MatRef, Matrix, WeightDType, WeightsRef};

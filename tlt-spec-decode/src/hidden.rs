@@ -23,7 +23,7 @@ impl HiddenStates {
     /// # Errors
     /// [`Error::ShapeMismatch`] if `data.len()` is not a multiple of a non-zero `width`.
     pub fn from_flat(width: usize, data: Vec<f32>) -> Result<Self> {
-        if width == 0 || data.len() % width != 0 {
+        if width == 0 || !data.len().is_multiple_of(width) {
             return Err(Error::ShapeMismatch { what: "hidden-state buffer", expected: width, got: data.len() });
         }
         Ok(Self { width, data })
@@ -76,7 +76,7 @@ impl HiddenStates {
     /// # Errors
     /// [`Error::ShapeMismatch`] if `rows.len()` is not a multiple of `width`.
     pub fn extend_flat(&mut self, rows: &[f32]) -> Result<()> {
-        if self.width == 0 || rows.len() % self.width != 0 {
+        if self.width == 0 || !rows.len().is_multiple_of(self.width) {
             return Err(Error::ShapeMismatch { what: "hidden-state rows", expected: self.width, got: rows.len() });
         }
         self.data.extend_from_slice(rows);

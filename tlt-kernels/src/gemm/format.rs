@@ -119,17 +119,6 @@ const fn f16_to_f32_const(h: u16) -> f32 {
     f32::from_bits(bits)
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn f16_table_matches_half() {
-        for b in 0..=u16::MAX {
-            let (want, got) = (half::f16::from_bits(b).to_f32(), super::f16_bits(b));
-            assert!(want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()), "{b:#x}");
-        }
-    }
-}
-
 unsafe impl Format for Q8_0 {
     type Elem = BlockQ8_0;
     const CHUNK_BYTES: usize = 34;
@@ -197,5 +186,16 @@ unsafe impl Format for Q4_1 {
         let e = i % QK;
         let q = if e < QK / 2 { b.qs[e] & 0x0F } else { b.qs[e - QK / 2] >> 4 };
         q as f32 * f16_bits(b.d) + f16_bits(b.m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn f16_table_matches_half() {
+        for b in 0..=u16::MAX {
+            let (want, got) = (half::f16::from_bits(b).to_f32(), super::f16_bits(b));
+            assert!(want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()), "{b:#x}");
+        }
     }
 }

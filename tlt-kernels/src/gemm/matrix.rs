@@ -90,7 +90,7 @@ impl<'a> MatRef<'a> {
     /// Checks that `data` holds exactly `n` rows of `k` elements.
     pub fn new(n: usize, k: usize, data: WeightsRef<'a>) -> Result<Self> {
         let dtype = data.dtype();
-        if dtype.is_blocked() && k % QK != 0 {
+        if dtype.is_blocked() && !k.is_multiple_of(QK) {
             return Err(Error::BlockAlignment { k });
         }
         let expected = if dtype.is_blocked() { n * k / QK } else { n * k };
@@ -150,7 +150,7 @@ impl Matrix {
         if w.len() != n * k {
             return Err(Error::ShapeMismatch { what: "weights", expected: n * k, got: w.len() });
         }
-        if dtype.is_blocked() && k % QK != 0 {
+        if dtype.is_blocked() && !k.is_multiple_of(QK) {
             return Err(Error::BlockAlignment { k });
         }
         let data = match dtype {
