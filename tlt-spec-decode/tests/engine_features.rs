@@ -4,7 +4,7 @@
 
 mod engine_common;
 
-use engine_common::{greedy_reference, ChainOracle};
+use engine_common::{greedy_reference, oracle};
 use tlt_model::{Llama, LlamaConfig, LogitsFor, SeqInput, Tap};
 use tlt_spec_decode::{
     DraftContext, DraftTree, Drafter, Engine, Error, FinishReason, Plan, Result, SpecParams, TappedLlama, TokenDecoder,
@@ -33,7 +33,7 @@ fn text(tokens: &[u32]) -> String {
 #[test]
 fn stop_strings_end_requests_at_the_completing_token_with_and_without_drafts() {
     let m = model();
-    let prompts = [vec![1u32, 2, 3], vec![4, 5], vec![9, 9, 9, 9]];
+    let prompts = vec![vec![1u32, 2, 3], vec![4, 5], vec![9, 9, 9, 9]];
     let n = 24;
     let refs: Vec<Vec<u32>> = prompts.iter().map(|p| greedy_reference(&m, p, n, &[])).collect();
     // A two-token stop string taken from the middle of the first reference, and one that never occurs.
@@ -45,12 +45,7 @@ fn stop_strings_end_requests_at_the_completing_token_with_and_without_drafts() {
         for p in &prompts {
             engine.add_request(p).unwrap();
         }
-        let mut oracle = ChainOracle {
-            source: (0..prompts.len()).map(|i| (i, (prompts[i].len(), refs[i].clone()))).collect(),
-            vocab: VOCAB as u32,
-            every: 9,
-            tree: false,
-        };
+        let mut oracle = oracle(VOCAB, &prompts, &refs, 9, false);
         let d: Option<&mut dyn Drafter> = if drafted { Some(&mut oracle) } else { None };
         engine.run_to_completion(d, &Plan::chain(6)).unwrap();
         let mut fin = engine.take_finished();
@@ -98,12 +93,7 @@ fn tapped_target_records_the_taps_side_by_side_at_every_position() {
     let prompt = [3u32, 1, 4, 1, 5];
     engine.add_request(&prompt).unwrap();
     let refs = greedy_reference(&m, &prompt, 10, &[]);
-    let mut oracle = ChainOracle {
-        source: [(0, (prompt.len(), refs.clone()))].into_iter().collect(),
-        vocab: VOCAB as u32,
-        every: 3,
-        tree: false,
-    };
+    let mut oracle = oracle(VOCAB, &[prompt.to_vec()], std::slice::from_ref(&refs), 3, false);
     engine.run_to_completion(Some(&mut oracle), &Plan::chain(4)).unwrap();
     let f = &engine.finished()[0];
     assert_eq!(f.tokens, refs);

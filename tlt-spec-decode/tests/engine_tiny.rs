@@ -5,7 +5,7 @@
 
 mod engine_common;
 
-use engine_common::{greedy_reference, run_batches, ChainOracle};
+use engine_common::{greedy_reference, oracle, run_batches};
 use tlt_kernels::log_softmax;
 use tlt_model::{Llama, LlamaConfig, LogitsFor, SeqInput, Tap};
 use tlt_spec_decode::{
@@ -66,12 +66,7 @@ fn switching_the_drafter_mid_generation_needs_no_prefill() {
     for p in &ps {
         engine.add_request(p).unwrap();
     }
-    let mut oracle = ChainOracle {
-        source: (0..ps.len()).map(|i| (i, (ps[i].len(), refs[i].clone()))).collect(),
-        vocab: VOCAB as u32,
-        every: 4,
-        tree: true,
-    };
+    let mut oracle = oracle(VOCAB, &ps, &refs, 4, true);
     let mut ngram = NgramDrafter::default();
     let mut round = 0;
     while !engine.is_idle() {
@@ -186,12 +181,7 @@ fn stop_tokens_end_sequences_inclusively() {
         for p in &ps {
             engine.add_request(p).unwrap();
         }
-        let mut oracle = ChainOracle {
-            source: (0..ps.len()).map(|i| (i, (ps[i].len(), long[i].clone()))).collect(),
-            vocab: VOCAB as u32,
-            every: 7,
-            tree: false,
-        };
+        let mut oracle = oracle(VOCAB, &ps, &long, 7, false);
         let d: Option<&mut dyn Drafter> = if drafted { Some(&mut oracle) } else { None };
         engine.run_to_completion(d, &Plan::chain(6)).unwrap();
         let mut fin = engine.take_finished();

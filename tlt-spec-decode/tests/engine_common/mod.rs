@@ -1,10 +1,8 @@
-//! Shared engine-test helpers: plain greedy reference decoding through `tlt_model` and an oracle chain drafter.
+//! Shared engine-test helpers: plain greedy reference decoding through `tlt_model` and oracle drafters.
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::collections::HashMap;
-
 use tlt_model::Llama;
-use tlt_spec_decode::{DraftContext, DraftTree, Drafter, Engine, Finished, Plan, Result, SpecParams};
+use tlt_spec_decode::{Corruption, Drafter, Engine, Finished, OracleDrafter, Plan, RequestId, SpecParams};
 
 pub fn argmax(row: &[f32]) -> u32 {
     row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
@@ -48,57 +46,25 @@ pub fn greedy_reference_batch(model: &Llama, prompts: &[Vec<u32>], n: usize, sto
     }
 }
 
-/// Proposes a chain of the target's own greedy continuation (precomputed per request), with every `every`-th
-/// token of the continuation corrupted (`+1` mod vocab), so acceptance stops there.
-pub struct ChainOracle {
-    /// Per request id: (prompt length, greedy continuation).
-    pub source: HashMap<usize, (usize, Vec<u32>)>,
-    pub vocab: u32,
-    pub every: usize,
-    /// Tree mode: at a corrupted position also propose the true token as a second sibling and continue
-    /// below it (when `plan.top_k >= 2`), so accepted paths skip nodes.
-    pub tree: bool,
-}
-
-impl Drafter for ChainOracle {
-    fn propose(&mut self, ctx: &DraftContext<'_>, plan: &Plan) -> Result<DraftTree> {
-        let history = ctx.history;
-        let root = *history.last().expect("non-empty history");
-        let Some((prompt_len, cont)) = self.source.get(&ctx.request.0) else {
-            return Ok(DraftTree::new(root));
-        };
-        let g = history.len() - prompt_len;
-        if g > cont.len() || history[*prompt_len..] != cont[..g] {
-            return Ok(DraftTree::new(root)); // Off the oracle's track (sampling): no draft.
-        }
-        if self.tree && plan.top_k >= 2 {
-            let mut t = DraftTree::new(root);
-            let mut cur = 0;
-            for (j, &tok) in cont.iter().enumerate().take(g + plan.steps).skip(g) {
-                if t.len() >= plan.verify_tokens {
-                    break;
-                }
-                if (j + 1) % self.every == 0 {
-                    t.push_child(cur, (tok + 1) % self.vocab, -0.5)?;
-                    if t.len() >= plan.verify_tokens {
-                        break;
-                    }
-                }
-                cur = t.push_child(cur, tok, -0.5)?;
-            }
-            return Ok(t);
-        }
-        let n = plan.steps.min(plan.verify_tokens - 1);
-        let draft: Vec<u32> = (g..cont.len().min(g + n))
-            .map(|j| if (j + 1) % self.every == 0 { (cont[j] + 1) % self.vocab } else { cont[j] })
-            .collect();
-        Ok(DraftTree::chain(root, &draft))
+/// An [`OracleDrafter`] over `vocab` tokens that knows `continuations[i]` for request `i` (prompt
+/// `prompts[i]`), wrong at every `every`-th position; with `tree`, wrong positions get the true token as a sibling.
+pub fn oracle(
+    vocab: usize,
+    prompts: &[Vec<u32>],
+    continuations: &[Vec<u32>],
+    every: usize,
+    tree: bool,
+) -> OracleDrafter {
+    let mut o = OracleDrafter::new(vocab, Corruption::Every(every), tree).unwrap();
+    for (i, (p, c)) in prompts.iter().zip(continuations).enumerate() {
+        o.insert(RequestId(i), p.len(), c.clone());
     }
+    o
 }
 
 /// Runs `prompts` through an engine in batches of `batch` (each batch to completion) and returns the finished
 /// requests in prompt order, with the engines' accepted-draft count. With `oracle_source` (the greedy
-/// continuation of each prompt) a [`ChainOracle`] drafts, otherwise `drafter` (or none: plain decoding).
+/// continuation of each prompt) an [`oracle`] (every 3rd position wrong) drafts, otherwise `drafter` (or none: plain decoding).
 #[allow(clippy::too_many_arguments)]
 pub fn run_batches(
     model: &Llama,
@@ -118,11 +84,9 @@ pub fn run_batches(
             engine.add_request(p).unwrap();
         }
         let base = out.len();
-        let mut oracle = oracle_source.map(|src| ChainOracle {
-            source: (0..chunk.len()).map(|i| (i, (prompts[base + i].len(), src[base + i].clone()))).collect(),
-            vocab: model.config().vocab_size as u32,
-            every: 3,
-            tree: oracle_tree,
+        let mut oracle = oracle_source.map(|src| {
+            let n = chunk.len();
+            oracle(model.config().vocab_size, &prompts[base..base + n], &src[base..base + n], 3, oracle_tree)
         });
         match (&mut oracle, drafter.as_mut()) {
             (Some(o), _) => engine.run_to_completion(Some(o), plan).unwrap(),
