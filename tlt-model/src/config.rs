@@ -201,13 +201,13 @@ impl LlamaConfig {
                 return Err(invalid(field, value, "must be positive"));
             }
         }
-        if self.num_attention_heads % self.kv_heads() != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
             return Err(invalid("num_key_value_heads", self.kv_heads(), "must divide num_attention_heads"));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(invalid("head_dim", self.head_dim(), "must be even for RoPE"));
         }
-        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(invalid(
                 "hidden_size",
                 self.hidden_size,

@@ -52,9 +52,14 @@ pub struct LayerWeights {
     pub post_attention_layernorm: Tensor,
 }
 
+/// A block's seven linear layers, each with its HF module name.
+type NamedLinears<'a> = [(&'static str, &'a mut Linear); 7];
+/// A block's two norms, each with its HF module name.
+type NamedNorms<'a> = [(&'static str, &'a mut Tensor); 2];
+
 impl LayerWeights {
     /// The block's linear layers and norms, each with its HF module name.
-    fn parts_mut(&mut self) -> ([(&'static str, &mut Linear); 7], [(&'static str, &mut Tensor); 2]) {
+    fn parts_mut(&mut self) -> (NamedLinears<'_>, NamedNorms<'_>) {
         let LayerWeights {
             q_proj,
             k_proj,
