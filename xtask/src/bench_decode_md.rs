@@ -46,9 +46,11 @@ pub(crate) fn markdown(r: &Report) -> String {
     s.push_str(&format!("\nSanity: {agree}.\n"));
     if let Some(q) = &r.q8_0 {
         let o = &q.ours;
-        s.push_str("\n## batch 1, Q8_0 weights (tlt-model packed vs candle-transformers quantized_llama)\n\n\
+        s.push_str(
+            "\n## batch 1, Q8_0 weights (tlt-model packed vs candle-transformers quantized_llama)\n\n\
              | weights | weights read per step MB | ours tok/s | ours ms/step | ours bw_fraction | candle tok/s \
-             | candle ms/step | ratio vs candle |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+             | candle ms/step | ratio vs candle |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
         if let Some(f) = &r.f32_batch1 {
             let b1 = r.results.iter().find(|b| b.batch == 1);
             s.push_str(&format!(

@@ -4,7 +4,7 @@
 //! - `test`: `fetch-assets`, then the doc tests (`cargo test --release --workspace --doc`) and every other test of
 //!   the workspace (`cargo nextest run --release --workspace`, or `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF;
 //! - `demo`: `fetch-assets`, then the main demo (today: chat generation with SmolLM2);
-//! - `bench <suite>`: benchmark suites (`decode`, `kernels`) writing `target/bench/<suite>.json` and `.md`.
+//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`) writing `target/bench/<suite>.json` and `.md`.
 //!
 //! See `xtask/README.md` for every option and every field of the benchmark reports.
 
@@ -12,6 +12,7 @@ mod assets;
 mod bench_decode;
 mod bench_decode_md;
 mod bench_kernels;
+mod bench_spec;
 mod candle_ref;
 mod report;
 mod sysinfo;
@@ -67,6 +68,8 @@ enum Suite {
     Decode(bench_decode::DecodeArgs),
     /// Skinny GEMM per weight shape, format and row count, weights from DRAM; f32 vs candle-core's matmul.
     Kernels(bench_kernels::KernelArgs),
+    /// Speculative vs plain decoding of SmolLM2-135M through one engine: oracle and n-gram drafters, side by side.
+    Spec(bench_spec::SpecArgs),
 }
 
 /// The workspace root (the parent of this crate's directory).
@@ -160,6 +163,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Demo { prompt, max_new_tokens } => demo(&prompt, max_new_tokens),
         Cmd::Bench { suite: Suite::Decode(args) } => {
             bench_decode::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench { suite: Suite::Spec(args) } => {
+            bench_spec::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Kernels(args) } => {
