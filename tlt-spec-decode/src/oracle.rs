@@ -64,7 +64,7 @@ impl OracleDrafter {
     /// The token drafted at generated position `j` of `request`, whose true token is `tok`.
     fn drafted(&self, request: RequestId, j: usize, tok: u32) -> u32 {
         let wrong = match self.corruption {
-            Corruption::Every(n) => (j + 1) % n == 0,
+            Corruption::Every(n) => (j + 1).is_multiple_of(n),
             Corruption::Rate { rate, seed } => {
                 let h = splitmix(splitmix(seed ^ splitmix(request.0 as u64)) ^ j as u64);
                 ((h >> 11) as f64 / (1u64 << 53) as f64) < rate

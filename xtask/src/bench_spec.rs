@@ -276,6 +276,9 @@ fn parse_plan(s: &str) -> Result<Plan> {
     Ok(plan)
 }
 
+/// A workload: its name, its prompts, the drafter configurations run on it.
+type WorkloadSpec<'a> = (&'static str, &'a [Vec<u32>], Vec<Config>);
+
 /// A drafter configuration of the suite.
 enum Config {
     Oracle { steps: usize, rate: f64 },
@@ -322,7 +325,7 @@ pub fn run(args: &SpecArgs) -> Result<()> {
     let machine = MachineInfo::collect();
     info!(model = %path.display(), threads = machine.candle_threads, "spec benchmark");
 
-    let workloads: [(&'static str, &[Vec<u32>], Vec<Config>); 2] = [
+    let workloads: [WorkloadSpec<'_>; 2] = [
         ("oracle", &oracle_prompts, oracles.iter().map(|&(steps, rate)| Config::Oracle { steps, rate }).collect()),
         ("ngram", &ngram_prompts, vec![Config::Ngram(ngram_plan)]),
     ];
