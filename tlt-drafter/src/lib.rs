@@ -1,9 +1,69 @@
 //! # tlt-drafter
 //!
-//! EAGLE-2 and EAGLE-3 draft models that train continuously on the target's hidden states harvested from rollouts, with hot-swapped versioned weights and SGLang/vLLM-compatible checkpoints.
+//! EAGLE-2 and EAGLE-3 draft models for a `tlt-model` target: configuration, parameters, differentiable
+//! training forwards and losses, EAGLE-3's reduced draft vocabulary, and checkpoints SGLang and vLLM load.
 //!
-//! **Status:** this crate is reserved in the workspace layout and holds no code yet; its contents are
-//! specified in the project's issue tracker ("tlt-drafter: EAGLE drafters that train online from rollouts") and land with that issue. It deliberately exports
-//! nothing rather than placeholder code.
+//! - [`DrafterConfig`]: the drafter's one decoder layer as an HF [`tlt_model::LlamaConfig`] plus what ties it
+//!   to the target (hidden size, fc bias, draft vocabulary, tapped layers); built from a target config with
+//!   [`DrafterConfig::eagle2_from_target`] / [`DrafterConfig::eagle3_from_target`].
+//! - [`Eagle2Drafter`] (TLT's RL path): `fc([embed(x_{t+1}); h_t])` + one decoder layer without input norm,
+//!   trained with `1.0 * SmoothL1 + 0.1 * soft-CE` ([`Eagle2Drafter::loss`]).
+//! - [`Eagle3Drafter`]: three tapped layers fused by `fc`, a `2H`-input layer, final norm, own LM head over a
+//!   [`VocabMap`]; trained with the 7-step training-time-test unroll ([`Eagle3Drafter::loss`]).
+//! - Trainable weights are candle [`Var`](candle_core::Var)s (`vars()` for `candle_nn::AdamW`); the target's
+//!   embedding and LM head are shared read-only through [`FrozenTarget`] and never trained.
+//! - [`checkpoint`]: EAGLE-3 export/import in the SGLang/vLLM format (`midlayer.*`, `d2t` int64, `t2d` bool,
+//!   `LlamaForCausalLMEagle3`), EAGLE-2 in the fastrl/TLT layout (`model.fc.weight`, `model.layers.0.*`).
 //!
-//! **Where it sits:** depends on `tlt-model`, `tlt-spec-decode`, candle-nn; used by `tlt-rl`. See the workspace `DESIGN.md` for the crate boundaries.
+//! ```
+//! use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+//! use candle_core::{DType, Device, Tensor};
+//! use tlt_drafter::{DrafterConfig, Eagle2Batch, Eagle2Drafter, Eagle2LossConfig, FrozenTarget};
+//! use tlt_model::{Llama, LlamaConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let target = Llama::random(LlamaConfig::tiny(32, 16, 2), 0)?;
+//! let cfg = DrafterConfig::eagle2_from_target(target.config(), false);
+//! let drafter = Eagle2Drafter::random(cfg, FrozenTarget::new(&target), 1)?;
+//! let batch = Eagle2Batch {
+//!     input_ids: Tensor::new(&[[1u32, 5, 9, 2, 7]], &Device::Cpu)?,
+//!     hidden: Tensor::randn(0f32, 1.0, (1, 5, 16), &Device::Cpu)?, // target final-norm hidden states
+//!     loss_mask: Tensor::ones((1, 5), DType::F32, &Device::Cpu)?,
+//!     segments: None,
+//! };
+//! let vars = drafter.vars()?.into_iter().map(|(_, v)| v).collect();
+//! let mut opt = AdamW::new(vars, ParamsAdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, ..Default::default() })?;
+//! let loss = drafter.loss(&batch, &Eagle2LossConfig::default())?;
+//! opt.backward_step(&loss.total)?;
+//! # Ok(()) }
+//! ```
+//!
+//! - [`online`]: the [`OnlineBuffer`](online::OnlineBuffer) of rollout samples (tokens + the engine's recorded
+//!   hidden states), versioned weight publication ([`WeightsSlot`](online::WeightsSlot) /
+//!   [`WeightsReader`](online::WeightsReader)) and the preemptible [`BackgroundTrainer`](online::BackgroundTrainer).
+//!
+//! **Status:** phase 1. Phase 2 (pending): the inference path with the drafter's own KV cache, tree proposal
+//! implementing `tlt_spec_decode::Drafter`, offline/online training loops and benches.
+//!
+//! # Features
+//! None: CPU, any float dtype the target uses (tests run f32 and, for gradient checks, f64).
+
+mod batch;
+pub mod checkpoint;
+mod config;
+mod eagle2;
+mod eagle3;
+mod error;
+mod frozen;
+mod layer;
+pub mod online;
+mod vocab;
+
+pub use checkpoint::SaveDType;
+pub use config::{default_aux_layers, DrafterConfig, DrafterKind, Eagle2LossConfig, Eagle3LossConfig, UniformNoise};
+pub use eagle2::{Eagle2Batch, Eagle2Drafter, Eagle2Loss, Eagle2Weights};
+pub use eagle3::{Eagle3Batch, Eagle3Drafter, Eagle3Loss, Eagle3Weights, Teacher};
+pub use error::{Error, Result};
+pub use frozen::FrozenTarget;
+pub use layer::DraftLayer;
+pub use vocab::VocabMap;

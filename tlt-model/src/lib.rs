@@ -7,7 +7,8 @@
 //! - one batched [`Llama::forward`] serves prefill, ragged single-token decode and **tree verification**
 //!   (depth-based positions, ancestor-only attention, tentative cache entries kept by [`KvCache::commit`]);
 //! - [`Tap`]s return hidden states at chosen layers (EAGLE-3 reads layers 2, L/2, L-3 and the final norm);
-//! - [`Llama::forward_train`] is differentiable end to end for policy-gradient training;
+//! - [`Llama::forward_train`] is differentiable end to end for policy-gradient training; its building blocks
+//!   (RMSNorm, RoPE, GQA repeat, causal mask, linear) are public in [`nn`] for other training forwards;
 //! - checkpoints load from HF (`config.json` + safetensors, sharded or not, + `tokenizer.json`) and from GGUF
 //!   (dequantized, with llama.cpp's q/k permutation undone and the embedded tokenizer rebuilt), and save as HF
 //!   safetensors that `transformers` loads.
@@ -41,6 +42,7 @@ mod hf;
 mod init;
 mod linear;
 mod model;
+pub mod nn;
 mod ops;
 mod tokenizer;
 mod train;

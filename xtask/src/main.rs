@@ -118,6 +118,19 @@ fn test(args: &[String]) -> Result<ExitCode> {
         cmd.args(["test", "--release", "--workspace"]);
     }
     cmd.args(args).env("TLT_SMOLLM2_GGUF", &gguf);
+    // The EAGLE export check runs in Python; with its packages installed, a skip would hide a failure.
+    match assets::python_check_deps() {
+        Ok(dir) => {
+            let mut paths = vec![dir];
+            paths.extend(
+                std::env::var_os("PYTHONPATH")
+                    .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+                    .unwrap_or_default(),
+            );
+            cmd.env("PYTHONPATH", std::env::join_paths(paths)?).env("TLT_REQUIRE_PYTHON_CHECK", "1");
+        }
+        Err(e) => warn!("the Python EAGLE export check will be skipped: {e:#}"),
+    }
     Ok(exit_code(run(cmd)?))
 }
 

@@ -1,0 +1,256 @@
+//! The bounded buffer of rollout samples that online drafter training draws from.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tlt_kernels::SeededRng;
+use tlt_spec_decode::{Finished, HiddenStates};
+
+use crate::{Error, Result};
+
+/// One rollout sequence for drafter training: its tokens and the target's features at every fed position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// Prompt followed by the response.
+    pub tokens: Vec<u32>,
+    /// The target's features, `tokens.len() - 1` rows: row `t` is the feature at position `t` (EAGLE's `h_t`,
+    /// paired with `x_{t+1}`), as the engine records them, tokens committed in speculative rounds included.
+    pub hidden: HiddenStates,
+    /// Index in `tokens` of the first response token: training positions are those predicting a response token.
+    pub response_start: usize,
+    /// The RL step whose rollout produced it.
+    pub rl_step: u64,
+}
+
+impl Sample {
+    /// A sample from a finished engine request that recorded hidden states.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the request recorded no hidden states or their rows do not match.
+    pub fn from_finished(f: &Finished, rl_step: u64) -> Result<Self> {
+        let hidden = f.hidden.clone().ok_or_else(|| {
+            Error::InvalidArgument("the request recorded no hidden states (Engine::record_hidden)".into())
+        })?;
+        let tokens: Vec<u32> = f.prompt.iter().chain(&f.tokens).copied().collect();
+        let s = Self { tokens, hidden, response_start: f.prompt.len(), rl_step };
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// Checks `hidden.len() == tokens.len() - 1` and `1 <= response_start <= tokens.len()`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the mismatch.
+    pub fn validate(&self) -> Result<()> {
+        if self.tokens.len() < 2 || self.hidden.len() + 1 != self.tokens.len() {
+            return Err(Error::InvalidArgument(format!(
+                "sample of {} tokens has {} hidden rows (want tokens - 1, at least 1)",
+                self.tokens.len(),
+                self.hidden.len()
+            )));
+        }
+        if self.response_start == 0 || self.response_start > self.tokens.len() {
+            return Err(Error::InvalidArgument(format!(
+                "response_start {} outside 1..={}",
+                self.response_start,
+                self.tokens.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Number of training positions (positions predicting a response token).
+    pub fn train_positions(&self) -> usize {
+        self.tokens.len() - self.response_start
+    }
+}
+
+/// Limits of an [`OnlineBuffer`] (TLT keeps the last 2 RL steps, at most a few thousand samples).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BufferConfig {
+    /// Most samples held; the oldest go first. Default 2000.
+    pub max_samples: usize,
+    /// Samples of the last this many RL steps are kept (`>= 1`). Default 2.
+    pub keep_steps: u64,
+}
+
+impl Default for BufferConfig {
+    fn default() -> Self {
+        Self { max_samples: 2000, keep_steps: 2 }
+    }
+}
+
+impl BufferConfig {
+    /// Checks both limits are positive.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_samples == 0 || self.keep_steps == 0 {
+            return Err(Error::InvalidArgument(format!("buffer limits must be positive: {self:?}")));
+        }
+        Ok(())
+    }
+}
+
+/// Lifetime counts of an [`OnlineBuffer`]: `pushed == held + evicted` always.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BufferStats {
+    /// Samples ever pushed.
+    pub pushed: u64,
+    /// Samples dropped (over capacity or too old).
+    pub evicted: u64,
+    /// Samples held now.
+    pub held: usize,
+    /// Training positions held now.
+    pub held_positions: usize,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    items: VecDeque<(u64, Arc<Sample>)>,
+    next_id: u64,
+    step: u64,
+    evicted: u64,
+    positions: usize,
+}
+
+/// A thread-safe, bounded FIFO of rollout [`Sample`]s: rollout threads push, the trainer draws. Each sample gets
+/// a unique, increasing id.
+#[derive(Debug)]
+pub struct OnlineBuffer {
+    cfg: BufferConfig,
+    inner: Mutex<Inner>,
+}
+
+impl OnlineBuffer {
+    /// An empty buffer.
+    ///
+    /// # Errors
+    /// If `cfg` is invalid.
+    pub fn new(cfg: BufferConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self { cfg, inner: Mutex::new(Inner::default()) })
+    }
+
+    /// The limits.
+    pub fn config(&self) -> &BufferConfig {
+        &self.cfg
+    }
+
+    /// Adds a sample (evicting the oldest when full) and returns its id.
+    ///
+    /// # Errors
+    /// If the sample is malformed ([`Sample::validate`]).
+    pub fn push(&self, sample: Sample) -> Result<u64> {
+        sample.validate()?;
+        let mut g = self.inner.lock();
+        let id = g.next_id;
+        g.next_id += 1;
+        g.positions += sample.train_positions();
+        g.items.push_back((id, Arc::new(sample)));
+        while g.items.len() > self.cfg.max_samples {
+            Self::pop_front(&mut g);
+        }
+        Ok(id)
+    }
+
+    fn pop_front(g: &mut Inner) {
+        if let Some((_, s)) = g.items.pop_front() {
+            g.positions -= s.train_positions();
+            g.evicted += 1;
+        }
+    }
+
+    /// Enters RL step `step`: drops samples older than the last `keep_steps` steps (`rl_step + keep_steps <=
+    /// step`).
+    pub fn set_step(&self, step: u64) {
+        let mut g = self.inner.lock();
+        g.step = step;
+        let keep = self.cfg.keep_steps;
+        let before = g.items.len();
+        let mut positions = g.positions;
+        g.items.retain(|(_, s)| {
+            let keep_it = s.rl_step + keep > step;
+            if !keep_it {
+                positions -= s.train_positions();
+            }
+            keep_it
+        });
+        g.positions = positions;
+        g.evicted += (before - g.items.len()) as u64;
+    }
+
+    /// `n` samples drawn uniformly with replacement (empty when the buffer is).
+    pub fn sample(&self, n: usize, rng: &mut SeededRng) -> Vec<(u64, Arc<Sample>)> {
+        let g = self.inner.lock();
+        if g.items.is_empty() {
+            return Vec::new();
+        }
+        (0..n)
+            .map(|_| {
+                let i = ((rng.uniform() * g.items.len() as f64) as usize).min(g.items.len() - 1);
+                g.items[i].clone()
+            })
+            .collect()
+    }
+
+    /// Ids of the samples held, oldest first.
+    pub fn ids(&self) -> Vec<u64> {
+        self.inner.lock().items.iter().map(|(id, _)| *id).collect()
+    }
+
+    /// Lifetime counts.
+    pub fn stats(&self) -> BufferStats {
+        let g = self.inner.lock();
+        BufferStats { pushed: g.next_id, evicted: g.evicted, held: g.items.len(), held_positions: g.positions }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(len: usize, step: u64) -> Sample {
+        Sample {
+            tokens: (0..len as u32).collect(),
+            hidden: HiddenStates::from_flat(2, vec![0.5; 2 * (len - 1)]).unwrap(),
+            response_start: 1,
+            rl_step: step,
+        }
+    }
+
+    #[test]
+    fn bounded_fifo_with_step_window() {
+        let b = OnlineBuffer::new(BufferConfig { max_samples: 3, keep_steps: 2 }).unwrap();
+        for i in 0..5 {
+            assert_eq!(b.push(sample(4, i / 2)).unwrap(), i);
+        }
+        assert_eq!(b.ids(), vec![2, 3, 4]);
+        assert_eq!(b.stats(), BufferStats { pushed: 5, evicted: 2, held: 3, held_positions: 9 });
+        b.set_step(2); // keeps steps 1 and 2: samples 2, 3 (step 1) and 4 (step 2)
+        assert_eq!(b.ids(), vec![2, 3, 4]);
+        b.set_step(3); // keeps step 2 only
+        assert_eq!(b.ids(), vec![4]);
+        let st = b.stats();
+        assert_eq!(st.pushed, st.held as u64 + st.evicted);
+        let mut rng = SeededRng::new(1);
+        assert!(b.sample(5, &mut rng).iter().all(|(id, _)| *id == 4));
+    }
+
+    #[test]
+    fn malformed_samples_and_configs_are_rejected() {
+        let b = OnlineBuffer::new(BufferConfig::default()).unwrap();
+        let mut s = sample(4, 0);
+        s.response_start = 9;
+        assert!(matches!(b.push(s), Err(Error::InvalidArgument(_))));
+        let mut s = sample(4, 0);
+        s.tokens.push(1);
+        assert!(b.push(s).is_err());
+        assert!(OnlineBuffer::new(BufferConfig { max_samples: 0, keep_steps: 1 }).is_err());
+        assert!(b.sample(3, &mut SeededRng::new(0)).is_empty());
+    }
+}
