@@ -57,6 +57,8 @@ mod error;
 mod frozen;
 mod layer;
 pub mod online;
+mod propose;
+mod runtime;
 mod vocab;
 
 pub use checkpoint::SaveDType;
@@ -66,4 +68,6 @@ pub use eagle3::{Eagle3Batch, Eagle3Drafter, Eagle3Loss, Eagle3Weights, Teacher}
 pub use error::{Error, Result};
 pub use frozen::FrozenTarget;
 pub use layer::DraftLayer;
+pub use propose::EagleProposer;
+pub use runtime::{DraftCache, DraftRuntime, RuntimeOptions};
 pub use vocab::VocabMap;

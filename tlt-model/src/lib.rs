@@ -43,7 +43,7 @@ mod init;
 mod linear;
 mod model;
 pub mod nn;
-mod ops;
+pub mod ops;
 mod tokenizer;
 mod train;
 mod weights;

@@ -1,9 +1,9 @@
-//! Row-wise f32 building blocks of the inference forward.
+//! Row-wise f32 building blocks of the inference forward (public so drafters reuse them).
 //!
 //! Plain, portable loops for the cheap element-wise steps; matmuls and attention live in `tlt-kernels`.
 
 /// Cosine and sine tables, `[positions, head_dim / 2]` each.
-pub(crate) fn rope_table(inv_freq: &[f64], positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
+pub fn rope_table(inv_freq: &[f64], positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
     let half = inv_freq.len();
     let mut cos = Vec::with_capacity(positions.len() * half);
     let mut sin = Vec::with_capacity(positions.len() * half);
@@ -18,7 +18,7 @@ pub(crate) fn rope_table(inv_freq: &[f64], positions: &[usize]) -> (Vec<f32>, Ve
 }
 
 /// Rotates every head of every row in place, HF `rotate_half` convention (pairs `j` and `j + d/2`).
-pub(crate) fn apply_rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+pub fn apply_rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
     let half = head_dim / 2;
     let rows = cos.len() / half;
     let width = x.len() / rows;
@@ -36,7 +36,7 @@ pub(crate) fn apply_rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32
 }
 
 /// RMSNorm of each row of `x` (width `w.len()`), scaled by `w`.
-pub(crate) fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks_exact(w.len()) {
         let ms = row.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
@@ -47,11 +47,11 @@ pub(crate) fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 }
 
 /// `x += y`.
-pub(crate) fn add_assign(x: &mut [f32], y: &[f32]) {
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
 /// `gate = silu(gate) * up`.
-pub(crate) fn silu_mul_assign(gate: &mut [f32], up: &[f32]) {
+pub fn silu_mul_assign(gate: &mut [f32], up: &[f32]) {
     gate.iter_mut().zip(up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
 }

@@ -69,5 +69,5 @@ pub use plan::Plan;
 pub use stop::TokenDecoder;
 pub use target::{SeqHandle, Target, TargetInput, TargetOutput};
 pub use tlt_kernels::{SamplingParams, SeededRng};
-pub use tree::{DraftTree, Node};
+pub use tree::{Beam, DraftTree, Node};
 pub use verify::{verify_greedy, verify_sampling, Accepted, ExactVerifier, Proposal, Verifier};

@@ -52,6 +52,19 @@ fn check_log_prob(token: u32, lp: f32) -> Result<()> {
     Ok(())
 }
 
+/// One node to expand in [`DraftTree::eagle2_many`].
+#[derive(Debug, Clone, Copy)]
+pub struct Beam<'a> {
+    /// Which tree (index into the roots).
+    pub tree: usize,
+    /// The node's id in its tree's build (0 = the root).
+    pub node: usize,
+    /// Its parent's id (`None` for the root).
+    pub parent: Option<usize>,
+    /// Tokens from the root (first) to this node (last).
+    pub tokens: &'a [u32],
+}
+
 impl DraftTree {
     /// A tree holding only the root: plain decoding (one committed token per verification).
     pub fn new(root_token: u32) -> Self {
@@ -113,16 +126,57 @@ impl DraftTree {
     where
         F: FnMut(&[u32]) -> Vec<(u32, f32)>,
     {
+        let mut trees = Self::eagle2_many(&[root_token], plan, |beams: &[Beam<'_>]| {
+            Ok(beams.iter().map(|b| expand(b.tokens)).collect())
+        })?;
+        trees.pop().ok_or_else(|| Error::InvalidTree("no tree built".into()))
+    }
+
+    /// [`DraftTree::eagle2`] for several trees at once, expanding level by level so a drafter can score all
+    /// beams of a level (of every tree) in one batched forward.
+    ///
+    /// `expand(beams)` gets the beams of one level, all trees together, and returns their candidates in the same
+    /// order. Each [`Beam`] names its tree, its node id and its parent's (ids are stable for the whole build and
+    /// count from 0 = the root in each tree, so a drafter can key per-node state on them) and the tokens from the
+    /// root to it. The selection rules are exactly [`DraftTree::eagle2`]'s, per tree.
+    ///
+    /// # Errors
+    /// As [`DraftTree::eagle2`], plus any error `expand` returns, and [`Error::ShapeMismatch`] if it returns the
+    /// wrong number of candidate lists.
+    pub fn eagle2_many<F>(roots: &[u32], plan: &Plan, mut expand: F) -> Result<Vec<Self>>
+    where
+        F: FnMut(&[Beam<'_>]) -> Result<Vec<Vec<(u32, f32)>>>,
+    {
         plan.validate()?;
         let k = plan.top_k;
-        // Every scored node; index 0 is the root.
-        let mut all: Vec<Node> = vec![Node { token: root_token, parent: None, depth: 0, score: 0.0 }];
-        let mut frontier: Vec<usize> = vec![0];
+        // Every scored node of every tree; index 0 of each is its root.
+        let mut all: Vec<Vec<Node>> =
+            roots.iter().map(|&r| vec![Node { token: r, parent: None, depth: 0, score: 0.0 }]).collect();
+        let mut frontiers: Vec<Vec<usize>> = vec![vec![0]; roots.len()];
         for level in 1..=plan.steps {
-            let mut level_nodes: Vec<usize> = Vec::new();
-            for &beam in &frontier {
-                let path: Vec<u32> = path_of(&all, beam).into_iter().map(|i| all[i].token).collect();
-                let mut cands = expand(&path);
+            let paths: Vec<(usize, usize, Vec<u32>)> = frontiers
+                .iter()
+                .enumerate()
+                .flat_map(|(t, f)| f.iter().map(move |&n| (t, n)))
+                .map(|(t, n)| (t, n, path_of(&all[t], n).into_iter().map(|i| all[t][i].token).collect()))
+                .collect();
+            if paths.is_empty() {
+                break;
+            }
+            let beams: Vec<Beam<'_>> = paths
+                .iter()
+                .map(|(t, n, toks)| Beam { tree: *t, node: *n, parent: all[*t][*n].parent, tokens: toks })
+                .collect();
+            let cands_all = expand(&beams)?;
+            if cands_all.len() != beams.len() {
+                return Err(Error::ShapeMismatch {
+                    what: "candidate lists (one per beam)",
+                    expected: beams.len(),
+                    got: cands_all.len(),
+                });
+            }
+            let mut level_nodes: Vec<Vec<usize>> = vec![Vec::new(); roots.len()];
+            for (&(t, beam, _), mut cands) in paths.iter().zip(cands_all) {
                 for &(tok, lp) in &cands {
                     check_log_prob(tok, lp)?;
                 }
@@ -137,20 +191,19 @@ impl DraftTree {
                         continue;
                     }
                     taken.push(tok);
-                    let score = all[beam].score + lp;
-                    level_nodes.push(all.len());
-                    all.push(Node { token: tok, parent: Some(beam), depth: level, score });
+                    let score = all[t][beam].score + lp;
+                    level_nodes[t].push(all[t].len());
+                    all[t].push(Node { token: tok, parent: Some(beam), depth: level, score });
                 }
             }
-            if level_nodes.is_empty() {
-                break;
+            // The next frontier of each tree: the best k of this level (stable: creation order breaks ties).
+            for (t, mut nodes) in level_nodes.into_iter().enumerate() {
+                nodes.sort_by(|&a, &b| all[t][b].score.total_cmp(&all[t][a].score));
+                nodes.truncate(k);
+                frontiers[t] = nodes;
             }
-            // The next frontier: the best k of this level (stable: creation order breaks ties).
-            level_nodes.sort_by(|&a, &b| all[b].score.total_cmp(&all[a].score));
-            level_nodes.truncate(k);
-            frontier = level_nodes;
         }
-        Ok(Self::rerank(&all, plan.verify_tokens))
+        Ok(all.iter().map(|a| Self::rerank(a, plan.verify_tokens)).collect())
     }
 
     /// Keeps the root and the best `verify_tokens - 1` scored nodes of `all` (ancestor-closed) and re-indexes
