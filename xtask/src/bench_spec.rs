@@ -38,7 +38,7 @@ pub struct SpecArgs {
     #[arg(long, default_value_t = 3)]
     repeats: usize,
     /// Oracle configurations as `steps:rate` (chain length, per-position corruption probability).
-    #[arg(long, value_delimiter = ',', default_value = "2:0.3,4:0.1,4:0.05,6:0.04")]
+    #[arg(long, value_delimiter = ',', default_value = "2:0.3,4:0.1,4:0.07,6:0.04")]
     oracle: Vec<String>,
     /// N-gram plan as `steps:top_k:verify_tokens`.
     #[arg(long, default_value = "6:2:12")]
