@@ -79,17 +79,15 @@ impl EagleProposer {
     /// context, whether it has a root output to draft from.
     fn catch_up(&mut self, ctxs: &[DraftContext<'_>]) -> Result<Vec<bool>> {
         let rt = &self.reader.current().weights;
-        let fw = rt.feature_width();
         let mut plan: Vec<(RequestId, usize, usize)> = Vec::new(); // (request, first position, end)
         for c in ctxs {
             let hidden = c.hidden.ok_or_else(|| Error::InvalidArgument("EAGLE drafting needs hidden states".into()))?;
             let fed = c.history.len().saturating_sub(1);
-            if hidden.len() != fed || (fed > 0 && hidden.width() < fw) {
+            if hidden.len() != fed {
                 return Err(Error::InvalidArgument(format!(
-                    "request {}: {} hidden rows of width {} for {fed} fed positions (drafter reads width {fw})",
+                    "request {}: {} hidden rows for {fed} fed positions",
                     c.request.0,
-                    hidden.len(),
-                    hidden.width()
+                    hidden.len()
                 )));
             }
             let st = self.seqs.entry(c.request).or_default();
@@ -102,7 +100,8 @@ impl EagleProposer {
         for (c, &(_, from, to)) in ctxs.iter().zip(&plan) {
             let hidden = c.hidden.ok_or_else(|| Error::InvalidArgument("missing hidden states".into()))?;
             for t in from..to {
-                let feature = hidden.row(t).map(|r| &r[..fw]).ok_or_else(|| Error::InvalidArgument("row".into()))?;
+                let row = hidden.row(t).ok_or_else(|| Error::InvalidArgument(format!("no hidden row {t}")))?;
+                let feature = rt.feature_of(row)?;
                 rows.push(Row { token: c.history[t + 1], feature, pos: t });
             }
         }

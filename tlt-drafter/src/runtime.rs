@@ -141,6 +141,21 @@ pub(crate) enum Attend<'a> {
     Tree(&'a [Option<usize>]),
 }
 
+/// See [`DraftRuntime::feature_of`].
+pub(crate) fn feature_slice(kind: DrafterKind, h: usize, row: &[f32]) -> Result<&[f32]> {
+    let w = row.len();
+    match kind {
+        DrafterKind::Eagle2 if w == h => Ok(row),
+        DrafterKind::Eagle2 if w == 4 * h => Ok(&row[3 * h..]),
+        DrafterKind::Eagle3 if w == 3 * h => Ok(row),
+        DrafterKind::Eagle3 if w == 4 * h => Ok(&row[..3 * h]),
+        _ => Err(Error::batch(
+            "hidden",
+            format!("feature rows of width {w}; {kind:?} reads rows of H, 3H (EAGLE-3) or 4H (Tap::eagle3), H = {h}"),
+        )),
+    }
+}
+
 impl DraftCache {
     /// Committed positions.
     pub fn len(&self) -> usize {
@@ -232,6 +247,16 @@ impl DraftRuntime {
     /// Width of a target feature row the drafter reads at committed positions (`H`, or `3H` for EAGLE-3).
     pub fn feature_width(&self) -> usize {
         self.fc.w.view().k() - if self.kind == DrafterKind::Eagle2 { self.hidden } else { 0 }
+    }
+
+    /// The part of a recorded target feature row the drafter reads at a committed position. Rows are the
+    /// final-norm state (`H`), the three EAGLE-3 taps (`3H`), or `Tap::eagle3`'s four taps (`4H`: three aux
+    /// layers, then the final norm): EAGLE-2 reads the final norm, EAGLE-3 the three aux layers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidBatch`] for any other width.
+    pub fn feature_of<'r>(&self, row: &'r [f32]) -> Result<&'r [f32]> {
+        feature_slice(self.kind, self.hidden, row)
     }
 
     /// The drafter's hidden size `H`.

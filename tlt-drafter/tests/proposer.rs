@@ -105,7 +105,6 @@ fn check_tree_against_sequential(
     tree: &tlt_spec_decode::DraftTree,
     k: usize,
 ) {
-    let fw = rt.feature_width();
     for i in 0..tree.len() {
         let kids = tree.children(i).unwrap();
         if kids.is_empty() {
@@ -113,7 +112,8 @@ fn check_tree_against_sequential(
         }
         let path: Vec<u32> = tree.path_to(i).unwrap().iter().map(|&j| tree.node(j).unwrap().token).collect();
         let mut cache = DraftCache::default();
-        let mut feats: Vec<Vec<f32>> = (0..hidden.len()).map(|t| hidden.row(t).unwrap()[..fw].to_vec()).collect();
+        let mut feats: Vec<Vec<f32>> =
+            (0..hidden.len()).map(|t| rt.feature_of(hidden.row(t).unwrap()).unwrap().to_vec()).collect();
         let mut toks = history.to_vec();
         let refs: Vec<&[f32]> = feats.iter().map(Vec::as_slice).collect();
         let mut last = rt.extend(&mut cache, &toks, &refs).unwrap();
