@@ -42,8 +42,35 @@
 //!   hidden states), versioned weight publication ([`WeightsSlot`](online::WeightsSlot) /
 //!   [`WeightsReader`](online::WeightsReader)) and the preemptible [`BackgroundTrainer`](online::BackgroundTrainer).
 //!
-//! **Status:** phase 1. Phase 2 (pending): the inference path with the drafter's own KV cache, tree proposal
-//! implementing `tlt_spec_decode::Drafter`, offline/online training loops and benches.
+//! - [`train`]: drafter training from rollout samples. [`DrafterTrainer`] (EAGLE-2 or EAGLE-3) packs windows
+//!   of [`Sample`](online::Sample)s (tokens + the engine's recorded hidden states; `4H` rows from
+//!   `TappedLlama` with `Tap::eagle3` serve both kinds) into segment-packed batches, steps its own AdamW
+//!   (visible moments, global-norm clipping, warmup + constant/cosine schedule), draws batches
+//!   deterministically from `(seed, step)`, and saves/resumes atomic checkpoints bit-exactly.
+//!   [`train::train_offline`] loops under a step or time budget; [`train::online_step_fn`] is the
+//!   micro-step a [`BackgroundTrainer`](online::BackgroundTrainer) runs, publishing
+//!   [`DraftRuntime`] snapshots to a [`WeightsSlot`](online::WeightsSlot).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use tlt_drafter::online::Sample;
+//! use tlt_drafter::train::{train_offline, Budget};
+//! use tlt_drafter::{DrafterConfig, DrafterTrainer, Eagle2Drafter, FrozenTarget, RuntimeOptions, TrainConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let target = tlt_model::Llama::random(tlt_model::LlamaConfig::tiny(32, 16, 2), 0)?;
+//! # let samples: Vec<Arc<Sample>> = Vec::new(); // Sample::from_finished(&engine_output, rl_step)
+//! let cfg = DrafterConfig::eagle2_from_target(target.config(), false);
+//! let drafter = Eagle2Drafter::random(cfg, FrozenTarget::new(&target), 1)?;
+//! let mut trainer = DrafterTrainer::new(drafter, TrainConfig { lr: 1e-4, ..TrainConfig::default() })?;
+//! let report = train_offline(&mut trainer, &samples, Budget::Steps(100), |s| println!("{}", s.eval.loss))?;
+//! trainer.save_checkpoint(std::path::Path::new("ckpt"))?; // resume: DrafterTrainer::resume(dir, &target)
+//! let runtime = trainer.runtime(&RuntimeOptions::default())?; // for EagleProposer / WeightsSlot::publish
+//! # let _ = (report, runtime); Ok(()) }
+//! ```
+//!
+//! The inference path ([`DraftRuntime`], [`EagleProposer`]) runs the drafter with its own KV cache and grows
+//! EAGLE-2 dynamic trees for `tlt_spec_decode::Engine`.
 //!
 //! # Features
 //! None: CPU, any float dtype the target uses (tests run f32 and, for gradient checks, f64).
@@ -59,6 +86,7 @@ mod layer;
 pub mod online;
 mod propose;
 mod runtime;
+pub mod train;
 mod vocab;
 
 pub use checkpoint::SaveDType;
@@ -70,4 +98,5 @@ pub use frozen::FrozenTarget;
 pub use layer::DraftLayer;
 pub use propose::EagleProposer;
 pub use runtime::{DraftCache, DraftRuntime, RuntimeOptions};
+pub use train::{DrafterTrainer, LrSchedule, StepStats, TrainConfig, TrainableDrafter};
 pub use vocab::VocabMap;

@@ -4,15 +4,17 @@
 //! - `test`: `fetch-assets`, then the doc tests (`cargo test --release --workspace --doc`) and every other test of
 //!   the workspace (`cargo nextest run --release --workspace`, or `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF;
 //! - `demo`: `fetch-assets`, then the main demo (today: chat generation with SmolLM2);
-//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`) writing `target/bench/<suite>.json` and `.md`.
+//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`) writing `target/bench/<suite>.json` and `.md`.
 //!
 //! See `xtask/README.md` for every option and every field of the benchmark reports.
 
 mod assets;
 mod bench_decode;
 mod bench_decode_md;
+mod bench_drafter;
 mod bench_kernels;
 mod bench_spec;
+mod drafter_data;
 mod candle_ref;
 mod report;
 mod sysinfo;
@@ -70,6 +72,8 @@ enum Suite {
     Kernels(bench_kernels::KernelArgs),
     /// Speculative vs plain decoding of SmolLM2-135M through one engine: oracle and n-gram drafters, side by side.
     Spec(bench_spec::SpecArgs),
+    /// EAGLE-2/EAGLE-3 drafters trained offline on SmolLM2's own responses: tau and speedup at batch 1.
+    Drafter(bench_drafter::DrafterArgs),
 }
 
 /// The workspace root (the parent of this crate's directory).
@@ -176,6 +180,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Demo { prompt, max_new_tokens } => demo(&prompt, max_new_tokens),
         Cmd::Bench { suite: Suite::Decode(args) } => {
             bench_decode::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench { suite: Suite::Drafter(args) } => {
+            bench_drafter::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Spec(args) } => {

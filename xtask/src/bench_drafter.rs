@@ -1,0 +1,387 @@
+//! `cargo xtask bench drafter`: EAGLE-2 and EAGLE-3 drafters for SmolLM2-135M trained offline on the target's
+//! own greedy responses, then speculative against plain greedy decoding at batch 1 on held-out prompts, in one
+//! run. Writes `target/bench/drafter.json` and `drafter.md`.
+//!
+//! Also measures the drafter trainer's throughput and the preemption latency of a background trainer (pause
+//! requests while it runs training steps).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use parking_lot::Mutex;
+use serde::Serialize;
+use tlt_drafter::online::{BackgroundTrainer, BufferConfig, OnlineBuffer, Sample, WeightsSlot};
+use tlt_drafter::train::{online_step_fn, train_offline, Budget, OnlineStepConfig};
+use tlt_drafter::{
+    DrafterConfig, DrafterTrainer, Eagle2Drafter, Eagle3Drafter, FrozenTarget, LrSchedule, RuntimeOptions,
+    TrainConfig, VocabMap,
+};
+use tlt_kernels::WeightDType;
+use tlt_model::Llama;
+use tlt_spec_decode::Plan;
+use tracing::info;
+
+use crate::drafter_data::{eval_batch1, prompts, rollout_samples};
+use crate::report::{self, median};
+use crate::sysinfo::{self, MachineInfo};
+
+/// Options of `cargo xtask bench drafter`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DrafterArgs {
+    /// Training wall-time budget per drafter, minutes (the issue's budget is 20).
+    #[arg(long, default_value_t = 20.0)]
+    train_minutes: f64,
+    /// Tokens generated per training prompt (greedy).
+    #[arg(long, default_value_t = 128)]
+    rollout_tokens: usize,
+    /// Tokens generated per held-out prompt at evaluation.
+    #[arg(long, default_value_t = 128)]
+    eval_tokens: usize,
+    /// Held-out prompts evaluated (at most 40).
+    #[arg(long, default_value_t = 8)]
+    eval_prompts: usize,
+    /// Draft plan as `steps:top_k:verify_tokens`.
+    #[arg(long, default_value = "4:2:8")]
+    plan: String,
+    /// EAGLE-3 draft vocabulary (and EAGLE-2 hot vocabulary) size: the most frequent response tokens.
+    #[arg(long, default_value_t = 8192)]
+    draft_vocab: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Which drafters to train, comma-separated (`eagle2`, `eagle3`).
+    #[arg(long, value_delimiter = ',', default_value = "eagle2,eagle3")]
+    kinds: Vec<String>,
+    /// Pause requests timed for the preemption latency.
+    #[arg(long, default_value_t = 20)]
+    preemptions: usize,
+    /// The GGUF to load (default: the cached SmolLM2-135M-Instruct, fetched if missing).
+    #[arg(long)]
+    model: Option<PathBuf>,
+}
+
+/// Training-data figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct DataReport {
+    /// Training prompts.
+    pub prompts: usize,
+    /// Held-out prompts evaluated.
+    pub eval_prompts: usize,
+    /// Response tokens generated for training.
+    pub response_tokens: usize,
+    /// Seconds generating them (batch 16, greedy, hidden states recorded).
+    pub seconds: f64,
+}
+
+/// One drafter's training and evaluation.
+#[derive(Debug, Clone, Serialize)]
+pub struct DrafterResult {
+    /// `eagle2` or `eagle3`.
+    pub kind: String,
+    /// Trainable parameters.
+    pub params: usize,
+    /// Training steps within the budget.
+    pub steps: u64,
+    /// Training seconds.
+    pub train_s: f64,
+    /// Window tokens per second of training.
+    pub train_tokens_per_s: f64,
+    /// Loss of the first and last step.
+    pub loss_first: f64,
+    /// Loss of the last step.
+    pub loss_last: f64,
+    /// Draft top-1 accuracy on the last training batch.
+    pub accuracy_last: f64,
+    /// Mean committed tokens per round on the held-out prompts (tau, bonus included).
+    pub tau: f64,
+    /// Drafted tokens accepted / drafted.
+    pub accept_rate: f64,
+    /// Speculative decode tokens/s.
+    pub sd_tokens_per_s: f64,
+    /// `sd_tokens_per_s / plain_tokens_per_s` of the same run.
+    pub speedup: f64,
+    /// Share of speculative step time spent in the drafter.
+    pub draft_fraction: f64,
+    /// Speculative output = plain output on every prompt.
+    pub lossless: bool,
+}
+
+/// Preemption of a background trainer.
+#[derive(Debug, Clone, Serialize)]
+pub struct PreemptionReport {
+    /// Pause requests timed.
+    pub samples: usize,
+    /// Median latency, ms.
+    pub p50_ms: f64,
+    /// 99th percentile latency, ms.
+    pub p99_ms: f64,
+    /// Largest latency, ms.
+    pub max_ms: f64,
+    /// Median training step time, ms (the bound the latency should respect).
+    pub step_p50_ms: f64,
+}
+
+/// The whole `drafter.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// `"drafter"`.
+    pub suite: &'static str,
+    /// Bumped when fields change meaning.
+    pub schema_version: u32,
+    /// UTC start time.
+    pub timestamp: String,
+    /// Commit of the workspace.
+    pub git_commit: String,
+    /// How the suite was invoked.
+    pub command_line: String,
+    /// The machine.
+    pub machine: MachineInfo,
+    /// The draft plan.
+    pub plan: Plan,
+    /// Training budget per drafter, minutes.
+    pub train_minutes: f64,
+    /// The data.
+    pub data: DataReport,
+    /// Plain greedy decode tokens/s at batch 1 on the held-out prompts.
+    pub plain_tokens_per_s: f64,
+    /// One entry per drafter.
+    pub drafters: Vec<DrafterResult>,
+    /// Background-trainer preemption.
+    pub preemption: Option<PreemptionReport>,
+}
+
+fn parse_plan(s: &str) -> Result<Plan> {
+    let v: Vec<usize> = s.split(':').map(str::parse).collect::<std::result::Result<_, _>>().context("--plan")?;
+    let [steps, top_k, verify_tokens] = v[..] else { bail!("--plan must be steps:top_k:verify_tokens") };
+    let plan = Plan { steps, top_k, verify_tokens };
+    plan.validate()?;
+    Ok(plan)
+}
+
+fn percentile(xs: &[f64], q: f64) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[((q * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)]
+}
+
+/// Response-token counts of `samples` over the target vocabulary.
+fn response_counts(samples: &[Arc<Sample>], vocab: usize) -> Vec<u64> {
+    let mut counts = vec![0u64; vocab];
+    for s in samples {
+        for &t in &s.tokens[s.response_start..] {
+            if let Some(c) = counts.get_mut(t as usize) {
+                *c += 1;
+            }
+        }
+    }
+    counts
+}
+
+fn new_drafter(kind: &str, target: &Llama, vocab: &VocabMap) -> Result<tlt_drafter::TrainableDrafter> {
+    let frozen = FrozenTarget::new(target);
+    Ok(match kind {
+        "eagle2" => Eagle2Drafter::random(DrafterConfig::eagle2_from_target(target.config(), false), frozen, 1)?.into(),
+        "eagle3" => {
+            let cfg = DrafterConfig::eagle3_from_target(target.config(), vocab.draft_vocab_size());
+            Eagle3Drafter::random(cfg, vocab.clone(), frozen, 1)?.into()
+        }
+        other => bail!("unknown drafter kind {other:?} (eagle2, eagle3)"),
+    })
+}
+
+/// Runs the suite and writes `target/bench/drafter.{json,md}`.
+pub fn run(args: &DrafterArgs) -> Result<()> {
+    let plan = parse_plan(&args.plan)?;
+    let timestamp = sysinfo::utc_timestamp();
+    let path = match &args.model {
+        Some(p) => p.clone(),
+        None => crate::assets::fetch_assets()?,
+    };
+    let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
+    let target = loaded.model;
+    let tok = loaded.tokenizer.with_context(|| format!("{} carries no tokenizer", path.display()))?;
+    let (train_text, held_text) = prompts();
+    let enc = |v: &[String]| -> Result<Vec<Vec<u32>>> { Ok(v.iter().map(|t| tlt_model::encode(&tok, t)).collect::<Result<_, _>>()?) };
+    let train_prompts = enc(&train_text)?;
+    let eval: Vec<Vec<u32>> = enc(&held_text)?.into_iter().step_by(5).take(args.eval_prompts).collect();
+    let machine = MachineInfo::collect();
+    info!(train_prompts = train_prompts.len(), eval_prompts = eval.len(), "drafter benchmark: generating training data");
+
+    let t = Instant::now();
+    let samples: Vec<Arc<Sample>> =
+        rollout_samples(&target, &train_prompts, args.rollout_tokens, 16)?.into_iter().map(Arc::new).collect();
+    let data = DataReport {
+        prompts: train_prompts.len(),
+        eval_prompts: eval.len(),
+        response_tokens: samples.iter().map(|s| s.tokens.len() - s.response_start).sum(),
+        seconds: t.elapsed().as_secs_f64(),
+    };
+    info!(tokens = data.response_tokens, seconds = format!("{:.0}", data.seconds), "training data ready");
+
+    let counts = response_counts(&samples, target.config().vocab_size);
+    let eos = target.config().eos_ids();
+    let vocab = VocabMap::from_counts(&counts, args.draft_vocab.min(target.config().vocab_size), &eos)?;
+    let hot: Vec<u32> = vocab.used().to_vec();
+
+    let plain = eval_batch1(&target, &eval, args.eval_tokens, None, &plan)?;
+    let generated: usize = plain.tokens.iter().map(Vec::len).sum();
+    let plain_tps = generated as f64 / plain.decode_s;
+    info!(tok_s = format!("{plain_tps:.1}"), "plain decode");
+
+    let cfg = TrainConfig {
+        lr: args.lr,
+        warmup_steps: 20,
+        schedule: LrSchedule::Constant,
+        ..TrainConfig::default()
+    };
+    let mut drafters = Vec::new();
+    let mut last_trainer = None;
+    for kind in &args.kinds {
+        let drafter = new_drafter(kind, &target, &vocab)?;
+        let params: usize = drafter.vars()?.iter().map(|(_, v)| v.elem_count()).sum();
+        let mut trainer = DrafterTrainer::new(drafter, cfg.clone())?;
+        let budget = Duration::from_secs_f64(args.train_minutes * 60.0);
+        let bar = ProgressBar::new(budget.as_secs());
+        bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {msg}")?);
+        let t0 = Instant::now();
+        let rep = train_offline(&mut trainer, &samples, Budget::Time(budget), |s| {
+            bar.set_position(t0.elapsed().as_secs());
+            bar.set_message(format!("{kind} step {} loss {:.4} acc {:.3}", s.step, s.eval.loss, s.eval.accuracy));
+        })?;
+        bar.finish_and_clear();
+        let opts = RuntimeOptions {
+            layer_dtype: WeightDType::F32,
+            head_dtype: WeightDType::Q8_0,
+            hot_vocab: (kind == "eagle2").then(|| hot.clone()),
+        };
+        let rt = trainer.runtime(&opts)?;
+        let sd = eval_batch1(&target, &eval, args.eval_tokens, Some(&rt), &plan)?;
+        let c = &sd.counters;
+        let step_s = c.draft_s + c.forward_s + c.verify_s + c.commit_s;
+        let res = DrafterResult {
+            kind: kind.clone(),
+            params,
+            steps: rep.steps,
+            train_s: rep.seconds,
+            train_tokens_per_s: rep.tokens_per_s,
+            loss_first: rep.first.as_ref().map_or(f64::NAN, |s| s.eval.loss),
+            loss_last: rep.last.as_ref().map_or(f64::NAN, |s| s.eval.loss),
+            accuracy_last: rep.last.as_ref().map_or(f64::NAN, |s| s.eval.accuracy),
+            tau: c.mean_accept_len(),
+            accept_rate: c.accepted as f64 / c.drafted.max(1) as f64,
+            sd_tokens_per_s: generated as f64 / sd.decode_s,
+            speedup: plain.decode_s / sd.decode_s,
+            draft_fraction: c.draft_s / step_s.max(1e-12),
+            lossless: sd.tokens == plain.tokens,
+        };
+        info!(kind = %kind, steps = res.steps, tau = format!("{:.2}", res.tau), speedup = format!("{:.2}", res.speedup),
+              train_tok_s = format!("{:.0}", res.train_tokens_per_s), "drafter done");
+        if !res.lossless {
+            bail!("{kind}: speculative output differs from plain decoding");
+        }
+        drafters.push(res);
+        last_trainer = Some(trainer);
+    }
+
+    let preemption = match last_trainer {
+        Some(trainer) if args.preemptions > 0 => Some(measure_preemption(trainer, &samples, args.preemptions)?),
+        _ => None,
+    };
+    let report = Report {
+        suite: "drafter",
+        schema_version: 1,
+        timestamp,
+        git_commit: sysinfo::git_commit(),
+        command_line: report::command_line(),
+        machine,
+        plan,
+        train_minutes: args.train_minutes,
+        data,
+        plain_tokens_per_s: plain_tps,
+        drafters,
+        preemption,
+    };
+    report::write_outputs("drafter", &report, &markdown(&report))
+}
+
+/// Runs `trainer` as a background trainer on a buffer of `samples` and times `n` pause requests, each after
+/// a random-ish 50-150 ms of running.
+fn measure_preemption(trainer: DrafterTrainer, samples: &[Arc<Sample>], n: usize) -> Result<PreemptionReport> {
+    let buffer = Arc::new(OnlineBuffer::new(BufferConfig { max_samples: samples.len().max(1), keep_steps: 2 })?);
+    for s in samples {
+        buffer.push((**s).clone())?;
+    }
+    let runtime = trainer.runtime(&RuntimeOptions::default())?;
+    let slot = Arc::new(WeightsSlot::new(runtime));
+    let trainer = Arc::new(Mutex::new(trainer));
+    let step = online_step_fn(trainer.clone(), buffer, slot, OnlineStepConfig::default())?;
+    let bg = BackgroundTrainer::spawn(step, Duration::from_millis(5));
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        bg.resume();
+        std::thread::sleep(Duration::from_millis(50 + (i as u64 * 37) % 100));
+        lat.push(bg.pause().as_secs_f64() * 1e3);
+    }
+    let stats = bg.shutdown()?;
+    let step_ms = if stats.steps > 0 { 1e3 * stats.busy_s / stats.steps as f64 } else { f64::NAN };
+    Ok(PreemptionReport {
+        samples: n,
+        p50_ms: median(&lat),
+        p99_ms: percentile(&lat, 0.99),
+        max_ms: lat.iter().copied().fold(0.0, f64::max),
+        step_p50_ms: step_ms,
+    })
+}
+
+fn markdown(r: &Report) -> String {
+    let mut s = format!(
+        "# drafter: offline-trained EAGLE drafters for SmolLM2-135M (f32 target, greedy, batch 1)\n\n\
+         {} training prompts, {} response tokens generated in {:.0} s; {:.1} min training budget per drafter; \
+         plan {}:{}:{}; {} held-out prompts; plain {:.1} tok/s; {} ({} threads); commit {}; {}\n\n\
+         | drafter | params | steps | train tok/s | loss first -> last | acc | tau | accept rate | SD tok/s | speedup | draft share |\n\
+         |---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|\n",
+        r.data.prompts,
+        r.data.response_tokens,
+        r.data.seconds,
+        r.train_minutes,
+        r.plan.steps,
+        r.plan.top_k,
+        r.plan.verify_tokens,
+        r.data.eval_prompts,
+        r.plain_tokens_per_s,
+        r.machine.cpu_model,
+        r.machine.candle_threads,
+        r.git_commit,
+        r.timestamp,
+    );
+    for d in &r.drafters {
+        s.push_str(&format!(
+            "| {} | {} | {} | {:.0} | {:.3} -> {:.3} | {:.3} | {:.2} | {:.2} | {:.1} | {:.2} | {:.3} |\n",
+            d.kind,
+            d.params,
+            d.steps,
+            d.train_tokens_per_s,
+            d.loss_first,
+            d.loss_last,
+            d.accuracy_last,
+            d.tau,
+            d.accept_rate,
+            d.sd_tokens_per_s,
+            d.speedup,
+            d.draft_fraction
+        ));
+    }
+    if let Some(p) = &r.preemption {
+        s.push_str(&format!(
+            "\nPreemption of a background trainer ({} pauses): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (median step {:.1} ms)\n",
+            p.samples, p.p50_ms, p.p99_ms, p.max_ms, p.step_p50_ms
+        ));
+    }
+    s
+}
