@@ -122,7 +122,8 @@ pub struct Eagle2Loss {
     pub ploss: Tensor,
     /// Sum of the loss weights (valid tokens).
     pub tokens: f64,
-    /// Fraction of weighted positions where the draft's argmax token equals the target's.
+    /// Fraction of weighted positions where the draft's argmax token equals the target's (NaN when `ploss_weight` is 0: the
+    /// logits are then not computed).
     pub accuracy: f64,
 }
 
@@ -248,6 +249,12 @@ impl Eagle2Drafter {
         let denom = tokens.max(1.0);
         let wt = lay.weight_tensor(&w, dtype, &dev)?;
         let vloss = weighted_sum(&smooth_l1(&(&pred - &target)?)?.mean(D::Minus1)?, &wt, denom)?;
+        if cfg.ploss_weight == 0.0 {
+            // Feature regression only: skip both LM-head products (most of a step's cost on a large vocabulary).
+            let ploss = vloss.zeros_like()?;
+            let total = (&vloss * cfg.vloss_weight)?;
+            return Ok(Eagle2Loss { total, vloss, ploss, tokens, accuracy: f64::NAN });
+        }
         let target_logits = self.target.logits(&target)?;
         let draft_logits = self.target.logits(&pred)?;
         let ploss = weighted_sum(&soft_cross_entropy(&target_logits, &draft_logits)?, &wt, denom)?;

@@ -219,3 +219,21 @@ fn noise_is_seeded_and_bad_batches_are_errors() {
     let bad_cfg = Eagle2LossConfig { ploss_weight: f64::NAN, ..Default::default() };
     assert!(matches!(d.loss(&b, &bad_cfg), Err(Error::InvalidConfig { .. })));
 }
+
+#[test]
+fn feature_regression_alone_skips_the_head_and_keeps_gradients() {
+    let (target, d) = drafter("llama", false);
+    let b = batch(&target);
+    let full = d.loss(&b, &Eagle2LossConfig::default()).unwrap();
+    let cfg = Eagle2LossConfig { ploss_weight: 0.0, ..Eagle2LossConfig::default() };
+    let v = d.loss(&b, &cfg).unwrap();
+    let s = |t: &candle_core::Tensor| t.to_dtype(candle_core::DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    assert_eq!(s(&v.vloss), s(&full.vloss));
+    assert_eq!(s(&v.total), s(&v.vloss));
+    assert!(v.accuracy.is_nan());
+    let grads = v.total.backward().unwrap();
+    for (name, var) in d.vars().unwrap() {
+        let g = grads.get(var.as_tensor()).unwrap_or_else(|| panic!("{name} has no gradient"));
+        assert!(g.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0, "{name}");
+    }
+}

@@ -52,6 +52,14 @@ pub struct DrafterArgs {
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
+    /// EAGLE-2's weight of the soft cross-entropy term (TLT: 0.1). 0 trains on the feature regression alone and
+    /// skips the two full-vocabulary LM-head products per step, most of a step's cost on CPU.
+    #[arg(long, default_value_t = 0.1)]
+    eagle2_ploss_weight: f64,
+    /// Tokens per step of the background trainer in the preemption measurement (its micro-step bounds the
+    /// latency).
+    #[arg(long, default_value_t = 256)]
+    online_tokens_per_step: usize,
     /// Which drafters to train, comma-separated (`eagle2`, `eagle3`).
     #[arg(long, value_delimiter = ',', default_value = "eagle2,eagle3")]
     kinds: Vec<String>,
@@ -234,12 +242,8 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     let plain_tps = generated as f64 / plain.decode_s;
     info!(tok_s = format!("{plain_tps:.1}"), "plain decode");
 
-    let cfg = TrainConfig {
-        lr: args.lr,
-        warmup_steps: 20,
-        schedule: LrSchedule::Constant,
-        ..TrainConfig::default()
-    };
+    let mut cfg = TrainConfig { lr: args.lr, warmup_steps: 20, schedule: LrSchedule::Constant, ..TrainConfig::default() };
+    cfg.eagle2_loss.ploss_weight = args.eagle2_ploss_weight;
     let mut drafters = Vec::new();
     let mut last_trainer = None;
     for kind in &args.kinds {
@@ -290,7 +294,17 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     }
 
     let preemption = match last_trainer {
-        Some(trainer) if args.preemptions > 0 => Some(measure_preemption(trainer, &samples, args.preemptions)?),
+        Some(trainer) if args.preemptions > 0 => {
+            let online = TrainConfig {
+                tokens_per_step: args.online_tokens_per_step,
+                window: args.online_tokens_per_step.min(512),
+                row_len: args.online_tokens_per_step.min(512),
+                samples_per_step: 1,
+                ..cfg.clone()
+            };
+            let trainer = DrafterTrainer::new(trainer.into_drafter(), online)?;
+            Some(measure_preemption(trainer, &samples, args.preemptions)?)
+        }
         _ => None,
     };
     let report = Report {
