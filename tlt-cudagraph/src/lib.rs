@@ -1,9 +1,74 @@
 //! # tlt-cudagraph
 //!
-//! Pools of pre-captured execution graphs keyed by (phase, batch bucket, tree shape), with eager fallback, a shared memory budget and LRU eviction.
+//! Pools of pre-captured execution graphs keyed by (phase, batch bucket, tree shape), for the speculative
+//! decoding engine's draft, verify and plain-decode forwards.
 //!
-//! **Status:** this crate is reserved in the workspace layout and holds no code yet; its contents are
-//! specified in the project's issue tracker ("tlt-scheduler and tlt-cudagraph: the adaptive rollout engine's brain and its graph pool") and land with that issue. It deliberately exports
-//! nothing rather than placeholder code.
+//! - [`GraphKey`]: phase ([`GraphPhase::Draft`] / [`GraphPhase::Verify`] / [`GraphPhase::Decode`]), padded
+//!   batch and the [`TreeShape`] dimensions that phase depends on (verify graphs depend on the tree size only,
+//!   draft graphs on `(steps, top_k)` only, so arms share graphs as in fastrl's decoupled runners).
+//! - [`BucketPolicy`]: the captured batch sizes (SGLang's ladder by default) and the pure padding function.
+//! - [`GraphPool`]: graphs under one byte budget with least-recently-used eviction and [`PoolStats`] (hits,
+//!   misses, captures, evictions, bytes in use and peak, eager fallbacks by reason).
+//! - [`Executor`]: `run(key, io)`. [`EagerExecutor`] calls the forward every time (CPU);
+//!   [`GraphExecutor`] pads the batch, captures on first use through a [`GraphBackend`], replays after, and
+//!   falls back to eager with a recorded [`FallbackReason`] when the batch is too large, the graph cannot fit
+//!   the budget, or capture failed (a failed key is not retried).
+//! - [`cuda::CudaGraphBackend`]: stream capture and graph launch via cudarc, behind the `cuda` feature.
 //!
-//! **Where it sits:** depends on cudarc (optional, behind `cuda`); used by `tlt-spec-decode`, `tlt-rl`. See the workspace `DESIGN.md` for the crate boundaries.
+//! ```
+//! use tlt_cudagraph::{BucketPolicy, Captured, Executor, GraphBackend, GraphExecutor, GraphKey, RunMode};
+//!
+//! // A stand-in backend whose "graph" is the key it recorded; replay runs the same forward.
+//! fn forward(k: &GraphKey, out: &mut Vec<usize>) -> tlt_cudagraph::Result<()> {
+//!     out.push(k.tokens());
+//!     Ok(())
+//! }
+//! struct Recorder;
+//! impl GraphBackend<Vec<usize>> for Recorder {
+//!     type Graph = GraphKey;
+//!     fn capture(&mut self, k: &GraphKey, _: &mut Vec<usize>) -> tlt_cudagraph::Result<Captured<GraphKey>> {
+//!         Ok(Captured { graph: *k, bytes: 64 * k.tokens() as u64 })
+//!     }
+//!     fn replay(&mut self, g: &GraphKey, _: &GraphKey, out: &mut Vec<usize>) -> tlt_cudagraph::Result<()> {
+//!         forward(g, out)
+//!     }
+//! }
+//! let mut ex = GraphExecutor::new(Recorder, forward, BucketPolicy::ladder(32), 1 << 20).unwrap();
+//! let mut out = Vec::new();
+//! assert_eq!(ex.run(&GraphKey::verify(9, 16), &mut out).unwrap().mode, RunMode::Captured); // padded to 10
+//! assert_eq!(ex.run(&GraphKey::verify(10, 16), &mut out).unwrap().mode, RunMode::Replayed);
+//! assert!(matches!(ex.run(&GraphKey::decode(40), &mut out).unwrap().mode, RunMode::Eager(Some(_))));
+//! assert_eq!(out, [160, 160, 40]);
+//! assert_eq!(ex.stats().bytes_in_use, 64 * 160);
+//! ```
+//!
+//! # Features
+//! - `cuda` (off by default): [`cuda::CudaGraphBackend`] captures and replays real CUDA graphs through
+//!   cudarc's driver API, loaded at run time: it builds without a CUDA toolkit, and without a driver
+//!   construction returns [`Error::NoDriver`] instead of panicking. Without the feature the same type exists
+//!   and its constructor returns [`Error::NotCompiledWithCuda`].
+//!
+//! **Not here yet** (issue 6): the GPU test (`tests/cuda.rs`) has only been compiled, never run on a device;
+//! no engine forward is wired to the executors yet (`tlt-spec-decode` runs eagerly on CPU).
+//!
+//! **Where it sits:** depends on serde, thiserror, cudarc (optional); used by `tlt-spec-decode`, `tlt-rl`.
+
+mod bucket;
+mod error;
+mod executor;
+mod key;
+mod pool;
+
+/// The CUDA graph backend (real with the `cuda` feature, a stand-in that errors without it).
+#[cfg(feature = "cuda")]
+pub mod cuda;
+/// The CUDA graph backend (real with the `cuda` feature, a stand-in that errors without it).
+#[cfg(not(feature = "cuda"))]
+#[path = "no_cuda.rs"]
+pub mod cuda;
+
+pub use bucket::BucketPolicy;
+pub use error::{BoxError, Error, Result};
+pub use executor::{Captured, EagerExecutor, Executor, GraphBackend, GraphExecutor, RunInfo, RunMode};
+pub use key::{GraphKey, GraphPhase, TreeShape};
+pub use pool::{FallbackReason, GraphPool, PoolStats, Rejected};

@@ -1,9 +1,65 @@
 //! # tlt-scheduler
 //!
-//! Tensor-free long-tail rollout scheduling: continuous batching, the SD gate with hysteresis, BEG-MAB tree-shape selection, idle-worker coordination and a cluster simulator.
+//! Tensor-free long-tail rollout scheduling for TLT: every decision is a pure function of counters (batch
+//! sizes, accept lengths, step times), so it is property-tested and reused as-is by the cluster simulator.
 //!
-//! **Status:** this crate is reserved in the workspace layout and holds no code yet; its contents are
-//! specified in the project's issue tracker ("tlt-scheduler and tlt-cudagraph: the adaptive rollout engine's brain and its graph pool") and land with that issue. It deliberately exports
-//! nothing rather than placeholder code.
+//! - [`Rollout`]: the request queue. Continuous batching under a running-batch cap and a per-step token budget,
+//!   GRPO groups of samples per prompt, per-request stop and cancellation, strict FIFO admission (no request
+//!   starves). It hands each decode step to the caller (an engine, a cost model) as a [`Step`] and takes back a
+//!   [`StepOutcome`]; [`Rollout::run`] drives it with a closure.
+//! - [`SdGate`]: the phase signal. SD turns on once the running batch has stayed `<= threshold` for `on_after`
+//!   steps and off once it has stayed above `off_threshold` for `off_after` steps (hysteresis: no flapping).
+//!   The engine switches plans between rounds, so no re-prefill is needed (fastrl re-prefills everything).
+//! - [`BegMab`]: BEG multi-armed bandit over [`Plan`](tlt_spec_decode::Plan) arms. Batch-size buckets map to
+//!   tree sizes (defaults `[1, 2, 5, 21]` → 48/32/16/8 tokens); ε-greedy inside a bucket on the median reward
+//!   (committed tokens per second, [`step_reward`]) over a sliding window; unseen arms first; seeded.
+//! - [`bucket`]: pure bucketing functions (pad up to a captured batch size, BEG group of a batch).
+//! - [`Coordinator`]: idle-worker coordination on real threads. Workers that finish their shard are lent to a
+//!   [`DrafterTrainer`] until the **whole rollout** ends (or [`Coordinator::preempt_training`]); preemption is
+//!   cooperative with a bounded, measured latency; every transition is a timestamped [`Event`].
+//! - [`sim`]: a discrete-event simulator of `W` workers decoding long-tailed lengths with a calibratable
+//!   cost model; [`sim::simulate`] takes a serde [`sim::SimConfig`] and returns a serde [`sim::SimReport`]
+//!   comparing plain decoding, adaptive SD, and adaptive SD with an online drafter.
 //!
-//! **Where it sits:** depends on crossbeam, parking_lot; used by `tlt-rl`. See the workspace `DESIGN.md` for the crate boundaries.
+//! ```
+//! use tlt_scheduler::{Phase, Rollout, RolloutConfig, StepOutcome};
+//!
+//! let mut rollout = Rollout::new(RolloutConfig::default()).unwrap();
+//! rollout.submit_group(32, 8, 64).unwrap(); // one prompt of 32 tokens, 8 samples, <= 64 new tokens each
+//! let stats = rollout
+//!     .run(|step| -> tlt_scheduler::Result<StepOutcome> {
+//!         // A real caller runs `step.plan()` (speculative) or plain decoding on `step.running`.
+//!         let per_request = if step.phase == Phase::Speculative { 3 } else { 1 };
+//!         Ok(StepOutcome::uniform(&step.running, per_request, 0.02))
+//!     })
+//!     .unwrap();
+//! assert_eq!(stats.finished, 8);
+//! assert!(stats.speculative_steps > 0); // 8 <= 32 for 10 steps: the gate turned SD on
+//! ```
+//!
+//! **Not here yet** (issue 6): the adaptor that drives `tlt_spec_decode::Engine` from a [`Step`] (it needs
+//! per-request committed counts from the engine), KV-budget admission with preemption, and CPU re-tuning of
+//! the bandit defaults by measurement.
+//!
+//! **Where it sits:** depends on `tlt-spec-decode` (for `Plan` only), parking_lot, serde, thiserror; used by
+//! `tlt-rl`. See the workspace `DESIGN.md`.
+
+pub mod bucket;
+pub mod coord;
+mod error;
+pub mod gate;
+pub mod mab;
+mod rng;
+pub mod rollout;
+pub mod sim;
+
+pub use coord::{
+    CoordinationReport, Coordinator, CoordinatorConfig, DrafterTrainer, Event, EventKind, TrainContext, TrainExit,
+};
+pub use error::{Error, Result};
+pub use gate::{GateConfig, GateDecision, Phase, SdGate};
+pub use mab::{step_reward, BegMab, Choice, ChoiceReason, MabConfig};
+pub use rng::SplitMix64;
+pub use rollout::{
+    FinishReason, Finished, GroupId, RequestId, RequestOutcome, Rollout, RolloutConfig, RolloutStats, Step, StepOutcome,
+};

@@ -98,6 +98,8 @@ struct Live {
     prompt_len: usize,
     /// Prompt + generated. The last token is the root of the next round: committed but not yet fed.
     history: Vec<u32>,
+    /// Most tokens this request generates.
+    max_new_tokens: usize,
     logprobs: Vec<f32>,
     /// Features of every fed position (`history.len() - 1` rows) when recording.
     hidden: Option<HiddenStates>,
@@ -254,6 +256,18 @@ impl<T: Target> Engine<T> {
     /// [`Error::InvalidArgument`] for an empty prompt, a prompt that fills the target's context, a token
     /// outside the vocabulary, or stop strings without a decoder; [`Error::Target`] if the prefill fails.
     pub fn add_request(&mut self, prompt: &[u32]) -> Result<RequestId> {
+        self.add_request_with_limit(prompt, self.params.max_new_tokens)
+    }
+
+    /// [`Engine::add_request`] with this request's own token limit instead of `params.max_new_tokens` (e.g. the
+    /// long-tailed lengths of a rollout).
+    ///
+    /// # Errors
+    /// As [`Engine::add_request`], and [`Error::InvalidArgument`] for `max_new_tokens == 0`.
+    pub fn add_request_with_limit(&mut self, prompt: &[u32], max_new_tokens: usize) -> Result<RequestId> {
+        if max_new_tokens == 0 {
+            return Err(Error::InvalidArgument("max_new_tokens must be at least 1".into()));
+        }
         if !self.stop_strings.is_empty() && self.decoder.is_none() {
             return Err(Error::InvalidArgument("stop strings need a token decoder (Engine::with_decoder)".into()));
         }
@@ -299,6 +313,7 @@ impl<T: Target> Engine<T> {
             handle,
             prompt_len: prompt.len(),
             history: prompt.to_vec(),
+            max_new_tokens,
             logprobs: Vec::new(),
             hidden,
             rng: SeededRng::new(self.params.seed).fork(id.0 as u64),
@@ -418,7 +433,7 @@ impl<T: Target> Engine<T> {
                     None => None,
                 } {
                     reason = Some(FinishReason::StopString { index });
-                } else if generated >= self.params.max_new_tokens
+                } else if generated >= s.max_new_tokens
                     || self.target.max_context().is_some_and(|m| s.history.len() >= m)
                 {
                     reason = Some(FinishReason::Length);

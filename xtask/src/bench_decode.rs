@@ -21,7 +21,7 @@ use tlt_model::{KvCache, Llama, LogitsFor, SeqId, SeqInput, WeightDType};
 use tracing::{info, warn};
 
 use crate::candle_ref::{requantize_gguf, CandleLlama, CandleQuantLlama};
-use crate::report::{self, median};
+use crate::report::{self, median, Header};
 use crate::sysinfo::{self, MachineInfo, Probe};
 
 /// Draft tokens a verification scores.
@@ -241,18 +241,9 @@ pub struct VerifyResult {
 /// The whole `decode.json`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// `"decode"`.
-    pub suite: &'static str,
-    /// Bumped when fields change meaning.
-    pub schema_version: u32,
-    /// UTC start time, RFC 3339.
-    pub timestamp: String,
-    /// Commit of the workspace (`-dirty` with local changes).
-    pub git_commit: String,
-    /// How the suite was invoked.
-    pub command_line: String,
-    /// The machine.
-    pub machine: MachineInfo,
+    /// Suite, schema version, time, commit, command line and machine.
+    #[serde(flatten)]
+    pub header: Header,
     /// The workload.
     pub workload: Workload,
     /// Single-thread read bandwidth, GB/s (10^9 B/s).
@@ -626,12 +617,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         ratio_vs_candle_transformers: b.ratio_vs_candle_transformers,
     });
     let report = Report {
-        suite: "decode",
-        schema_version: 2,
-        timestamp,
-        git_commit: sysinfo::git_commit(),
-        command_line: report::command_line(),
-        machine,
+        header: Header::new("decode", 2, timestamp, machine),
         workload: Workload {
             model_path: path.display().to_string(),
             params: model.weights().num_params(),

@@ -13,12 +13,12 @@ pub(crate) fn markdown(r: &Report) -> String {
          |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         r.workload.prompt_tokens,
         r.workload.new_tokens,
-        r.machine.cpu_model,
-        r.machine.candle_threads,
+        r.header.machine.cpu_model,
+        r.header.machine.candle_threads,
         r.read_bandwidth_gbs,
         r.results.first().map_or(0.0, |b| b.weight_bytes_per_step as f64 / 1e6),
-        r.git_commit,
-        r.timestamp,
+        r.header.git_commit,
+        r.header.timestamp,
     );
     for b in &r.results {
         let (o, c) = (&b.ours, &b.candle_transformers);

@@ -16,8 +16,8 @@ use serde::Serialize;
 use tlt_drafter::online::{BackgroundTrainer, BufferConfig, OnlineBuffer, Sample, WeightsSlot};
 use tlt_drafter::train::{online_step_fn, train_offline, Budget, OnlineStepConfig};
 use tlt_drafter::{
-    DrafterConfig, DrafterTrainer, Eagle2Drafter, Eagle3Drafter, FrozenTarget, LrSchedule, RuntimeOptions,
-    TrainConfig, VocabMap,
+    DrafterConfig, DrafterTrainer, Eagle2Drafter, Eagle3Drafter, FrozenTarget, LrSchedule, RuntimeOptions, TrainConfig,
+    VocabMap,
 };
 use tlt_kernels::WeightDType;
 use tlt_model::Llama;
@@ -25,7 +25,7 @@ use tlt_spec_decode::Plan;
 use tracing::info;
 
 use crate::drafter_data::{eval_batch1, prompts, rollout_samples};
-use crate::report::{self, median};
+use crate::report::{self, median, Header};
 use crate::sysinfo::{self, MachineInfo};
 
 /// Options of `cargo xtask bench drafter`.
@@ -135,18 +135,9 @@ pub struct PreemptionReport {
 /// The whole `drafter.json`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// `"drafter"`.
-    pub suite: &'static str,
-    /// Bumped when fields change meaning.
-    pub schema_version: u32,
-    /// UTC start time.
-    pub timestamp: String,
-    /// Commit of the workspace.
-    pub git_commit: String,
-    /// How the suite was invoked.
-    pub command_line: String,
-    /// The machine.
-    pub machine: MachineInfo,
+    /// Suite, schema version, time, commit, command line and machine.
+    #[serde(flatten)]
+    pub header: Header,
     /// The draft plan.
     pub plan: Plan,
     /// Training budget per drafter, minutes.
@@ -215,11 +206,17 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     let target = loaded.model;
     let tok = loaded.tokenizer.with_context(|| format!("{} carries no tokenizer", path.display()))?;
     let (train_text, held_text) = prompts();
-    let enc = |v: &[String]| -> Result<Vec<Vec<u32>>> { Ok(v.iter().map(|t| tlt_model::encode(&tok, t)).collect::<Result<_, _>>()?) };
+    let enc = |v: &[String]| -> Result<Vec<Vec<u32>>> {
+        Ok(v.iter().map(|t| tlt_model::encode(&tok, t)).collect::<Result<_, _>>()?)
+    };
     let train_prompts = enc(&train_text)?;
     let eval: Vec<Vec<u32>> = enc(&held_text)?.into_iter().step_by(5).take(args.eval_prompts).collect();
     let machine = MachineInfo::collect();
-    info!(train_prompts = train_prompts.len(), eval_prompts = eval.len(), "drafter benchmark: generating training data");
+    info!(
+        train_prompts = train_prompts.len(),
+        eval_prompts = eval.len(),
+        "drafter benchmark: generating training data"
+    );
 
     let t = Instant::now();
     let samples: Vec<Arc<Sample>> =
@@ -242,7 +239,8 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     let plain_tps = generated as f64 / plain.decode_s;
     info!(tok_s = format!("{plain_tps:.1}"), "plain decode");
 
-    let mut cfg = TrainConfig { lr: args.lr, warmup_steps: 20, schedule: LrSchedule::Constant, ..TrainConfig::default() };
+    let mut cfg =
+        TrainConfig { lr: args.lr, warmup_steps: 20, schedule: LrSchedule::Constant, ..TrainConfig::default() };
     cfg.eagle2_loss.ploss_weight = args.eagle2_ploss_weight;
     let mut drafters = Vec::new();
     let mut last_trainer = None;
@@ -308,12 +306,7 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
         _ => None,
     };
     let report = Report {
-        suite: "drafter",
-        schema_version: 1,
-        timestamp,
-        git_commit: sysinfo::git_commit(),
-        command_line: report::command_line(),
-        machine,
+        header: Header::new("drafter", 1, timestamp, machine),
         plan,
         train_minutes: args.train_minutes,
         data,
@@ -369,10 +362,10 @@ fn markdown(r: &Report) -> String {
         r.plan.verify_tokens,
         r.data.eval_prompts,
         r.plain_tokens_per_s,
-        r.machine.cpu_model,
-        r.machine.candle_threads,
-        r.git_commit,
-        r.timestamp,
+        r.header.machine.cpu_model,
+        r.header.machine.candle_threads,
+        r.header.git_commit,
+        r.header.timestamp,
     );
     for d in &r.drafters {
         s.push_str(&format!(

@@ -18,7 +18,7 @@ use serde::Serialize;
 use tlt_kernels::{gemm_with, GemmConfig, Isa, MatRef, Matrix, WeightDType, WeightsRef};
 use tracing::{info, warn};
 
-use crate::report::{self, median};
+use crate::report::{self, median, Header};
 use crate::sysinfo::{self, MachineInfo, Probe};
 
 const MIB: usize = 1 << 20;
@@ -170,18 +170,9 @@ pub struct Check {
 /// The whole `kernels.json`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// `"kernels"`.
-    pub suite: &'static str,
-    /// Bumped when fields change meaning.
-    pub schema_version: u32,
-    /// UTC start time, RFC 3339.
-    pub timestamp: String,
-    /// Commit of the workspace (`-dirty` with local changes).
-    pub git_commit: String,
-    /// How the suite was invoked.
-    pub command_line: String,
-    /// The machine.
-    pub machine: MachineInfo,
+    /// Suite, schema version, time, commit, command line and machine.
+    #[serde(flatten)]
+    pub header: Header,
     /// Instruction set of our GEMM (`Isa::best()`).
     pub isa: &'static str,
     /// Every instruction set this CPU runs.
@@ -412,12 +403,7 @@ pub fn run(args: &KernelArgs) -> Result<()> {
         args.shapes.iter().map(|s| (s.to_string(), evaluate_targets(&results, &s.to_string()))).collect();
     let all_targets_pass = targets.values().flatten().all(|t| t.pass != Some(false));
     let report = Report {
-        suite: "kernels",
-        schema_version: 1,
-        timestamp,
-        git_commit: sysinfo::git_commit(),
-        command_line: report::command_line(),
-        machine,
+        header: Header::new("kernels", 1, timestamp, machine),
         isa: isa.name(),
         isa_available: Isa::available().into_iter().map(Isa::name).collect(),
         threads: cfg.threads,
@@ -466,13 +452,13 @@ fn markdown(r: &Report, shapes: &[Shape], dtypes: &[WeightDType], ms: &[usize]) 
          Cells: µs per call (ratio to m=1). `GB/s`, `bw` (fraction of the probe) and `vs f32` are at m=1.\n",
         r.isa,
         r.threads,
-        r.machine.candle_threads,
-        r.machine.cpu_model,
+        r.header.machine.candle_threads,
+        r.header.machine.cpu_model,
         r.read_bandwidth_gbs,
         r.set_mib_min,
         r.repeats,
-        r.git_commit,
-        r.timestamp,
+        r.header.git_commit,
+        r.header.timestamp,
     );
     let head: String = ms.iter().map(|m| format!(" m={m} |")).collect();
     let rule: String = ms.iter().map(|_| "---:|").collect();

@@ -22,7 +22,7 @@ use tlt_spec_decode::{
 };
 use tracing::info;
 
-use crate::report::{self, median};
+use crate::report::{self, median, Header};
 use crate::sysinfo::{self, MachineInfo};
 
 /// Options of `cargo xtask bench spec`.
@@ -230,18 +230,9 @@ pub struct Workload {
 /// The whole `spec.json`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// `"spec"`.
-    pub suite: &'static str,
-    /// Bumped when fields change meaning.
-    pub schema_version: u32,
-    /// UTC start time, RFC 3339.
-    pub timestamp: String,
-    /// Commit of the workspace (`-dirty` with local changes).
-    pub git_commit: String,
-    /// How the suite was invoked.
-    pub command_line: String,
-    /// The machine.
-    pub machine: MachineInfo,
+    /// Suite, schema version, time, commit, command line and machine.
+    #[serde(flatten)]
+    pub header: Header,
     /// The workload.
     pub workload: Workload,
     /// Repeats per comparison.
@@ -418,12 +409,7 @@ pub fn run(args: &SpecArgs) -> Result<()> {
         overhead_target_met: max_overhead <= 0.10,
     };
     let report = Report {
-        suite: "spec",
-        schema_version: 1,
-        timestamp,
-        git_commit: sysinfo::git_commit(),
-        command_line: report::command_line(),
-        machine,
+        header: Header::new("spec", 1, timestamp, machine),
         workload: Workload {
             model_path: path.display().to_string(),
             dtype: "f32",
@@ -449,10 +435,10 @@ fn markdown(r: &Report) -> String {
          |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         r.workload.new_tokens,
         r.repeats,
-        r.machine.cpu_model,
-        r.machine.candle_threads,
-        r.git_commit,
-        r.timestamp,
+        r.header.machine.cpu_model,
+        r.header.machine.candle_threads,
+        r.header.git_commit,
+        r.header.timestamp,
     );
     for c in &r.results {
         s.push_str(&format!(

@@ -25,10 +25,34 @@ const TEMPLATES: [&str; 10] = [
 
 /// Fills; the last [`HELD_OUT_FILLS`] are never used for training.
 const FILLS: [&str; 28] = [
-    "the ocean", "volcanoes", "the moon", "honey bees", "coffee", "the internet", "bicycles", "rainbows",
-    "the Roman Empire", "chess", "photosynthesis", "electric cars", "music", "gardening", "dinosaurs",
-    "the human heart", "snow", "libraries", "airplanes", "recycling", "mountains", "friendship",
-    "the solar system", "bread", "rivers", "robots", "the desert", "football",
+    "the ocean",
+    "volcanoes",
+    "the moon",
+    "honey bees",
+    "coffee",
+    "the internet",
+    "bicycles",
+    "rainbows",
+    "the Roman Empire",
+    "chess",
+    "photosynthesis",
+    "electric cars",
+    "music",
+    "gardening",
+    "dinosaurs",
+    "the human heart",
+    "snow",
+    "libraries",
+    "airplanes",
+    "recycling",
+    "mountains",
+    "friendship",
+    "the solar system",
+    "bread",
+    "rivers",
+    "robots",
+    "the desert",
+    "football",
 ];
 
 /// Fills reserved for held-out prompts.

@@ -4,7 +4,7 @@
 //! - `test`: `fetch-assets`, then the doc tests (`cargo test --release --workspace --doc`) and every other test of
 //!   the workspace (`cargo nextest run --release --workspace`, or `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF;
 //! - `demo`: `fetch-assets`, then the main demo (today: chat generation with SmolLM2);
-//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`) writing `target/bench/<suite>.json` and `.md`.
+//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`, `rollout`) writing `target/bench/<suite>.json` and `.md`.
 //!
 //! See `xtask/README.md` for every option and every field of the benchmark reports.
 
@@ -13,9 +13,10 @@ mod bench_decode;
 mod bench_decode_md;
 mod bench_drafter;
 mod bench_kernels;
+mod bench_rollout;
 mod bench_spec;
-mod drafter_data;
 mod candle_ref;
+mod drafter_data;
 mod report;
 mod sysinfo;
 
@@ -44,6 +45,9 @@ enum Cmd {
     FetchAssets,
     /// Fetch assets, then run all tests of the workspace (cargo nextest, or cargo test without it).
     Test {
+        /// Also run the GPU tests (`tlt-cudagraph --features cuda`) and require a CUDA driver for them.
+        #[arg(long)]
+        gpu: bool,
         /// Extra arguments for the test runner, after `--`.
         #[arg(last = true)]
         args: Vec<String>,
@@ -74,6 +78,9 @@ enum Suite {
     Spec(bench_spec::SpecArgs),
     /// EAGLE-2/EAGLE-3 drafters trained offline on SmolLM2's own responses: tau and speedup at batch 1.
     Drafter(bench_drafter::DrafterArgs),
+    /// Long-tailed rollouts: the cluster simulator calibrated from `spec.json`, and a real SmolLM2 run of the
+    /// SD gate + bandit driving the engine against plain decoding.
+    Rollout(bench_rollout::RolloutArgs),
 }
 
 /// The workspace root (the parent of this crate's directory).
@@ -104,7 +111,7 @@ fn exit_code(status: ExitStatus) -> ExitCode {
     }
 }
 
-fn test(args: &[String]) -> Result<ExitCode> {
+fn test(gpu: bool, args: &[String]) -> Result<ExitCode> {
     let gguf = assets::fetch_assets()?;
     // Doc tests first (nextest does not run them), so the runner's summary of all other tests comes last.
     let mut doc = cargo();
@@ -135,7 +142,14 @@ fn test(args: &[String]) -> Result<ExitCode> {
         }
         Err(e) => warn!("the Python EAGLE export check will be skipped: {e:#}"),
     }
-    Ok(exit_code(run(cmd)?))
+    let code = run(cmd)?;
+    if !code.success() || !gpu {
+        return Ok(exit_code(code));
+    }
+    // GPU tests: the CUDA backend of tlt-cudagraph, which must find a driver here.
+    let mut gpu_cmd = cargo();
+    gpu_cmd.args(["test", "--release", "-p", "tlt-cudagraph", "--features", "cuda"]).env("TLT_REQUIRE_GPU", "1");
+    Ok(exit_code(run(gpu_cmd)?))
 }
 
 fn demo(prompt: &str, max_new_tokens: usize) -> Result<ExitCode> {
@@ -176,7 +190,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             println!("{}", gguf.display());
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Test { args } => test(&args),
+        Cmd::Test { gpu, args } => test(gpu, &args),
         Cmd::Demo { prompt, max_new_tokens } => demo(&prompt, max_new_tokens),
         Cmd::Bench { suite: Suite::Decode(args) } => {
             bench_decode::run(&args)?;
@@ -184,6 +198,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Bench { suite: Suite::Drafter(args) } => {
             bench_drafter::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench { suite: Suite::Rollout(args) } => {
+            bench_rollout::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Spec(args) } => {

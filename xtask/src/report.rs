@@ -4,7 +4,40 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
+
+use crate::sysinfo::MachineInfo;
 use tracing::info;
+
+/// The fields every `target/bench/<suite>.json` starts with.
+#[derive(Debug, Clone, Serialize)]
+pub struct Header {
+    /// The suite's name.
+    pub suite: &'static str,
+    /// Bumped when fields change meaning.
+    pub schema_version: u32,
+    /// UTC start time, RFC 3339.
+    pub timestamp: String,
+    /// Commit of the workspace (`-dirty` with local changes).
+    pub git_commit: String,
+    /// How the suite was invoked.
+    pub command_line: String,
+    /// The machine.
+    pub machine: MachineInfo,
+}
+
+impl Header {
+    /// The header of a run of `suite` that started at `timestamp` on `machine`, with this commit and command line.
+    pub fn new(suite: &'static str, schema_version: u32, timestamp: String, machine: MachineInfo) -> Self {
+        Self {
+            suite,
+            schema_version,
+            timestamp,
+            git_commit: crate::sysinfo::git_commit(),
+            command_line: command_line(),
+            machine,
+        }
+    }
+}
 
 /// Median of `xs` (mean of the two middle values for an even count; NaN when empty).
 pub fn median(xs: &[f64]) -> f64 {

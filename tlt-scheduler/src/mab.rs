@@ -1,0 +1,401 @@
+//! BEG-MAB: batch-size-bucketed ε-greedy choice of the speculation plan.
+//!
+//! The arms are [`Plan`]s. Arms are grouped by tree size (`verify_tokens`); the distinct tree sizes, largest
+//! first, are paired with the ascending batch-size `thresholds`, so a small batch gets a big tree and a big batch
+//! a small one (fastrl defaults: batch 1 → 48 tokens, 2–4 → 32, 5–20 → 16, ≥ 21 → 8). Inside the bucket a batch
+//! falls in, the bandit picks ε-greedily on the **median** reward of each arm over the bucket's sliding window of
+//! recent steps; an arm with no sample in that window is tried first.
+//!
+//! The reward of a step is the tokens it committed per second, `accept_len × batch / step_seconds`
+//! ([`step_reward`]).
+//!
+//! Differences from fastrl's `eagle_mab.py`, on purpose:
+//! - the window is the bucket's last `window` *steps* (not each arm's last `window` pulls), so a stale median
+//!   ages out after one window even for an arm that is rarely pulled, and that arm is then re-tried as unseen:
+//!   the bandit adapts within one window when the arms' rewards change;
+//! - the reward uses the step's measured accept length, not a cross-group median recomputed at random;
+//! - one bandit per tree-size bucket, not one per fine batch-size group (the reward scales with the batch, so
+//!   arms are compared on the batches their bucket serves).
+//!
+//! The price of adapting within one window: every arm of a bucket is re-tried at least once per window, so
+//! besides ε a bucket with `k` arms spends up to `(k - 1) / window` of its steps on non-greedy arms.
+//!
+//! With the defaults every bucket holds one arm and BEG is the fixed table above; exploration starts once two
+//! arms share a tree size (e.g. `6_4_16` next to `8_4_16`).
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+use tlt_spec_decode::Plan;
+
+use crate::bucket::group_of;
+use crate::error::{invalid, Error, Result};
+use crate::rng::SplitMix64;
+
+/// Tokens committed per second by a step: `accept_len × batch / step_seconds`, where `accept_len` is the mean
+/// number of tokens committed per request in the step (accepted drafts + the bonus/correction token).
+pub fn step_reward(accept_len: f64, batch: usize, step_seconds: f64) -> f64 {
+    accept_len * batch as f64 / step_seconds
+}
+
+/// [`BegMab`] settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MabConfig {
+    /// The arms. Default: fastrl's `8_4_48` (default arm) plus `mab_configs` `8_4_32`, `8_4_16`, `8_4_8`.
+    pub arms: Vec<Plan>,
+    /// Ascending batch-size lower bounds, one per distinct tree size. Default `[1, 2, 5, 21]`.
+    pub thresholds: Vec<usize>,
+    /// Exploration probability inside a bucket, in `[0, 1]`. Default 0.1.
+    pub epsilon: f64,
+    /// Sliding window, in steps of one bucket (`>= 1`). Default 300 (`speculative_mab_window_size`).
+    pub window: usize,
+    /// Seed of the exploration coin. Default 0.
+    pub seed: u64,
+}
+
+impl Default for MabConfig {
+    fn default() -> Self {
+        let arm = |verify_tokens| Plan { steps: 8, top_k: 4, verify_tokens };
+        Self {
+            arms: vec![arm(48), arm(32), arm(16), arm(8)],
+            thresholds: vec![1, 2, 5, 21],
+            epsilon: 0.1,
+            window: 300,
+            seed: 0,
+        }
+    }
+}
+
+impl MabConfig {
+    /// Checks: at least one arm, every arm a valid plan, no duplicate arm; thresholds strictly ascending,
+    /// starting at `>= 1`, as many as distinct tree sizes; `epsilon` in `[0, 1]`; `window >= 1`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArm`] or [`Error::InvalidConfig`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.arms.is_empty() {
+            return Err(invalid("mab.arms", "at least one arm is needed"));
+        }
+        for (index, a) in self.arms.iter().enumerate() {
+            a.validate().map_err(|source| Error::InvalidArm { index, source })?;
+            if self.arms[..index].contains(a) {
+                return Err(invalid("mab.arms", format!("arm {index} ({a:?}) is a duplicate")));
+            }
+        }
+        if self.thresholds.first().is_none_or(|&t| t == 0) {
+            return Err(invalid("mab.thresholds", "must be non-empty and start at >= 1"));
+        }
+        if self.thresholds.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(invalid("mab.thresholds", "must be strictly ascending"));
+        }
+        let sizes = self.tree_sizes();
+        if sizes.len() != self.thresholds.len() {
+            return Err(invalid(
+                "mab.thresholds",
+                format!("{} thresholds for {} distinct tree sizes {:?}", self.thresholds.len(), sizes.len(), sizes),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.epsilon) {
+            return Err(invalid("mab.epsilon", format!("{} is not in [0, 1]", self.epsilon)));
+        }
+        if self.window == 0 {
+            return Err(invalid("mab.window", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// The distinct `verify_tokens` of the arms, largest first (bucket `i` uses `tree_sizes()[i]`).
+    pub fn tree_sizes(&self) -> Vec<usize> {
+        let mut s: Vec<usize> = self.arms.iter().map(|a| a.verify_tokens).collect();
+        s.sort_unstable_by(|a, b| b.cmp(a));
+        s.dedup();
+        s
+    }
+}
+
+/// Why an arm was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ChoiceReason {
+    /// The arm had no sample in its bucket's window.
+    Unseen,
+    /// The ε coin came up: uniform among the bucket's arms.
+    Explore,
+    /// The best median in the window.
+    Exploit,
+}
+
+/// One decision of the bandit; hand it back to [`BegMab::record`] with the step's reward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Choice {
+    /// Index of the arm in [`MabConfig::arms`].
+    pub arm: usize,
+    /// The arm's plan.
+    pub plan: Plan,
+    /// The batch-size bucket (index into [`MabConfig::thresholds`]).
+    pub bucket: usize,
+    /// Why this arm.
+    pub reason: ChoiceReason,
+}
+
+#[derive(Debug, Clone)]
+struct Bucket {
+    arms: Vec<usize>,
+    window: VecDeque<(usize, f64)>,
+    /// Samples of each arm (indexed like `arms`) in `window`.
+    counts: Vec<usize>,
+}
+
+/// The BEG multi-armed bandit; see the [module docs](self).
+///
+/// ```
+/// use tlt_scheduler::{step_reward, BegMab, MabConfig};
+/// let mut mab = BegMab::new(MabConfig::default()).unwrap();
+/// assert_eq!(mab.select(1).plan.verify_tokens, 48);
+/// assert_eq!(mab.select(3).plan.verify_tokens, 32);
+/// let c = mab.select(8);
+/// assert_eq!(c.plan.verify_tokens, 16);
+/// mab.record(&c, step_reward(3.5, 8, 0.020)).unwrap();
+/// assert_eq!(mab.select(40).plan.verify_tokens, 8);
+/// ```
+#[derive(Debug, Clone)]
+pub struct BegMab {
+    cfg: MabConfig,
+    buckets: Vec<Bucket>,
+    arm_bucket: Vec<usize>,
+    rng: SplitMix64,
+}
+
+impl BegMab {
+    /// A bandit with empty windows.
+    ///
+    /// # Errors
+    /// If `cfg` does not [validate](MabConfig::validate).
+    pub fn new(cfg: MabConfig) -> Result<Self> {
+        cfg.validate()?;
+        let sizes = cfg.tree_sizes();
+        let arm_bucket: Vec<usize> =
+            cfg.arms.iter().map(|a| sizes.iter().position(|&s| s == a.verify_tokens).unwrap_or_default()).collect();
+        let buckets = (0..sizes.len())
+            .map(|b| Bucket {
+                arms: (0..cfg.arms.len()).filter(|&a| arm_bucket[a] == b).collect(),
+                window: VecDeque::with_capacity(cfg.window),
+                counts: Vec::new(),
+            })
+            .map(|mut b: Bucket| {
+                b.counts = vec![0; b.arms.len()];
+                b
+            })
+            .collect();
+        let rng = SplitMix64::new(cfg.seed);
+        Ok(Self { cfg, buckets, arm_bucket, rng })
+    }
+
+    /// The bucket a batch of `batch` running requests falls in.
+    pub fn bucket_of(&self, batch: usize) -> usize {
+        group_of(batch, &self.cfg.thresholds)
+    }
+
+    /// Picks the plan for a speculative step over `batch` running requests.
+    pub fn select(&mut self, batch: usize) -> Choice {
+        let bucket = self.bucket_of(batch);
+        let b = &self.buckets[bucket];
+        let pick = |arm, reason| Choice { arm, plan: self.cfg.arms[arm], bucket, reason };
+        if let Some(i) = b.counts.iter().position(|&c| c == 0) {
+            return pick(b.arms[i], ChoiceReason::Unseen);
+        }
+        if b.arms.len() == 1 {
+            return pick(b.arms[0], ChoiceReason::Exploit);
+        }
+        if self.rng.next_f64() < self.cfg.epsilon {
+            let arm = b.arms[self.rng.below(b.arms.len())];
+            return Choice { arm, plan: self.cfg.arms[arm], bucket, reason: ChoiceReason::Explore };
+        }
+        let mut best = (b.arms[0], f64::NEG_INFINITY);
+        for &a in &b.arms {
+            let m = window_median(&b.window, a).unwrap_or(f64::INFINITY);
+            if m > best.1 {
+                best = (a, m);
+            }
+        }
+        pick(best.0, ChoiceReason::Exploit)
+    }
+
+    /// Records the reward (tokens/s, see [`step_reward`]) of the step that ran `choice`. The sample enters the
+    /// window of the arm's bucket, evicting the oldest once the window is full.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOutcome`] for an unknown arm or a reward that is negative or not finite (it is dropped).
+    pub fn record(&mut self, choice: &Choice, reward: f64) -> Result<()> {
+        let Some(&bucket) = self.arm_bucket.get(choice.arm) else {
+            return Err(Error::InvalidOutcome(format!("unknown arm {}", choice.arm)));
+        };
+        if !reward.is_finite() || reward < 0.0 {
+            return Err(Error::InvalidOutcome(format!("reward {reward} is not a finite non-negative number")));
+        }
+        let b = &mut self.buckets[bucket];
+        let slot = |arms: &[usize], arm| arms.iter().position(|&a| a == arm).unwrap_or_default();
+        if b.window.len() == self.cfg.window {
+            if let Some((old, _)) = b.window.pop_front() {
+                b.counts[slot(&b.arms, old)] -= 1;
+            }
+        }
+        b.window.push_back((choice.arm, reward));
+        b.counts[slot(&b.arms, choice.arm)] += 1;
+        Ok(())
+    }
+
+    /// The median reward of `arm` over its bucket's current window (`None` if it has no sample there).
+    pub fn median(&self, arm: usize) -> Option<f64> {
+        let bucket = *self.arm_bucket.get(arm)?;
+        window_median(&self.buckets[bucket].window, arm)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MabConfig {
+        &self.cfg
+    }
+}
+
+fn window_median(window: &VecDeque<(usize, f64)>, arm: usize) -> Option<f64> {
+    let mut v: Vec<f64> = window.iter().filter(|&&(a, _)| a == arm).map(|&(_, r)| r).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_unstable_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 { v[n / 2] } else { 0.5 * (v[n / 2 - 1] + v[n / 2]) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn default_table_matches_fastrl() {
+        let mut mab = BegMab::new(MabConfig::default()).unwrap();
+        assert_eq!(MabConfig::default().tree_sizes(), [48, 32, 16, 8]);
+        for (b, want) in [(1, 48), (2, 32), (4, 32), (5, 16), (20, 16), (21, 8), (512, 8), (0, 48)] {
+            for _ in 0..3 {
+                let c = mab.select(b);
+                assert_eq!(c.plan.verify_tokens, want, "batch {b}");
+                mab.record(&c, 1.0).unwrap();
+            }
+        }
+        let cfg: MabConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(cfg, MabConfig::default());
+        let json = serde_json::to_string(&MabConfig::default()).unwrap();
+        assert_eq!(serde_json::from_str::<MabConfig>(&json).unwrap(), MabConfig::default());
+    }
+
+    #[test]
+    fn validation() {
+        let ok = MabConfig::default();
+        assert!(MabConfig { arms: vec![], ..ok.clone() }.validate().is_err());
+        assert!(MabConfig { thresholds: vec![1, 2, 5], ..ok.clone() }.validate().is_err());
+        assert!(MabConfig { thresholds: vec![0, 2, 5, 21], ..ok.clone() }.validate().is_err());
+        assert!(MabConfig { thresholds: vec![1, 5, 5, 21], ..ok.clone() }.validate().is_err());
+        assert!(MabConfig { epsilon: 1.5, ..ok.clone() }.validate().is_err());
+        assert!(MabConfig { epsilon: f64::NAN, ..ok.clone() }.validate().is_err());
+        assert!(MabConfig { window: 0, ..ok.clone() }.validate().is_err());
+        let mut dup = ok.clone();
+        dup.arms.push(dup.arms[0]);
+        dup.thresholds.push(40);
+        assert!(dup.validate().is_err());
+        let bad_plan =
+            MabConfig { arms: vec![Plan { steps: 1, top_k: 1, verify_tokens: 9 }], thresholds: vec![1], ..ok };
+        assert!(matches!(bad_plan.validate(), Err(Error::InvalidArm { index: 0, .. })));
+    }
+
+    #[test]
+    fn unseen_first_then_median_and_bad_rewards_rejected() {
+        let arms = vec![Plan { steps: 8, top_k: 4, verify_tokens: 16 }, Plan { steps: 6, top_k: 4, verify_tokens: 16 }];
+        let mut mab = BegMab::new(MabConfig { arms, thresholds: vec![1], epsilon: 0.0, window: 10, seed: 1 }).unwrap();
+        let a = mab.select(4);
+        assert_eq!((a.arm, a.reason), (0, ChoiceReason::Unseen));
+        mab.record(&a, 10.0).unwrap();
+        let b = mab.select(4);
+        assert_eq!((b.arm, b.reason), (1, ChoiceReason::Unseen));
+        mab.record(&b, 20.0).unwrap();
+        // One outlier does not move the median of arm 1 below arm 0.
+        for r in [1000.0, 0.0, 25.0] {
+            let c = mab.select(4);
+            mab.record(&c, r).unwrap();
+        }
+        assert_eq!(mab.select(4).reason, ChoiceReason::Exploit);
+        assert!(mab.record(&a, f64::NAN).is_err());
+        assert!(mab.record(&a, -1.0).is_err());
+        assert!(mab.record(&Choice { arm: 9, ..a }, 1.0).is_err());
+        assert_eq!(step_reward(2.0, 4, 0.5), 16.0);
+    }
+
+    /// `k` arms sharing one tree size; the best has a mean reward at least 30% above every other; rewards get
+    /// ±10% multiplicative noise.
+    fn bandit() -> impl Strategy<Value = (Vec<f64>, usize, f64, usize, u64)> {
+        // Re-trying each other arm once per window costs (k-1)/window of the steps: keep that under 2%.
+        (2usize..6, 0.0f64..0.015, 0usize..200, any::<u64>()).prop_flat_map(|(k, eps, extra, seed)| {
+            let window = 60 * (k - 1) + extra;
+            (proptest::collection::vec(1.0f64..100.0, k), 0..k, Just(eps), Just(window), Just(seed)).prop_map(
+                |(mut means, best, eps, window, seed)| {
+                    let top = means.iter().cloned().fold(0.0, f64::max) * 1.3;
+                    means[best] = top;
+                    (means, best, eps, window, seed)
+                },
+            )
+        })
+    }
+
+    fn arms(k: usize) -> Vec<Plan> {
+        (0..k).map(|i| Plan { steps: 4 + i, top_k: 4, verify_tokens: 16 }).collect()
+    }
+
+    fn pull(mab: &mut BegMab, means: &[f64], noise: &mut SplitMix64) -> usize {
+        let c = mab.select(8);
+        let r = means[c.arm] * (0.9 + 0.2 * noise.next_f64());
+        mab.record(&c, r).unwrap();
+        c.arm
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn picks_best_arm_95_percent_after_warmup((means, best, eps, window, seed) in bandit()) {
+            let cfg = MabConfig { arms: arms(means.len()), thresholds: vec![1], epsilon: eps, window, seed };
+            let mut mab = BegMab::new(cfg).unwrap();
+            let mut noise = SplitMix64::new(seed ^ 0xABCD);
+            for _ in 0..window + means.len() {
+                pull(&mut mab, &means, &mut noise);
+            }
+            let n = 4000;
+            let hits = (0..n).filter(|_| pull(&mut mab, &means, &mut noise) == best).count();
+            prop_assert!(hits as f64 >= 0.95 * n as f64, "best picked {} / {}", hits, n);
+        }
+
+        #[test]
+        fn adapts_within_one_window((means, best, eps, window, seed) in bandit(), shift in 1usize..6) {
+            let k = means.len();
+            let cfg = MabConfig { arms: arms(k), thresholds: vec![1], epsilon: eps, window, seed };
+            let mut mab = BegMab::new(cfg).unwrap();
+            let mut noise = SplitMix64::new(seed ^ 0x1234);
+            for _ in 0..window * 2 {
+                pull(&mut mab, &means, &mut noise);
+            }
+            // The arms change: rotate the means so another arm is best.
+            let mut changed = means.clone();
+            changed.rotate_left(shift % k);
+            if shift % k == 0 {
+                changed.swap(best, (best + 1) % k);
+            }
+            let new_best = changed.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+            prop_assert_ne!(new_best, best);
+            for _ in 0..window + k {
+                pull(&mut mab, &changed, &mut noise);
+            }
+            let n = 4000;
+            let hits = (0..n).filter(|_| pull(&mut mab, &changed, &mut noise) == new_best).count();
+            prop_assert!(hits as f64 >= 0.95 * n as f64, "new best picked {} / {}", hits, n);
+        }
+    }
+}
