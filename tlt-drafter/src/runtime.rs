@@ -141,19 +141,14 @@ pub(crate) enum Attend<'a> {
     Tree(&'a [Option<usize>]),
 }
 
-/// See [`DraftRuntime::feature_of`].
+/// See [`DraftRuntime::feature_of`]: training's column choice ([`crate::train::feature_slices`]), plus EAGLE-3
+/// rows of just the three taps (inference needs no teacher).
 pub(crate) fn feature_slice(kind: DrafterKind, h: usize, row: &[f32]) -> Result<&[f32]> {
-    let w = row.len();
-    match kind {
-        DrafterKind::Eagle2 if w == h => Ok(row),
-        DrafterKind::Eagle2 if w == 4 * h => Ok(&row[3 * h..]),
-        DrafterKind::Eagle3 if w == 3 * h => Ok(row),
-        DrafterKind::Eagle3 if w == 4 * h => Ok(&row[..3 * h]),
-        _ => Err(Error::batch(
-            "hidden",
-            format!("feature rows of width {w}; {kind:?} reads rows of H, 3H (EAGLE-3) or 4H (Tap::eagle3), H = {h}"),
-        )),
+    if kind == DrafterKind::Eagle3 && row.len() == 3 * h {
+        return Ok(row);
     }
+    let cols = crate::train::feature_slices(kind, h, row.len())?;
+    row.get(cols.feature).ok_or_else(|| Error::batch("hidden", "feature columns outside the row"))
 }
 
 impl DraftCache {
