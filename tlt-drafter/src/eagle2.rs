@@ -134,6 +134,8 @@ pub struct Eagle2Drafter {
     weights: Eagle2Weights,
     target: FrozenTarget,
     inv_freq: Vec<f64>,
+    /// Target ids the soft cross-entropy is restricted to (`None`: the whole vocabulary).
+    loss_vocab: Option<Tensor>,
 }
 
 impl Eagle2Drafter {
@@ -162,7 +164,7 @@ impl Eagle2Drafter {
             make_var(t)?;
         }
         let inv_freq = cfg.llama.rope_inv_freq();
-        Ok(Self { cfg, weights, target, inv_freq })
+        Ok(Self { cfg, weights, target, inv_freq, loss_vocab: None })
     }
 
     /// A seeded, freshly initialised drafter for `target` (weights in the target's dtype).
@@ -201,7 +203,9 @@ impl Eagle2Drafter {
         for (_, t) in weights.entries_mut() {
             *t = t.to_dtype(dtype)?.detach();
         }
-        Self::new(self.cfg.clone(), weights, self.target.to_dtype(dtype)?)
+        let mut d = Self::new(self.cfg.clone(), weights, self.target.to_dtype(dtype)?)?;
+        d.loss_vocab = self.loss_vocab.clone();
+        Ok(d)
     }
 
     fn check_batch(&self, batch: &Eagle2Batch) -> Result<Layout> {
@@ -211,6 +215,22 @@ impl Eagle2Drafter {
             return Err(Error::batch("hidden", format!("shape {:?}, expected {want:?}", batch.hidden.dims())));
         }
         Ok(lay)
+    }
+
+    /// Restricts the soft cross-entropy (and the accuracy) to the target ids `ids`, e.g. the hot vocabulary the
+    /// drafter will draft over (SGLang's `speculative_token_map`): both LM-head products then cost
+    /// `ids.len() / vocab` of the full ones. The rows are read from the shared target head at every loss, so
+    /// they follow target updates. The target distribution is renormalised over `ids`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an empty list or an id outside the vocabulary.
+    pub fn with_loss_vocab(mut self, ids: &[u32]) -> Result<Self> {
+        let v = self.cfg.vocab_size();
+        if ids.is_empty() || ids.iter().any(|&i| i as usize >= v) {
+            return Err(Error::config("loss_vocab", ids.len(), "must be non-empty ids below the vocabulary size"));
+        }
+        self.loss_vocab = Some(Tensor::from_slice(ids, ids.len(), self.target.embed_tokens().device())?);
+        Ok(self)
     }
 
     /// The differentiable forward: `[b, t, H]` predictions of `h_{t+1}` at every position `t` (positions with no
@@ -255,8 +275,13 @@ impl Eagle2Drafter {
             let total = (&vloss * cfg.vloss_weight)?;
             return Ok(Eagle2Loss { total, vloss, ploss, tokens, accuracy: f64::NAN });
         }
-        let target_logits = self.target.logits(&target)?;
-        let draft_logits = self.target.logits(&pred)?;
+        let (target_logits, draft_logits) = match &self.loss_vocab {
+            Some(ids) => {
+                let head = self.target.lm_head().index_select(ids, 0)?;
+                (target.broadcast_matmul(&head.t()?)?, pred.broadcast_matmul(&head.t()?)?)
+            }
+            None => (self.target.logits(&target)?, self.target.logits(&pred)?),
+        };
         let ploss = weighted_sum(&soft_cross_entropy(&target_logits, &draft_logits)?, &wt, denom)?;
         let total = ((&vloss * cfg.vloss_weight)? + (&ploss * cfg.ploss_weight)?)?;
 

@@ -237,3 +237,24 @@ fn feature_regression_alone_skips_the_head_and_keeps_gradients() {
         assert!(g.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0, "{name}");
     }
 }
+
+#[test]
+fn soft_ce_restricted_to_a_vocabulary_subset() {
+    let (target, d) = drafter("llama", false);
+    let b = batch(&target);
+    let cfg = Eagle2LossConfig::default();
+    let s = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    let full = d.loss(&b, &cfg).unwrap();
+    let all: Vec<u32> = (0..VOCAB as u32).collect();
+    let same = d.clone().with_loss_vocab(&all).unwrap().loss(&b, &cfg).unwrap();
+    assert!((s(&full.total) - s(&same.total)).abs() < 1e-6, "all ids = the full vocabulary");
+    let sub = d.clone().with_loss_vocab(&[0, 3, 5, 7, 11]).unwrap();
+    let l = sub.loss(&b, &cfg).unwrap();
+    assert!(s(&l.ploss).is_finite() && s(&l.ploss) < s(&full.ploss), "fewer classes, smaller cross-entropy");
+    let grads = l.total.backward().unwrap();
+    for (name, var) in sub.vars().unwrap() {
+        assert!(grads.get(var.as_tensor()).is_some(), "{name}");
+    }
+    assert!(d.clone().with_loss_vocab(&[]).is_err());
+    assert!(d.with_loss_vocab(&[VOCAB as u32]).is_err());
+}

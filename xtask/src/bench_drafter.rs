@@ -56,6 +56,10 @@ pub struct DrafterArgs {
     /// skips the two full-vocabulary LM-head products per step, most of a step's cost on CPU.
     #[arg(long, default_value_t = 0.1)]
     eagle2_ploss_weight: f64,
+    /// Compute EAGLE-2's soft cross-entropy over the whole vocabulary instead of the hot vocabulary it drafts
+    /// over (49,152 columns instead of `--draft-vocab`: several times slower on CPU).
+    #[arg(long)]
+    eagle2_full_vocab_loss: bool,
     /// Tokens per step of the background trainer in the preemption measurement (its micro-step bounds the
     /// latency).
     #[arg(long, default_value_t = 256)]
@@ -182,10 +186,17 @@ fn response_counts(samples: &[Arc<Sample>], vocab: usize) -> Vec<u64> {
     counts
 }
 
-fn new_drafter(kind: &str, target: &Llama, vocab: &VocabMap) -> Result<tlt_drafter::TrainableDrafter> {
+fn new_drafter(kind: &str, target: &Llama, vocab: &VocabMap, hot_loss: bool) -> Result<tlt_drafter::TrainableDrafter> {
     let frozen = FrozenTarget::new(target);
     Ok(match kind {
-        "eagle2" => Eagle2Drafter::random(DrafterConfig::eagle2_from_target(target.config(), false), frozen, 1)?.into(),
+        "eagle2" => {
+            let d = Eagle2Drafter::random(DrafterConfig::eagle2_from_target(target.config(), false), frozen, 1)?;
+            if hot_loss {
+                d.with_loss_vocab(vocab.used())?.into()
+            } else {
+                d.into()
+            }
+        }
         "eagle3" => {
             let cfg = DrafterConfig::eagle3_from_target(target.config(), vocab.draft_vocab_size());
             Eagle3Drafter::random(cfg, vocab.clone(), frozen, 1)?.into()
@@ -245,7 +256,7 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     let mut drafters = Vec::new();
     let mut last_trainer = None;
     for kind in &args.kinds {
-        let drafter = new_drafter(kind, &target, &vocab)?;
+        let drafter = new_drafter(kind, &target, &vocab, !args.eagle2_full_vocab_loss)?;
         let params: usize = drafter.vars()?.iter().map(|(_, v)| v.elem_count()).sum();
         let mut trainer = DrafterTrainer::new(drafter, cfg.clone())?;
         let budget = Duration::from_secs_f64(args.train_minutes * 60.0);
