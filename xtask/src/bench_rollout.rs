@@ -78,6 +78,8 @@ pub struct Calibration {
     pub verify: Linear,
     /// Fresh accept lengths by tree size.
     pub accept: Vec<AcceptPoint>,
+    /// Measured cost of one draft forward (from `drafter.json`; `null`: the simulator's default).
+    pub draft: Option<Linear>,
     /// Where they come from: a trained drafter's `drafter.json` when there is one, else the `spec` bench's
     /// oracle and n-gram runs at batch 1 (lowest tau per tree size).
     pub accept_source: String,
@@ -114,17 +116,26 @@ fn calibrate(path: &Path, drafter: Option<&Path>) -> Result<Calibration> {
     if decode.is_empty() || verify.is_empty() || accept.is_empty() {
         bail!("{}: needs plain and speculative results (run `cargo xtask bench spec`)", path.display());
     }
-    // A trained drafter's measured accept length beats the oracle's set ones: use it when there is one.
+    // A trained drafter's measured accept length beats the oracle's set ones: use it when there is one, with its
+    // measured drafting time per draft forward (draft share x round time / steps; a round takes tau / (SD tok/s)
+    // at batch 1).
     let mut accept_source = format!("{} (oracle and n-gram drafters, batch 1)", path.display());
+    let mut draft: Option<Linear> = None;
     if let Some(d) = drafter {
         let text = std::fs::read_to_string(d).with_context(|| format!("reading {}", d.display()))?;
         let v: Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", d.display()))?;
         let vt = v["plan"]["verify_tokens"].as_u64().unwrap_or(0) as usize;
-        let best =
-            v["drafters"].as_array().into_iter().flatten().filter_map(|x| x["tau"].as_f64()).fold(f64::NAN, f64::max);
-        if vt > 0 && best.is_finite() {
-            accept = BTreeMap::from([(vt, best)]);
-            accept_source = format!("{} (best trained drafter, batch 1)", d.display());
+        let steps = v["plan"]["steps"].as_f64().unwrap_or(0.0);
+        let tau_of = |x: &Value| x["tau"].as_f64().unwrap_or(0.0);
+        let best = v["drafters"].as_array().into_iter().flatten().max_by(|a, b| tau_of(a).total_cmp(&tau_of(b)));
+        if let Some(b) = best.filter(|b| vt > 0 && steps > 0.0 && tau_of(b) >= 1.0) {
+            let tau = tau_of(b);
+            accept = BTreeMap::from([(vt, tau)]);
+            accept_source = format!("{} ({} drafter, batch 1)", d.display(), b["kind"].as_str().unwrap_or("?"));
+            let (share, tps) = (b["draft_fraction"].as_f64(), b["sd_tokens_per_s"].as_f64());
+            if let (Some(share), Some(tps)) = (share, tps.filter(|&t| t > 0.0)) {
+                draft = Some(Linear { fixed_s: share * tau / tps / steps, per_token_s: 0.0 });
+            }
         }
     }
     let decode_points: Vec<(f64, f64)> = decode.iter().map(|(&b, &s)| (b as f64, s)).collect();
@@ -139,6 +150,7 @@ fn calibrate(path: &Path, drafter: Option<&Path>) -> Result<Calibration> {
             .map(|(verify_tokens, accept_len)| AcceptPoint { verify_tokens, accept_len })
             .collect(),
         accept_source,
+        draft,
     })
 }
 
