@@ -110,17 +110,33 @@ unsafe fn row_blocks<S: Simd, F: Format, const NR: usize>(
     r0: usize,
 ) {
     unsafe {
+        // With 32 vector registers (16-lane ISAs) a last block of 5 or 6 rows fits one tile (6 x 4 accumulators
+        // + 4 weights + 1 input), instead of a 4-row tile plus a latency-bound 1- or 2-row tail.
+        let wide = S::LANES >= 16 && NR <= 4;
         let mut i0 = 0;
         while i0 < d.m {
             let xi = x.add(i0 * d.k);
             let left = d.m - i0;
-            match left.min(MR) {
-                4 => store(y, d.n, i0, r0, tile::<S, F, 4, NR>(xi, d.k, w, d.k)),
-                3 => store(y, d.n, i0, r0, tile::<S, F, 3, NR>(xi, d.k, w, d.k)),
-                2 => store(y, d.n, i0, r0, tile::<S, F, 2, NR>(xi, d.k, w, d.k)),
-                _ => store(y, d.n, i0, r0, tile::<S, F, 1, NR>(xi, d.k, w, d.k)),
-            }
-            i0 += MR;
+            let rows = match left {
+                6 if wide => {
+                    store(y, d.n, i0, r0, tile::<S, F, 6, NR>(xi, d.k, w, d.k));
+                    6
+                }
+                5 if wide => {
+                    store(y, d.n, i0, r0, tile::<S, F, 5, NR>(xi, d.k, w, d.k));
+                    5
+                }
+                _ => {
+                    match left.min(MR) {
+                        4 => store(y, d.n, i0, r0, tile::<S, F, 4, NR>(xi, d.k, w, d.k)),
+                        3 => store(y, d.n, i0, r0, tile::<S, F, 3, NR>(xi, d.k, w, d.k)),
+                        2 => store(y, d.n, i0, r0, tile::<S, F, 2, NR>(xi, d.k, w, d.k)),
+                        _ => store(y, d.n, i0, r0, tile::<S, F, 1, NR>(xi, d.k, w, d.k)),
+                    }
+                    MR
+                }
+            };
+            i0 += rows;
         }
     }
 }
