@@ -11,7 +11,10 @@ use std::path::Path;
 use serde_json::json;
 use tlt_model::{Architecture, LlamaConfig};
 
-use super::{architectures, parse_llama, read_config, write_checkpoint, Blob, SaveDType, StFile, EAGLE3_ARCHITECTURES};
+use super::{
+    architectures, check_layer_matches, parse_llama, read_config, write_checkpoint, Blob, SaveDType, StFile,
+    EAGLE3_ARCHITECTURES,
+};
 use crate::config::DrafterConfig;
 use crate::eagle2::{Eagle2Drafter, Eagle2Weights};
 use crate::{Error, Result};
@@ -58,16 +61,7 @@ pub fn load_eagle2(dir: &Path, target: &LlamaConfig) -> Result<Eagle2Checkpoint>
         return Err(Error::WrongCheckpointKind { path: cfg_path, expected: "EAGLE-2", found: format!("{archs:?}") });
     }
     let llama = parse_llama(&cfg_path, &value)?;
-    if llama.hidden_size != target.hidden_size {
-        return Err(Error::HiddenSizeMismatch {
-            what: "hidden_size",
-            drafter: llama.hidden_size,
-            target: target.hidden_size,
-        });
-    }
-    if llama.vocab_size != target.vocab_size {
-        return Err(Error::VocabMismatch { drafter: llama.vocab_size, target: target.vocab_size });
-    }
+    check_layer_matches(&llama, target)?;
     let st = StFile::open(dir.join("model.safetensors"))?;
     let prefix = if st.index.contains_key("model.fc.weight") {
         "model."

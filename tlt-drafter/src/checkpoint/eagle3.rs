@@ -8,7 +8,7 @@ use std::path::Path;
 use serde_json::{json, Value};
 use tlt_model::LlamaConfig;
 
-use super::{architectures, parse_llama, read_config, write_checkpoint, Blob, SaveDType, StFile};
+use super::{architectures, check_layer_matches, parse_llama, read_config, write_checkpoint, Blob, SaveDType, StFile};
 use crate::config::{default_aux_layers, DrafterConfig, DrafterKind};
 use crate::eagle3::{Eagle3Drafter, Eagle3Weights};
 use crate::vocab::VocabMap;
@@ -138,16 +138,7 @@ pub fn load_eagle3(dir: &Path, target: &LlamaConfig) -> Result<Eagle3Checkpoint>
             target: target.hidden_size,
         });
     }
-    if llama.hidden_size != target.hidden_size {
-        return Err(Error::HiddenSizeMismatch {
-            what: "hidden_size",
-            drafter: llama.hidden_size,
-            target: target.hidden_size,
-        });
-    }
-    if llama.vocab_size != target.vocab_size {
-        return Err(Error::VocabMismatch { drafter: llama.vocab_size, target: target.vocab_size });
-    }
+    check_layer_matches(&llama, target)?;
     let draft_vocab_size = usize_field(&cfg_path, &value, "draft_vocab_size")?.unwrap_or(llama.vocab_size);
     let aux = aux_layers(&cfg_path, &value)?.unwrap_or_else(|| default_aux_layers(target.num_hidden_layers));
     let config = DrafterConfig {

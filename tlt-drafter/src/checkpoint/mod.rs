@@ -226,3 +226,18 @@ pub(crate) fn architectures(value: &serde_json::Value) -> Vec<String> {
         .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect())
         .unwrap_or_default()
 }
+
+/// Checks that a checkpoint's layer config has the target's hidden and vocabulary sizes.
+pub(crate) fn check_layer_matches(llama: &tlt_model::LlamaConfig, target: &tlt_model::LlamaConfig) -> Result<()> {
+    if llama.hidden_size != target.hidden_size {
+        return Err(Error::HiddenSizeMismatch {
+            what: "hidden_size",
+            drafter: llama.hidden_size,
+            target: target.hidden_size,
+        });
+    }
+    if llama.vocab_size != target.vocab_size {
+        return Err(Error::VocabMismatch { drafter: llama.vocab_size, target: target.vocab_size });
+    }
+    Ok(())
+}
