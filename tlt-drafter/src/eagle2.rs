@@ -191,6 +191,16 @@ impl Eagle2Drafter {
         &self.target
     }
 
+    /// Replaces the shared target parts (the policy changed in RL); the trainable weights are kept.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if `target`'s shapes or dtype differ from the current target's.
+    pub fn set_target(&mut self, target: FrozenTarget) -> Result<()> {
+        self.target.check_replacement(&target)?;
+        self.target = target;
+        Ok(())
+    }
+
     /// Every trainable parameter as a named [`Var`] sharing the drafter's storage (for `candle_nn::AdamW`).
     /// The target's embedding and LM head are not among them.
     pub fn vars(&self) -> Result<Vec<(String, Var)>> {

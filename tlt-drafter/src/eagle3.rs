@@ -221,6 +221,16 @@ impl Eagle3Drafter {
         &self.target
     }
 
+    /// Replaces the shared target parts (the policy changed in RL); the trainable weights are kept.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if `target`'s shapes or dtype differ from the current target's.
+    pub fn set_target(&mut self, target: FrozenTarget) -> Result<()> {
+        self.target.check_replacement(&target)?;
+        self.target = target;
+        Ok(())
+    }
+
     /// Every trainable parameter as a named [`Var`] sharing the drafter's storage (for `candle_nn::AdamW`).
     pub fn vars(&self) -> Result<Vec<(String, Var)>> {
         self.weights.named_tensors().into_iter().map(|(n, t)| Ok((n, Var::from_tensor(&t)?))).collect()

@@ -72,6 +72,23 @@ impl FrozenTarget {
     }
 
     /// `[b, t, hidden]` embeddings of `ids` (row-major `b * t`).
+    /// Checks that `other` can stand in for `self` (same shapes and dtype).
+    pub(crate) fn check_replacement(&self, other: &FrozenTarget) -> Result<()> {
+        for (name, a, b) in [
+            ("embed_tokens", &self.embed_tokens, &other.embed_tokens),
+            ("lm_head", &self.lm_head, &other.lm_head),
+        ] {
+            if a.dims() != b.dims() || a.dtype() != b.dtype() {
+                return Err(Error::config(
+                    name,
+                    format!("{:?} {:?}", b.dims(), b.dtype()),
+                    "a replacement target must keep the shape and dtype",
+                ));
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn embed(&self, ids: &[u32], b: usize, t: usize) -> Result<Tensor> {
         let idx = Tensor::from_slice(ids, ids.len(), self.embed_tokens.device())?;
         Ok(self.embed_tokens.index_select(&idx, 0)?.reshape((b, t, self.hidden_size()))?)

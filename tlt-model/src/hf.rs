@@ -127,3 +127,71 @@ pub fn atomic_write(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
     write(&tmp)?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
 }
+
+/// Writes a whole directory atomically: `write` fills a fresh temporary sibling of `dir`, everything in it is
+/// fsync'ed, and it is renamed into place (an existing `dir` is moved aside first and removed after), so `dir`
+/// is always either the old complete directory or the new complete one. On a failure the temporary directory
+/// is removed and `dir` is untouched.
+///
+/// # Errors
+/// `write`'s error, or [`Error::Io`] from the file system (converted into `E`).
+pub fn write_dir_atomic<E: From<Error>>(
+    dir: &Path,
+    write: impl FnOnce(&Path) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let tmp = sibling(dir, "tmp")?;
+    let out = (|| {
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        write(&tmp)?;
+        sync_tree(&tmp).map_err(E::from)
+    })();
+    if let Err(e) = out {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if dir.exists() {
+        let old = sibling(dir, "old")?;
+        std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
+        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    } else {
+        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        sync(parent)?;
+    }
+    Ok(())
+}
+
+fn sync(path: &Path) -> Result<()> {
+    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(|e| Error::io(path, e))
+}
+
+fn sync_tree(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let path = entry.map_err(|e| Error::io(dir, e))?.path();
+        if path.is_dir() {
+            sync_tree(&path)?;
+        } else {
+            sync(&path)?;
+        }
+    }
+    sync(dir)
+}
+
+/// A hidden sibling path of `dir` unique to this process and call.
+fn sibling(dir: &Path, tag: &str) -> Result<PathBuf> {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let name = dir.file_name().ok_or_else(|| {
+        Error::io(dir, std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path has no final component"))
+    })?;
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let file = format!(".{}.{tag}-{}-{n}", name.to_string_lossy(), std::process::id());
+    Ok(match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.join(file),
+        _ => PathBuf::from(file),
+    })
+}

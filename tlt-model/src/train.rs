@@ -13,6 +13,13 @@ impl Llama {
     /// Causal forward over a right-padded batch `ids: [batch, seq]` (u32) at positions `0..seq`;
     /// returns `[batch, seq, vocab]` logits in the weights' dtype. Differentiable w.r.t. every weight.
     pub fn forward_train(&self, ids: &Tensor) -> Result<Tensor> {
+        let xn = self.forward_train_hidden(ids)?;
+        Ok(xn.broadcast_matmul(&self.weights().lm_head().t()?)?)
+    }
+
+    /// As [`Self::forward_train`] but stops before the LM head: `[batch, seq, hidden]` final-norm states, so a
+    /// caller can apply [`LlamaWeights::lm_head`](crate::LlamaWeights::lm_head) to the positions it needs only.
+    pub fn forward_train_hidden(&self, ids: &Tensor) -> Result<Tensor> {
         let cfg = self.config();
         let w = self.weights();
         let (b, t) = ids.dims2()?;
@@ -40,8 +47,7 @@ impl Llama {
             let act = (candle_nn::ops::silu(&linear(&xn, &lw.gate_proj)?)? * linear(&xn, &lw.up_proj)?)?;
             x = (x + linear(&act, &lw.down_proj)?)?;
         }
-        let xn = rms_norm(&x, &w.norm, eps)?;
-        Ok(xn.broadcast_matmul(&w.lm_head().t()?)?)
+        Ok(rms_norm(&x, &w.norm, eps)?)
     }
 
     /// Log-probabilities `[batch, seq]` of `targets[b, s]` under the logits at `ids[b, s]` (differentiable).

@@ -30,6 +30,9 @@ pub enum Error {
         /// The configured budget.
         budget: usize,
     },
+    /// The engine driven by [`AdaptiveDecoder`](crate::AdaptiveDecoder) failed.
+    #[error("engine: {0}")]
+    Engine(#[from] tlt_spec_decode::Error),
     /// A step outcome does not match the step it answers (unknown request, zero tokens committed, NaN time...).
     #[error("invalid step outcome: {0}")]
     InvalidOutcome(String),

@@ -37,13 +37,16 @@
 //! assert!(stats.speculative_steps > 0); // 8 <= 32 for 10 steps: the gate turned SD on
 //! ```
 //!
-//! **Not here yet** (issue 6): the adaptor that drives `tlt_spec_decode::Engine` from a [`Step`] (it needs
-//! per-request committed counts from the engine), KV-budget admission with preemption, and CPU re-tuning of
-//! the bandit defaults by measurement.
+//! - [`AdaptiveDecoder`]: the gate and the bandit driving a `tlt_spec_decode::Engine` round by round, with a
+//!   [`DecodeTrace`] of what they decided (the rollout of `tlt-rl`'s trainer and the `rollout` bench use it).
+//!
+//! **Not here yet:** KV-budget admission with preemption, and CPU re-tuning of the bandit defaults by
+//! measurement.
 //!
 //! **Where it sits:** depends on `tlt-spec-decode` (for `Plan` only), parking_lot, serde, thiserror; used by
 //! `tlt-rl`. See the workspace `DESIGN.md`.
 
+pub mod adaptive;
 pub mod bucket;
 pub mod coord;
 mod error;
@@ -53,6 +56,7 @@ mod rng;
 pub mod rollout;
 pub mod sim;
 
+pub use adaptive::{AdaptiveDecoder, DecodeTrace};
 pub use coord::{
     CoordinationReport, Coordinator, CoordinatorConfig, DrafterTrainer, Event, EventKind, TrainContext, TrainExit,
 };

@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::Value;
 use tlt_scheduler::sim::{simulate, AcceptModel, AcceptPoint, CostModel, LengthDist, Linear, SimConfig, SimReport};
-use tlt_scheduler::{step_reward, BegMab, GateConfig, MabConfig, Phase, RolloutConfig, SdGate, SplitMix64};
+use tlt_scheduler::{AdaptiveDecoder, GateConfig, MabConfig, RolloutConfig, SplitMix64};
 use tlt_spec_decode::{Engine, NgramDrafter, Plan, SpecParams};
 use tracing::info;
 
@@ -187,7 +187,7 @@ pub struct RealRun {
     pub sd_steps: u64,
     /// Seconds of the adaptive run spent in speculative steps.
     pub sd_seconds: f64,
-    /// Running requests after each adaptive step.
+    /// Running requests before each adaptive round.
     pub active: Vec<usize>,
     /// Arms chosen: `"steps:top_k:verify_tokens"` -> count.
     pub arms: BTreeMap<String, u64>,
@@ -235,36 +235,13 @@ fn real_run(args: &RolloutArgs) -> Result<RealRun> {
     info!(seconds = format!("{plain_s:.1}"), "real run: plain decoding done");
 
     let mut engine = new_engine()?;
-    let mut gate = SdGate::new(cpu_gate())?;
-    let mut mab = BegMab::new(cpu_mab())?;
+    let mut decoder = AdaptiveDecoder::new(cpu_gate(), cpu_mab())?;
     let mut ngram = NgramDrafter::default();
-    let (mut steps, mut sd_steps, mut sd_seconds, mut active) = (0u64, 0u64, 0.0, Vec::new());
-    let mut arms: BTreeMap<String, u64> = BTreeMap::new();
     let t = Instant::now();
-    while !engine.is_idle() {
-        let b = engine.num_live();
-        if gate.observe(b).phase == Phase::Speculative {
-            let choice = mab.select(b);
-            let before = *engine.counters();
-            let ts = Instant::now();
-            engine.step(Some(&mut ngram), &choice.plan)?;
-            let secs = ts.elapsed().as_secs_f64();
-            let after = engine.counters();
-            let accept =
-                (after.committed - before.committed) as f64 / (after.seq_rounds - before.seq_rounds).max(1) as f64;
-            mab.record(&choice, step_reward(accept, b, secs))?;
-            let p = choice.plan;
-            *arms.entry(format!("{}:{}:{}", p.steps, p.top_k, p.verify_tokens)).or_default() += 1;
-            sd_steps += 1;
-            sd_seconds += secs;
-        } else {
-            engine.step(None, &Plan::chain(1))?;
-        }
-        steps += 1;
-        active.push(engine.num_live());
-    }
+    decoder.run(&mut engine, Some(&mut ngram))?;
     let adaptive_s = t.elapsed().as_secs_f64();
     let c = *engine.counters();
+    let trace = decoder.take_trace();
     let adaptive_out = outputs(&mut engine);
     let lossless = adaptive_out == plain_out;
     if !lossless {
@@ -275,12 +252,12 @@ fn real_run(args: &RolloutArgs) -> Result<RealRun> {
         plain_s,
         adaptive_s,
         speedup: plain_s / adaptive_s,
-        steps,
-        sd_steps,
-        sd_seconds,
-        active,
+        steps: trace.steps,
+        sd_steps: trace.sd_steps,
+        sd_seconds: trace.sd_seconds,
+        active: trace.active,
         accept_len: c.mean_accept_len(),
-        arms,
+        arms: trace.arms,
         lossless,
     })
 }

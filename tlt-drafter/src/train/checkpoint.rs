@@ -9,8 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
 
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
@@ -55,37 +54,6 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |e| Error::io(path, e)
 }
 
-/// Flushes a file (or directory) to disk.
-fn sync(path: &Path) -> Result<()> {
-    fs::File::open(path).and_then(|f| f.sync_all()).map_err(io(path))
-}
-
-fn sync_tree(dir: &Path) -> Result<()> {
-    for entry in fs::read_dir(dir).map_err(io(dir))? {
-        let path = entry.map_err(io(dir))?.path();
-        if path.is_dir() {
-            sync_tree(&path)?;
-        } else {
-            sync(&path)?;
-        }
-    }
-    sync(dir)
-}
-
-/// A sibling of `dir` named `.<name>.<tag>-<pid>-<n>`.
-fn sibling(dir: &Path, tag: &str) -> Result<PathBuf> {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let name = dir
-        .file_name()
-        .ok_or_else(|| Error::InvalidArgument(format!("checkpoint path {} has no final component", dir.display())))?;
-    let n = N.fetch_add(1, Ordering::Relaxed);
-    let file = format!(".{}.{tag}-{}-{n}", name.to_string_lossy(), std::process::id());
-    Ok(match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.join(file),
-        _ => PathBuf::from(file),
-    })
-}
-
 impl DrafterTrainer {
     /// Writes a checkpoint to `dir`, replacing any there: the files go to a temporary sibling directory, are
     /// flushed, and the directory is renamed into place, so `dir` is either the previous checkpoint or the new
@@ -94,31 +62,10 @@ impl DrafterTrainer {
     /// # Errors
     /// On I/O failure (the temporary directory is removed).
     pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
-        let tmp = sibling(dir, "tmp")?;
-        let out = self.write_into(&tmp).and_then(|()| sync_tree(&tmp));
-        if let Err(e) = out {
-            let _ = fs::remove_dir_all(&tmp);
-            return Err(e);
-        }
-        if dir.exists() {
-            let old = sibling(dir, "old")?;
-            fs::rename(dir, &old).map_err(io(dir))?;
-            fs::rename(&tmp, dir).map_err(io(dir))?;
-            fs::remove_dir_all(&old).map_err(io(&old))?;
-        } else {
-            fs::rename(&tmp, dir).map_err(io(dir))?;
-        }
-        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-            sync(parent)?;
-        }
-        Ok(())
+        tlt_model::write_dir_atomic(dir, |tmp| self.write_into(tmp))
     }
 
     fn write_into(&self, tmp: &Path) -> Result<()> {
-        if tmp.exists() {
-            fs::remove_dir_all(tmp).map_err(io(tmp))?;
-        }
-        fs::create_dir_all(tmp).map_err(io(tmp))?;
         let ddir = tmp.join(DRAFTER_DIR);
         match &self.drafter {
             TrainableDrafter::Eagle2(d) => save_eagle2(d, &ddir, SaveDType::F32)?,

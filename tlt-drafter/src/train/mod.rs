@@ -209,6 +209,17 @@ impl TrainableDrafter {
         }
     }
 
+    /// Replaces the shared target parts (the policy changed in RL; see [`Eagle2Drafter::set_target`]).
+    ///
+    /// # Errors
+    /// If the shapes or dtype differ.
+    pub fn set_target(&mut self, target: FrozenTarget) -> Result<()> {
+        match self {
+            Self::Eagle2(d) => d.set_target(target),
+            Self::Eagle3(d) => d.set_target(target),
+        }
+    }
+
     /// The trainable parameters (named [`Var`]s sharing the drafter's storage).
     ///
     /// # Errors
@@ -325,6 +336,15 @@ impl DrafterTrainer {
         let drafter = drafter.into();
         let opt = AdamW::new(drafter.vars()?, cfg.adamw())?;
         Ok(Self { drafter, cfg, opt, step: 0, totals: Totals::default(), last: None })
+    }
+
+    /// Points the drafter at a changed target ([`TrainableDrafter::set_target`]); weights and optimizer state
+    /// are kept.
+    ///
+    /// # Errors
+    /// If the shapes or dtype differ.
+    pub fn set_target(&mut self, target: FrozenTarget) -> Result<()> {
+        self.drafter.set_target(target)
     }
 
     /// The drafter (its weights are the trained ones; clones share their storage).

@@ -1,0 +1,164 @@
+//! The adaptor that drives a [`tlt_spec_decode::Engine`] with the [`SdGate`] and the [`BegMab`]: before every
+//! round the gate sees the running batch; in the speculative phase the bandit picks the plan and is rewarded
+//! with the committed tokens per second of that round. Everything it decided is kept in a [`DecodeTrace`].
+//!
+//! ```
+//! use tlt_model::{Llama, LlamaConfig};
+//! use tlt_scheduler::{AdaptiveDecoder, GateConfig, MabConfig};
+//! use tlt_spec_decode::{Engine, NgramDrafter, SpecParams};
+//!
+//! let model = Llama::random(LlamaConfig::tiny(32, 64, 2), 0).unwrap();
+//! let mut engine = Engine::new(&model, SpecParams::greedy(16)).unwrap();
+//! engine.add_request(&[1, 2, 3, 1, 2]).unwrap();
+//! let mut decoder = AdaptiveDecoder::new(GateConfig::default(), MabConfig::default()).unwrap();
+//! let mut ngram = NgramDrafter::default();
+//! decoder.run(&mut engine, Some(&mut ngram as &mut dyn tlt_spec_decode::Drafter)).unwrap();
+//! let trace = decoder.take_trace();
+//! assert_eq!(trace.steps as usize, trace.active.len());
+//! assert!(trace.sd_steps > 0); // one request is below the default threshold
+//! ```
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tlt_spec_decode::{Drafter, Engine, Plan, Target};
+
+use crate::error::Result;
+use crate::gate::{GateConfig, Phase, SdGate};
+use crate::mab::{step_reward, BegMab, MabConfig};
+
+/// What an [`AdaptiveDecoder`] did, round by round.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DecodeTrace {
+    /// Rounds run.
+    pub steps: u64,
+    /// Speculative rounds.
+    pub sd_steps: u64,
+    /// Wall seconds of all rounds (prefill included, as the engine does it inside its first round).
+    pub seconds: f64,
+    /// Wall seconds of speculative rounds.
+    pub sd_seconds: f64,
+    /// Running requests before each round.
+    pub active: Vec<usize>,
+    /// Mean tokens committed per request in each speculative round.
+    pub accept_lens: Vec<f64>,
+    /// Arms chosen, as `"steps:top_k:verify_tokens"` -> rounds.
+    pub arms: BTreeMap<String, u64>,
+}
+
+impl DecodeTrace {
+    /// Fraction of rounds that speculated (0 without rounds).
+    pub fn sd_fraction(&self) -> f64 {
+        if self.steps == 0 {
+            0.0
+        } else {
+            self.sd_steps as f64 / self.steps as f64
+        }
+    }
+
+    /// Mean of [`Self::accept_lens`] (0 without speculative rounds).
+    pub fn mean_accept_len(&self) -> f64 {
+        if self.accept_lens.is_empty() {
+            0.0
+        } else {
+            self.accept_lens.iter().sum::<f64>() / self.accept_lens.len() as f64
+        }
+    }
+}
+
+/// Drives engine rounds with the SD gate and the plan bandit.
+#[derive(Debug, Clone)]
+pub struct AdaptiveDecoder {
+    gate: SdGate,
+    mab: BegMab,
+    trace: DecodeTrace,
+}
+
+impl AdaptiveDecoder {
+    /// A decoder with a fresh gate and bandit.
+    ///
+    /// # Errors
+    /// If either config is invalid.
+    pub fn new(gate: GateConfig, mab: MabConfig) -> Result<Self> {
+        Ok(Self { gate: SdGate::new(gate)?, mab: BegMab::new(mab)?, trace: DecodeTrace::default() })
+    }
+
+    /// A decoder that never speculates (the baseline; the bandit is never consulted).
+    ///
+    /// # Errors
+    /// Never in practice (the default bandit config is valid).
+    pub fn plain() -> Result<Self> {
+        Self::new(GateConfig::never(), MabConfig::default())
+    }
+
+    /// One engine round: plain when the gate says so or `drafter` is `None`, otherwise the bandit's plan.
+    /// Returns the phase the round ran in.
+    ///
+    /// # Errors
+    /// The engine's error, or a bandit bookkeeping error.
+    pub fn step<T: Target>(&mut self, engine: &mut Engine<T>, drafter: Option<&mut (dyn Drafter + '_)>) -> Result<Phase> {
+        let batch = engine.num_live();
+        let phase = self.gate.observe(batch).phase;
+        self.trace.active.push(batch);
+        let t = Instant::now();
+        let phase = match (phase, drafter) {
+            (Phase::Speculative, Some(drafter)) => {
+                let choice = self.mab.select(batch);
+                let before = *engine.counters();
+                engine.step(Some(drafter), &choice.plan)?;
+                let secs = t.elapsed().as_secs_f64();
+                let after = engine.counters();
+                let rounds = (after.seq_rounds - before.seq_rounds).max(1);
+                let accept = (after.committed - before.committed) as f64 / rounds as f64;
+                self.mab.record(&choice, step_reward(accept, batch, secs.max(1e-9)))?;
+                let p = choice.plan;
+                *self.trace.arms.entry(format!("{}:{}:{}", p.steps, p.top_k, p.verify_tokens)).or_default() += 1;
+                self.trace.accept_lens.push(accept);
+                self.trace.sd_steps += 1;
+                self.trace.sd_seconds += secs;
+                Phase::Speculative
+            }
+            _ => {
+                engine.step(None, &Plan::chain(1))?;
+                Phase::Plain
+            }
+        };
+        self.trace.steps += 1;
+        self.trace.seconds += t.elapsed().as_secs_f64();
+        Ok(phase)
+    }
+
+    /// Runs rounds until the engine is idle.
+    ///
+    /// # Errors
+    /// As [`Self::step`].
+    pub fn run<T: Target>(&mut self, engine: &mut Engine<T>, mut drafter: Option<&mut (dyn Drafter + '_)>) -> Result<()> {
+        while !engine.is_idle() {
+            self.step(engine, drafter.as_deref_mut())?;
+        }
+        Ok(())
+    }
+
+    /// The trace so far.
+    pub fn trace(&self) -> &DecodeTrace {
+        &self.trace
+    }
+
+    /// Takes the trace and starts a new one; the gate is reset (a new rollout starts plain), the bandit keeps
+    /// what it learned.
+    pub fn take_trace(&mut self) -> DecodeTrace {
+        self.gate.reset();
+        std::mem::take(&mut self.trace)
+    }
+
+    /// The gate.
+    pub fn gate(&self) -> &SdGate {
+        &self.gate
+    }
+
+    /// The bandit.
+    pub fn mab(&self) -> &BegMab {
+        &self.mab
+    }
+}
