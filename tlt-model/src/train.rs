@@ -72,6 +72,16 @@ impl Llama {
         Ok(vars)
     }
 
+    /// A copy with its own weight storage: later optimizer steps on `self` do not show through (a clone shares
+    /// storage). RL publishes the policy to its rollout this way.
+    pub fn deep_copy(&self) -> Result<Self> {
+        let mut out = self.clone();
+        for (_, t) in out.weights_mut().entries_mut() {
+            *t = t.copy()?;
+        }
+        Ok(out)
+    }
+
     /// Converts every parameter to `dtype` (e.g. f64 for gradient checks). Inference needs f32.
     pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
         let mut out = self.clone();

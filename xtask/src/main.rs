@@ -3,8 +3,9 @@
 //! - `fetch-assets`: download and verify the offline assets (the SmolLM2-135M-Instruct GGUF) into the cache;
 //! - `test`: `fetch-assets`, then the doc tests (`cargo test --release --workspace --doc`) and every other test of
 //!   the workspace (`cargo nextest run --release --workspace`, or `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF;
-//! - `demo`: `fetch-assets`, then the main demo (today: chat generation with SmolLM2);
-//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`, `rollout`) writing `target/bench/<suite>.json` and `.md`.
+//! - `demo`: `fetch-assets`, then the main job: GRPO training of SmolLM2 with TLT rollouts against the baseline
+//!   (the `train` example's `--mode compare` on its embedded config), printing the report;
+//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`, `rollout`, `e2e`) writing `target/bench/<suite>.json` and `.md`.
 //!
 //! See `xtask/README.md` for every option and every field of the benchmark reports.
 
@@ -12,6 +13,7 @@ mod assets;
 mod bench_decode;
 mod bench_decode_md;
 mod bench_drafter;
+mod bench_e2e;
 mod bench_kernels;
 mod bench_rollout;
 mod bench_spec;
@@ -27,9 +29,6 @@ use std::process::{Command, ExitCode, ExitStatus};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use tracing::{info, warn};
-
-/// The prompt `cargo xtask demo` asks SmolLM2 by default.
-const DEMO_PROMPT: &str = "What is 15 + 27? Explain step by step.";
 
 /// Command line of `cargo xtask`.
 #[derive(Debug, Parser)]
@@ -52,14 +51,15 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Fetch assets, then run the main demo: chat generation with SmolLM2-135M-Instruct.
+    /// Fetch assets, then the main job: GRPO on SmolLM2-135M-Instruct with TLT rollouts, then the baseline with
+    /// the same seeds, and a report (reward before/after, step-time split, TLT speedup). Output in `target/demo`.
     Demo {
-        /// The question to ask.
-        #[arg(long, default_value = DEMO_PROMPT)]
-        prompt: String,
-        /// Most tokens to generate.
-        #[arg(long, default_value_t = 128)]
-        max_new_tokens: usize,
+        /// Override the number of RL steps of each run.
+        #[arg(long)]
+        steps: Option<u64>,
+        /// A run config instead of the embedded demo config.
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Run a benchmark suite; results go to `target/bench/<suite>.json` and `.md`.
     Bench {
@@ -81,6 +81,8 @@ enum Suite {
     /// Long-tailed rollouts: the cluster simulator calibrated from `spec.json`, and a real SmolLM2 run of the
     /// SD gate + bandit driving the engine against plain decoding.
     Rollout(bench_rollout::RolloutArgs),
+    /// GRPO end to end on SmolLM2: TLT vs baseline with the same config and seeds, per-step times and speedups.
+    E2e(bench_e2e::E2eArgs),
 }
 
 /// The workspace root (the parent of this crate's directory).
@@ -152,16 +154,22 @@ fn test(gpu: bool, args: &[String]) -> Result<ExitCode> {
     Ok(exit_code(run(gpu_cmd)?))
 }
 
-fn demo(prompt: &str, max_new_tokens: usize) -> Result<ExitCode> {
+fn demo(steps: Option<u64>, config: Option<&Path>) -> Result<ExitCode> {
     let gguf = assets::fetch_assets()?;
+    let out = workspace_root().join("target").join("demo");
     let mut cmd = cargo();
-    cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "generate", "--", "--chat", "--model"])
+    cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "train", "--", "--mode", "compare", "--model"])
         .arg(&gguf)
-        .arg("--max-new-tokens")
-        .arg(max_new_tokens.to_string())
-        .arg("--prompt")
-        .arg(prompt)
+        .arg("--out")
+        .arg(&out)
         .env("TLT_SMOLLM2_GGUF", &gguf);
+    if let Some(s) = steps {
+        cmd.arg("--steps").arg(s.to_string());
+    }
+    if let Some(c) = config {
+        cmd.arg("--config").arg(c);
+    }
+    let _ = std::fs::remove_dir_all(&out);
     Ok(exit_code(run(cmd)?))
 }
 
@@ -191,9 +199,13 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Test { gpu, args } => test(gpu, &args),
-        Cmd::Demo { prompt, max_new_tokens } => demo(&prompt, max_new_tokens),
+        Cmd::Demo { steps, config } => demo(steps, config.as_deref()),
         Cmd::Bench { suite: Suite::Decode(args) } => {
             bench_decode::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench { suite: Suite::E2e(args) } => {
+            bench_e2e::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Drafter(args) } => {

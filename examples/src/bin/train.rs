@@ -1,0 +1,185 @@
+//! The reference TLT trainer: GRPO on a reasoning task with adaptive speculative rollouts and an online
+//! drafter, configured by TOML (the embedded `configs/demo.toml` by default) and this CLI.
+//!
+//! ```text
+//! cargo run --release -p tlt-examples --bin train -- --mode compare --out target/demo
+//! cargo run --release -p tlt-examples --bin train -- --config my.toml --mode tlt --out runs/a --resume
+//! ```
+//!
+//! Each run directory gets `metrics.jsonl` (one line per step), `checkpoint/` (atomic; `--resume` continues from
+//! it bit for bit) and `plots/` (PNG + SVG). `--mode compare` runs TLT, then the baseline with the same seeds,
+//! and prints the report `cargo xtask demo` shows (reward before/after, step-time split, TLT speedup).
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use tlt_examples::default_model;
+use tlt_rl::runner::{run, text_env, Comparison, RunConfig, RunDir, RunOutcome};
+use tlt_rl::trainer::{Mode, Observer, Trainer};
+
+/// The embedded default configuration.
+const DEMO_CONFIG: &str = include_str!("../../configs/demo.toml");
+
+/// What to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RunMode {
+    /// TLT rollouts (SD gate + bandit + online drafter).
+    Tlt,
+    /// Plain rollouts.
+    Baseline,
+    /// TLT, then the baseline with the same seeds, and the comparison report.
+    Compare,
+}
+
+/// Command-line arguments (they override the config file).
+#[derive(Debug, Parser)]
+#[command(about = "GRPO training with TLT rollouts (adaptive speculative decoding + online drafter)")]
+struct Args {
+    /// A TOML run config (default: the embedded `configs/demo.toml`).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// A `.gguf` file or an HF checkpoint directory (default: the cached SmolLM2-135M-Instruct GGUF).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Output directory (one subdirectory per mode).
+    #[arg(long, default_value = "target/tlt-train")]
+    out: PathBuf,
+    /// Which run(s).
+    #[arg(long, value_enum, default_value_t = RunMode::Tlt)]
+    mode: RunMode,
+    /// Override the number of RL steps.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Continue from `<out>/<mode>/checkpoint` when it exists.
+    #[arg(long)]
+    resume: bool,
+    /// Print the effective config as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+/// Progress bars: one per rollout (finished requests), a spinner for the other phases.
+struct Progress {
+    bar: Option<ProgressBar>,
+    label: String,
+    enabled: bool,
+}
+
+impl Progress {
+    fn new(label: &str) -> Self {
+        Self { bar: None, label: label.into(), enabled: std::io::stderr().is_terminal() }
+    }
+}
+
+impl Observer for Progress {
+    fn on_round(&mut self, running: usize, finished: usize, total: usize, tokens: usize) {
+        if let Some(bar) = &self.bar {
+            bar.set_length(total as u64);
+            bar.set_position(finished as u64);
+            bar.set_message(format!("{running} running, {tokens} tokens"));
+        }
+    }
+
+    fn on_phase(&mut self, step: u64, phase: &str) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        if !self.enabled {
+            return;
+        }
+        let bar = if phase == "rollout" {
+            let style = ProgressStyle::with_template("{prefix} [{elapsed_precise}] {bar:30} {pos}/{len} done, {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar());
+            ProgressBar::new(0).with_style(style)
+        } else {
+            let b = ProgressBar::new_spinner();
+            b.enable_steady_tick(std::time::Duration::from_millis(200));
+            b
+        };
+        bar.set_prefix(format!("{} step {step} {phase}", self.label));
+        self.bar = Some(bar);
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+fn load_config(args: &Args) -> Result<RunConfig> {
+    let text = match &args.config {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+        None => DEMO_CONFIG.to_string(),
+    };
+    let mut cfg = RunConfig::from_toml(&text)?;
+    if let Some(steps) = args.steps {
+        cfg.trainer.steps = steps;
+    }
+    cfg.trainer.validate()?;
+    Ok(cfg)
+}
+
+/// One run in `dir` (resumed from its checkpoint when asked and present).
+fn run_mode(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &Path, resume: bool) -> Result<RunOutcome> {
+    let loaded = tlt_model::load(model_path).with_context(|| format!("loading {}", model_path.display()))?;
+    let tokenizer = loaded.tokenizer.context("the checkpoint carries no tokenizer")?;
+    let env = text_env(&cfg.task, tokenizer, loaded.chat_template.as_deref())?;
+    let mut cfg = cfg.clone();
+    cfg.trainer.mode = mode;
+    let dir = RunDir(dir.to_path_buf());
+    let mut trainer = if resume && dir.has_checkpoint() {
+        tracing::info!(checkpoint = %dir.checkpoint().display(), "resuming");
+        Trainer::resume(&dir.checkpoint(), loaded.model, env, cfg.trainer.clone())?
+    } else {
+        Trainer::new(loaded.model, env, cfg.trainer.clone())?
+    };
+    let label = if mode == Mode::Tlt { "TLT" } else { "baseline" };
+    let out = run(&mut trainer, &cfg, &dir, &mut Progress::new(label))?;
+    trainer.shutdown()?;
+    let plots = tlt_rl::plot::training_plots(&out.metrics, None, &dir.plots())?;
+    tracing::info!(run = label, plots = plots.len(), dir = %dir.0.display(), "run finished");
+    Ok(out)
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    let args = Args::parse();
+    let cfg = load_config(&args)?;
+    if args.print_config {
+        print!("{}", toml::to_string_pretty(&cfg)?);
+        return Ok(());
+    }
+    let model = args.model.clone().unwrap_or_else(default_model);
+    match args.mode {
+        RunMode::Tlt => {
+            run_mode(&model, &cfg, Mode::Tlt, &args.out.join("tlt"), args.resume)?;
+        }
+        RunMode::Baseline => {
+            run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), args.resume)?;
+        }
+        RunMode::Compare => {
+            let tlt = run_mode(&model, &cfg, Mode::Tlt, &args.out.join("tlt"), args.resume)?;
+            let baseline = run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), args.resume)?;
+            let cmp = Comparison::new(tlt, baseline);
+            let plots = tlt_rl::plot::training_plots(&cmp.tlt.metrics, Some(&cmp.baseline.metrics), &args.out.join("plots"))?;
+            let summary = args.out.join("summary.json");
+            std::fs::write(&summary, serde_json::to_string_pretty(&cmp)?)?;
+            println!("\n{}", cmp.report());
+            println!("metrics, checkpoints and plots: {} ({} comparison plots); summary: {}", args.out.display(), plots.len(), summary.display());
+        }
+    }
+    Ok(())
+}

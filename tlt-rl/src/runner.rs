@@ -1,0 +1,252 @@
+//! Running a whole training job: a [`RunConfig`] (task + trainer + evaluation, TOML), metrics as JSONL, atomic
+//! checkpoints, `--resume`, plots, and the TLT-vs-baseline comparison behind `cargo xtask demo` and the `e2e`
+//! bench.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tokenizers::Tokenizer;
+
+use crate::metrics::{read_metrics, truncate_after, MetricsWriter, StepMetrics};
+use crate::task::{builtin, ChatTemplate, JsonlTask, Task};
+use crate::trainer::{Environment, Evaluation, Mode, Observer, TextEnv, Trainer, TrainerConfig, STATE_FILE};
+use crate::{Error, Result};
+
+/// Which task a run trains on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TaskSpec {
+    /// A built-in generator (`"arithmetic"`, `"countdown"`), ignored when `jsonl` is set. Default arithmetic.
+    pub name: String,
+    /// Seed of the generator.
+    pub seed: u64,
+    /// A GSM8K/MATH-style JSONL file (`question`, `answer`) instead of a generator.
+    pub jsonl: Option<PathBuf>,
+    /// A system message (default: the chat template's own).
+    pub system: Option<String>,
+}
+
+impl Default for TaskSpec {
+    fn default() -> Self {
+        Self { name: "arithmetic".into(), seed: 0, jsonl: None, system: None }
+    }
+}
+
+/// Greedy evaluation before and after training.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalSpec {
+    /// Prompts (0: no evaluation). Default 16.
+    pub prompts: usize,
+    /// Most new tokens. Default 128.
+    pub max_new_tokens: usize,
+    /// First data index (kept apart from training indices). Default 1,000,000.
+    pub offset: u64,
+}
+
+impl Default for EvalSpec {
+    fn default() -> Self {
+        Self { prompts: 16, max_new_tokens: 128, offset: 1_000_000 }
+    }
+}
+
+/// A training job.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// The task.
+    pub task: TaskSpec,
+    /// The trainer.
+    pub trainer: TrainerConfig,
+    /// Evaluation.
+    pub eval: EvalSpec,
+    /// Checkpoint every this many steps (0: never). Default 0.
+    pub checkpoint_every: u64,
+}
+
+impl RunConfig {
+    /// Parses TOML (unknown keys are errors) and validates.
+    ///
+    /// # Errors
+    /// [`Error::Parse`] or the trainer config's validation error.
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let cfg: Self = toml::from_str(text).map_err(|e| Error::parse("run config (TOML)", e.to_string()))?;
+        cfg.trainer.validate()?;
+        Ok(cfg)
+    }
+}
+
+/// The environment of `spec`: its task behind `tokenizer` and the chat template (`template` source from the
+/// tokenizer config or GGUF metadata; ChatML without one).
+///
+/// # Errors
+/// An unknown task, an unreadable JSONL file or a bad template.
+pub fn text_env(spec: &TaskSpec, tokenizer: Tokenizer, template: Option<&str>) -> Result<TextEnv> {
+    let task: Box<dyn Task> = match &spec.jsonl {
+        Some(path) => Box::new(JsonlTask::open(path)?),
+        None => builtin(&spec.name, spec.seed)?,
+    };
+    let token = |id: &str| if tokenizer.token_to_id(id).is_some() { id.to_string() } else { String::new() };
+    let template = match template {
+        Some(src) => ChatTemplate::from_jinja(src, &token("<|endoftext|>"), &token("<|im_end|>"))?,
+        None => ChatTemplate::chatml(),
+    };
+    Ok(TextEnv::new(task, tokenizer, template, spec.system.clone()))
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunOutcome {
+    /// TLT or baseline.
+    pub mode: String,
+    /// Every step's metrics, resumed ones included.
+    pub metrics: Vec<StepMetrics>,
+    /// Evaluation before the first step of this process (`None` when resumed or disabled).
+    pub before: Option<Evaluation>,
+    /// Evaluation after the last step.
+    pub after: Option<Evaluation>,
+    /// Wall seconds of this process's steps.
+    pub seconds: f64,
+}
+
+impl RunOutcome {
+    /// Sum of a per-step field over the steps.
+    pub fn total(&self, f: impl Fn(&StepMetrics) -> f64) -> f64 {
+        self.metrics.iter().map(f).sum()
+    }
+}
+
+/// Where a run writes: `metrics.jsonl`, `checkpoint/`, `plots/`.
+#[derive(Debug, Clone)]
+pub struct RunDir(pub PathBuf);
+
+impl RunDir {
+    /// The metrics file.
+    pub fn metrics(&self) -> PathBuf {
+        self.0.join("metrics.jsonl")
+    }
+    /// The checkpoint directory.
+    pub fn checkpoint(&self) -> PathBuf {
+        self.0.join("checkpoint")
+    }
+    /// The plots directory.
+    pub fn plots(&self) -> PathBuf {
+        self.0.join("plots")
+    }
+    /// Whether a checkpoint exists.
+    pub fn has_checkpoint(&self) -> bool {
+        self.checkpoint().join(STATE_FILE).exists()
+    }
+}
+
+/// Runs `trainer` until it has done `cfg.trainer.steps` steps: evaluation first (fresh runs), one metrics line
+/// per step (fsync'ed), a checkpoint every `checkpoint_every` steps and at the end, then the final evaluation.
+/// A resumed trainer continues the metrics file from its checkpoint's step.
+///
+/// # Errors
+/// Any step, I/O or evaluation failure (the last checkpoint stays valid).
+pub fn run<E: Environment>(trainer: &mut Trainer<E>, cfg: &RunConfig, dir: &RunDir, obs: &mut dyn Observer) -> Result<RunOutcome> {
+    std::fs::create_dir_all(&dir.0).map_err(|e| Error::io(&dir.0, e))?;
+    let resumed = trainer.steps_done() > 0;
+    let eval_range = cfg.eval.offset..cfg.eval.offset + cfg.eval.prompts as u64;
+    let mut out = RunOutcome {
+        mode: match trainer.config().mode {
+            Mode::Tlt => "tlt".into(),
+            Mode::Baseline => "baseline".into(),
+        },
+        ..RunOutcome::default()
+    };
+    let mut writer = if resumed {
+        truncate_after(&dir.metrics(), trainer.steps_done().saturating_sub(1))?;
+        out.metrics = read_metrics(&dir.metrics())?;
+        MetricsWriter::append(&dir.metrics())?
+    } else {
+        if cfg.eval.prompts > 0 {
+            obs.on_phase(0, "eval");
+            out.before = Some(trainer.evaluate(eval_range.clone(), cfg.eval.max_new_tokens)?);
+        }
+        MetricsWriter::create(&dir.metrics())?
+    };
+    let t = Instant::now();
+    while trainer.steps_done() < cfg.trainer.steps {
+        let report = trainer.step(obs)?;
+        writer.write(&report.metrics)?;
+        tracing::info!(
+            step = report.metrics.step,
+            reward = format!("{:.3}", report.metrics.reward_mean),
+            rollout_s = format!("{:.1}", report.metrics.rollout_s),
+            train_s = format!("{:.1}", report.metrics.train_s),
+            sd_on = format!("{:.2}", report.metrics.sd_on_fraction),
+            "step done"
+        );
+        out.metrics.push(report.metrics);
+        let n = trainer.steps_done();
+        if cfg.checkpoint_every > 0 && (n % cfg.checkpoint_every == 0 || n == cfg.trainer.steps) {
+            obs.on_phase(n, "checkpoint");
+            trainer.save_checkpoint(&dir.checkpoint())?;
+        }
+    }
+    out.seconds = t.elapsed().as_secs_f64();
+    if cfg.eval.prompts > 0 {
+        obs.on_phase(trainer.steps_done(), "eval");
+        out.after = Some(trainer.evaluate(eval_range, cfg.eval.max_new_tokens)?);
+    }
+    Ok(out)
+}
+
+/// TLT against the baseline: the same config and seeds, run one after the other.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Comparison {
+    /// The TLT run.
+    pub tlt: RunOutcome,
+    /// The baseline run.
+    pub baseline: RunOutcome,
+    /// Baseline rollout seconds / TLT rollout seconds, over all steps.
+    pub rollout_speedup: f64,
+    /// Baseline step seconds / TLT step seconds, over all steps.
+    pub e2e_speedup: f64,
+    /// Per step: baseline rollout seconds / TLT rollout seconds.
+    pub rollout_speedup_per_step: Vec<f64>,
+}
+
+impl Comparison {
+    /// Builds the ratios.
+    pub fn new(tlt: RunOutcome, baseline: RunOutcome) -> Self {
+        let ratio = |f: &dyn Fn(&StepMetrics) -> f64| baseline.total(f) / tlt.total(f).max(1e-9);
+        let rollout_speedup = ratio(&|m| m.rollout_s);
+        let e2e_speedup = ratio(&|m| m.step_s);
+        let rollout_speedup_per_step =
+            tlt.metrics.iter().zip(&baseline.metrics).map(|(t, b)| b.rollout_s / t.rollout_s.max(1e-9)).collect();
+        Self { tlt, baseline, rollout_speedup, e2e_speedup, rollout_speedup_per_step }
+    }
+
+    /// A short human-readable report.
+    pub fn report(&self) -> String {
+        let mut s = String::new();
+        let line = |s: &mut String, name: &str, o: &RunOutcome| {
+            let eval = |e: &Option<Evaluation>| e.map_or("-".to_string(), |e| format!("{:.3} (acc {:.2})", e.reward_mean, e.accuracy));
+            let (r, t, d) = (o.total(|m| m.rollout_s), o.total(|m| m.train_s), o.total(|m| m.drafter_s));
+            let all = o.total(|m| m.step_s).max(1e-9);
+            s.push_str(&format!(
+                "{name:<9} reward {} -> {} | step time {all:.1} s: rollout {:.0}%, update {:.0}%, other {:.0}% | drafter trained {d:.1} s\n",
+                eval(&o.before),
+                eval(&o.after),
+                100.0 * r / all,
+                100.0 * t / all,
+                100.0 * (all - r - t) / all,
+            ));
+        };
+        line(&mut s, "TLT", &self.tlt);
+        line(&mut s, "baseline", &self.baseline);
+        let sd = self.tlt.metrics.iter().map(|m| m.sd_on_fraction).sum::<f64>() / self.tlt.metrics.len().max(1) as f64;
+        let acc = self.tlt.metrics.iter().map(|m| m.accept_len).sum::<f64>() / self.tlt.metrics.len().max(1) as f64;
+        s.push_str(&format!(
+            "TLT over baseline: rollout {:.2}x, end to end {:.2}x (SD on {:.0}% of rounds, mean accept length {acc:.2})\n",
+            self.rollout_speedup,
+            self.e2e_speedup,
+            100.0 * sd,
+        ));
+        s
+    }
+}

@@ -1,0 +1,111 @@
+//! Trainer checkpoints: policy, optimizer moments, drafter and run state, written as one directory atomically
+//! (a crash leaves the previous checkpoint intact).
+//!
+//! Layout: `policy/` (HF `config.json` + `model.safetensors`, f32: transformers loads it), `optimizer.safetensors`
+//! (`exp_avg.<name>`, `exp_avg_sq.<name>`), `drafter/` (the drafter trainer's own checkpoint, EAGLE-2 only) and
+//! `state.json` ([`TrainerState`]). The data position and the rollout seeds derive from the step, so the step is
+//! the whole RNG state.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+use tlt_drafter::train::{AdamW, ParamState};
+
+use super::config::TrainerConfig;
+use crate::{Error, Result};
+
+/// Format tag of `state.json`.
+const FORMAT: &str = "tlt-rl-trainer/1";
+/// The run state file.
+pub const STATE_FILE: &str = "state.json";
+/// The policy directory.
+pub const POLICY_DIR: &str = "policy";
+/// The drafter directory.
+pub const DRAFTER_DIR: &str = "drafter";
+/// The optimizer file.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+
+/// `state.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerState {
+    /// Format tag.
+    pub format: String,
+    /// RL steps completed.
+    pub step: u64,
+    /// The run's config.
+    pub config: TrainerConfig,
+    /// Updates applied to each parameter (AdamW bias correction).
+    pub param_steps: BTreeMap<String, u64>,
+    /// The drafter's published weights version.
+    pub drafter_version: u64,
+}
+
+impl TrainerState {
+    /// A state at `step`.
+    pub fn new(step: u64, config: TrainerConfig, opt: &AdamW, drafter_version: u64) -> Self {
+        let param_steps = opt.params().iter().zip(opt.state()).map(|((n, _), s)| (n.clone(), s.steps)).collect();
+        Self { format: FORMAT.into(), step, config, param_steps, drafter_version }
+    }
+
+    /// Reads and checks `dir/state.json`.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] if it is missing, malformed or of another format.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join(STATE_FILE);
+        let bad = |reason: String| Error::Checkpoint { path: path.clone(), reason };
+        let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
+        let state: Self = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        if state.format != FORMAT {
+            return Err(bad(format!("format {:?}, expected {FORMAT:?}", state.format)));
+        }
+        state.config.validate()?;
+        Ok(state)
+    }
+
+    /// Writes `dir/state.json`.
+    ///
+    /// # Errors
+    /// On an I/O failure.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let path = dir.join(STATE_FILE);
+        std::fs::write(&path, serde_json::to_string_pretty(self)?).map_err(|e| Error::io(path, e))
+    }
+}
+
+/// Writes the optimizer moments of `opt` to `path`.
+pub(crate) fn save_optimizer(opt: &AdamW, path: &Path) -> Result<()> {
+    let mut tensors = HashMap::new();
+    for ((name, var), st) in opt.params().iter().zip(opt.state()) {
+        for (prefix, m) in [("exp_avg", &st.exp_avg), ("exp_avg_sq", &st.exp_avg_sq)] {
+            tensors.insert(format!("{prefix}.{name}"), Tensor::from_slice(m, var.shape(), &Device::Cpu)?);
+        }
+    }
+    candle_core::safetensors::save(&tensors, path)?;
+    Ok(())
+}
+
+/// Restores the optimizer moments of `opt` from `path` and the per-parameter step counts of `state`.
+pub(crate) fn load_optimizer(opt: &mut AdamW, path: &Path, state: &TrainerState) -> Result<()> {
+    let bad = |reason: String| Error::Checkpoint { path: path.to_path_buf(), reason };
+    let mut tensors = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| bad(e.to_string()))?;
+    let mut states = Vec::with_capacity(opt.params().len());
+    for (name, var) in opt.params() {
+        let mut take = |prefix: &str| -> Result<Vec<f32>> {
+            let key = format!("{prefix}.{name}");
+            let t = tensors.remove(&key).ok_or_else(|| bad(format!("missing `{key}`")))?;
+            if t.dims() != var.dims() || t.dtype() != DType::F32 {
+                return Err(bad(format!("`{key}` is {:?} {:?}, expected {:?} F32", t.dims(), t.dtype(), var.dims())));
+            }
+            Ok(t.flatten_all()?.to_vec1::<f32>()?)
+        };
+        let (exp_avg, exp_avg_sq) = (take("exp_avg")?, take("exp_avg_sq")?);
+        let steps = *state.param_steps.get(name).ok_or_else(|| bad(format!("no step count for `{name}`")))?;
+        states.push(ParamState { exp_avg, exp_avg_sq, steps });
+    }
+    opt.set_state(states)?;
+    Ok(())
+}

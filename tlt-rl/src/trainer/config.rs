@@ -1,0 +1,233 @@
+//! [`TrainerConfig`]: everything a run needs besides the model and the task (serde, TOML-friendly).
+
+use serde::{Deserialize, Serialize};
+use tlt_drafter::online::BufferConfig;
+use tlt_drafter::TrainConfig;
+use tlt_scheduler::{GateConfig, MabConfig};
+
+use crate::grpo::GrpoConfig;
+use crate::schedule::LrSchedule;
+use crate::{Error, Result};
+
+/// How rollouts decode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// TLT: the SD gate, the plan bandit and a drafter (trained online for EAGLE-2).
+    #[default]
+    Tlt,
+    /// Plain decoding, everything else identical.
+    Baseline,
+}
+
+/// The drafter of TLT rollouts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DrafterChoice {
+    /// A one-layer EAGLE-2 drafter over the policy's final hidden states, trained online from rollouts.
+    #[default]
+    Eagle2,
+    /// A model-free n-gram drafter over each request's own history (nothing to train).
+    Ngram,
+}
+
+/// When the online drafter trains.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum DrafterSchedule {
+    /// In the background during the rollout's long tail (running batch `<= tail_batch`), on finished requests'
+    /// hidden states, paused when the rollout ends (TLT's idle-worker training). Timing-dependent.
+    #[default]
+    Tail,
+    /// `steps` synchronous steps after each rollout (deterministic: for tests and bit-exact resume).
+    Fixed {
+        /// Drafter steps per RL step.
+        steps: u64,
+    },
+    /// Never (the drafter keeps its initial weights).
+    Off,
+}
+
+/// Speculative decoding of TLT rollouts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SdConfig {
+    /// When SD turns on and off.
+    pub gate: GateConfig,
+    /// The plan bandit.
+    pub mab: MabConfig,
+    /// The drafter.
+    pub drafter: DrafterChoice,
+    /// Drafter optimisation (EAGLE-2).
+    pub drafter_train: TrainConfig,
+    /// The online sample buffer.
+    pub buffer: BufferConfig,
+    /// When the drafter trains.
+    pub schedule: DrafterSchedule,
+    /// [`DrafterSchedule::Tail`]: train while at most this many requests are running. Default 4.
+    pub tail_batch: usize,
+    /// Publish new drafter weights every this many drafter steps (`>= 1`). Default 5.
+    pub publish_every: u64,
+    /// Seed of the drafter's initial weights. Default 1.
+    pub drafter_seed: u64,
+}
+
+impl Default for SdConfig {
+    fn default() -> Self {
+        Self {
+            gate: GateConfig::default(),
+            mab: MabConfig::default(),
+            drafter: DrafterChoice::default(),
+            drafter_train: TrainConfig { lr: 3e-4, ..TrainConfig::default() },
+            buffer: BufferConfig::default(),
+            schedule: DrafterSchedule::default(),
+            tail_batch: 4,
+            publish_every: 5,
+            drafter_seed: 1,
+        }
+    }
+}
+
+/// AdamW and gradient clipping of the policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// Learning rate over updates (warmup + cosine by default).
+    pub schedule: LrSchedule,
+    /// AdamW `(beta1, beta2)`. Default `[0.9, 0.999]` (verl, TRL).
+    pub betas: [f64; 2],
+    /// AdamW epsilon. Default 1e-8.
+    pub eps: f64,
+    /// Decoupled weight decay. Default 0.01 (verl).
+    pub weight_decay: f64,
+    /// Clip gradients to this global L2 norm (`None`: no clipping). Default 1.0.
+    pub max_grad_norm: Option<f64>,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            schedule: LrSchedule::default(),
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.01,
+            max_grad_norm: Some(1.0),
+        }
+    }
+}
+
+/// A GRPO run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainerConfig {
+    /// TLT or plain rollouts.
+    pub mode: Mode,
+    /// Seed of the rollout sampling streams (step `s` uses a seed derived from `(seed, s)`) and the data order.
+    pub seed: u64,
+    /// RL steps of a run (the runner's stopping point; the lr schedule has its own horizon). Default 4.
+    pub steps: u64,
+    /// Prompts per step. Default 8.
+    pub prompts_per_step: usize,
+    /// Samples per prompt (the GRPO group). Default 4.
+    pub group_size: usize,
+    /// Most new tokens per sample. Default 256.
+    pub max_new_tokens: usize,
+    /// Sampling temperature (0: greedy). Default 1.0.
+    pub temperature: f64,
+    /// Nucleus sampling mass. Default 1.0.
+    pub top_p: f64,
+    /// The GRPO objective.
+    pub grpo: GrpoConfig,
+    /// The optimizer.
+    pub optim: OptimConfig,
+    /// Padded tokens per micro-batch (gradient accumulation splits a step's batch by this). Default 4096.
+    pub micro_batch_tokens: usize,
+    /// Speculative decoding in TLT mode.
+    pub sd: SdConfig,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            mode: Mode::default(),
+            seed: 0,
+            steps: 4,
+            prompts_per_step: 8,
+            group_size: 4,
+            max_new_tokens: 256,
+            temperature: 1.0,
+            top_p: 1.0,
+            grpo: GrpoConfig::default(),
+            optim: OptimConfig::default(),
+            micro_batch_tokens: 4096,
+            sd: SdConfig::default(),
+        }
+    }
+}
+
+impl TrainerConfig {
+    /// Parses a TOML document (unknown keys are errors).
+    ///
+    /// # Errors
+    /// [`Error::Parse`] with TOML's message, or the [`Self::validate`] error.
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let cfg: Self = toml::from_str(text).map_err(|e| Error::parse("trainer config (TOML)", e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The config as TOML.
+    ///
+    /// # Errors
+    /// [`Error::Parse`] if serialisation fails.
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string_pretty(self).map_err(|e| Error::parse("trainer config (TOML)", e.to_string()))
+    }
+
+    /// Checks every value and the nested configs.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("prompts_per_step", self.prompts_per_step),
+            ("group_size", self.group_size),
+            ("max_new_tokens", self.max_new_tokens),
+            ("micro_batch_tokens", self.micro_batch_tokens),
+            ("sd.tail_batch", self.sd.tail_batch),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return Err(Error::config(field, "must be at least 1"));
+            }
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(Error::config("temperature", format!("{} must be finite and >= 0", self.temperature)));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::config("top_p", format!("{} must be in (0, 1]", self.top_p)));
+        }
+        if self.sd.publish_every == 0 {
+            return Err(Error::config("sd.publish_every", "must be at least 1"));
+        }
+        self.adamw().validate().map_err(|e| Error::config("optim", e.to_string()))?;
+        if let Some(c) = self.optim.max_grad_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(Error::config("optim.max_grad_norm", format!("{c} must be finite and > 0")));
+            }
+        }
+        self.optim.schedule.validate()?;
+        self.grpo.validate()?;
+        self.sd.gate.validate()?;
+        self.sd.mab.validate()?;
+        self.sd.drafter_train.validate()?;
+        self.sd.buffer.validate()?;
+        Ok(())
+    }
+
+    /// The policy's AdamW hyperparameters.
+    pub fn adamw(&self) -> tlt_drafter::train::AdamWParams {
+        let [beta1, beta2] = self.optim.betas;
+        tlt_drafter::train::AdamWParams { beta1, beta2, eps: self.optim.eps, weight_decay: self.optim.weight_decay }
+    }
+}
