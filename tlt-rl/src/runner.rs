@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 
 use crate::metrics::{read_metrics, truncate_after, MetricsWriter, StepMetrics};
-use crate::task::{builtin, ChatTemplate, JsonlTask, Task};
+use crate::task::{builtin_with, ArithmeticConfig, ChatTemplate, JsonlTask, RewardConfig, Task};
 use crate::trainer::{Environment, Evaluation, Mode, Observer, TextEnv, Trainer, TrainerConfig, STATE_FILE};
 use crate::{Error, Result};
 
@@ -25,11 +25,22 @@ pub struct TaskSpec {
     pub jsonl: Option<PathBuf>,
     /// A system message (default: the chat template's own).
     pub system: Option<String>,
+    /// The arithmetic generator's settings (its `seed` is replaced by [`Self::seed`]).
+    pub arithmetic: ArithmeticConfig,
+    /// Rewards.
+    pub reward: RewardConfig,
 }
 
 impl Default for TaskSpec {
     fn default() -> Self {
-        Self { name: "arithmetic".into(), seed: 0, jsonl: None, system: None }
+        Self {
+            name: "arithmetic".into(),
+            seed: 0,
+            jsonl: None,
+            system: None,
+            arithmetic: ArithmeticConfig::default(),
+            reward: RewardConfig::default(),
+        }
     }
 }
 
@@ -84,8 +95,8 @@ impl RunConfig {
 /// An unknown task, an unreadable JSONL file or a bad template.
 pub fn text_env(spec: &TaskSpec, tokenizer: Tokenizer, template: Option<&str>) -> Result<TextEnv> {
     let task: Box<dyn Task> = match &spec.jsonl {
-        Some(path) => Box::new(JsonlTask::open(path)?),
-        None => builtin(&spec.name, spec.seed)?,
+        Some(path) => Box::new(JsonlTask::open(path)?.with_reward(spec.reward.clone())?),
+        None => builtin_with(&spec.name, ArithmeticConfig { seed: spec.seed, ..spec.arithmetic.clone() }, spec.reward.clone())?,
     };
     let token = |id: &str| if tokenizer.token_to_id(id).is_some() { id.to_string() } else { String::new() };
     let template = match template {

@@ -183,3 +183,15 @@ fn main() -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_embedded_config_parses_and_validates() {
+        let cfg = RunConfig::from_toml(DEMO_CONFIG).unwrap();
+        assert_eq!(cfg.task.name, "arithmetic");
+        assert!(cfg.trainer.steps > 0);
+    }
+}

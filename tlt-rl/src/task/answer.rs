@@ -95,6 +95,27 @@ pub(crate) fn verify(truth: &str, text: &str, deadline: &mut Deadline) -> Verdic
     }
 }
 
+/// The last number in `text` (digits with an optional leading `-` and one decimal point), for flexible scoring.
+pub(crate) fn last_number(text: &str) -> Option<&str> {
+    let b = text.as_bytes();
+    let end = b.iter().rposition(u8::is_ascii_digit)? + 1;
+    let mut start = end;
+    let mut dot = false;
+    while start > 0 {
+        let c = b[start - 1];
+        if c.is_ascii_digit() || (c == b'.' && !dot && start >= 2 && b[start - 2].is_ascii_digit()) {
+            dot |= c == b'.';
+            start -= 1;
+        } else {
+            break;
+        }
+    }
+    if start > 0 && b[start - 1] == b'-' {
+        start -= 1;
+    }
+    text.get(start..end)
+}
+
 /// Whether a predicted answer matches a ground truth: [`numbers_equal`], or else the same text after removing
 /// whitespace, `$`, `\left`/`\right`, LaTeX spacing and a trailing `.` (for non-numeric MATH answers such as
 /// `\frac{\sqrt{3}}{2}`). Empty answers never match.
@@ -397,5 +418,14 @@ mod tests {
             let (q, q1) = (format!("{n}/{d}"), format!("{}/{}", n + 1, d));
             prop_assert!(!numbers_equal(&q, &q1));
         }
+    }
+
+    #[test]
+    fn last_number_takes_the_final_one() {
+        assert_eq!(last_number("7 + 5 = 12."), Some("12"));
+        assert_eq!(last_number("so -3.5 it is"), Some("-3.5"));
+        assert_eq!(last_number("x 1.2.3"), Some("2.3"));
+        assert_eq!(last_number("no digits"), None);
+        assert_eq!(last_number("\u{ff11} 4"), Some("4"));
     }
 }

@@ -106,11 +106,14 @@ pub struct RewardConfig {
     pub format_reward: f64,
     /// Time budget of one verification in milliseconds; past it the score is [`Score::TIMED_OUT`]. Default 1000.
     pub time_limit_ms: u64,
+    /// Numeric answers without the required format are still judged by the last number in the completion (verl's
+    /// GSM8K `flexible` mode): correct earns `correct_reward` without the format reward. Default false (strict).
+    pub flexible: bool,
 }
 
 impl Default for RewardConfig {
     fn default() -> Self {
-        Self { correct_reward: 1.0, format_reward: 0.1, time_limit_ms: 1000 }
+        Self { correct_reward: 1.0, format_reward: 0.1, time_limit_ms: 1000, flexible: false }
     }
 }
 
@@ -169,7 +172,12 @@ pub fn score_answer(answer: &Answer, completion: &str, reward: &RewardConfig) ->
     };
     match verdict {
         Verdict::TimedOut => Score::TIMED_OUT,
-        Verdict::Unformatted => Score::ZERO,
+        Verdict::Unformatted => match answer {
+            Answer::Number(truth) if reward.flexible && answer::last_number(text).is_some_and(|n| answers_equal(n, truth)) => {
+                Score { reward: reward.correct_reward, correct: true, formatted: false, timed_out: false }
+            }
+            _ => Score::ZERO,
+        },
         Verdict::Wrong => Score { reward: reward.format_reward, correct: false, formatted: true, timed_out: false },
         Verdict::Correct => Score {
             reward: reward.correct_reward + reward.format_reward,
@@ -185,9 +193,21 @@ pub fn score_answer(answer: &Answer, completion: &str, reward: &RewardConfig) ->
 /// # Errors
 /// [`Error::InvalidConfig`] for an unknown name, listing the known ones.
 pub fn builtin(name: &str, seed: u64) -> Result<Box<dyn Task>> {
+    builtin_with(name, ArithmeticConfig { seed, ..ArithmeticConfig::default() }, RewardConfig::default())
+}
+
+/// The built-in generator `name` with an arithmetic config (its seed is used for Countdown too) and a reward
+/// config.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for an unknown name or invalid configs.
+pub fn builtin_with(name: &str, arithmetic: ArithmeticConfig, reward: RewardConfig) -> Result<Box<dyn Task>> {
     match name {
-        "arithmetic" => Ok(Box::new(Arithmetic::new(ArithmeticConfig { seed, ..ArithmeticConfig::default() })?)),
-        "countdown" => Ok(Box::new(Countdown::new(CountdownConfig { seed, ..CountdownConfig::default() })?)),
+        "arithmetic" => Ok(Box::new(Arithmetic::new(arithmetic)?.with_reward(reward)?)),
+        "countdown" => {
+            let cfg = CountdownConfig { seed: arithmetic.seed, ..CountdownConfig::default() };
+            Ok(Box::new(Countdown::new(cfg)?.with_reward(reward)?))
+        }
         other => Err(Error::config("task.name", format!("unknown task `{other}`; known tasks: arithmetic, countdown"))),
     }
 }
@@ -274,7 +294,7 @@ mod tests {
     #[test]
     fn task_reward_config_defaults_and_validation() {
         let c: RewardConfig = serde_json::from_str("{}").unwrap();
-        assert_eq!(c, RewardConfig { correct_reward: 1.0, format_reward: 0.1, time_limit_ms: 1000 });
+        assert_eq!(c, RewardConfig { correct_reward: 1.0, format_reward: 0.1, time_limit_ms: 1000, flexible: false });
         assert!(serde_json::from_str::<RewardConfig>(r#"{"bogus": 1}"#).is_err());
         assert!(RewardConfig { time_limit_ms: 0, ..cfg() }.validate().is_err());
         assert!(RewardConfig { correct_reward: f64::NAN, ..cfg() }.validate().is_err());
@@ -361,5 +381,18 @@ mod tests {
                 assert!(!score.correct || score.formatted);
             }
         }
+    }
+
+    #[test]
+    fn flexible_scoring_judges_the_last_number_without_format_reward() {
+        let truth = Answer::Number("12".into());
+        let flexible = RewardConfig { flexible: true, ..RewardConfig::default() };
+        let s = score_answer(&truth, "7 + 5 = 12.", &flexible);
+        assert!(s.correct && !s.formatted && s.reward == 1.0, "{s:?}");
+        assert_eq!(score_answer(&truth, "7 + 5 = 13.", &flexible), Score::ZERO);
+        assert_eq!(score_answer(&truth, "7 + 5 = 12.", &RewardConfig::default()), Score::ZERO);
+        // The boxed answer wins over later numbers.
+        let s = score_answer(&truth, "\\boxed{12} (not 13)", &flexible);
+        assert!(s.correct && s.formatted, "{s:?}");
     }
 }
