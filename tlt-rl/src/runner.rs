@@ -251,9 +251,10 @@ impl Comparison {
         line(&mut s, "TLT", &self.tlt);
         line(&mut s, "baseline", &self.baseline);
         let sd = self.tlt.metrics.iter().map(|m| m.sd_on_fraction).sum::<f64>() / self.tlt.metrics.len().max(1) as f64;
-        let acc = self.tlt.metrics.iter().map(|m| m.accept_len).sum::<f64>() / self.tlt.metrics.len().max(1) as f64;
+        let lens: Vec<f64> = self.tlt.metrics.iter().flat_map(|m| m.accept_lens.iter().copied()).collect();
+        let acc = lens.iter().sum::<f64>() / lens.len().max(1) as f64;
         s.push_str(&format!(
-            "TLT over baseline: rollout {:.2}x, end to end {:.2}x (SD on {:.0}% of rounds, mean accept length {acc:.2})\n",
+            "TLT over baseline: rollout {:.2}x, end to end {:.2}x (SD on {:.0}% of rounds, mean accept length {acc:.2} over speculative rounds)\n",
             self.rollout_speedup,
             self.e2e_speedup,
             100.0 * sd,

@@ -45,6 +45,8 @@ pub struct DecodeTrace {
     pub accept_lens: Vec<f64>,
     /// Arms chosen, as `"steps:top_k:verify_tokens"` -> rounds.
     pub arms: BTreeMap<String, u64>,
+    /// Rounds in the speculative phase where the bandit chose its plain arm (counted as plain rounds).
+    pub plain_arm_steps: u64,
 }
 
 impl DecodeTrace {
@@ -106,6 +108,15 @@ impl AdaptiveDecoder {
             (Phase::Speculative, Some(drafter)) => {
                 let choice = self.mab.select(batch);
                 let before = *engine.counters();
+                if choice.plain {
+                    engine.step(None, &Plan::chain(1))?;
+                    let secs = t.elapsed().as_secs_f64();
+                    self.mab.record(&choice, step_reward(1.0, batch, secs.max(1e-9)))?;
+                    self.trace.plain_arm_steps += 1;
+                    self.trace.steps += 1;
+                    self.trace.seconds += secs;
+                    return Ok(Phase::Plain);
+                }
                 engine.step(Some(drafter), &choice.plan)?;
                 let secs = t.elapsed().as_secs_f64();
                 let after = engine.counters();

@@ -52,6 +52,10 @@ pub struct MabConfig {
     pub window: usize,
     /// Seed of the exploration coin. Default 0.
     pub seed: u64,
+    /// Add a "plain" arm to every bucket: a round without drafts, rewarded like the others, so the bandit can learn
+    /// that speculation does not pay at some batch size (the choice has [`Choice::plain`] set). Default false
+    /// (fastrl's arms only).
+    pub plain_arm: bool,
 }
 
 impl Default for MabConfig {
@@ -63,6 +67,7 @@ impl Default for MabConfig {
             epsilon: 0.1,
             window: 300,
             seed: 0,
+            plain_arm: false,
         }
     }
 }
@@ -136,6 +141,8 @@ pub struct Choice {
     pub bucket: usize,
     /// Why this arm.
     pub reason: ChoiceReason,
+    /// The plain arm ([`MabConfig::plain_arm`]): run the round without drafts (`plan` is then unused).
+    pub plain: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -176,9 +183,10 @@ impl BegMab {
         let sizes = cfg.tree_sizes();
         let arm_bucket: Vec<usize> =
             cfg.arms.iter().map(|a| sizes.iter().position(|&s| s == a.verify_tokens).unwrap_or_default()).collect();
+        let plain = cfg.plain_arm.then_some(cfg.arms.len());
         let buckets = (0..sizes.len())
             .map(|b| Bucket {
-                arms: (0..cfg.arms.len()).filter(|&a| arm_bucket[a] == b).collect(),
+                arms: (0..cfg.arms.len()).filter(|&a| arm_bucket[a] == b).chain(plain).collect(),
                 window: VecDeque::with_capacity(cfg.window),
                 counts: Vec::new(),
             })
@@ -200,7 +208,9 @@ impl BegMab {
     pub fn select(&mut self, batch: usize) -> Choice {
         let bucket = self.bucket_of(batch);
         let b = &self.buckets[bucket];
-        let pick = |arm, reason| Choice { arm, plan: self.cfg.arms[arm], bucket, reason };
+        let n = self.cfg.arms.len();
+        let plan_of = |arm: usize| self.cfg.arms.get(arm).copied().unwrap_or_else(|| Plan::chain(1));
+        let pick = |arm: usize, reason| Choice { arm, plan: plan_of(arm), bucket, reason, plain: arm == n };
         if let Some(i) = b.counts.iter().position(|&c| c == 0) {
             return pick(b.arms[i], ChoiceReason::Unseen);
         }
@@ -209,7 +219,7 @@ impl BegMab {
         }
         if self.rng.next_f64() < self.cfg.epsilon {
             let arm = b.arms[self.rng.below(b.arms.len())];
-            return Choice { arm, plan: self.cfg.arms[arm], bucket, reason: ChoiceReason::Explore };
+            return pick(arm, ChoiceReason::Explore);
         }
         let mut best = (b.arms[0], f64::NEG_INFINITY);
         for &a in &b.arms {
@@ -227,8 +237,11 @@ impl BegMab {
     /// # Errors
     /// [`Error::InvalidOutcome`] for an unknown arm or a reward that is negative or not finite (it is dropped).
     pub fn record(&mut self, choice: &Choice, reward: f64) -> Result<()> {
-        let Some(&bucket) = self.arm_bucket.get(choice.arm) else {
-            return Err(Error::InvalidOutcome(format!("unknown arm {}", choice.arm)));
+        let plain = self.cfg.plain_arm && choice.arm == self.cfg.arms.len() && choice.bucket < self.buckets.len();
+        let bucket = match self.arm_bucket.get(choice.arm) {
+            Some(&b) => b,
+            None if plain => choice.bucket,
+            None => return Err(Error::InvalidOutcome(format!("unknown arm {}", choice.arm))),
         };
         if !reward.is_finite() || reward < 0.0 {
             return Err(Error::InvalidOutcome(format!("reward {reward} is not a finite non-negative number")));
@@ -243,6 +256,14 @@ impl BegMab {
         b.window.push_back((choice.arm, reward));
         b.counts[slot(&b.arms, choice.arm)] += 1;
         Ok(())
+    }
+
+    /// The median reward of the plain arm in `bucket`'s window (`None` without the plain arm or samples).
+    pub fn plain_median(&self, bucket: usize) -> Option<f64> {
+        if !self.cfg.plain_arm {
+            return None;
+        }
+        window_median(&self.buckets.get(bucket)?.window, self.cfg.arms.len())
     }
 
     /// The median reward of `arm` over its bucket's current window (`None` if it has no sample there).
@@ -311,7 +332,7 @@ mod tests {
     #[test]
     fn unseen_first_then_median_and_bad_rewards_rejected() {
         let arms = vec![Plan { steps: 8, top_k: 4, verify_tokens: 16 }, Plan { steps: 6, top_k: 4, verify_tokens: 16 }];
-        let mut mab = BegMab::new(MabConfig { arms, thresholds: vec![1], epsilon: 0.0, window: 10, seed: 1 }).unwrap();
+        let mut mab = BegMab::new(MabConfig { arms, thresholds: vec![1], epsilon: 0.0, window: 10, seed: 1, plain_arm: false }).unwrap();
         let a = mab.select(4);
         assert_eq!((a.arm, a.reason), (0, ChoiceReason::Unseen));
         mab.record(&a, 10.0).unwrap();
@@ -362,7 +383,7 @@ mod tests {
 
         #[test]
         fn picks_best_arm_95_percent_after_warmup((means, best, eps, window, seed) in bandit()) {
-            let cfg = MabConfig { arms: arms(means.len()), thresholds: vec![1], epsilon: eps, window, seed };
+            let cfg = MabConfig { arms: arms(means.len()), thresholds: vec![1], epsilon: eps, window, seed, plain_arm: false };
             let mut mab = BegMab::new(cfg).unwrap();
             let mut noise = SplitMix64::new(seed ^ 0xABCD);
             for _ in 0..window + means.len() {
@@ -376,7 +397,7 @@ mod tests {
         #[test]
         fn adapts_within_one_window((means, best, eps, window, seed) in bandit(), shift in 1usize..6) {
             let k = means.len();
-            let cfg = MabConfig { arms: arms(k), thresholds: vec![1], epsilon: eps, window, seed };
+            let cfg = MabConfig { arms: arms(k), thresholds: vec![1], epsilon: eps, window, seed, plain_arm: false };
             let mut mab = BegMab::new(cfg).unwrap();
             let mut noise = SplitMix64::new(seed ^ 0x1234);
             for _ in 0..window * 2 {
@@ -397,5 +418,27 @@ mod tests {
             let hits = (0..n).filter(|_| pull(&mut mab, &changed, &mut noise) == new_best).count();
             prop_assert!(hits as f64 >= 0.95 * n as f64, "new best picked {} / {}", hits, n);
         }
+    }
+
+    #[test]
+    fn the_plain_arm_wins_where_speculation_does_not_pay() {
+        let cfg = MabConfig { plain_arm: true, epsilon: 0.05, window: 40, ..MabConfig::default() };
+        let mut mab = BegMab::new(cfg).unwrap();
+        let (mut plain, mut total) = (0, 0);
+        for i in 0..400 {
+            let c = mab.select(40);
+            // Plain rounds commit 40 tokens in 10 ms; speculative ones 60 tokens in 30 ms.
+            let reward = if c.plain { step_reward(1.0, 40, 0.010) } else { step_reward(1.5, 40, 0.030) };
+            mab.record(&c, reward).unwrap();
+            if i >= 100 {
+                total += 1;
+                plain += usize::from(c.plain);
+            }
+        }
+        assert!(plain as f64 / total as f64 > 0.9, "plain chosen {plain}/{total}");
+        assert!(mab.plain_median(mab.bucket_of(40)).is_some());
+        // Without the option no choice is plain.
+        let mut mab = BegMab::new(MabConfig::default()).unwrap();
+        assert!((0..50).all(|_| !mab.select(3).plain));
     }
 }

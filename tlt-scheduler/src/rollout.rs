@@ -129,9 +129,9 @@ pub struct Step {
 }
 
 impl Step {
-    /// The plan of a speculative step.
+    /// The plan of a speculative step (`None` for plain steps, and for the bandit's plain arm).
     pub fn plan(&self) -> Option<Plan> {
-        self.choice.map(|c| c.plan)
+        self.choice.filter(|c| !c.plain).map(|c| c.plan)
     }
 }
 

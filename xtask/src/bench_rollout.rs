@@ -162,6 +162,7 @@ fn cpu_mab() -> MabConfig {
         epsilon: 0.1,
         window: 50,
         seed: 0,
+        plain_arm: false,
     }
 }
 
