@@ -74,10 +74,9 @@ impl FrozenTarget {
     /// `[b, t, hidden]` embeddings of `ids` (row-major `b * t`).
     /// Checks that `other` can stand in for `self` (same shapes and dtype).
     pub(crate) fn check_replacement(&self, other: &FrozenTarget) -> Result<()> {
-        for (name, a, b) in [
-            ("embed_tokens", &self.embed_tokens, &other.embed_tokens),
-            ("lm_head", &self.lm_head, &other.lm_head),
-        ] {
+        for (name, a, b) in
+            [("embed_tokens", &self.embed_tokens, &other.embed_tokens), ("lm_head", &self.lm_head, &other.lm_head)]
+        {
             if a.dims() != b.dims() || a.dtype() != b.dtype() {
                 return Err(Error::config(
                     name,

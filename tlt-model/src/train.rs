@@ -47,7 +47,7 @@ impl Llama {
             let act = (candle_nn::ops::silu(&linear(&xn, &lw.gate_proj)?)? * linear(&xn, &lw.up_proj)?)?;
             x = (x + linear(&act, &lw.down_proj)?)?;
         }
-        Ok(rms_norm(&x, &w.norm, eps)?)
+        rms_norm(&x, &w.norm, eps)
     }
 
     /// Log-probabilities `[batch, seq]` of `targets[b, s]` under the logits at `ids[b, s]` (differentiable).

@@ -96,7 +96,11 @@ impl RunConfig {
 pub fn text_env(spec: &TaskSpec, tokenizer: Tokenizer, template: Option<&str>) -> Result<TextEnv> {
     let task: Box<dyn Task> = match &spec.jsonl {
         Some(path) => Box::new(JsonlTask::open(path)?.with_reward(spec.reward.clone())?),
-        None => builtin_with(&spec.name, ArithmeticConfig { seed: spec.seed, ..spec.arithmetic.clone() }, spec.reward.clone())?,
+        None => builtin_with(
+            &spec.name,
+            ArithmeticConfig { seed: spec.seed, ..spec.arithmetic.clone() },
+            spec.reward.clone(),
+        )?,
     };
     let token = |id: &str| if tokenizer.token_to_id(id).is_some() { id.to_string() } else { String::new() };
     let template = match template {
@@ -157,7 +161,12 @@ impl RunDir {
 ///
 /// # Errors
 /// Any step, I/O or evaluation failure (the last checkpoint stays valid).
-pub fn run<E: Environment>(trainer: &mut Trainer<E>, cfg: &RunConfig, dir: &RunDir, obs: &mut dyn Observer) -> Result<RunOutcome> {
+pub fn run<E: Environment>(
+    trainer: &mut Trainer<E>,
+    cfg: &RunConfig,
+    dir: &RunDir,
+    obs: &mut dyn Observer,
+) -> Result<RunOutcome> {
     std::fs::create_dir_all(&dir.0).map_err(|e| Error::io(&dir.0, e))?;
     let resumed = trainer.steps_done() > 0;
     let eval_range = cfg.eval.offset..cfg.eval.offset + cfg.eval.prompts as u64;
@@ -169,15 +178,15 @@ pub fn run<E: Environment>(trainer: &mut Trainer<E>, cfg: &RunConfig, dir: &RunD
         ..RunOutcome::default()
     };
     let mut writer = if resumed {
-        truncate_after(&dir.metrics(), trainer.steps_done().saturating_sub(1))?;
-        out.metrics = read_metrics(&dir.metrics())?;
-        MetricsWriter::append(&dir.metrics())?
+        truncate_after(dir.metrics(), trainer.steps_done().saturating_sub(1))?;
+        out.metrics = read_metrics(dir.metrics())?;
+        MetricsWriter::append(dir.metrics())?
     } else {
         if cfg.eval.prompts > 0 {
             obs.on_phase(0, "eval");
             out.before = Some(trainer.evaluate(eval_range.clone(), cfg.eval.max_new_tokens)?);
         }
-        MetricsWriter::create(&dir.metrics())?
+        MetricsWriter::create(dir.metrics())?
     };
     let t = Instant::now();
     while trainer.steps_done() < cfg.trainer.steps {
@@ -193,7 +202,7 @@ pub fn run<E: Environment>(trainer: &mut Trainer<E>, cfg: &RunConfig, dir: &RunD
         );
         out.metrics.push(report.metrics);
         let n = trainer.steps_done();
-        if cfg.checkpoint_every > 0 && (n % cfg.checkpoint_every == 0 || n == cfg.trainer.steps) {
+        if cfg.checkpoint_every > 0 && (n.is_multiple_of(cfg.checkpoint_every) || n == cfg.trainer.steps) {
             obs.on_phase(n, "checkpoint");
             trainer.save_checkpoint(&dir.checkpoint())?;
         }
@@ -236,7 +245,9 @@ impl Comparison {
     pub fn report(&self) -> String {
         let mut s = String::new();
         let line = |s: &mut String, name: &str, o: &RunOutcome| {
-            let eval = |e: &Option<Evaluation>| e.map_or("-".to_string(), |e| format!("{:.3} (acc {:.2})", e.reward_mean, e.accuracy));
+            let eval = |e: &Option<Evaluation>| {
+                e.map_or("-".to_string(), |e| format!("{:.3} (acc {:.2})", e.reward_mean, e.accuracy))
+            };
             let (r, t, d) = (o.total(|m| m.rollout_s), o.total(|m| m.train_s), o.total(|m| m.drafter_s));
             let all = o.total(|m| m.step_s).max(1e-9);
             s.push_str(&format!(

@@ -2,6 +2,8 @@
 //! lossless (greedy: identical completions and weights; sampling: indistinguishable distributions), and a run
 //! killed mid-step resumes bit for bit.
 
+#![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
+
 use std::cell::Cell;
 use std::collections::BTreeMap;
 
@@ -10,7 +12,9 @@ use tlt_rl::grpo::{GrpoConfig, MeanLevel};
 use tlt_rl::metrics::StepMetrics;
 use tlt_rl::schedule::{LrSchedule, ScheduleKind};
 use tlt_rl::task::Score;
-use tlt_rl::trainer::{DrafterChoice, DrafterSchedule, Environment, Mode, Prompt, Quiet, SdConfig, Trainer, TrainerConfig};
+use tlt_rl::trainer::{
+    DrafterChoice, DrafterSchedule, Environment, Mode, Prompt, Quiet, SdConfig, Trainer, TrainerConfig,
+};
 use tlt_rl::{Error, Result};
 use tlt_scheduler::GateConfig;
 
@@ -66,7 +70,13 @@ fn base_config(mode: Mode) -> TrainerConfig {
         temperature: 1.0,
         micro_batch_tokens: 64,
         optim: tlt_rl::trainer::OptimConfig {
-            schedule: LrSchedule { lr: 3e-3, warmup_steps: 1, total_steps: 0, min_lr_ratio: 0.0, kind: ScheduleKind::Constant },
+            schedule: LrSchedule {
+                lr: 3e-3,
+                warmup_steps: 1,
+                total_steps: 0,
+                min_lr_ratio: 0.0,
+                kind: ScheduleKind::Constant,
+            },
             ..Default::default()
         },
         sd: SdConfig {
@@ -184,6 +194,10 @@ fn ks(a: &[f64], b: &[f64]) -> (f64, f64) {
     }
     let n = (a.len() * b.len()) as f64 / (a.len() + b.len()) as f64;
     let lambda = (n.sqrt() + 0.12 + 0.11 / n.sqrt()) * d;
+    if lambda < 0.2 {
+        // The Kolmogorov series does not converge this close to 0, where the p-value is 1 to 1e-10.
+        return (d, 1.0);
+    }
     let p = (1..=100).map(|k| 2.0 * (-1f64).powi(k - 1) * (-2.0 * (k as f64 * lambda).powi(2)).exp()).sum::<f64>();
     (d, p.clamp(0.0, 1.0))
 }
@@ -234,7 +248,8 @@ fn a_run_killed_mid_step_resumes_bit_for_bit() {
             // TLT samples depend on the drafts, and the bandit picks plans by wall time: greedy rollouts make the
             // run reproducible. The drafter's buffer keeps only the current step (it is not checkpointed).
             cfg.temperature = 0.0;
-            cfg.grpo = GrpoConfig { mean_level: MeanLevel::Batch, drop_zero_variance_groups: false, ..GrpoConfig::default() };
+            cfg.grpo =
+                GrpoConfig { mean_level: MeanLevel::Batch, drop_zero_variance_groups: false, ..GrpoConfig::default() };
             cfg.sd.buffer.keep_steps = 1;
         }
         let mut full = Trainer::new(tiny_model(2), CountEnv::new(), cfg.clone()).unwrap();

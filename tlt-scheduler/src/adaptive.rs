@@ -99,7 +99,11 @@ impl AdaptiveDecoder {
     ///
     /// # Errors
     /// The engine's error, or a bandit bookkeeping error.
-    pub fn step<T: Target>(&mut self, engine: &mut Engine<T>, drafter: Option<&mut (dyn Drafter + '_)>) -> Result<Phase> {
+    pub fn step<T: Target>(
+        &mut self,
+        engine: &mut Engine<T>,
+        drafter: Option<&mut (dyn Drafter + '_)>,
+    ) -> Result<Phase> {
         let batch = engine.num_live();
         let phase = self.gate.observe(batch).phase;
         self.trace.active.push(batch);
@@ -144,7 +148,11 @@ impl AdaptiveDecoder {
     ///
     /// # Errors
     /// As [`Self::step`].
-    pub fn run<T: Target>(&mut self, engine: &mut Engine<T>, mut drafter: Option<&mut (dyn Drafter + '_)>) -> Result<()> {
+    pub fn run<T: Target>(
+        &mut self,
+        engine: &mut Engine<T>,
+        mut drafter: Option<&mut (dyn Drafter + '_)>,
+    ) -> Result<()> {
         while !engine.is_idle() {
             self.step(engine, drafter.as_deref_mut())?;
         }

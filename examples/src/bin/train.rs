@@ -148,14 +148,7 @@ fn run_mode(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &Path, resume: 
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    tlt_examples::init_logging();
     let args = Args::parse();
     let cfg = load_config(&args)?;
     if args.print_config {
@@ -174,11 +167,17 @@ fn main() -> Result<()> {
             let tlt = run_mode(&model, &cfg, Mode::Tlt, &args.out.join("tlt"), args.resume)?;
             let baseline = run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), args.resume)?;
             let cmp = Comparison::new(tlt, baseline);
-            let plots = tlt_rl::plot::training_plots(&cmp.tlt.metrics, Some(&cmp.baseline.metrics), &args.out.join("plots"))?;
+            let plots =
+                tlt_rl::plot::training_plots(&cmp.tlt.metrics, Some(&cmp.baseline.metrics), &args.out.join("plots"))?;
             let summary = args.out.join("summary.json");
             std::fs::write(&summary, serde_json::to_string_pretty(&cmp)?)?;
             println!("\n{}", cmp.report());
-            println!("metrics, checkpoints and plots: {} ({} comparison plots); summary: {}", args.out.display(), plots.len(), summary.display());
+            println!(
+                "metrics, checkpoints and plots: {} ({} comparison plots); summary: {}",
+                args.out.display(),
+                plots.len(),
+                summary.display()
+            );
         }
     }
     Ok(())

@@ -31,7 +31,10 @@ impl<W> WeightsSlot<W> {
 
     /// A slot holding `initial` as `version` (a resumed run continues its numbering).
     pub fn with_version(initial: W, version: u64) -> Self {
-        Self { current: RwLock::new(Arc::new(Versioned { version, weights: initial })), version: AtomicU64::new(version) }
+        Self {
+            current: RwLock::new(Arc::new(Versioned { version, weights: initial })),
+            version: AtomicU64::new(version),
+        }
     }
 
     /// Publishes `weights` as the next version and returns it.

@@ -233,7 +233,9 @@ mod tests {
             assert_eq!((s.correct, s.formatted), (correct, true), "{i}: {completion}");
         }
         assert_eq!(t.score(&t.problem(0).unwrap(), "72"), Score::ZERO);
-        let t = t.with_reward(RewardConfig { correct_reward: 2.0, format_reward: 0.0, time_limit_ms: 50, flexible: false }).unwrap();
+        let t = t
+            .with_reward(RewardConfig { correct_reward: 2.0, format_reward: 0.0, time_limit_ms: 50, flexible: false })
+            .unwrap();
         assert_eq!(t.score(&t.problem(0).unwrap(), "#### 72").reward, 2.0);
         assert_eq!(t.reward().time_limit_ms, 50);
     }

@@ -173,7 +173,9 @@ pub fn score_answer(answer: &Answer, completion: &str, reward: &RewardConfig) ->
     match verdict {
         Verdict::TimedOut => Score::TIMED_OUT,
         Verdict::Unformatted => match answer {
-            Answer::Number(truth) if reward.flexible && answer::last_number(text).is_some_and(|n| answers_equal(n, truth)) => {
+            Answer::Number(truth)
+                if reward.flexible && answer::last_number(text).is_some_and(|n| answers_equal(n, truth)) =>
+            {
                 Score { reward: reward.correct_reward, correct: true, formatted: false, timed_out: false }
             }
             _ => Score::ZERO,

@@ -71,7 +71,8 @@ impl RolloutDrafter {
         let buffer = Arc::new(OnlineBuffer::new(cfg.buffer)?);
         let worker = match cfg.schedule {
             DrafterSchedule::Tail => {
-                let step_cfg = OnlineStepConfig { publish_every: cfg.publish_every, runtime: RuntimeOptions::default() };
+                let step_cfg =
+                    OnlineStepConfig { publish_every: cfg.publish_every, runtime: RuntimeOptions::default() };
                 let step = online_step_fn(trainer.clone(), buffer.clone(), slot.clone(), step_cfg)?;
                 Some(BackgroundTrainer::spawn(step, Duration::from_millis(5)))
             }

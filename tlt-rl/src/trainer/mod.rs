@@ -40,7 +40,7 @@ use crate::metrics::{mean_std, percentile, StepMetrics};
 use crate::task::Score;
 use crate::{Error, Result};
 use drafter::RolloutDrafter;
-use rollout::{run_rollout, spec_params};
+use rollout::{run_rollout, spec_params, RolloutJob};
 use update::{policy_update, TrainSeq, UpdateContext};
 
 /// Greedy evaluation of the current policy.
@@ -116,7 +116,13 @@ impl<E: Environment> Trainer<E> {
         Self::assemble(policy, env, cfg, drafter, 0)
     }
 
-    fn assemble(mut policy: Llama, env: E, cfg: TrainerConfig, drafter: Option<RolloutDrafter>, step: u64) -> Result<Self> {
+    fn assemble(
+        mut policy: Llama,
+        env: E,
+        cfg: TrainerConfig,
+        drafter: Option<RolloutDrafter>,
+        step: u64,
+    ) -> Result<Self> {
         let reference = match cfg.grpo.kl {
             Some(_) => Some(snapshot(&policy)?),
             None => None,
@@ -140,7 +146,10 @@ impl<E: Environment> Trainer<E> {
         let state = TrainerState::read(dir)?;
         let mismatch = TrainerConfig { steps: cfg.steps, ..state.config.clone() } != cfg;
         if mismatch {
-            return Err(Error::Checkpoint { path: dir.into(), reason: "the config differs from the checkpoint's".into() });
+            return Err(Error::Checkpoint {
+                path: dir.into(),
+                reason: "the config differs from the checkpoint's".into(),
+            });
         }
         let saved = tlt_model::load_hf_dir(&dir.join(POLICY_DIR))?.model;
         let drafter = match cfg.mode {
@@ -157,12 +166,14 @@ impl<E: Environment> Trainer<E> {
         let saved_w: std::collections::HashMap<String, candle_core::Tensor> =
             saved.weights().named_tensors().into_iter().collect();
         for (name, var) in t.opt.params() {
-            let w = saved_w.get(name).ok_or_else(|| Error::Checkpoint {
-                path: dir.join(POLICY_DIR),
-                reason: format!("missing `{name}`"),
-            })?;
+            let w = saved_w
+                .get(name)
+                .ok_or_else(|| Error::Checkpoint { path: dir.join(POLICY_DIR), reason: format!("missing `{name}`") })?;
             if w.dims() != var.dims() {
-                return Err(Error::Checkpoint { path: dir.join(POLICY_DIR), reason: format!("`{name}` has the wrong shape") });
+                return Err(Error::Checkpoint {
+                    path: dir.join(POLICY_DIR),
+                    reason: format!("`{name}` has the wrong shape"),
+                });
             }
             var.set(w)?;
         }
@@ -216,7 +227,9 @@ impl<E: Environment> Trainer<E> {
         let prompts = indices.map(|i| self.env.prompt(i)).collect::<Result<Vec<_>>>()?;
         let params = spec_params(0.0, 1.0, max_new_tokens, 0);
         let mut plain = AdaptiveDecoder::plain()?;
-        let out = run_rollout(&self.rollout_model, &prompts, 1, params, &mut plain, None, self.step, &mut Quiet)?;
+        let job =
+            RolloutJob { model: &self.rollout_model, prompts: &prompts, group_size: 1, params, rl_step: self.step };
+        let out = run_rollout(job, &mut plain, None, &mut Quiet)?;
         let mut e = Evaluation { prompts: prompts.len(), ..Evaluation::default() };
         for s in &out.samples {
             let score = self.env.score(&prompts[s.group], &s.tokens)?;
@@ -249,7 +262,8 @@ impl<E: Environment> Trainer<E> {
         let params =
             spec_params(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, step_seed(self.cfg.seed, step));
         let drafter = if self.cfg.mode == Mode::Tlt { self.drafter.as_mut() } else { None };
-        let out = run_rollout(&self.rollout_model, &prompts, g, params, &mut self.decoder, drafter, step, obs)?;
+        let job = RolloutJob { model: &self.rollout_model, prompts: &prompts, group_size: g, params, rl_step: step };
+        let out = run_rollout(job, &mut self.decoder, drafter, obs)?;
 
         obs.on_phase(step, "reward");
         let t_reward = Instant::now();
@@ -296,13 +310,7 @@ impl<E: Environment> Trainer<E> {
         self.step += 1;
 
         let metrics = self.metrics(step, &out, &scored, &adv.zero_variance_group, &update, lr);
-        let metrics = StepMetrics {
-            reward_s,
-            train_s,
-            publish_s,
-            step_s: t_step.elapsed().as_secs_f64(),
-            ..metrics
-        };
+        let metrics = StepMetrics { reward_s, train_s, publish_s, step_s: t_step.elapsed().as_secs_f64(), ..metrics };
         let samples = out.samples.into_iter().zip(scored).map(|(s, (score, r))| (s, score, r)).collect();
         Ok(StepReport { metrics, samples, update })
     }

@@ -67,17 +67,24 @@ pub(crate) fn spec_params(temperature: f64, top_p: f64, max_new_tokens: usize, s
     SpecParams { sampling, max_new_tokens, seed, ..SpecParams::default() }
 }
 
-/// Decodes `group_size` samples of every prompt with `model`.
+/// What one rollout decodes: `group_size` samples of every prompt with `model`, engine settings `params`, during
+/// RL step `rl_step`.
+pub(crate) struct RolloutJob<'a> {
+    pub model: &'a Llama,
+    pub prompts: &'a [Prompt],
+    pub group_size: usize,
+    pub params: SpecParams,
+    pub rl_step: u64,
+}
+
+/// Runs `job` with `decoder` (and `drafter` in TLT mode).
 pub(crate) fn run_rollout(
-    model: &Llama,
-    prompts: &[Prompt],
-    group_size: usize,
-    params: SpecParams,
+    job: RolloutJob,
     decoder: &mut AdaptiveDecoder,
     mut drafter: Option<&mut RolloutDrafter>,
-    rl_step: u64,
     obs: &mut dyn Observer,
 ) -> Result<RolloutOutput> {
+    let RolloutJob { model, prompts, group_size, params, rl_step } = job;
     let t0 = Instant::now();
     let mut engine = Engine::new(model, params)?;
     engine.record_hidden(drafter.as_ref().is_some_and(|d| d.needs_hidden()));
