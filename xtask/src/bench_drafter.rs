@@ -73,6 +73,18 @@ pub struct DrafterArgs {
     /// The GGUF to load (default: the cached SmolLM2-135M-Instruct, fetched if missing).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Drift test: SFT steps that change the target after the EAGLE-2 drafter is trained (0: no drift test).
+    #[arg(long, default_value_t = 0)]
+    drift_sft_steps: usize,
+    /// Drift test: SFT learning rate.
+    #[arg(long, default_value_t = 1e-4)]
+    drift_lr: f64,
+    /// Drift test: minutes of drafter training on the new target's rollouts.
+    #[arg(long, default_value_t = 3.0)]
+    drift_minutes: f64,
+    /// Drift test: training prompts whose new-target rollouts the drafter recovers on.
+    #[arg(long, default_value_t = 80)]
+    drift_prompts: usize,
 }
 
 /// Training-data figures.
@@ -154,6 +166,8 @@ pub struct Report {
     pub drafters: Vec<DrafterResult>,
     /// Background-trainer preemption.
     pub preemption: Option<PreemptionReport>,
+    /// The drift test (EAGLE-2; `null` unless `--drift-sft-steps` > 0).
+    pub drift: Option<crate::drift::DriftReport>,
 }
 
 fn parse_plan(s: &str) -> Result<Plan> {
@@ -255,6 +269,7 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     cfg.eagle2_loss.ploss_weight = args.eagle2_ploss_weight;
     let mut drafters = Vec::new();
     let mut last_trainer = None;
+    let mut drift = None;
     for kind in &args.kinds {
         let drafter = new_drafter(kind, &target, &vocab, !args.eagle2_full_vocab_loss)?;
         let params: usize = drafter.vars()?.iter().map(|(_, v)| v.elem_count()).sum();
@@ -298,6 +313,30 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
         if !res.lossless {
             bail!("{kind}: speculative output differs from plain decoding");
         }
+        if kind == "eagle2" && args.drift_sft_steps > 0 {
+            let settings = crate::drift::DriftSettings {
+                sft_steps: args.drift_sft_steps,
+                sft_lr: args.drift_lr,
+                minutes: args.drift_minutes,
+                prompts: &train_prompts[..args.drift_prompts.min(train_prompts.len())],
+                eval: &eval,
+                rollout_tokens: args.rollout_tokens,
+                eval_tokens: args.eval_tokens,
+                plan: &plan,
+                opts: &opts,
+            };
+            let d = crate::drift::run(&target, &tok, &mut trainer, res.tau, &settings)?;
+            info!(
+                pre = format!("{:.2}", d.tau_pre),
+                stale = format!("{:.2}", d.tau_stale),
+                recovered = format!("{:.2}", d.tau_recovered),
+                "drift test done"
+            );
+            if !d.lossless {
+                bail!("drift: speculative output differs from plain decoding on the new target");
+            }
+            drift = Some(d);
+        }
         drafters.push(res);
         last_trainer = Some(trainer);
     }
@@ -324,6 +363,7 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
         plain_tokens_per_s: plain_tps,
         drafters,
         preemption,
+        drift,
     };
     report::write_outputs("drafter", &report, &markdown(&report))
 }
@@ -393,6 +433,28 @@ fn markdown(r: &Report) -> String {
             d.sd_tokens_per_s,
             d.speedup,
             d.draft_fraction
+        ));
+    }
+    if let Some(d) = &r.drift {
+        s.push_str(&format!(
+            "\nDrift (EAGLE-2): {} SFT steps (batch {}, lr {:e}, loss {:.3} -> {:.3}) changed {:.0}% of held-out greedy tokens. \
+             tau {:.2} before, {:.2} stale on the new target ({:.2}x), {:.2} after {} steps / {:.0} s on {} tokens of its rollouts \
+             ({:.2}x): {:.0}% of the pre-drift tau (target >= 90%).\n",
+            d.sft_steps,
+            d.sft_batch,
+            d.sft_lr,
+            d.sft_loss[0],
+            d.sft_loss[1],
+            100.0 * d.changed_token_fraction,
+            d.tau_pre,
+            d.tau_stale,
+            d.speedup[0],
+            d.tau_recovered,
+            d.recovery_steps,
+            d.recovery_train_s,
+            d.recovery_tokens,
+            d.speedup[1],
+            100.0 * d.recovered_ratio,
         ));
     }
     if let Some(p) = &r.preemption {

@@ -19,6 +19,7 @@ mod bench_rollout;
 mod bench_spec;
 mod candle_ref;
 mod drafter_data;
+mod drift;
 mod report;
 mod sysinfo;
 
