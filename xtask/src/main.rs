@@ -52,8 +52,8 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Fetch assets, then the main job: GRPO on SmolLM2-135M-Instruct with TLT rollouts, then the baseline with
-    /// the same seeds, and a report (reward before/after, step-time split, TLT speedup). Output in `target/demo`.
+    /// Fetch assets, then the main job: GRPO on SmolLM2-135M-Instruct with TLT rollouts and the baseline with
+    /// the same seeds (steps interleaved), and a report (reward before/after, step-time split, TLT speedup). Output in `target/demo`.
     Demo {
         /// Override the number of RL steps of each run.
         #[arg(long)]

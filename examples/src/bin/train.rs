@@ -7,8 +7,8 @@
 //! ```
 //!
 //! Each run directory gets `metrics.jsonl` (one line per step), `checkpoint/` (atomic; `--resume` continues from
-//! it bit for bit) and `plots/` (PNG + SVG). `--mode compare` runs TLT, then the baseline with the same seeds,
-//! and prints the report `cargo xtask demo` shows (reward before/after, step-time split, TLT speedup).
+//! it bit for bit) and `plots/` (PNG + SVG). `--mode compare` runs TLT and the baseline with the same seeds, steps
+//! interleaved, and prints the report `cargo xtask demo` shows (reward before/after, step-time split, TLT speedup).
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -17,8 +17,8 @@ use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tlt_examples::default_model;
-use tlt_rl::runner::{run, text_env, Comparison, RunConfig, RunDir, RunOutcome};
-use tlt_rl::trainer::{Mode, Observer, Trainer};
+use tlt_rl::runner::{run, run_interleaved, text_env, Comparison, RunConfig, RunDir, RunOutcome};
+use tlt_rl::trainer::{Mode, Observer, TextEnv, Trainer, TrainerConfig};
 
 /// The embedded default configuration.
 const DEMO_CONFIG: &str = include_str!("../../configs/demo.toml");
@@ -125,26 +125,56 @@ fn load_config(args: &Args) -> Result<RunConfig> {
     Ok(cfg)
 }
 
-/// One run in `dir` (resumed from its checkpoint when asked and present).
-fn run_mode(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &Path, resume: bool) -> Result<RunOutcome> {
+/// A trainer for `mode` in `dir` (resumed from its checkpoint when asked and present).
+fn trainer(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &RunDir, resume: bool) -> Result<Trainer<TextEnv>> {
     let loaded = tlt_model::load(model_path).with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = loaded.tokenizer.context("the checkpoint carries no tokenizer")?;
     let env = text_env(&cfg.task, tokenizer, loaded.chat_template.as_deref())?;
-    let mut cfg = cfg.clone();
-    cfg.trainer.mode = mode;
-    let dir = RunDir(dir.to_path_buf());
-    let mut trainer = if resume && dir.has_checkpoint() {
+    let tcfg = TrainerConfig { mode, ..cfg.trainer.clone() };
+    Ok(if resume && dir.has_checkpoint() {
         tracing::info!(checkpoint = %dir.checkpoint().display(), "resuming");
-        Trainer::resume(&dir.checkpoint(), loaded.model, env, cfg.trainer.clone())?
+        Trainer::resume(&dir.checkpoint(), loaded.model, env, tcfg)?
     } else {
-        Trainer::new(loaded.model, env, cfg.trainer.clone())?
-    };
-    let label = if mode == Mode::Tlt { "TLT" } else { "baseline" };
-    let out = run(&mut trainer, &cfg, &dir, &mut Progress::new(label))?;
-    trainer.shutdown()?;
+        Trainer::new(loaded.model, env, tcfg)?
+    })
+}
+
+fn label(mode: Mode) -> &'static str {
+    if mode == Mode::Tlt {
+        "TLT"
+    } else {
+        "baseline"
+    }
+}
+
+/// Stops the trainer's workers and writes its plots.
+fn finish(t: Trainer<TextEnv>, out: &RunOutcome, dir: &RunDir) -> Result<()> {
+    let mode = t.config().mode;
+    t.shutdown()?;
     let plots = tlt_rl::plot::training_plots(&out.metrics, None, &dir.plots())?;
-    tracing::info!(run = label, plots = plots.len(), dir = %dir.0.display(), "run finished");
+    tracing::info!(run = label(mode), plots = plots.len(), dir = %dir.0.display(), "run finished");
+    Ok(())
+}
+
+/// One run in `dir`.
+fn run_mode(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &Path, resume: bool) -> Result<RunOutcome> {
+    let dir = RunDir(dir.to_path_buf());
+    let mut t = trainer(model_path, cfg, mode, &dir, resume)?;
+    let out = run(&mut t, cfg, &dir, &mut Progress::new(label(mode)))?;
+    finish(t, &out, &dir)?;
     Ok(out)
+}
+
+/// TLT and the baseline, steps interleaved (alternating which goes first).
+fn compare(model_path: &Path, cfg: &RunConfig, out: &Path, resume: bool) -> Result<Comparison> {
+    let (dt, db) = (RunDir(out.join("tlt")), RunDir(out.join("baseline")));
+    let mut tlt = trainer(model_path, cfg, Mode::Tlt, &dt, resume)?;
+    let mut base = trainer(model_path, cfg, Mode::Baseline, &db, resume)?;
+    let (mut pt, mut pb) = (Progress::new("TLT"), Progress::new("baseline"));
+    let (ot, ob) = run_interleaved((&mut tlt, &dt, &mut pt), (&mut base, &db, &mut pb), cfg)?;
+    finish(tlt, &ot, &dt)?;
+    finish(base, &ob, &db)?;
+    Ok(Comparison::new(ot, ob))
 }
 
 fn main() -> Result<()> {
@@ -164,9 +194,7 @@ fn main() -> Result<()> {
             run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), args.resume)?;
         }
         RunMode::Compare => {
-            let tlt = run_mode(&model, &cfg, Mode::Tlt, &args.out.join("tlt"), args.resume)?;
-            let baseline = run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), args.resume)?;
-            let cmp = Comparison::new(tlt, baseline);
+            let cmp = compare(&model, &cfg, &args.out, args.resume)?;
             let plots =
                 tlt_rl::plot::training_plots(&cmp.tlt.metrics, Some(&cmp.baseline.metrics), &args.out.join("plots"))?;
             let summary = args.out.join("summary.json");
