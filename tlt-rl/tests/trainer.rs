@@ -287,3 +287,17 @@ fn bad_configs_and_checkpoints_are_clear_errors() {
     let e = Trainer::resume(&missing, tiny_model(1), CountEnv::new(), TrainerConfig::default()).unwrap_err();
     assert!(matches!(e, Error::Checkpoint { .. }), "{e}");
 }
+
+#[test]
+fn kl_to_the_reference_and_entropy_bonus_enter_the_update() {
+    let mut cfg = base_config(Mode::Baseline);
+    cfg.grpo.kl = Some(tlt_rl::grpo::KlConfig { coef: 0.1, estimator: tlt_rl::grpo::KlEstimator::K3 });
+    cfg.grpo.entropy_coef = 0.01;
+    let mut t = Trainer::new(tiny_model(4), CountEnv::new(), cfg).unwrap();
+    let first = t.step(&mut Quiet).unwrap().metrics;
+    // Before any update the policy is the reference: KL is 0 (to rounding).
+    assert!(first.kl.abs() < 1e-6, "kl {}", first.kl);
+    assert!(first.entropy > 0.0, "entropy {}", first.entropy);
+    let later: Vec<f64> = (0..3).map(|_| t.step(&mut Quiet).unwrap().metrics.kl).collect();
+    assert!(later.iter().all(|&k| k > 0.0 && k.is_finite()), "kl after updates: {later:?}");
+}
