@@ -310,22 +310,28 @@ impl Eagle3Drafter {
             Teacher::FinalHidden(h) => self.target.logits(&h.to_dtype(dtype)?)?.detach(),
         };
         let used = self.vocab.used_tensor(&dev)?;
+        // The full-vocabulary teacher is needed once, for its argmax; each step then shifts the draft-vocabulary
+        // columns and the argmax (7 shifts of [b, t, vocab] would dominate a step on CPU).
+        let argmax = argmax_host(&teacher)?;
+        let restricted = teacher.index_select(&used, D::Minus1)?;
+        drop(teacher);
         let draft_logits = self.unroll(&lay, &aux, cfg.steps)?;
         let denom = lay.weights(1).iter().sum::<f64>().max(1.0);
 
         let mut out =
             Eagle3Loss { total: Tensor::zeros((), dtype, &dev)?, steps: vec![], accuracy: vec![], tokens: vec![] };
         for (k, logits) in draft_logits.iter().enumerate() {
-            let teacher_k = shift_rows(&teacher, k + 1)?;
-            let full_argmax = argmax_host(&teacher_k)?;
+            let s = k + 1;
+            // Row `i` of a row of `t` reads position `i + s` (past the end: weight 0 anyway).
+            let full_argmax: Vec<u32> =
+                (0..lay.b * lay.t).map(|j| if j % lay.t + s < lay.t { argmax[j + s] } else { 0 }).collect();
             let w: Vec<f64> = lay
-                .weights(k + 1)
+                .weights(s)
                 .into_iter()
                 .zip(&full_argmax)
                 .map(|(w, &a)| if self.vocab.contains(a) { w } else { 0.0 })
                 .collect();
-            let restricted = teacher_k.index_select(&used, D::Minus1)?;
-            let ce = soft_cross_entropy(&restricted, logits)?;
+            let ce = soft_cross_entropy(&shift_rows(&restricted, s)?, logits)?;
             let step = weighted_sum(&ce, &lay.weight_tensor(&w, dtype, &dev)?, denom)?;
             out.total = (&out.total + (&step * cfg.decay.powi(k as i32))?)?;
 

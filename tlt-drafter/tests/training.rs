@@ -303,6 +303,33 @@ fn run(t: &mut DrafterTrainer, set: &[Arc<Sample>], n: u64) -> Vec<f64> {
 }
 
 #[test]
+fn a_run_split_in_two_with_a_new_schedule_matches_one_run() {
+    let target = target("llama", 23);
+    let set = samples(&target, DrafterKind::Eagle2, &tokens(4, 4, 9), 16);
+    let cfg = TrainConfig { warmup_steps: 2, ..small_cfg(3e-3) };
+    let cosine = LrSchedule::Cosine { total_steps: 6, min_lr: 1e-4 };
+
+    let mut straight = trainer(&target, DrafterKind::Eagle2, TrainConfig { schedule: cosine, ..cfg.clone() });
+    let mut lrs = Vec::new();
+    let whole = train_offline(&mut straight, &set, Budget::Steps(6), |s| lrs.push(s.lr)).unwrap();
+
+    let mut split = trainer(&target, DrafterKind::Eagle2, cfg);
+    let mut split_lrs = Vec::new();
+    let first = train_offline(&mut split, &set, Budget::Steps(2), |s| split_lrs.push(s.lr)).unwrap();
+    split.set_lr_schedule(cosine).unwrap();
+    let rest = train_offline(&mut split, &set, Budget::Steps(4), |s| split_lrs.push(s.lr)).unwrap();
+    let merged = first.clone().merge(rest.clone());
+
+    assert_eq!(split_lrs, lrs, "the swapped-in schedule continues from the step count");
+    assert_eq!(merged.steps, 6);
+    assert_eq!(merged.tokens, whole.tokens);
+    assert_eq!(merged.first.map(|s| s.step), first.first.map(|s| s.step));
+    assert_eq!(merged.last.map(|s| s.eval.loss), whole.last.map(|s| s.eval.loss), "same trajectory");
+    let bad = LrSchedule::Cosine { total_steps: 6, min_lr: f64::NAN };
+    assert!(split.set_lr_schedule(bad).is_err(), "an invalid schedule is refused");
+}
+
+#[test]
 fn resume_continues_bit_for_bit() {
     let target = target("llama", 22);
     let prompts = tokens(5, 4, 9);

@@ -124,10 +124,14 @@ fn calibrate(path: &Path, drafter: Option<&Path>) -> Result<Calibration> {
     if let Some(d) = drafter {
         let text = std::fs::read_to_string(d).with_context(|| format!("reading {}", d.display()))?;
         let v: Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", d.display()))?;
-        let vt = v["plan"]["verify_tokens"].as_u64().unwrap_or(0) as usize;
-        let steps = v["plan"]["steps"].as_f64().unwrap_or(0.0);
         let tau_of = |x: &Value| x["tau"].as_f64().unwrap_or(0.0);
         let best = v["drafters"].as_array().into_iter().flatten().max_by(|a, b| tau_of(a).total_cmp(&tau_of(b)));
+        // Each drafter's headline plan (older files: one top-level plan).
+        let plan_of = |b: &Value| if b["plan"].is_object() { b["plan"].clone() } else { v["plan"].clone() };
+        let (vt, steps) = best.map_or((0, 0.0), |b| {
+            let p = plan_of(b);
+            (p["verify_tokens"].as_u64().unwrap_or(0) as usize, p["steps"].as_f64().unwrap_or(0.0))
+        });
         if let Some(b) = best.filter(|b| vt > 0 && steps > 0.0 && tau_of(b) >= 1.0) {
             let tau = tau_of(b);
             accept = BTreeMap::from([(vt, tau)]);

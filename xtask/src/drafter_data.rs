@@ -1,13 +1,16 @@
 //! Prompts and rollout data for `cargo xtask bench drafter`: templated chat prompts (disjoint train and held-out
 //! fills), the target's greedy responses with hidden states recorded, and speculative-vs-plain evaluation.
 
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use candle_core::{Device, Tensor};
 use tlt_drafter::online::Sample;
 use tlt_drafter::{DraftRuntime, EagleProposer};
 use tlt_model::{Llama, Tap};
-use tlt_spec_decode::{Counters, Engine, Plan, SpecParams, TappedLlama};
+use tlt_spec_decode::{Counters, Engine, HiddenStates, Plan, SpecParams, TappedLlama};
 
 /// Question templates; `{}` is replaced by a fill.
 const TEMPLATES: [&str; 10] = [
@@ -21,6 +24,21 @@ const TEMPLATES: [&str; 10] = [
     "Write a short story that involves {}.",
     "What are the pros and cons of {}?",
     "Summarize what people should know about {}.",
+];
+
+/// More question templates, used for training prompts only (`--extra-templates`): the held-out prompts stay
+/// the same whatever the amount of training data.
+const EXTRA_TEMPLATES: [&str; 10] = [
+    "How does {} work?",
+    "Write a haiku about {}.",
+    "What would the world be like without {}?",
+    "List some common misconceptions about {}.",
+    "Write a short speech about {}.",
+    "Compare {} with something similar.",
+    "What careers are related to {}?",
+    "Tell me a fun fact about {}.",
+    "How can I learn more about {}?",
+    "Write a diary entry about a day with {}.",
 ];
 
 /// Fills; the last [`HELD_OUT_FILLS`] are never used for training.
@@ -66,11 +84,105 @@ pub fn chat(user: &str) -> String {
 /// Training prompts (every template x every training fill) and held-out prompts (every template x held-out
 /// fills), as text.
 pub fn prompts() -> (Vec<String>, Vec<String>) {
+    prompts_with_extra(0)
+}
+
+/// [`prompts`], with the first `extra` of [`EXTRA_TEMPLATES`] (at most 10) added to the training templates.
+pub fn prompts_with_extra(extra: usize) -> (Vec<String>, Vec<String>) {
     let split = FILLS.len() - HELD_OUT_FILLS;
-    let make = |fills: &[&str]| -> Vec<String> {
-        fills.iter().flat_map(|f| TEMPLATES.iter().map(move |t| chat(&t.replace("{}", f)))).collect()
+    let make = |templates: &[&str], fills: &[&str]| -> Vec<String> {
+        fills.iter().flat_map(|f| templates.iter().map(move |t| chat(&t.replace("{}", f)))).collect()
     };
-    (make(&FILLS[..split]), make(&FILLS[split..]))
+    let train_templates: Vec<&str> = TEMPLATES.iter().chain(EXTRA_TEMPLATES.iter().take(extra)).copied().collect();
+    (make(&train_templates, &FILLS[..split]), make(&TEMPLATES, &FILLS[split..]))
+}
+
+/// [`rollout_samples`] through a cache file under `dir`, keyed by everything that determines the greedy
+/// responses (model file, prompts, length, batch): the first call generates and saves them (atomically), later
+/// calls load them. Returns the samples and whether they came from the cache.
+pub fn cached_rollout_samples(
+    dir: &Path,
+    model_path: &Path,
+    target: &Llama,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+    batch: usize,
+) -> Result<(Vec<Sample>, bool)> {
+    let mut key = Fnv::default();
+    let meta = std::fs::metadata(model_path).with_context(|| format!("reading {}", model_path.display()))?;
+    key.write(model_path.to_string_lossy().as_bytes());
+    key.write(&meta.len().to_le_bytes());
+    for p in prompts {
+        key.write(&(p.len() as u64).to_le_bytes());
+        for t in p {
+            key.write(&t.to_le_bytes());
+        }
+    }
+    key.write(&(new_tokens as u64).to_le_bytes());
+    key.write(&(batch as u64).to_le_bytes());
+    let path = dir.join(format!("rollouts-{:016x}.safetensors", key.0));
+    if path.exists() {
+        match load_samples(&path) {
+            Ok(s) if s.len() == prompts.len() => return Ok((s, true)),
+            Ok(_) => tracing::warn!(path = %path.display(), "cached rollouts have the wrong count; regenerating"),
+            Err(e) => tracing::warn!(path = %path.display(), "unreadable cached rollouts ({e:#}); regenerating"),
+        }
+    }
+    let samples = rollout_samples(target, prompts, new_tokens, batch)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    save_samples(&path, &samples)?;
+    Ok((samples, false))
+}
+
+/// 64-bit FNV-1a.
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+fn save_samples(path: &Path, samples: &[Sample]) -> Result<()> {
+    let dev = Device::Cpu;
+    let mut map = HashMap::new();
+    let starts: Vec<u32> = samples.iter().map(|s| s.response_start as u32).collect();
+    map.insert("response_start".to_string(), Tensor::from_vec(starts, samples.len(), &dev)?);
+    for (i, s) in samples.iter().enumerate() {
+        map.insert(format!("{i}.tokens"), Tensor::from_slice(&s.tokens, s.tokens.len(), &dev)?);
+        let h = &s.hidden;
+        map.insert(format!("{i}.hidden"), Tensor::from_slice(h.as_flat(), (h.len(), h.width()), &dev)?);
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    candle_core::safetensors::save(&map, &tmp).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(())
+}
+
+fn load_samples(path: &Path) -> Result<Vec<Sample>> {
+    let map = candle_core::safetensors::load(path, &Device::Cpu)?;
+    let starts: Vec<u32> = map.get("response_start").context("no response_start")?.to_vec1()?;
+    let mut out = Vec::with_capacity(starts.len());
+    for (i, &start) in starts.iter().enumerate() {
+        let tokens: Vec<u32> = map.get(&format!("{i}.tokens")).context("missing tokens")?.to_vec1()?;
+        let h = map.get(&format!("{i}.hidden")).context("missing hidden")?;
+        let (_, width) = h.dims2()?;
+        let hidden = HiddenStates::from_flat(width, h.flatten_all()?.to_vec1()?)?;
+        let s = Sample { tokens, hidden, response_start: start as usize, rl_step: 0 };
+        s.validate()?;
+        out.push(s);
+    }
+    Ok(out)
 }
 
 /// Greedy responses of `target` to `prompts` (`batch` at a time, up to `new_tokens` each, EOS stops), with the

@@ -38,6 +38,24 @@ pub struct OfflineReport {
     pub last: Option<StepStats>,
 }
 
+impl OfflineReport {
+    /// This report followed by `later` (a continuation of the same training): counts and times add up, `first`
+    /// is this one's, `last` the later one's.
+    pub fn merge(self, later: OfflineReport) -> OfflineReport {
+        let seconds = self.seconds + later.seconds;
+        let tokens = self.tokens + later.tokens;
+        OfflineReport {
+            steps: self.steps + later.steps,
+            tokens,
+            targets: self.targets + later.targets,
+            seconds,
+            tokens_per_s: if seconds > 0.0 { tokens as f64 / seconds } else { 0.0 },
+            first: self.first.or(later.first),
+            last: later.last.or(self.last),
+        }
+    }
+}
+
 /// Trains `trainer` on `samples` until `budget` is spent: each step draws [`DrafterTrainer::draw`] (determined
 /// by the trainer's seed and step, so a resumed trainer continues the same sequence) and calls `progress` with
 /// its figures.

@@ -347,6 +347,18 @@ impl DrafterTrainer {
         self.drafter.set_target(target)
     }
 
+    /// Replaces the learning-rate schedule (e.g. once the pace of a time-budgeted run is known); later steps
+    /// follow it from their step count.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if the resulting config is invalid.
+    pub fn set_lr_schedule(&mut self, schedule: LrSchedule) -> Result<()> {
+        let cfg = TrainConfig { schedule, ..self.cfg.clone() };
+        cfg.validate()?;
+        self.cfg = cfg;
+        Ok(())
+    }
+
     /// The drafter (its weights are the trained ones; clones share their storage).
     pub fn drafter(&self) -> &TrainableDrafter {
         &self.drafter
