@@ -24,7 +24,7 @@ use tlt_model::Llama;
 use tlt_spec_decode::Plan;
 use tracing::info;
 
-use crate::drafter_data::{cached_rollout_samples, eval_batch1, prompts_with_extra};
+use crate::drafter_data::{cached_rollout_samples, eval_batch1, extra_fill_prompts, prompts_with_extra};
 use crate::report::{self, median, Header};
 use crate::sysinfo::{self, MachineInfo};
 
@@ -40,6 +40,9 @@ pub struct DrafterArgs {
     /// Extra question templates (0-10) for training prompts: 24 more prompts each (held-out prompts unchanged).
     #[arg(long, default_value_t = 0)]
     extra_templates: usize,
+    /// Extra topics (0-24) for training prompts: one prompt per training template each (held-out unchanged).
+    #[arg(long, default_value_t = 0)]
+    extra_fills: usize,
     /// Tokens generated per held-out prompt at evaluation.
     #[arg(long, default_value_t = 128)]
     eval_tokens: usize,
@@ -149,6 +152,11 @@ pub struct DrafterResult {
     pub loss_last: f64,
     /// Draft top-1 accuracy on the last training batch.
     pub accuracy_last: f64,
+    /// Teacher-forced draft top-1 accuracy (the training metric, no input noise) on the greedy responses to
+    /// the held-out prompts.
+    pub heldout_accuracy: f64,
+    /// The same on 8 training prompts' responses (the generalisation gap is the difference).
+    pub train_accuracy: f64,
     /// The fastest plan.
     pub plan: Plan,
     /// Plain greedy decode tokens/s measured just before this drafter's evaluation.
@@ -272,7 +280,7 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     let enc = |v: &[String]| -> Result<Vec<Vec<u32>>> {
         Ok(v.iter().map(|t| tlt_model::encode(&tok, t)).collect::<Result<_, _>>()?)
     };
-    let train_prompts = enc(&train_text)?;
+    let mut train_prompts = enc(&train_text)?;
     let eval: Vec<Vec<u32>> = enc(&held_text)?.into_iter().step_by(5).take(args.eval_prompts).collect();
     let machine = MachineInfo::collect();
     info!(
@@ -283,7 +291,16 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
 
     let t = Instant::now();
     let cache = crate::assets::cache_dir().join("drafter-data");
-    let (samples, cached) = cached_rollout_samples(&cache, &path, &target, &train_prompts, args.rollout_tokens, 16)?;
+    let (mut samples, mut cached) =
+        cached_rollout_samples(&cache, &path, &target, &train_prompts, args.rollout_tokens, 16)?;
+    if args.extra_fills > 0 {
+        // Cached apart from the base prompts, so adding topics reuses the base rollouts.
+        let extra = enc(&extra_fill_prompts(args.extra_templates, args.extra_fills))?;
+        let (more, more_cached) = cached_rollout_samples(&cache, &path, &target, &extra, args.rollout_tokens, 16)?;
+        samples.extend(more);
+        cached &= more_cached;
+        train_prompts.extend(extra);
+    }
     let samples: Vec<Arc<Sample>> = samples.into_iter().map(Arc::new).collect();
     let data = DataReport {
         cached,
@@ -294,6 +311,8 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     };
     info!(tokens = data.response_tokens, seconds = format!("{:.0}", data.seconds), "training data ready");
 
+    let (heldout, _) = cached_rollout_samples(&cache, &path, &target, &eval, args.eval_tokens, 16)?;
+    let heldout: Vec<Arc<Sample>> = heldout.into_iter().map(Arc::new).collect();
     let counts = response_counts(&samples, target.config().vocab_size);
     let eos = target.config().eos_ids();
     let vocab = VocabMap::from_counts(&counts, args.draft_vocab.min(target.config().vocab_size), &eos)?;
@@ -327,6 +346,10 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
             head_dtype: WeightDType::Q8_0,
             hot_vocab: (kind == "eagle2").then(|| hot.clone()),
         };
+        let heldout_accuracy = trainer.evaluate(&heldout)?.accuracy;
+        let train_accuracy = trainer.evaluate(&samples[..samples.len().min(8)])?.accuracy;
+        info!(kind = %kind, heldout = format!("{heldout_accuracy:.3}"), train = format!("{train_accuracy:.3}"),
+              "teacher-forced top-1 accuracy");
         let rt = trainer.runtime(&opts)?;
         // Plain decoding again, just before the speculative runs: the machine drifts over a long run.
         let base = eval_batch1(&target, &eval, args.eval_tokens, None, &plans[0])?;
@@ -359,6 +382,8 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
             loss_first: rep.first.as_ref().map_or(f64::NAN, |s| s.eval.loss),
             loss_last: rep.last.as_ref().map_or(f64::NAN, |s| s.eval.loss),
             accuracy_last: rep.last.as_ref().map_or(f64::NAN, |s| s.eval.accuracy),
+            heldout_accuracy,
+            train_accuracy,
             plan: best.plan,
             plain_tokens_per_s: generated as f64 / base.decode_s,
             tau: best.tau,
@@ -498,7 +523,7 @@ fn markdown(r: &Report) -> String {
         "# drafter: offline-trained EAGLE drafters for SmolLM2-135M (f32 target, greedy, batch 1)\n\n\
          {} training prompts, {} response tokens ({}, {:.0} s); {:.1} min training budget per drafter, {} lr \
          schedule; plans {}; {} held-out prompts; plain {:.1} tok/s at the start; {} ({} threads); commit {}; {}\n\n\
-         | drafter | params | steps | train tok/s | loss first -> last | acc | plan | tau | accept rate | plain tok/s | SD tok/s | speedup | draft share |\n\
+         | drafter | params | steps | train tok/s | loss first -> last | acc train / held-out | plan | tau | accept rate | plain tok/s | SD tok/s | speedup | draft share |\n\
          |---|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|\n",
         r.data.prompts,
         r.data.response_tokens,
@@ -516,14 +541,15 @@ fn markdown(r: &Report) -> String {
     );
     for d in &r.drafters {
         s.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {:.3} -> {:.3} | {:.3} | {} | {:.2} | {:.2} | {:.1} | {:.1} | {:.2} | {:.3} |\n",
+            "| {} | {} | {} | {:.0} | {:.3} -> {:.3} | {:.3} / {:.3} | {} | {:.2} | {:.2} | {:.1} | {:.1} | {:.2} | {:.3} |\n",
             d.kind,
             d.params,
             d.steps,
             d.train_tokens_per_s,
             d.loss_first,
             d.loss_last,
-            d.accuracy_last,
+            d.train_accuracy,
+            d.heldout_accuracy,
             plan_str(&d.plan),
             d.tau,
             d.accept_rate,
