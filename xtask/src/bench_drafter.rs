@@ -224,15 +224,6 @@ fn parse_plan(s: &str) -> Result<Plan> {
     Ok(plan)
 }
 
-fn percentile(xs: &[f64], q: f64) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v[((q * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)]
-}
-
 /// Response-token counts of `samples` over the target vocabulary.
 fn response_counts(samples: &[Arc<Sample>], vocab: usize) -> Vec<u64> {
     let mut counts = vec![0u64; vocab];
@@ -400,6 +391,8 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
             bail!("{kind}: speculative output differs from plain decoding");
         }
         if kind == "eagle2" && args.drift_sft_steps > 0 {
+            // The drift test compares drafter quality, which the plan with the longest accepts shows best.
+            let probe = res.plans.iter().max_by(|a, b| a.tau.total_cmp(&b.tau)).cloned().context("no plan")?;
             let settings = crate::drift::DriftSettings {
                 sft_steps: args.drift_sft_steps,
                 sft_lr: args.drift_lr,
@@ -408,10 +401,10 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
                 eval: &eval,
                 rollout_tokens: args.rollout_tokens,
                 eval_tokens: args.eval_tokens,
-                plan: &res.plan,
+                plan: &probe.plan,
                 opts: &opts,
             };
-            let d = crate::drift::run(&target, &tok, &mut trainer, res.tau, &settings)?;
+            let d = crate::drift::run(&target, &tok, &mut trainer, probe.tau, &settings)?;
             info!(
                 pre = format!("{:.2}", d.tau_pre),
                 stale = format!("{:.2}", d.tau_stale),
@@ -510,7 +503,7 @@ fn measure_preemption(trainer: DrafterTrainer, samples: &[Arc<Sample>], n: usize
     Ok(PreemptionReport {
         samples: n,
         p50_ms: median(&lat),
-        p99_ms: percentile(&lat, 0.99),
+        p99_ms: tlt_rl::metrics::percentile(&lat, 0.99),
         max_ms: lat.iter().copied().fold(0.0, f64::max),
         step_p50_ms: step_ms,
     })
@@ -580,20 +573,24 @@ fn markdown(r: &Report) -> String {
     if let Some(d) = &r.drift {
         s.push_str(&format!(
             "\nDrift (EAGLE-2): {} SFT steps (batch {}, lr {:e}, loss {:.3} -> {:.3}) changed {:.0}% of held-out greedy tokens. \
-             tau {:.2} before, {:.2} stale on the new target ({:.2}x), {:.2} after {} steps / {:.0} s on {} tokens of its rollouts \
-             ({:.2}x): {:.0}% of the pre-drift tau (target >= 90%).\n",
+             Plan {}:{}:{}: tau {:.2} before, {:.2} stale on the new target ({:.2}x), {:.2} after {} steps / {:.0} s at lr {:e} \
+             on {} tokens of its rollouts ({:.2}x): {:.0}% of the pre-drift tau (target >= 90%).\n",
             d.sft_steps,
             d.sft_batch,
             d.sft_lr,
             d.sft_loss[0],
             d.sft_loss[1],
             100.0 * d.changed_token_fraction,
+            d.plan.steps,
+            d.plan.top_k,
+            d.plan.verify_tokens,
             d.tau_pre,
             d.tau_stale,
             d.speedup[0],
             d.tau_recovered,
             d.recovery_steps,
             d.recovery_train_s,
+            d.recovery_lr,
             d.recovery_tokens,
             d.speedup[1],
             100.0 * d.recovered_ratio,

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 use tlt_drafter::online::Sample;
 use tlt_drafter::train::{train_offline, AdamW, AdamWParams, Budget};
-use tlt_drafter::{DrafterTrainer, FrozenTarget, RuntimeOptions};
+use tlt_drafter::{DrafterTrainer, FrozenTarget, LrSchedule, RuntimeOptions};
 use tlt_model::{Llama, WeightDType};
 use tlt_spec_decode::Plan;
 use tokenizers::Tokenizer;
@@ -47,6 +47,10 @@ pub struct DriftReport {
     pub recovery_steps: u64,
     /// Seconds of recovery training.
     pub recovery_train_s: f64,
+    /// Learning rate of the recovery training (constant: the online trainer's).
+    pub recovery_lr: f64,
+    /// The plan every tau of the test is measured with.
+    pub plan: Plan,
     /// SD speedup over plain decoding on the new target: stale, recovered.
     pub speedup: [f64; 2],
     /// Speculative output equals plain output on the new target (both runs).
@@ -151,6 +155,9 @@ pub fn run(
         rollout_samples(&new_target, s.prompts, s.rollout_tokens, 16)?.into_iter().map(Arc::new).collect();
     let recovery_rollout_s = t.elapsed().as_secs_f64();
     let recovery_tokens = samples.iter().map(|x| x.tokens.len() - x.response_start).sum();
+    // Online training runs at a constant rate, the peak one (as TLT's online trainer): an offline cosine
+    // schedule would leave the recovery at its floor.
+    trainer.set_lr_schedule(LrSchedule::Constant)?;
     let rep = train_offline(trainer, &samples, Budget::Time(Duration::from_secs_f64(s.minutes * 60.0)), |_| {})?;
     let recovered = eval_batch1(&new_target, s.eval, s.eval_tokens, Some(&trainer.runtime(s.opts)?), s.plan)?;
     let tau_recovered = recovered.counters.mean_accept_len();
@@ -168,6 +175,8 @@ pub fn run(
         recovery_tokens,
         recovery_rollout_s,
         recovery_steps: rep.steps,
+        recovery_lr: trainer.config().lr,
+        plan: *s.plan,
         recovery_train_s: rep.seconds,
         speedup: [plain.decode_s / stale.decode_s, plain.decode_s / recovered.decode_s],
         lossless: stale.tokens == plain.tokens && recovered.tokens == plain.tokens,
