@@ -2,7 +2,7 @@
 //! fills), the target's greedy responses with hidden states recorded, and speculative-vs-plain evaluation.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -200,12 +200,8 @@ fn save_samples(path: &Path, samples: &[Sample]) -> Result<()> {
         let h = &s.hidden;
         map.insert(format!("{i}.hidden"), Tensor::from_slice(h.as_flat(), (h.len(), h.width()), &dev)?);
     }
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    candle_core::safetensors::save(&map, &tmp).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
-    Ok(())
+    tlt_model::atomic_write(path, |tmp| Ok(candle_core::safetensors::save(&map, tmp)?))
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 fn load_samples(path: &Path) -> Result<Vec<Sample>> {
