@@ -157,7 +157,13 @@ fn proposed_trees_follow_the_drafters_sequential_predictions() {
             .iter()
             .zip(&hiddens)
             .enumerate()
-            .map(|(i, (h, hid))| DraftContext { request: RequestId(i), history: h, prompt_len: 3, hidden: Some(hid) })
+            .map(|(i, (h, hid))| DraftContext {
+                request: RequestId(i),
+                history: h,
+                prompt_len: 3,
+                hidden: Some(hid),
+                group: None,
+            })
             .collect();
         for plan in [Plan::chain(3), Plan { steps: 3, top_k: 2, verify_tokens: 7 }] {
             let trees = proposer.propose_batch(&ctxs, &plan).unwrap();

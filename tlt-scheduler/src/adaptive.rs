@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use tlt_spec_decode::{Drafter, Engine, Plan, Target};
+use tlt_spec_decode::{Drafter, Engine, Target};
 
 use crate::error::Result;
 use crate::gate::{GateConfig, Phase, SdGate};
@@ -43,7 +43,7 @@ pub struct DecodeTrace {
     pub active: Vec<usize>,
     /// Mean tokens committed per request in each speculative round.
     pub accept_lens: Vec<f64>,
-    /// Arms chosen, as `"steps:top_k:verify_tokens"` -> rounds.
+    /// Arms chosen, as `"steps:top_k:verify_tokens"` (prefixed `"kind/"` with named drafter kinds) -> rounds.
     pub arms: BTreeMap<String, u64>,
     /// Rounds in the speculative phase where the bandit chose its plain arm (counted as plain rounds).
     pub plain_arm_steps: u64,
@@ -113,7 +113,7 @@ impl AdaptiveDecoder {
                 let choice = self.mab.select(batch);
                 let before = *engine.counters();
                 if choice.plain {
-                    engine.step(None, &Plan::chain(1))?;
+                    engine.round(Some(drafter), None)?;
                     let secs = t.elapsed().as_secs_f64();
                     self.mab.record(&choice, step_reward(1.0, batch, secs.max(1e-9)))?;
                     self.trace.plain_arm_steps += 1;
@@ -121,21 +121,34 @@ impl AdaptiveDecoder {
                     self.trace.seconds += secs;
                     return Ok(Phase::Plain);
                 }
-                engine.step(Some(drafter), &choice.plan)?;
+                if choice.drafter >= drafter.kinds() {
+                    return Err(crate::error::invalid(
+                        "mab.drafters",
+                        format!(
+                            "the bandit chose drafter kind {} of a drafter with {}",
+                            choice.drafter,
+                            drafter.kinds()
+                        ),
+                    ));
+                }
+                drafter.select_kind(choice.drafter);
+                engine.round(Some(drafter), Some(&choice.plan))?;
                 let secs = t.elapsed().as_secs_f64();
                 let after = engine.counters();
                 let rounds = (after.seq_rounds - before.seq_rounds).max(1);
                 let accept = (after.committed - before.committed) as f64 / rounds as f64;
                 self.mab.record(&choice, step_reward(accept, batch, secs.max(1e-9)))?;
                 let p = choice.plan;
-                *self.trace.arms.entry(format!("{}:{}:{}", p.steps, p.top_k, p.verify_tokens)).or_default() += 1;
+                let kind = self.mab.config().drafters.get(choice.drafter).map(|d| format!("{d}/")).unwrap_or_default();
+                *self.trace.arms.entry(format!("{kind}{}:{}:{}", p.steps, p.top_k, p.verify_tokens)).or_default() += 1;
                 self.trace.accept_lens.push(accept);
                 self.trace.sd_steps += 1;
                 self.trace.sd_seconds += secs;
                 Phase::Speculative
             }
-            _ => {
-                engine.step(None, &Plan::chain(1))?;
+            (_, drafter) => {
+                // The drafter still sees the commits (a group drafter keeps its index current).
+                engine.round(drafter, None)?;
                 Phase::Plain
             }
         };

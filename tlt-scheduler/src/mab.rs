@@ -56,6 +56,10 @@ pub struct MabConfig {
     /// that speculation does not pay at some batch size (the choice has [`Choice::plain`] set). Default false
     /// (fastrl's arms only).
     pub plain_arm: bool,
+    /// Names of the drafter kinds the bandit chooses between (e.g. `["suffix", "eagle", "hybrid"]`); every plan
+    /// is an arm once per kind, so the bandit learns per bucket which drafter pays. Empty (the default): one
+    /// unnamed kind, the drafter the decoder is given.
+    pub drafters: Vec<String>,
 }
 
 impl Default for MabConfig {
@@ -68,6 +72,7 @@ impl Default for MabConfig {
             window: 300,
             seed: 0,
             plain_arm: false,
+            drafters: Vec::new(),
         }
     }
 }
@@ -101,6 +106,11 @@ impl MabConfig {
                 format!("{} thresholds for {} distinct tree sizes {:?}", self.thresholds.len(), sizes.len(), sizes),
             ));
         }
+        for (i, d) in self.drafters.iter().enumerate() {
+            if d.is_empty() || self.drafters[..i].contains(d) {
+                return Err(invalid("mab.drafters", format!("drafter name {d:?} is empty or a duplicate")));
+            }
+        }
         if !(0.0..=1.0).contains(&self.epsilon) {
             return Err(invalid("mab.epsilon", format!("{} is not in [0, 1]", self.epsilon)));
         }
@@ -108,6 +118,16 @@ impl MabConfig {
             return Err(invalid("mab.window", "must be at least 1"));
         }
         Ok(())
+    }
+
+    /// Number of drafter kinds (at least 1).
+    pub fn kinds(&self) -> usize {
+        self.drafters.len().max(1)
+    }
+
+    /// Number of (drafter kind, plan) arms, the plain arm not counted: `kinds() × arms.len()`.
+    pub fn num_arms(&self) -> usize {
+        self.kinds() * self.arms.len()
     }
 
     /// The distinct `verify_tokens` of the arms, largest first (bucket `i` uses `tree_sizes()[i]`).
@@ -133,8 +153,11 @@ pub enum ChoiceReason {
 /// One decision of the bandit; hand it back to [`BegMab::record`] with the step's reward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Choice {
-    /// Index of the arm in [`MabConfig::arms`].
+    /// The arm: `drafter × arms.len() + i` for plan `MabConfig::arms[i]`; [`MabConfig::num_arms`] for the
+    /// plain arm.
     pub arm: usize,
+    /// The drafter kind (index into [`MabConfig::drafters`]; 0 with one kind or for the plain arm).
+    pub drafter: usize,
     /// The arm's plan.
     pub plan: Plan,
     /// The batch-size bucket (index into [`MabConfig::thresholds`]).
@@ -181,12 +204,13 @@ impl BegMab {
     pub fn new(cfg: MabConfig) -> Result<Self> {
         cfg.validate()?;
         let sizes = cfg.tree_sizes();
-        let arm_bucket: Vec<usize> =
-            cfg.arms.iter().map(|a| sizes.iter().position(|&s| s == a.verify_tokens).unwrap_or_default()).collect();
-        let plain = cfg.plain_arm.then_some(cfg.arms.len());
+        let arm_bucket: Vec<usize> = (0..cfg.num_arms())
+            .map(|a| sizes.iter().position(|&s| s == cfg.arms[a % cfg.arms.len()].verify_tokens).unwrap_or_default())
+            .collect();
+        let plain = cfg.plain_arm.then_some(cfg.num_arms());
         let buckets = (0..sizes.len())
             .map(|b| Bucket {
-                arms: (0..cfg.arms.len()).filter(|&a| arm_bucket[a] == b).chain(plain).collect(),
+                arms: (0..cfg.num_arms()).filter(|&a| arm_bucket[a] == b).chain(plain).collect(),
                 window: VecDeque::with_capacity(cfg.window),
                 counts: Vec::new(),
             })
@@ -208,9 +232,17 @@ impl BegMab {
     pub fn select(&mut self, batch: usize) -> Choice {
         let bucket = self.bucket_of(batch);
         let b = &self.buckets[bucket];
-        let n = self.cfg.arms.len();
-        let plan_of = |arm: usize| self.cfg.arms.get(arm).copied().unwrap_or_else(|| Plan::chain(1));
-        let pick = |arm: usize, reason| Choice { arm, plan: plan_of(arm), bucket, reason, plain: arm == n };
+        let n = self.cfg.num_arms();
+        let p = self.cfg.arms.len();
+        let plan_of = |arm: usize| if arm < n { self.cfg.arms[arm % p] } else { Plan::chain(1) };
+        let pick = |arm: usize, reason| Choice {
+            arm,
+            drafter: if arm < n { arm / p } else { 0 },
+            plan: plan_of(arm),
+            bucket,
+            reason,
+            plain: arm == n,
+        };
         if let Some(i) = b.counts.iter().position(|&c| c == 0) {
             return pick(b.arms[i], ChoiceReason::Unseen);
         }
@@ -237,7 +269,7 @@ impl BegMab {
     /// # Errors
     /// [`Error::InvalidOutcome`] for an unknown arm or a reward that is negative or not finite (it is dropped).
     pub fn record(&mut self, choice: &Choice, reward: f64) -> Result<()> {
-        let plain = self.cfg.plain_arm && choice.arm == self.cfg.arms.len() && choice.bucket < self.buckets.len();
+        let plain = self.cfg.plain_arm && choice.arm == self.cfg.num_arms() && choice.bucket < self.buckets.len();
         let bucket = match self.arm_bucket.get(choice.arm) {
             Some(&b) => b,
             None if plain => choice.bucket,
@@ -263,7 +295,7 @@ impl BegMab {
         if !self.cfg.plain_arm {
             return None;
         }
-        window_median(&self.buckets.get(bucket)?.window, self.cfg.arms.len())
+        window_median(&self.buckets.get(bucket)?.window, self.cfg.num_arms())
     }
 
     /// The median reward of `arm` over its bucket's current window (`None` if it has no sample there).
@@ -332,9 +364,16 @@ mod tests {
     #[test]
     fn unseen_first_then_median_and_bad_rewards_rejected() {
         let arms = vec![Plan { steps: 8, top_k: 4, verify_tokens: 16 }, Plan { steps: 6, top_k: 4, verify_tokens: 16 }];
-        let mut mab =
-            BegMab::new(MabConfig { arms, thresholds: vec![1], epsilon: 0.0, window: 10, seed: 1, plain_arm: false })
-                .unwrap();
+        let mut mab = BegMab::new(MabConfig {
+            arms,
+            thresholds: vec![1],
+            epsilon: 0.0,
+            window: 10,
+            seed: 1,
+            plain_arm: false,
+            drafters: Vec::new(),
+        })
+        .unwrap();
         let a = mab.select(4);
         assert_eq!((a.arm, a.reason), (0, ChoiceReason::Unseen));
         mab.record(&a, 10.0).unwrap();
@@ -385,7 +424,7 @@ mod tests {
 
         #[test]
         fn picks_best_arm_95_percent_after_warmup((means, best, eps, window, seed) in bandit()) {
-            let cfg = MabConfig { arms: arms(means.len()), thresholds: vec![1], epsilon: eps, window, seed, plain_arm: false };
+            let cfg = MabConfig { arms: arms(means.len()), thresholds: vec![1], epsilon: eps, window, seed, plain_arm: false, drafters: Vec::new() };
             let mut mab = BegMab::new(cfg).unwrap();
             let mut noise = SplitMix64::new(seed ^ 0xABCD);
             for _ in 0..window + means.len() {
@@ -399,7 +438,7 @@ mod tests {
         #[test]
         fn adapts_within_one_window((means, best, eps, window, seed) in bandit(), shift in 1usize..6) {
             let k = means.len();
-            let cfg = MabConfig { arms: arms(k), thresholds: vec![1], epsilon: eps, window, seed, plain_arm: false };
+            let cfg = MabConfig { arms: arms(k), thresholds: vec![1], epsilon: eps, window, seed, plain_arm: false, drafters: Vec::new() };
             let mut mab = BegMab::new(cfg).unwrap();
             let mut noise = SplitMix64::new(seed ^ 0x1234);
             for _ in 0..window * 2 {
@@ -442,5 +481,34 @@ mod tests {
         // Without the option no choice is plain.
         let mut mab = BegMab::new(MabConfig::default()).unwrap();
         assert!((0..50).all(|_| !mab.select(3).plain));
+    }
+
+    #[test]
+    fn drafter_kinds_are_arms_and_the_better_kind_wins() {
+        let cfg = MabConfig {
+            arms: vec![Plan::chain(2), Plan::chain(4)],
+            thresholds: vec![1, 2],
+            drafters: vec!["suffix".into(), "eagle".into()],
+            plain_arm: true,
+            epsilon: 0.05,
+            window: 200,
+            ..MabConfig::default()
+        };
+        assert_eq!(cfg.num_arms(), 4);
+        let mut mab = BegMab::new(cfg.clone()).unwrap();
+        let mut picks = [0usize; 2];
+        for i in 0..400 {
+            let c = mab.select(1);
+            assert_eq!(c.plan, if c.plain { Plan::chain(1) } else { cfg.arms[c.arm % 2] });
+            // Kind 1 ("eagle") pays twice as much as kind 0; the plain arm least.
+            let reward = if c.plain { 1.0 } else { 2.0 + 2.0 * c.drafter as f64 };
+            mab.record(&c, reward).unwrap();
+            if i >= 200 && !c.plain {
+                picks[c.drafter] += 1;
+            }
+        }
+        assert!(picks[1] > 9 * picks[0], "picks {picks:?}");
+        let dup = MabConfig { drafters: vec!["a".into(), "a".into()], ..cfg };
+        assert!(dup.validate().is_err());
     }
 }

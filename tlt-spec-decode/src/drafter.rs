@@ -1,6 +1,6 @@
 //! The drafter seam: anything that proposes a draft tree for a sequence.
 
-use crate::{DraftTree, HiddenStates, NgramDrafter, Plan, RequestId, Result};
+use crate::{DraftTree, Error, GroupId, HiddenStates, NgramDrafter, Plan, RequestId, Result};
 
 /// What a drafter sees of one live request when asked for a draft.
 #[derive(Debug, Clone, Copy)]
@@ -16,6 +16,9 @@ pub struct DraftContext<'a> {
     /// `history[t + 1]`), so a feature-level drafter (EAGLE) can catch up from any point, e.g. when speculation
     /// is switched on mid-sequence.
     pub hidden: Option<&'a HiddenStates>,
+    /// The request's group (e.g. the GRPO group of samples of one prompt), if it was added with one
+    /// ([`Engine::add_group`](crate::Engine::add_group)); group drafters draft from its siblings.
+    pub group: Option<GroupId>,
 }
 
 /// Proposes draft trees. The [`Engine`](crate::Engine) verifies proposals as deterministic
@@ -44,7 +47,14 @@ pub trait Drafter {
         ctxs.iter().map(|c| self.propose(c, plan)).collect()
     }
 
-    /// Tokens just committed for `request` (after the verification of its last proposal). Default: ignored.
+    /// A request joins the batch: called once per request, before its first [`Drafter::observe`] or
+    /// [`Drafter::propose`], with its history at that point (usually just the prompt). Default: ignored.
+    fn admit(&mut self, ctx: &DraftContext<'_>) {
+        let _ = ctx;
+    }
+
+    /// Tokens just committed for `request`, in every round the engine runs with this drafter, speculative or
+    /// plain ([`Engine::round`](crate::Engine::round)). Default: ignored.
     fn observe(&mut self, request: RequestId, committed: &[u32]) {
         let _ = (request, committed);
     }
@@ -52,6 +62,81 @@ pub trait Drafter {
     /// `request` finished: free any per-request state. Default: nothing.
     fn release(&mut self, request: RequestId) {
         let _ = request;
+    }
+
+    /// How many drafter kinds this drafter switches between ([`DrafterSet`]); 1 by default.
+    fn kinds(&self) -> usize {
+        1
+    }
+
+    /// Drafts the next proposals with kind `kind` (`< kinds()`). Default: ignored.
+    fn select_kind(&mut self, kind: usize) {
+        let _ = kind;
+    }
+}
+
+/// Several drafters behind one: every member sees every admission, commit and release (so each stays current),
+/// and the selected one ([`Drafter::select_kind`], e.g. by the scheduler's bandit) proposes.
+pub struct DrafterSet<'a> {
+    members: Vec<Box<dyn Drafter + 'a>>,
+    active: usize,
+}
+
+impl std::fmt::Debug for DrafterSet<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrafterSet").field("members", &self.members.len()).field("active", &self.active).finish()
+    }
+}
+
+impl<'a> DrafterSet<'a> {
+    /// A set of `members` (kind `i` is `members[i]`), the first one selected.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty set.
+    pub fn new(members: Vec<Box<dyn Drafter + 'a>>) -> Result<Self> {
+        if members.is_empty() {
+            return Err(Error::InvalidArgument("a drafter set needs at least one drafter".into()));
+        }
+        Ok(Self { members, active: 0 })
+    }
+
+    /// The selected kind.
+    pub fn active(&self) -> usize {
+        self.active
+    }
+
+    /// Member `i`.
+    pub fn member_mut(&mut self, i: usize) -> Option<&mut (dyn Drafter + 'a)> {
+        Some(self.members.get_mut(i)?.as_mut())
+    }
+}
+
+impl Drafter for DrafterSet<'_> {
+    fn needs_hidden(&self) -> bool {
+        self.members.iter().any(|m| m.needs_hidden())
+    }
+    fn admit(&mut self, ctx: &DraftContext<'_>) {
+        self.members.iter_mut().for_each(|m| m.admit(ctx));
+    }
+    fn propose(&mut self, ctx: &DraftContext<'_>, plan: &Plan) -> Result<DraftTree> {
+        self.members[self.active].propose(ctx, plan)
+    }
+    fn propose_batch(&mut self, ctxs: &[DraftContext<'_>], plan: &Plan) -> Result<Vec<DraftTree>> {
+        self.members[self.active].propose_batch(ctxs, plan)
+    }
+    fn observe(&mut self, request: RequestId, committed: &[u32]) {
+        self.members.iter_mut().for_each(|m| m.observe(request, committed));
+    }
+    fn release(&mut self, request: RequestId) {
+        self.members.iter_mut().for_each(|m| m.release(request));
+    }
+    fn kinds(&self) -> usize {
+        self.members.len()
+    }
+    fn select_kind(&mut self, kind: usize) {
+        if kind < self.members.len() {
+            self.active = kind;
+        }
     }
 }
 

@@ -14,6 +14,12 @@ use crate::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub usize);
 
+/// Identifies a group of requests that answer one prompt together (a GRPO group), as given to
+/// [`Engine::add_request_in_group`] or made by [`Engine::add_group`]. Group drafters
+/// ([`SuffixDrafter`](crate::SuffixDrafter)) draft from a request's siblings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub struct GroupId(pub u64);
+
 /// Why a request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -76,8 +82,12 @@ pub struct Counters {
     pub verify_s: f64,
     /// Seconds committing: cache commit, log-probs, hidden states, bookkeeping.
     pub commit_s: f64,
-    /// Seconds prefilling prompts.
+    /// Seconds prefilling prompts (forks of a group's prefilled prompt included).
     pub prefill_s: f64,
+    /// Prompt tokens run through the target in prefills.
+    pub prefill_tokens: u64,
+    /// Requests whose prompt state was forked from a sibling's instead of prefilled ([`Engine::add_group`]).
+    pub prefill_forks: u64,
 }
 
 impl Counters {
@@ -94,6 +104,9 @@ impl Counters {
 #[derive(Debug)]
 struct Live {
     id: RequestId,
+    group: Option<GroupId>,
+    /// Whether a drafter has been told of this request ([`Drafter::admit`]).
+    admitted: bool,
     handle: SeqHandle,
     prompt_len: usize,
     /// Prompt + generated. The last token is the root of the next round: committed but not yet fed.
@@ -154,6 +167,7 @@ pub struct Engine<T: Target> {
     verifier: Box<dyn Verifier>,
     record_hidden: bool,
     next_id: usize,
+    next_group: u64,
     live: Vec<Live>,
     finished: Vec<Finished>,
     counters: Counters,
@@ -179,6 +193,7 @@ impl<T: Target> Engine<T> {
             verifier: Box::new(ExactVerifier),
             record_hidden: false,
             next_id: 0,
+            next_group: 0,
             live: Vec::new(),
             finished: Vec::new(),
             counters: Counters::default(),
@@ -265,6 +280,78 @@ impl<T: Target> Engine<T> {
     /// # Errors
     /// As [`Engine::add_request`], and [`Error::InvalidArgument`] for `max_new_tokens == 0`.
     pub fn add_request_with_limit(&mut self, prompt: &[u32], max_new_tokens: usize) -> Result<RequestId> {
+        self.add_request_in_group(prompt, max_new_tokens, None)
+    }
+
+    /// [`Engine::add_request_with_limit`] as a member of `group` (drafters see it in [`DraftContext::group`]).
+    /// Group ids made by [`Engine::add_group`] count from 0; pick others for groups of your own.
+    ///
+    /// # Errors
+    /// As [`Engine::add_request_with_limit`].
+    pub fn add_request_in_group(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        group: Option<GroupId>,
+    ) -> Result<RequestId> {
+        self.check_request(prompt, max_new_tokens)?;
+        let t0 = Instant::now();
+        let handle = self.target.new_sequence(&mut self.state);
+        let mut hidden = self.record_hidden.then(HiddenStates::default);
+        if prompt.len() > 1 {
+            let input = TargetInput { seq: handle, tokens: &prompt[..prompt.len() - 1], tree: None, logits: false };
+            let out = self.target.forward(&mut self.state, &[input], hidden.is_some()).and_then(|out| {
+                if let Some(h) = hidden.as_mut() {
+                    let rows = out.hidden.as_deref().ok_or_else(|| {
+                        Error::Target("the target returned no hidden states for a recording request".into())
+                    })?;
+                    append_hidden(h, out.hidden_size, rows)?;
+                }
+                Ok(())
+            });
+            if let Err(e) = out {
+                let _ = self.target.remove(&mut self.state, handle);
+                return Err(e);
+            }
+            self.counters.prefill_tokens += (prompt.len() - 1) as u64;
+        }
+        self.counters.prefill_s += t0.elapsed().as_secs_f64();
+        Ok(self.push_live(handle, group, prompt, max_new_tokens, hidden))
+    }
+
+    /// Adds `n` requests answering the same `prompt` as one new group: the prompt is prefilled **once** and its
+    /// state forked to the siblings when the target can fork ([`Target::fork`]; otherwise each is prefilled).
+    /// Returns the group and its requests (consecutive ids).
+    ///
+    /// # Errors
+    /// As [`Engine::add_request_with_limit`], and [`Error::InvalidArgument`] for `n == 0`.
+    pub fn add_group(&mut self, prompt: &[u32], n: usize, max_new_tokens: usize) -> Result<(GroupId, Vec<RequestId>)> {
+        if n == 0 {
+            return Err(Error::InvalidArgument("a group needs at least one request".into()));
+        }
+        let group = GroupId(self.next_group);
+        self.next_group += 1;
+        let first = self.add_request_in_group(prompt, max_new_tokens, Some(group))?;
+        let mut ids = vec![first];
+        for _ in 1..n {
+            let t0 = Instant::now();
+            let (src, hidden) = match self.live.iter().find(|s| s.id == first) {
+                Some(s) => (s.handle, s.hidden.clone()),
+                None => return Err(Error::InvalidArgument("the group's first request is not live".into())),
+            };
+            match self.target.fork(&mut self.state, src)? {
+                Some(handle) => {
+                    self.counters.prefill_s += t0.elapsed().as_secs_f64();
+                    self.counters.prefill_forks += 1;
+                    ids.push(self.push_live(handle, Some(group), prompt, max_new_tokens, hidden));
+                }
+                None => ids.push(self.add_request_in_group(prompt, max_new_tokens, Some(group))?),
+            }
+        }
+        Ok((group, ids))
+    }
+
+    fn check_request(&self, prompt: &[u32], max_new_tokens: usize) -> Result<()> {
         if max_new_tokens == 0 {
             return Err(Error::InvalidArgument("max_new_tokens must be at least 1".into()));
         }
@@ -286,30 +373,23 @@ impl<T: Target> Engine<T> {
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::InvalidArgument(format!("prompt token {bad} >= vocabulary size {vocab}")));
         }
-        let t0 = Instant::now();
-        let handle = self.target.new_sequence(&mut self.state);
-        let mut hidden = self.record_hidden.then(HiddenStates::default);
-        if prompt.len() > 1 {
-            let input = TargetInput { seq: handle, tokens: &prompt[..prompt.len() - 1], tree: None, logits: false };
-            let out = self.target.forward(&mut self.state, &[input], hidden.is_some()).and_then(|out| {
-                if let Some(h) = hidden.as_mut() {
-                    let rows = out.hidden.as_deref().ok_or_else(|| {
-                        Error::Target("the target returned no hidden states for a recording request".into())
-                    })?;
-                    append_hidden(h, out.hidden_size, rows)?;
-                }
-                Ok(())
-            });
-            if let Err(e) = out {
-                let _ = self.target.remove(&mut self.state, handle);
-                return Err(e);
-            }
-        }
-        self.counters.prefill_s += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn push_live(
+        &mut self,
+        handle: SeqHandle,
+        group: Option<GroupId>,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        hidden: Option<HiddenStates>,
+    ) -> RequestId {
         let id = RequestId(self.next_id);
         self.next_id += 1;
         self.live.push(Live {
             id,
+            group,
+            admitted: false,
             handle,
             prompt_len: prompt.len(),
             history: prompt.to_vec(),
@@ -318,7 +398,7 @@ impl<T: Target> Engine<T> {
             hidden,
             rng: SeededRng::new(self.params.seed).fork(id.0 as u64),
         });
-        Ok(id)
+        id
     }
 
     /// One round for every live request: draft (with `drafter`, else plain decoding), one batched target
@@ -328,17 +408,44 @@ impl<T: Target> Engine<T> {
     /// [`Error::InvalidPlan`] for an invalid `plan` (when drafting), a drafter's error, a tree whose root is
     /// not the sequence's last token, or a target error. After an error the engine's requests are in an
     /// unspecified state.
-    pub fn step(&mut self, mut drafter: Option<&mut dyn Drafter>, plan: &Plan) -> Result<()> {
+    pub fn step(&mut self, drafter: Option<&mut (dyn Drafter + '_)>, plan: &Plan) -> Result<()> {
+        match drafter {
+            Some(d) => self.round(Some(d), Some(plan)),
+            None => self.round(None, None),
+        }
+    }
+
+    /// One round, the general form of [`Engine::step`]: with a `plan`, `drafter` drafts (a plan without a
+    /// drafter is ignored); without one the round is plain, but a given `drafter` still sees the round's
+    /// admissions, commits and releases, so a drafter that learns from committed tokens (a group drafter) stays
+    /// current through plain phases.
+    ///
+    /// # Errors
+    /// As [`Engine::step`].
+    pub fn round(&mut self, mut drafter: Option<&mut (dyn Drafter + '_)>, plan: Option<&Plan>) -> Result<()> {
         if self.live.is_empty() {
             return Ok(());
         }
-        if drafter.is_some() {
-            plan.validate()?;
+        if let Some(d) = drafter.as_deref_mut() {
+            for s in self.live.iter_mut().filter(|s| !s.admitted) {
+                d.admit(&DraftContext {
+                    request: s.id,
+                    history: &s.history,
+                    prompt_len: s.prompt_len,
+                    hidden: s.hidden.as_ref(),
+                    group: s.group,
+                });
+                s.admitted = true;
+            }
+        }
+        let plan = if drafter.is_some() { plan } else { None };
+        if let Some(p) = plan {
+            p.validate()?;
         }
         // Draft.
         let t0 = Instant::now();
-        let trees = match drafter.as_deref_mut() {
-            Some(d) => {
+        let trees = match (drafter.as_deref_mut(), plan) {
+            (Some(d), Some(plan)) => {
                 if d.needs_hidden() {
                     if let Some(s) = self.live.iter().find(|s| s.hidden.is_none()) {
                         return Err(Error::InvalidArgument(format!(
@@ -356,11 +463,12 @@ impl<T: Target> Engine<T> {
                         history: &s.history,
                         prompt_len: s.prompt_len,
                         hidden: s.hidden.as_ref(),
+                        group: s.group,
                     })
                     .collect();
                 d.propose_batch(&ctxs, plan)?
             }
-            None => self.live.iter().map(|s| DraftTree::new(*s.history.last().unwrap_or(&0))).collect(),
+            _ => self.live.iter().map(|s| DraftTree::new(*s.history.last().unwrap_or(&0))).collect(),
         };
         if trees.len() != self.live.len() {
             return Err(Error::ShapeMismatch { what: "draft trees", expected: self.live.len(), got: trees.len() });

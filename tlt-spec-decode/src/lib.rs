@@ -53,12 +53,13 @@ mod oracle;
 mod params;
 mod plan;
 mod stop;
+mod suffix;
 mod target;
 mod tree;
 mod verify;
 
-pub use drafter::{DraftContext, Drafter};
-pub use engine::{Counters, Engine, FinishReason, Finished, RequestId};
+pub use drafter::{DraftContext, Drafter, DrafterSet};
+pub use engine::{Counters, Engine, FinishReason, Finished, GroupId, RequestId};
 pub use error::{Error, Result};
 pub use hidden::HiddenStates;
 pub use llama::TappedLlama;
@@ -67,6 +68,9 @@ pub use oracle::{Corruption, OracleDrafter};
 pub use params::SpecParams;
 pub use plan::Plan;
 pub use stop::TokenDecoder;
+pub use suffix::{
+    merge_trees, HybridDrafter, Occurrence, StateId, SuffixConfig, SuffixDrafter, SuffixIndex, SuffixStats,
+};
 pub use target::{SeqHandle, Target, TargetInput, TargetOutput};
 pub use tlt_kernels::{SamplingParams, SeededRng};
 pub use tree::{Beam, DraftTree, Node};

@@ -86,6 +86,10 @@ impl Target for Llama {
     fn commit(&self, state: &mut KvCache, seq: SeqHandle, path: &[usize]) -> Result<()> {
         state.commit(SeqId(seq.0), path).map_err(model_err)
     }
+
+    fn fork(&self, state: &mut KvCache, seq: SeqHandle) -> Result<Option<SeqHandle>> {
+        state.fork(SeqId(seq.0)).map(|s| Some(SeqHandle(s.0))).map_err(model_err)
+    }
 }
 
 impl Target for TappedLlama<'_> {
@@ -125,5 +129,9 @@ impl Target for TappedLlama<'_> {
 
     fn commit(&self, state: &mut KvCache, seq: SeqHandle, path: &[usize]) -> Result<()> {
         self.model.commit(state, seq, path)
+    }
+
+    fn fork(&self, state: &mut KvCache, seq: SeqHandle) -> Result<Option<SeqHandle>> {
+        self.model.fork(state, seq)
     }
 }

@@ -118,7 +118,7 @@ mod tests {
     use super::*;
 
     fn ctx(history: &[u32]) -> DraftContext<'_> {
-        DraftContext { request: RequestId(0), history, prompt_len: 2, hidden: None }
+        DraftContext { request: RequestId(0), history, prompt_len: 2, hidden: None, group: None }
     }
 
     #[test]

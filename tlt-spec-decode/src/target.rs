@@ -107,6 +107,15 @@ pub trait Target {
     /// On bad input (unknown or repeated sequence, empty tokens, token out of vocabulary, a sequence with a
     /// pending tree); the state is then left as it was.
     fn forward(&self, state: &mut Self::State, inputs: &[TargetInput<'_>], hidden: bool) -> Result<TargetOutput>;
+    /// Copies the committed state of `seq` into a new sequence (one prompt prefilled once, then shared by a
+    /// group's samples). `Ok(None)` (the default) when the target cannot fork; the engine then prefills.
+    ///
+    /// # Errors
+    /// If `seq` is unknown or has a pending tree.
+    fn fork(&self, state: &mut Self::State, seq: SeqHandle) -> Result<Option<SeqHandle>> {
+        let _ = (state, seq);
+        Ok(None)
+    }
     /// Keeps the tentative tree nodes `path` (a root path) of `seq` and drops the others.
     ///
     /// # Errors
@@ -142,5 +151,8 @@ impl<T: Target + ?Sized> Target for &T {
     }
     fn commit(&self, state: &mut Self::State, seq: SeqHandle, path: &[usize]) -> Result<()> {
         (**self).commit(state, seq, path)
+    }
+    fn fork(&self, state: &mut Self::State, seq: SeqHandle) -> Result<Option<SeqHandle>> {
+        (**self).fork(state, seq)
     }
 }

@@ -2,7 +2,8 @@
 //! vocabulary, with an imperfect drafter proposing EAGLE-2 trees, the first 3 generated tokens of >= 20,000
 //! seeded requests follow the target's exact distribution (computed independently, by enumerating every
 //! continuation with `Llama::prefill`), at temperature 1.0 and 0.7 and with top-p 0.9; and the same test fails
-//! with a known-biased verifier plugged into the engine.
+//! with a known-biased verifier plugged into the engine. The same holds for group drafting (a `SuffixDrafter`
+//! over each batch as one GRPO group, drafting from the siblings), with the biased control failing there too.
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
 mod common;
@@ -12,7 +13,10 @@ use std::collections::HashMap;
 use common::{chi_square, chi_square_p_value, mix, BiasedVerifier};
 use tlt_kernels::probs;
 use tlt_model::{Llama, LlamaConfig};
-use tlt_spec_decode::{DraftContext, DraftTree, Drafter, Engine, Plan, Result, SamplingParams, SpecParams, Verifier};
+use tlt_spec_decode::{
+    DraftContext, DraftTree, Drafter, Engine, Plan, Result, SamplingParams, SpecParams, SuffixConfig, SuffixDrafter,
+    Verifier,
+};
 
 const VOCAB: usize = 16;
 const PROMPT: [u32; 3] = [3, 9, 4];
@@ -86,10 +90,20 @@ impl Drafter for NoisyDrafter<'_> {
     }
 }
 
+/// Which drafter proposes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// [`NoisyDrafter`], requests added one by one.
+    Noisy,
+    /// A [`SuffixDrafter`] over each batch as one group ([`Engine::add_group`]): drafts are the siblings'
+    /// most frequent continuations.
+    Suffix,
+}
+
 /// Counts of the first-3-token cells over [`RUNS`] requests, and the mean drafted tokens accepted per round.
-fn sample(m: &Llama, params: &SamplingParams, verifier: Option<BiasedVerifier>) -> (Vec<u64>, f64) {
+fn sample(m: &Llama, params: &SamplingParams, verifier: Option<BiasedVerifier>, kind: Kind) -> (Vec<u64>, f64) {
     let mut counts = vec![0u64; VOCAB * VOCAB * VOCAB];
-    let mut drafter = NoisyDrafter { model: m, memo: HashMap::new() };
+    let mut noisy = NoisyDrafter { model: m, memo: HashMap::new() };
     let plan = Plan { steps: 3, top_k: 2, verify_tokens: 6 };
     let (mut accepted, mut seq_rounds) = (0, 0);
     for chunk in 0..RUNS / BATCH {
@@ -104,10 +118,21 @@ fn sample(m: &Llama, params: &SamplingParams, verifier: Option<BiasedVerifier>) 
         if let Some(v) = verifier {
             engine = engine.with_verifier(Box::new(v) as Box<dyn Verifier>);
         }
-        for _ in 0..BATCH {
-            engine.add_request(&PROMPT).unwrap();
-        }
-        engine.run_to_completion(Some(&mut drafter), &plan).unwrap();
+        let mut suffix =
+            SuffixDrafter::new(SuffixConfig { min_match: 1, min_prob: 0.0, ..SuffixConfig::default() }).unwrap();
+        let drafter: &mut dyn Drafter = match kind {
+            Kind::Noisy => {
+                for _ in 0..BATCH {
+                    engine.add_request(&PROMPT).unwrap();
+                }
+                &mut noisy
+            }
+            Kind::Suffix => {
+                engine.add_group(&PROMPT, BATCH, 3).unwrap();
+                &mut suffix
+            }
+        };
+        engine.run_to_completion(Some(drafter), &plan).unwrap();
         for f in engine.take_finished() {
             assert_eq!(f.tokens.len(), 3);
             let g = &f.tokens;
@@ -119,15 +144,18 @@ fn sample(m: &Llama, params: &SamplingParams, verifier: Option<BiasedVerifier>) 
     (counts, accepted as f64 / seq_rounds as f64)
 }
 
-fn p_value(m: &Llama, params: &SamplingParams, verifier: Option<BiasedVerifier>) -> f64 {
+fn p_value(m: &Llama, params: &SamplingParams, verifier: Option<BiasedVerifier>, kind: Kind) -> f64 {
     let exact = exact3(m, params);
-    let (counts, accepted) = sample(m, params, verifier);
+    let (counts, accepted) = sample(m, params, verifier, kind);
     let (stat, df) = chi_square(&counts, &exact);
     let p = chi_square_p_value(stat, df);
     println!(
-        "{params:?} verifier {verifier:?}: {accepted:.2} drafts accepted/round, chi2 {stat:.1}, df {df}, p {p:.3e}"
+        "{kind:?} {params:?} verifier {verifier:?}: {accepted:.2} drafts accepted/round, chi2 {stat:.1}, df {df}, p {p:.3e}"
     );
-    assert!(accepted > 0.3, "the drafter must be good enough to exercise multi-token acceptance");
+    // Group drafts have nothing to draft from in the first round (no sibling has committed yet), so fewer
+    // drafts are accepted per round on average; still enough to exercise multi-token acceptance.
+    let floor = if kind == Kind::Suffix { 0.1 } else { 0.3 };
+    assert!(accepted > floor, "the drafter must be good enough to exercise multi-token acceptance");
     p
 }
 
@@ -139,9 +167,20 @@ fn engine_sampling_matches_the_exact_target_distribution() {
         SamplingParams { temperature: 0.7, top_k: None, top_p: None },
         SamplingParams { temperature: 1.0, top_k: None, top_p: Some(0.9) },
     ] {
-        let p = p_value(&m, &params, None);
+        let p = p_value(&m, &params, None, Kind::Noisy);
         assert!(p > 1e-3, "{params:?}: p = {p:.3e}");
     }
+}
+
+#[test]
+fn group_drafting_samples_the_exact_target_distribution() {
+    let m = model();
+    let params = SamplingParams { temperature: 1.0, top_k: None, top_p: None };
+    let p = p_value(&m, &params, None, Kind::Suffix);
+    assert!(p > 1e-3, "suffix drafter: p = {p:.3e}");
+    // The negative control: the same group drafts through a biased verifier must be caught.
+    let p = p_value(&m, &params, Some(BiasedVerifier::AcceptIfPossible), Kind::Suffix);
+    assert!(p < 1e-3, "biased verifier with the suffix drafter must be caught: p = {p:.3e}");
 }
 
 #[test]
@@ -149,7 +188,7 @@ fn engine_sampling_test_fails_with_biased_verifiers() {
     let m = model();
     let params = SamplingParams { temperature: 1.0, top_k: None, top_p: None };
     for v in [BiasedVerifier::AcceptIfPossible, BiasedVerifier::NoResidual] {
-        let p = p_value(&m, &params, Some(v));
+        let p = p_value(&m, &params, Some(v), Kind::Noisy);
         assert!(p < 1e-3, "{v:?} must be caught: p = {p:.3e}");
     }
 }

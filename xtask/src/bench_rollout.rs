@@ -167,6 +167,7 @@ fn cpu_mab() -> MabConfig {
         window: 50,
         seed: 0,
         plain_arm: false,
+        drafters: Vec::new(),
     }
 }
 
