@@ -157,7 +157,7 @@ fn greedy_run(mode: Mode, drafter: DrafterChoice) -> GreedyRun {
 #[test]
 fn greedy_tlt_equals_baseline_completions_and_weights() {
     let base = greedy_run(Mode::Baseline, DrafterChoice::Eagle2);
-    for drafter in [DrafterChoice::Eagle2, DrafterChoice::Ngram] {
+    for drafter in [DrafterChoice::Eagle2, DrafterChoice::Ngram, DrafterChoice::Suffix, DrafterChoice::Hybrid] {
         let run = greedy_run(Mode::Tlt, drafter);
         let m = &run.metrics;
         let sd: Vec<f64> = m.iter().map(|m| m.sd_on_fraction).collect();
@@ -167,7 +167,7 @@ fn greedy_tlt_equals_baseline_completions_and_weights() {
         for (name, a) in &base.weights {
             assert!(run.weights[name] == *a, "{drafter:?}: weight `{name}` differs after 2 steps");
         }
-        if drafter == DrafterChoice::Eagle2 {
+        if drafter.has_eagle() {
             assert!(m[1].drafter_steps > 0, "the online drafter never trained");
         }
         let diff = run.logprobs.iter().zip(&base.logprobs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);

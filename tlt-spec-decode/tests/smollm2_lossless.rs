@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use engine_common::{greedy_reference, greedy_reference_batch, run_batches};
 use tlt_model::{encode, load_gguf};
-use tlt_spec_decode::{NgramDrafter, Plan, SpecParams};
+use tlt_spec_decode::{Drafter, Engine, HybridDrafter, NgramDrafter, Plan, SpecParams, SuffixConfig, SuffixDrafter};
 
 /// New tokens per prompt: 128 (the whole matrix takes ~4 minutes on 2 vCPUs); `TLT_SPEC_LOSSLESS_TOKENS`
 /// overrides it for quicker local runs.
@@ -103,5 +103,55 @@ fn greedy_speculative_decoding_is_lossless_on_smollm2() {
                 assert_eq!(f.tokens, refs[k], "{name}, batch {batch}, prompt {k}: {:?}", prompt_texts()[k]);
             }
         }
+    }
+}
+
+/// Group drafting on SmolLM2: the 16 prompts, each answered by a GRPO group of G = 8 (prefilled once, forked),
+/// drafted from the siblings by the suffix drafter alone and merged with the n-gram drafter (hybrid), 4 groups
+/// per engine: every sample equals plain greedy decoding of its prompt (the first 64 tokens, or
+/// `TLT_SPEC_LOSSLESS_TOKENS` if smaller).
+#[test]
+fn greedy_group_drafting_is_lossless_on_smollm2() {
+    let Some(path) = model_path() else {
+        println!("SKIPPED: SmolLM2 GGUF not found; run `cargo xtask fetch-assets` (or `cargo xtask test`, which sets TLT_SMOLLM2_GGUF)");
+        return;
+    };
+    let loaded = load_gguf(&path).expect("SmolLM2 loads");
+    let (model, tok) = (loaded.model, loaded.tokenizer.expect("GGUF carries a tokenizer"));
+    let prompts: Vec<Vec<u32>> = prompt_texts().iter().map(|t| encode(&tok, t).unwrap()).collect();
+    let eos = model.config().eos_ids();
+    let n = new_tokens().min(64);
+    let refs = greedy_reference_batch(&model, &prompts, n, &eos);
+    let g = 8;
+    for hybrid in [false, true] {
+        let t = Instant::now();
+        let mut accepted = 0;
+        for chunk in prompts.chunks(4).enumerate() {
+            let (c, ps) = chunk;
+            let mut engine = Engine::new(&model, SpecParams::greedy(n)).unwrap();
+            for p in ps {
+                engine.add_group(p, g, n).unwrap();
+            }
+            let suffix = SuffixDrafter::new(SuffixConfig::default()).unwrap();
+            let (mut d, plan): (Box<dyn Drafter>, Plan) = if hybrid {
+                (
+                    Box::new(HybridDrafter::new(suffix, NgramDrafter::default())),
+                    Plan { steps: 4, top_k: 2, verify_tokens: 6 },
+                )
+            } else {
+                (Box::new(suffix), Plan::chain(4))
+            };
+            engine.run_to_completion(Some(d.as_mut()), &plan).unwrap();
+            accepted += engine.counters().accepted;
+            let mut fin = engine.take_finished();
+            fin.sort_by_key(|f| f.id);
+            assert_eq!(fin.len(), ps.len() * g);
+            for (i, f) in fin.iter().enumerate() {
+                let k = c * 4 + i / g;
+                assert_eq!(f.tokens, refs[k], "hybrid {hybrid}, prompt {k}, sample {}", i % g);
+            }
+        }
+        println!("group drafting (hybrid {hybrid}): {accepted} drafts accepted, {:.1}s", t.elapsed().as_secs_f64());
+        assert!(accepted > 0);
     }
 }

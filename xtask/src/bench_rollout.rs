@@ -159,7 +159,7 @@ fn calibrate(path: &Path, drafter: Option<&Path>) -> Result<Calibration> {
 }
 
 /// CPU arms: chains and a small tree, sized for where SD pays on this machine (batch <= 4).
-fn cpu_mab() -> MabConfig {
+pub(crate) fn cpu_mab() -> MabConfig {
     MabConfig {
         arms: vec![Plan { steps: 6, top_k: 2, verify_tokens: 12 }, Plan::chain(4), Plan::chain(2)],
         thresholds: vec![1, 2, 3],
@@ -172,7 +172,7 @@ fn cpu_mab() -> MabConfig {
 }
 
 /// The gate on this CPU: the `spec` bench shows SD losing from batch 16 on and winning at batch <= 4.
-fn cpu_gate() -> GateConfig {
+pub(crate) fn cpu_gate() -> GateConfig {
     GateConfig { threshold: 4, on_after: 2, off_threshold: 6, off_after: 1 }
 }
 

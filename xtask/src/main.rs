@@ -5,7 +5,7 @@
 //!   the workspace (`cargo nextest run --release --workspace`, or `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF;
 //! - `demo`: `fetch-assets`, then the main job: GRPO training of SmolLM2 with TLT rollouts against the baseline
 //!   (the `train` example's `--mode compare` on its embedded config), printing the report;
-//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`, `rollout`, `e2e`) writing `target/bench/<suite>.json` and `.md`.
+//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`, `rollout`, `e2e`, `group`) writing `target/bench/<suite>.json` and `.md`.
 //!
 //! See `xtask/README.md` for every option and every field of the benchmark reports.
 
@@ -14,6 +14,7 @@ mod bench_decode;
 mod bench_decode_md;
 mod bench_drafter;
 mod bench_e2e;
+mod bench_group;
 mod bench_kernels;
 mod bench_rollout;
 mod bench_spec;
@@ -84,6 +85,9 @@ enum Suite {
     Rollout(bench_rollout::RolloutArgs),
     /// GRPO end to end on SmolLM2: TLT vs baseline with the same config and seeds, per-step times and speedups.
     E2e(bench_e2e::E2eArgs),
+    /// Group drafting on SmolLM2 GRPO rollouts: plain, n-gram, suffix over the group (with and without history)
+    /// and the adaptive rollout; tokens per step beside the argmax-chain ceiling, by running batch; prefill sharing.
+    Group(bench_group::GroupArgs),
 }
 
 /// The workspace root (the parent of this crate's directory).
@@ -203,6 +207,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Demo { steps, config } => demo(steps, config.as_deref()),
         Cmd::Bench { suite: Suite::Decode(args) } => {
             bench_decode::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench { suite: Suite::Group(args) } => {
+            bench_group::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::E2e(args) } => {

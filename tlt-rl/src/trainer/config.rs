@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use tlt_drafter::online::BufferConfig;
 use tlt_drafter::TrainConfig;
 use tlt_scheduler::{GateConfig, MabConfig};
+use tlt_spec_decode::SuffixConfig;
 
 use crate::grpo::GrpoConfig;
 use crate::schedule::LrSchedule;
@@ -24,11 +25,24 @@ pub enum Mode {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DrafterChoice {
-    /// A one-layer EAGLE-2 drafter over the policy's final hidden states, trained online from rollouts.
+    /// Group drafting ([`SuffixDrafter`](tlt_spec_decode::SuffixDrafter) over each prompt's GRPO group) merged
+    /// with the online EAGLE-2 drafter into one tree per round
+    /// ([`HybridDrafter`](tlt_spec_decode::HybridDrafter)).
     #[default]
+    Hybrid,
+    /// A one-layer EAGLE-2 drafter over the policy's final hidden states, trained online from rollouts.
     Eagle2,
+    /// Model-free group drafting: the siblings' committed tokens in a suffix index per group (nothing to train).
+    Suffix,
     /// A model-free n-gram drafter over each request's own history (nothing to train).
     Ngram,
+}
+
+impl DrafterChoice {
+    /// Whether it has an online EAGLE-2 drafter (trained, checkpointed).
+    pub fn has_eagle(self) -> bool {
+        matches!(self, Self::Hybrid | Self::Eagle2)
+    }
 }
 
 /// When the online drafter trains.
@@ -58,6 +72,8 @@ pub struct SdConfig {
     pub mab: MabConfig,
     /// The drafter.
     pub drafter: DrafterChoice,
+    /// Group drafting settings ([`DrafterChoice::Suffix`] and [`DrafterChoice::Hybrid`]).
+    pub suffix: SuffixConfig,
     /// Drafter optimisation (EAGLE-2).
     pub drafter_train: TrainConfig,
     /// The online sample buffer.
@@ -78,6 +94,7 @@ impl Default for SdConfig {
             gate: GateConfig::default(),
             mab: MabConfig::default(),
             drafter: DrafterChoice::default(),
+            suffix: SuffixConfig::default(),
             drafter_train: TrainConfig { lr: 3e-4, ..TrainConfig::default() },
             buffer: BufferConfig::default(),
             schedule: DrafterSchedule::default(),
@@ -221,6 +238,7 @@ impl TrainerConfig {
         self.sd.gate.validate()?;
         self.sd.mab.validate()?;
         self.sd.drafter_train.validate()?;
+        self.sd.suffix.validate()?;
         self.sd.buffer.validate()?;
         Ok(())
     }

@@ -13,7 +13,7 @@ use tlt_drafter::{
     DraftRuntime, DrafterConfig, DrafterTrainer, Eagle2Drafter, EagleProposer, FrozenTarget, RuntimeOptions,
 };
 use tlt_model::Llama;
-use tlt_spec_decode::{Drafter, Finished, NgramDrafter};
+use tlt_spec_decode::{Drafter, Finished, HybridDrafter, NgramDrafter, SuffixConfig, SuffixDrafter};
 
 use super::config::{DrafterChoice, DrafterSchedule, SdConfig};
 use crate::Result;
@@ -27,6 +27,8 @@ pub(crate) struct OnlineEagle {
     schedule: DrafterSchedule,
     tail_batch: usize,
     publish_every: u64,
+    /// Merge its trees with group drafts ([`DrafterChoice::Hybrid`]).
+    hybrid: Option<SuffixConfig>,
     /// The worker is running (tail schedule).
     training: bool,
     /// Wall seconds the worker ran in the current rollout.
@@ -36,8 +38,10 @@ pub(crate) struct OnlineEagle {
 
 /// A rollout drafter.
 pub(crate) enum RolloutDrafter {
-    /// Model-free.
+    /// Model-free, per request.
     Ngram,
+    /// Model-free, per group.
+    Suffix(SuffixConfig),
     /// Online EAGLE-2.
     Eagle(Box<OnlineEagle>),
 }
@@ -46,6 +50,7 @@ impl std::fmt::Debug for RolloutDrafter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Ngram => f.write_str("Ngram"),
+            Self::Suffix(_) => f.write_str("Suffix"),
             Self::Eagle(e) => write!(f, "Eagle2(version {})", e.slot.version()),
         }
     }
@@ -56,7 +61,8 @@ impl RolloutDrafter {
     pub(crate) fn new(cfg: &SdConfig, policy: &Llama) -> Result<Self> {
         match cfg.drafter {
             DrafterChoice::Ngram => Ok(Self::Ngram),
-            DrafterChoice::Eagle2 => {
+            DrafterChoice::Suffix => Ok(Self::Suffix(cfg.suffix)),
+            DrafterChoice::Eagle2 | DrafterChoice::Hybrid => {
                 let dcfg = DrafterConfig::eagle2_from_target(policy.config(), false);
                 let d = Eagle2Drafter::random(dcfg, FrozenTarget::new(policy), cfg.drafter_seed)?;
                 Self::eagle(cfg, DrafterTrainer::new(d, cfg.drafter_train.clone())?, 0)
@@ -86,6 +92,7 @@ impl RolloutDrafter {
             schedule: cfg.schedule,
             tail_batch: cfg.tail_batch,
             publish_every: cfg.publish_every,
+            hybrid: (cfg.drafter == DrafterChoice::Hybrid).then_some(cfg.suffix),
             training: false,
             train_since: None,
             train_s: 0.0,
@@ -98,11 +105,15 @@ impl RolloutDrafter {
     }
 
     /// A fresh proposer for one rollout (per-request drafter caches live in it).
-    pub(crate) fn proposer(&self) -> Box<dyn Drafter> {
-        match self {
+    pub(crate) fn proposer(&self) -> Result<Box<dyn Drafter>> {
+        Ok(match self {
             Self::Ngram => Box::new(NgramDrafter::default()),
-            Self::Eagle(e) => Box::new(EagleProposer::new(e.slot.clone())),
-        }
+            Self::Suffix(cfg) => Box::new(SuffixDrafter::new(*cfg)?),
+            Self::Eagle(e) => match e.hybrid {
+                Some(cfg) => Box::new(HybridDrafter::new(SuffixDrafter::new(cfg)?, EagleProposer::new(e.slot.clone()))),
+                None => Box::new(EagleProposer::new(e.slot.clone())),
+            },
+        })
     }
 
     /// A rollout starts: the buffer moves to RL step `step`.
@@ -176,7 +187,7 @@ impl RolloutDrafter {
     /// Published weights version (0 for the n-gram drafter).
     pub(crate) fn version(&self) -> u64 {
         match self {
-            Self::Ngram => 0,
+            Self::Ngram | Self::Suffix(_) => 0,
             Self::Eagle(e) => e.slot.version(),
         }
     }
@@ -184,7 +195,7 @@ impl RolloutDrafter {
     /// Drafter optimizer steps so far.
     pub(crate) fn steps(&self) -> u64 {
         match self {
-            Self::Ngram => 0,
+            Self::Ngram | Self::Suffix(_) => 0,
             Self::Eagle(e) => e.trainer.lock().steps_done(),
         }
     }

@@ -154,11 +154,11 @@ impl<E: Environment> Trainer<E> {
         let saved = tlt_model::load_hf_dir(&dir.join(POLICY_DIR))?.model;
         let drafter = match cfg.mode {
             Mode::Tlt => Some(match cfg.sd.drafter {
-                config::DrafterChoice::Eagle2 => {
+                d if d.has_eagle() => {
                     let t = DrafterTrainer::resume(&dir.join(DRAFTER_DIR), &saved)?;
                     RolloutDrafter::eagle(&cfg.sd, t, state.drafter_version)?
                 }
-                config::DrafterChoice::Ngram => RolloutDrafter::new(&cfg.sd, &saved)?,
+                _ => RolloutDrafter::new(&cfg.sd, &saved)?,
             }),
             Mode::Baseline => None,
         };

@@ -88,15 +88,19 @@ pub(crate) fn run_rollout(
     let t0 = Instant::now();
     let mut engine = Engine::new(model, params)?;
     engine.record_hidden(drafter.as_ref().is_some_and(|d| d.needs_hidden()));
+    // One engine group per prompt: its prompt is prefilled once and forked to the siblings, and group drafters
+    // draft from the siblings' tokens.
     let mut owner = Vec::new();
+    let max_new = engine.params().max_new_tokens;
     for (g, p) in prompts.iter().enumerate() {
-        for _ in 0..group_size {
-            engine.add_request(&p.ids)?;
-            owner.push(g);
+        let (_, ids) = engine.add_group(&p.ids, group_size, max_new)?;
+        if ids.first().is_some_and(|id| id.0 != owner.len()) {
+            return Err(Error::InvalidArgument("engine request ids are not dense".into()));
         }
+        owner.extend(std::iter::repeat_n(g, ids.len()));
     }
     let total = owner.len();
-    let mut proposer = drafter.as_ref().map(|d| d.proposer());
+    let mut proposer = drafter.as_ref().map(|d| d.proposer()).transpose()?;
     if let Some(d) = drafter.as_deref_mut() {
         d.begin_rollout(rl_step);
     }
