@@ -62,15 +62,21 @@ fn prompt_texts() -> Vec<String> {
     ]
 }
 
-#[test]
-fn greedy_speculative_decoding_is_lossless_on_smollm2() {
+/// SmolLM2 and the 16 encoded prompts, or `None` (after printing why the test is skipped) without the model file.
+fn model_and_prompts() -> Option<(tlt_model::Llama, Vec<Vec<u32>>)> {
     let Some(path) = model_path() else {
         println!("SKIPPED: SmolLM2 GGUF not found; run `cargo xtask fetch-assets` (or `cargo xtask test`, which sets TLT_SMOLLM2_GGUF)");
-        return;
+        return None;
     };
     let loaded = load_gguf(&path).expect("SmolLM2 loads");
     let (model, tok) = (loaded.model, loaded.tokenizer.expect("GGUF carries a tokenizer"));
     let prompts: Vec<Vec<u32>> = prompt_texts().iter().map(|t| encode(&tok, t).unwrap()).collect();
+    Some((model, prompts))
+}
+
+#[test]
+fn greedy_speculative_decoding_is_lossless_on_smollm2() {
+    let Some((model, prompts)) = model_and_prompts() else { return };
     assert_eq!(prompts.len(), 16);
     let eos = model.config().eos_ids();
     let t0 = Instant::now();
@@ -112,13 +118,7 @@ fn greedy_speculative_decoding_is_lossless_on_smollm2() {
 /// `TLT_SPEC_LOSSLESS_TOKENS` if smaller).
 #[test]
 fn greedy_group_drafting_is_lossless_on_smollm2() {
-    let Some(path) = model_path() else {
-        println!("SKIPPED: SmolLM2 GGUF not found; run `cargo xtask fetch-assets` (or `cargo xtask test`, which sets TLT_SMOLLM2_GGUF)");
-        return;
-    };
-    let loaded = load_gguf(&path).expect("SmolLM2 loads");
-    let (model, tok) = (loaded.model, loaded.tokenizer.expect("GGUF carries a tokenizer"));
-    let prompts: Vec<Vec<u32>> = prompt_texts().iter().map(|t| encode(&tok, t).unwrap()).collect();
+    let Some((model, prompts)) = model_and_prompts() else { return };
     let eos = model.config().eos_ids();
     let n = new_tokens().min(64);
     let refs = greedy_reference_batch(&model, &prompts, n, &eos);
