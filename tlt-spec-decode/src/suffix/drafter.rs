@@ -351,8 +351,9 @@ impl Drafter for SuffixDrafter {
         let t = Instant::now();
         // Catch up with tokens committed while this drafter was not told (robustness; the engine observes).
         let group = self.groups.get_mut(&m.key).ok_or_else(|| Error::InvalidArgument("unknown group".into()))?;
-        let have = group.index.stream(m.stream)?.len();
-        if have > ctx.history.len() || group.index.stream(m.stream)? != &ctx.history[..have] {
+        let seen = group.index.stream(m.stream)?;
+        let have = seen.len();
+        if !ctx.history.starts_with(seen) {
             return Err(Error::InvalidArgument(format!(
                 "request {}'s history disagrees with the tokens the suffix drafter observed",
                 ctx.request.0
