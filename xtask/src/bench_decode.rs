@@ -90,7 +90,7 @@ machines across campuses and then across the world, and the personal computer pu
 Each generation of hardware made new software possible, and each generation of software demanded more hardware.";
 
 /// One timed run of one implementation.
-struct Run {
+pub(crate) struct Run {
     prefill: Duration,
     decode: Duration,
     /// Greedy tokens of sequence 0: the one from the prefill, then one per decode step.
@@ -268,7 +268,7 @@ fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
 }
 
 /// `n` distinct prompts of exactly `len` tokens: `"Passage {i}. "` followed by the fixed text, cut to `len`.
-fn make_prompts(tokenizer: &tokenizers::Tokenizer, n: usize, len: usize) -> Result<Vec<Vec<u32>>> {
+pub(crate) fn make_prompts(tokenizer: &tokenizers::Tokenizer, n: usize, len: usize) -> Result<Vec<Vec<u32>>> {
     (0..n)
         .map(|i| {
             let mut ids = tlt_model::encode(tokenizer, &format!("Passage {i}. {PROMPT_TEXT}"))?;
@@ -282,7 +282,7 @@ fn make_prompts(tokenizer: &tokenizers::Tokenizer, n: usize, len: usize) -> Resu
 }
 
 /// tlt-model: one batched prefill, then `steps` batched decode steps.
-fn run_ours(model: &Llama, prompts: &[Vec<u32>], steps: usize, bar: &ProgressBar) -> Result<Run> {
+pub(crate) fn run_ours(model: &Llama, prompts: &[Vec<u32>], steps: usize, bar: &ProgressBar) -> Result<Run> {
     let mut cache = model.new_cache();
     let seqs: Vec<_> = prompts.iter().map(|_| cache.add_sequence()).collect();
     let inputs: Vec<SeqInput> = seqs
@@ -418,7 +418,7 @@ fn q8_gguf_path(src: &Path) -> PathBuf {
     crate::assets::cache_dir().join("requant").join(format!("{stem}.Q8_0.gguf"))
 }
 
-fn summarize(runs: &[Run], batch: usize, steps: usize, bytes: u64, bw_gbs: f64) -> ImplResult {
+pub(crate) fn summarize(runs: &[Run], batch: usize, steps: usize, bytes: u64, bw_gbs: f64) -> ImplResult {
     let decode_s_runs: Vec<f64> = runs.iter().map(|r| r.decode.as_secs_f64()).collect();
     let prefill_ms_runs: Vec<f64> = runs.iter().map(|r| r.prefill.as_secs_f64() * 1e3).collect();
     let decode_s = median(&decode_s_runs);

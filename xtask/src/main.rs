@@ -16,6 +16,7 @@ mod bench_drafter;
 mod bench_e2e;
 mod bench_group;
 mod bench_kernels;
+mod bench_llamacpp;
 mod bench_rollout;
 mod bench_spec;
 mod candle_ref;
@@ -88,6 +89,9 @@ enum Suite {
     /// Group drafting on SmolLM2 GRPO rollouts: plain, n-gram, suffix over the group (with and without history)
     /// and the adaptive rollout; tokens per step beside the argmax-chain ceiling, by running batch; prefill sharing.
     Group(bench_group::GroupArgs),
+    /// Batch-1 decode against llama.cpp's `llama-bench` (built beside the project) on the same weights
+    /// (f32 and Q8_0 GGUFs written from the model's), threads and context, interleaved.
+    Llamacpp(bench_llamacpp::LlamaCppArgs),
 }
 
 /// The workspace root (the parent of this crate's directory).
@@ -207,6 +211,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Demo { steps, config } => demo(steps, config.as_deref()),
         Cmd::Bench { suite: Suite::Decode(args) } => {
             bench_decode::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench { suite: Suite::Llamacpp(args) } => {
+            bench_llamacpp::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Group(args) } => {
