@@ -36,6 +36,7 @@ mod isa;
 pub mod quant;
 mod sampling;
 mod simd;
+mod team;
 
 pub use attention::{tree_attention, tree_attention_with, AttnShape, Visibility};
 pub use error::{Error, Result};

@@ -152,7 +152,8 @@ pub fn run(args: &LlamaCppArgs) -> Result<()> {
     if !args.llama_bench.is_file() {
         bail!("--llama-bench {} is not a file", args.llama_bench.display());
     }
-    let formats = args.dtypes.iter().map(|d| Ok((d.to_ascii_lowercase(), parse_dtype(d)?))).collect::<Result<Vec<_>>>()?;
+    let formats =
+        args.dtypes.iter().map(|d| Ok((d.to_ascii_lowercase(), parse_dtype(d)?))).collect::<Result<Vec<_>>>()?;
     let timestamp = sysinfo::utc_timestamp();
     let path = match &args.model {
         Some(p) => p.clone(),

@@ -17,7 +17,8 @@ pub use matrix::{MatRef, Matrix, WeightDType, WeightsRef};
 pub struct GemmConfig {
     /// Instruction set (must be available on this CPU).
     pub isa: Isa,
-    /// Worker threads (1 = the calling thread only; more uses rayon's global pool).
+    /// Worker threads (1 = the calling thread only; more uses the kernels' spinning team of
+    /// [`default_threads`] threads, or rayon's global pool when that is busy or smaller).
     pub threads: usize,
 }
 
@@ -123,16 +124,22 @@ fn run<F: Format>(cfg: GemmConfig, x: &[f32], w: &[F::Elem], row_elems: usize, y
         return;
     }
     let per = d.n.div_ceil(parts).div_ceil(16) * 16;
-    rayon::scope(|s| {
-        for t in 0..parts {
-            let rows = (t * per).min(d.n)..((t + 1) * per).min(d.n);
-            if rows.is_empty() {
-                continue;
-            }
+    let part = |t: usize| {
+        let rows = (t * per).min(d.n)..((t + 1) * per).min(d.n);
+        if !rows.is_empty() {
             // SAFETY: as above; parts write disjoint columns of y.
-            s.spawn(move |_| unsafe { f(p, row_elems, d, rows) });
+            unsafe { f(p, row_elems, d, rows) };
         }
-    });
+    };
+    // The spinning team first (no sleep/wake per call); rayon when another thread holds the team or more
+    // threads were asked for than it has.
+    if !crate::team::Team::global().run(parts, &part) {
+        rayon::scope(|s| {
+            for t in 0..parts {
+                s.spawn(move |_| part(t));
+            }
+        });
+    }
 }
 
 /// Runs the kernel on weight rows `rows`. For many rows of a converted format, panels are first dequantized to
