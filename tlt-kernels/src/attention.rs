@@ -177,12 +177,35 @@ pub fn tree_attention_with(
         Isa::Avx2 => attend_avx2,
         _ => attend_scalar,
     };
-    let mut scratch = SCRATCH.take();
-    // SAFETY: all lengths were checked above, parents are < their child, and `isa` is available.
-    unsafe { f(&args, out, &mut scratch) };
-    SCRATCH.set(scratch);
+    // Query heads are independent (each has its own softmax state), so contiguous ranges of them run on the
+    // kernels' team; every head's result is the same whatever the split. Small calls stay on this thread.
+    let work = n.saturating_mul(base + n).saturating_mul(qw);
+    let parts = crate::default_threads().min(shape.n_heads).max(1);
+    let parts = if work >= MIN_PARALLEL_WORK { parts } else { 1 };
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let part = |t: usize| {
+        let heads = (t * shape.n_heads / parts)..((t + 1) * shape.n_heads / parts);
+        let mut scratch = SCRATCH.take();
+        // SAFETY: all lengths were checked above, parents are < their child, and `isa` is available; parts
+        // write the disjoint output columns of their heads.
+        unsafe { f(&args, out_ptr, heads, &mut scratch) };
+        SCRATCH.set(scratch);
+    };
+    if !crate::team::Team::global().run(parts, &part) {
+        (0..parts).for_each(part);
+    }
     Ok(())
 }
+
+/// Score-times-value multiply-adds below which one call stays on the calling thread.
+const MIN_PARALLEL_WORK: usize = 1 << 15;
+
+/// The output pointer shared by the parts of one call.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: the parts of one call write disjoint head columns of the output while the caller waits.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
 
 fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     if expected == got {
@@ -284,56 +307,67 @@ struct Buf {
     l: *mut f32,
     s: *mut f32,
     live: *mut bool,
+    /// Query heads of the current group handled by this call (query vectors are `token * gh + head`).
+    gh: usize,
 }
 
-type KernelFn = unsafe fn(&Args<'_>, &mut [f32], &mut Scratch);
+type KernelFn = unsafe fn(&Args<'_>, SendPtr, Range<usize>, &mut Scratch);
 
-unsafe fn attend_scalar(a: &Args<'_>, out: &mut [f32], sc: &mut Scratch) {
-    unsafe { attend::<Scalar>(a, out, sc) }
+unsafe fn attend_scalar(a: &Args<'_>, out: SendPtr, heads: Range<usize>, sc: &mut Scratch) {
+    unsafe { attend::<Scalar>(a, out, heads, sc) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2(a: &Args<'_>, out: &mut [f32], sc: &mut Scratch) {
-    unsafe { attend::<crate::simd::Avx2>(a, out, sc) }
+unsafe fn attend_avx2(a: &Args<'_>, out: SendPtr, heads: Range<usize>, sc: &mut Scratch) {
+    unsafe { attend::<crate::simd::Avx2>(a, out, heads, sc) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-unsafe fn attend_avx512(a: &Args<'_>, out: &mut [f32], sc: &mut Scratch) {
-    unsafe { attend::<crate::simd::Avx512>(a, out, sc) }
+unsafe fn attend_avx512(a: &Args<'_>, out: SendPtr, heads: Range<usize>, sc: &mut Scratch) {
+    unsafe { attend::<crate::simd::Avx512>(a, out, heads, sc) }
 }
 
-/// The whole attention, one kv head (GQA group) at a time.
+/// The attention of query heads `heads`, one kv head (GQA group) at a time.
 ///
 /// # Safety
-/// `a` was validated by [`tree_attention_with`]; the CPU supports `S`.
+/// `a` was validated by [`tree_attention_with`]; `out` holds `a.n * n_heads * head_dim` f32 of which this call
+/// writes only the columns of `heads`; the CPU supports `S`.
 #[inline(always)]
-unsafe fn attend<S: Simd>(a: &Args<'_>, out: &mut [f32], sc: &mut Scratch) {
+unsafe fn attend<S: Simd>(a: &Args<'_>, out: SendPtr, heads: Range<usize>, sc: &mut Scratch) {
     unsafe {
         let AttnShape { n_heads: h, n_kv_heads: kvh, head_dim: d } = a.shape;
         let gq = h / kvh;
-        let nq = a.n * gq;
         let qw = h * d;
-        sc.qs.resize(nq * d, 0.0);
-        sc.acc.resize(nq * d, 0.0);
-        sc.m.resize(nq, 0.0);
-        sc.l.resize(nq, 0.0);
-        sc.s.resize(nq * TILE, 0.0);
-        sc.live.resize(nq, false);
-        let b = Buf {
-            qs: sc.qs.as_mut_ptr(),
-            acc: sc.acc.as_mut_ptr(),
-            m: sc.m.as_mut_ptr(),
-            l: sc.l.as_mut_ptr(),
-            s: sc.s.as_mut_ptr(),
-            live: sc.live.as_mut_ptr(),
-        };
-        let (qp, op) = (a.q.as_ptr(), out.as_mut_ptr());
+        let (qp, op) = (a.q.as_ptr(), out.0);
         for g in 0..kvh {
-            // Query vector j = i * gq + hh is token i, head g * gq + hh; pre-scaled.
+            // The heads of this group in `heads`: group-relative `h0..h0 + gh`.
+            let lo = heads.start.max(g * gq);
+            let hi = heads.end.min((g + 1) * gq);
+            if lo >= hi {
+                continue;
+            }
+            let (h0, gh) = (lo - g * gq, hi - lo);
+            let nq = a.n * gh;
+            sc.qs.resize(nq * d, 0.0);
+            sc.acc.resize(nq * d, 0.0);
+            sc.m.resize(nq, 0.0);
+            sc.l.resize(nq, 0.0);
+            sc.s.resize(nq * TILE, 0.0);
+            sc.live.resize(nq, false);
+            let b = Buf {
+                qs: sc.qs.as_mut_ptr(),
+                acc: sc.acc.as_mut_ptr(),
+                m: sc.m.as_mut_ptr(),
+                l: sc.l.as_mut_ptr(),
+                s: sc.s.as_mut_ptr(),
+                live: sc.live.as_mut_ptr(),
+                gh,
+            };
+            // Query vector j = i * gh + hh is token i, head g * gq + h0 + hh; pre-scaled.
             for j in 0..nq {
-                let src = qp.add((j / gq) * qw + (g * gq + j % gq) * d);
+                let src = qp.add((j / gh) * qw + (g * gq + h0 + j % gh) * d);
                 let dst = b.qs.add(j * d);
                 for e in 0..d {
                     *dst.add(e) = *src.add(e) * a.scale;
@@ -357,11 +391,11 @@ unsafe fn attend<S: Simd>(a: &Args<'_>, out: &mut [f32], sc: &mut Scratch) {
             r0 = 0;
             while r0 < a.n {
                 let r1 = (r0 + TILE).min(a.n);
-                tile::<S>(a, b, kp, vp, a.base + r0..a.base + r1, r0 * gq, Some(r0));
+                tile::<S>(a, b, kp, vp, a.base + r0..a.base + r1, r0 * gh, Some(r0));
                 r0 = r1;
             }
             for j in 0..nq {
-                let dst = op.add((j / gq) * qw + (g * gq + j % gq) * d);
+                let dst = op.add((j / gh) * qw + (g * gq + h0 + j % gh) * d);
                 let src = b.acc.add(j * d);
                 // Every token sees itself, so l > 0.
                 let inv = 1.0 / *b.l.add(j);
@@ -433,7 +467,7 @@ unsafe fn tile<S: Simd>(
     unsafe {
         let d = a.shape.head_dim;
         let kvw = a.shape.n_kv_heads * d;
-        let gq = a.shape.n_heads / a.shape.n_kv_heads;
+        let gq = b.gh;
         let nq = a.n * gq;
         let t = rows.len();
         let lanes = S::LANES;

@@ -3,8 +3,12 @@
 //! A decode step of a small model is a few hundred GEMMs of 20–200 µs each. Handing each one to rayon's pool
 //! from a thread outside it costs a sleep/wake round trip per call (measured at ~10% of a SmolLM2-135M decode
 //! step on a 2-vCPU EPYC VM, as scheduler time). Like ggml's thread pool, the helpers here spin on an atomic
-//! state between jobs, so a job starts within a cache-line transfer; the calling thread runs part 0 itself. A
-//! helper parks on a condition variable after [`SPIN`] without work, so an idle team costs nothing.
+//! state between jobs, so a job starts within a cache-line transfer. A helper parks on a condition variable
+//! after [`SPIN`] without work, so an idle team costs nothing.
+//!
+//! Parts are *claimed*, not assigned: the calling thread claims parts too, so when the machine is
+//! oversubscribed and a helper is not running, the caller simply runs every part itself instead of waiting for
+//! it. The caller waits only for parts a helper has claimed and is running.
 //!
 //! One caller at a time owns the team; a concurrent caller (say, a drafter trainer beside the engine) gets
 //! `false` from [`Team::run`] and runs its loop another way.
@@ -22,13 +26,16 @@ const SPIN: Duration = Duration::from_micros(300);
 type Job = *const (dyn Fn(usize) + Sync + 'static);
 
 struct Shared {
-    /// `epoch << 16 | parts` of the newest job.
-    state: AtomicU64,
-    /// Helpers still running the newest job.
-    remaining: AtomicUsize,
-    /// The newest job; written only while no helper can read it (see [`Team::run`]).
+    /// `epoch << 32 | next unclaimed part` of the newest job: a helper claims a part of the job it saw only
+    /// while the epoch still matches.
+    claim: AtomicU64,
+    /// Parts of the newest job (written before its epoch is published).
+    parts: AtomicUsize,
+    /// Parts of the newest job finished.
+    done: AtomicUsize,
+    /// The newest job; written only while no part of any job is claimed (see [`Team::run`]).
     job: UnsafeCell<Option<Job>>,
-    /// Whether a part of the newest job panicked.
+    /// Whether a helper's part of the newest job panicked.
     panicked: AtomicBool,
     /// Helpers parked (or about to park) on `wake`.
     sleepers: AtomicUsize,
@@ -36,9 +43,9 @@ struct Shared {
     wake: Condvar,
 }
 
-// SAFETY: `job` is written by the owner of `Team::owner` only while every helper that will read it is waiting
-// for the state change that publishes it, and read by helpers only between that change and their decrement of
-// `remaining`, which the owner waits for before returning (and before writing `job` again).
+// SAFETY: `job` is written by the owner of `Team::owner` only after every part of the previous job has finished
+// (`done == parts`), before the new epoch is published; helpers read it only after claiming a part of the new
+// epoch, and the owner does not return (nor write `job` again) until that part is done.
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
@@ -58,8 +65,9 @@ impl Team {
 
     fn start(helpers: usize) -> Team {
         let shared: &'static Shared = Box::leak(Box::new(Shared {
-            state: AtomicU64::new(0),
-            remaining: AtomicUsize::new(0),
+            claim: AtomicU64::new(0),
+            parts: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
             job: UnsafeCell::new(None),
             panicked: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
@@ -68,8 +76,7 @@ impl Team {
         }));
         let mut started = 0;
         for idx in 1..=helpers {
-            let spawned =
-                std::thread::Builder::new().name(format!("tlt-team-{idx}")).spawn(move || helper(shared, idx));
+            let spawned = std::thread::Builder::new().name(format!("tlt-team-{idx}")).spawn(move || helper(shared));
             if spawned.is_err() {
                 break;
             }
@@ -78,18 +85,13 @@ impl Team {
         Team { shared, helpers: started, owner: Mutex::new(()) }
     }
 
-    /// Runs `f(0)`, …, `f(parts - 1)` in parallel (part 0 on the calling thread) and returns `true`, or returns
-    /// `false` without running anything when the team is busy with another caller or has fewer than
-    /// `parts - 1` helpers. Panics if a part panicked (after every part has finished).
+    /// Runs `f(0)`, …, `f(parts - 1)`, each exactly once, on the calling thread and the helpers, and returns
+    /// `true`; or returns `false` without running anything when another caller owns the team. With no helpers
+    /// every part runs on the calling thread. Panics if a part panicked (after every claimed part finished).
     pub(crate) fn run(&self, parts: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
-        if parts <= 1 {
-            if parts == 1 {
-                f(0);
-            }
+        if parts <= 1 || self.helpers == 0 {
+            (0..parts).for_each(f);
             return true;
-        }
-        if parts - 1 > self.helpers || parts >= 1 << 16 {
-            return false;
         }
         // A poisoned lock only means an earlier job panicked; the team itself is consistent.
         let _owner = match self.owner.try_lock() {
@@ -98,23 +100,30 @@ impl Team {
             Err(TryLockError::WouldBlock) => return false,
         };
         let s = self.shared;
-        // SAFETY: only the lifetime is erased; the job is read by helpers only until `remaining` reaches 0,
-        // which this function waits for before returning.
+        // SAFETY: only the lifetime is erased; parts are claimed only while this call runs (see `Shared`).
         let job: Job = unsafe { std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), Job>(f) };
-        // SAFETY: see `Shared`: every participant of the previous job has finished with it.
+        // SAFETY: see `Shared`: every part of the previous job has finished.
         unsafe { *s.job.get() = Some(job) };
-        s.remaining.store(parts - 1, Ordering::Relaxed);
-        let epoch = (s.state.load(Ordering::Relaxed) >> 16) + 1;
-        s.state.store(epoch << 16 | parts as u64, Ordering::SeqCst);
+        s.parts.store(parts, Ordering::Relaxed);
+        s.done.store(0, Ordering::Relaxed);
+        let epoch = (s.claim.load(Ordering::Relaxed) >> 32) + 1;
+        s.claim.store(epoch << 32, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.park.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
-        let mine = catch_unwind(AssertUnwindSafe(|| f(0)));
+        let mut mine = Ok(());
+        let mut ran = 0;
+        while let Some(i) = try_claim(s, epoch, parts) {
+            if mine.is_ok() {
+                mine = catch_unwind(AssertUnwindSafe(|| f(i)));
+            }
+            ran += 1;
+        }
         let mut spins = 0u32;
-        while s.remaining.load(Ordering::Acquire) != 0 {
+        while s.done.load(Ordering::Acquire) + ran < parts {
             spins = spins.wrapping_add(1);
-            if spins % 4096 == 0 {
+            if spins % 1024 == 0 {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -129,35 +138,48 @@ impl Team {
     }
 }
 
-fn helper(s: &'static Shared, idx: usize) {
-    let mut seen = 0u64;
+/// Claims the next part of job `epoch`, if that job is still the newest and has one left.
+fn try_claim(s: &Shared, epoch: u64, parts: usize) -> Option<usize> {
+    let mut c = s.claim.load(Ordering::Acquire);
     loop {
-        let state = wait_for_job(s, seen);
-        seen = state >> 16;
-        let parts = (state & 0xFFFF) as usize;
-        if idx >= parts {
-            continue;
+        if c >> 32 != epoch || (c & 0xFFFF_FFFF) as usize >= parts {
+            return None;
         }
-        // SAFETY: see `Shared`; the owner waits for our decrement below before touching `job` again.
-        if let Some(job) = unsafe { *s.job.get() } {
-            // SAFETY: the job outlives this call (the owner is waiting in `Team::run`).
-            let f = unsafe { &*job };
-            if catch_unwind(AssertUnwindSafe(|| f(idx))).is_err() {
-                s.panicked.store(true, Ordering::Relaxed);
-            }
+        match s.claim.compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Some((c & 0xFFFF_FFFF) as usize),
+            Err(now) => c = now,
         }
-        s.remaining.fetch_sub(1, Ordering::Release);
     }
 }
 
-/// Waits until the epoch differs from `seen` (spinning for [`SPIN`], then parked) and returns the state.
+fn helper(s: &'static Shared) {
+    let mut seen = 0u64;
+    loop {
+        seen = wait_for_job(s, seen);
+        let parts = s.parts.load(Ordering::Relaxed);
+        while let Some(i) = try_claim(s, seen, parts) {
+            // SAFETY: see `Shared`: having claimed a part of epoch `seen`, the job is that epoch's and stays
+            // alive until our `done` increment below.
+            if let Some(job) = unsafe { *s.job.get() } {
+                // SAFETY: as above.
+                let f = unsafe { &*job };
+                if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
+                    s.panicked.store(true, Ordering::Relaxed);
+                }
+            }
+            s.done.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+/// Waits until the epoch differs from `seen` (spinning for [`SPIN`], then parked) and returns the new epoch.
 fn wait_for_job(s: &Shared, seen: u64) -> u64 {
     let start = Instant::now();
     let mut spins = 0u32;
     loop {
-        let state = s.state.load(Ordering::Acquire);
-        if state >> 16 != seen {
-            return state;
+        let epoch = s.claim.load(Ordering::Acquire) >> 32;
+        if epoch != seen {
+            return epoch;
         }
         spins = spins.wrapping_add(1);
         if spins % 1024 == 0 && start.elapsed() > SPIN {
@@ -168,10 +190,10 @@ fn wait_for_job(s: &Shared, seen: u64) -> u64 {
     let mut guard = s.park.lock().unwrap_or_else(|e| e.into_inner());
     s.sleepers.fetch_add(1, Ordering::SeqCst);
     loop {
-        let state = s.state.load(Ordering::SeqCst);
-        if state >> 16 != seen {
+        let epoch = s.claim.load(Ordering::SeqCst) >> 32;
+        if epoch != seen {
             s.sleepers.fetch_sub(1, Ordering::SeqCst);
-            return state;
+            return epoch;
         }
         guard = s.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
     }
@@ -184,7 +206,7 @@ mod tests {
     #[test]
     fn every_part_runs_once_per_job_even_after_parking() {
         let team = Team::start(3);
-        for round in 0..200 {
+        for round in 0..2000 {
             let parts = 1 + round % 4;
             let hits: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
             assert!(team.run(parts, &|i| {
@@ -193,17 +215,30 @@ mod tests {
             for (i, h) in hits.iter().enumerate() {
                 assert_eq!(h.load(Ordering::Relaxed), usize::from(i < parts), "round {round} part {i}");
             }
-            if round % 50 == 0 {
+            if round % 500 == 0 {
                 std::thread::sleep(SPIN * 3); // let the helpers park
             }
         }
     }
 
     #[test]
-    fn too_many_parts_is_refused() {
+    fn more_parts_than_threads_all_run_once() {
         let team = Team::start(1);
-        assert!(!team.run(3, &|_| {}));
-        assert!(team.run(2, &|_| {}));
+        let hits: Vec<AtomicUsize> = (0..7).map(|_| AtomicUsize::new(0)).collect();
+        assert!(team.run(7, &|i| {
+            hits[i].fetch_add(1, Ordering::Relaxed);
+        }));
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+    }
+
+    #[test]
+    fn a_team_without_helpers_runs_on_the_caller() {
+        let team = Team::start(0);
+        let sum = AtomicUsize::new(0);
+        assert!(team.run(4, &|i| {
+            sum.fetch_add(i + 1, Ordering::Relaxed);
+        }));
+        assert_eq!(sum.load(Ordering::Relaxed), 10);
     }
 
     #[test]
