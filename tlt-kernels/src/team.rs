@@ -10,6 +10,9 @@
 //! oversubscribed and a helper is not running, the caller simply runs every part itself instead of waiting for
 //! it. The caller waits only for parts a helper has claimed and is running.
 //!
+//! `TLT_KERNELS_NO_TEAM=1` turns the team off (GEMMs then fork onto rayon's pool, attention runs on the caller),
+//! for comparisons and for machines where spinning threads are unwelcome.
+//!
 //! One caller at a time owns the team; a concurrent caller (say, a drafter trainer beside the engine) gets
 //! `false` from [`Team::run`] and runs its loop another way.
 
@@ -43,6 +46,21 @@ struct Shared {
     wake: Condvar,
 }
 
+impl Shared {
+    fn new() -> Self {
+        Shared {
+            claim: AtomicU64::new(0),
+            parts: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            job: UnsafeCell::new(None),
+            panicked: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            park: Mutex::new(()),
+            wake: Condvar::new(),
+        }
+    }
+}
+
 // SAFETY: `job` is written by the owner of `Team::owner` only after every part of the previous job has finished
 // (`done == parts`), before the new epoch is published; helpers read it only after claiming a part of the new
 // epoch, and the owner does not return (nor write `job` again) until that part is done.
@@ -54,26 +72,25 @@ pub(crate) struct Team {
     shared: &'static Shared,
     helpers: usize,
     owner: Mutex<()>,
+    /// `false` when `TLT_KERNELS_NO_TEAM` is set: [`Team::run`] refuses every parallel job.
+    enabled: bool,
 }
 
 impl Team {
     /// The team with `threads - 1` helpers for [`crate::default_threads`] threads, started on first use.
     pub(crate) fn global() -> &'static Team {
         static TEAM: OnceLock<Team> = OnceLock::new();
-        TEAM.get_or_init(|| Team::start(crate::default_threads().saturating_sub(1)))
+        TEAM.get_or_init(|| {
+            if std::env::var_os("TLT_KERNELS_NO_TEAM").is_some_and(|v| v != "0") {
+                Team { shared: Box::leak(Box::new(Shared::new())), helpers: 0, owner: Mutex::new(()), enabled: false }
+            } else {
+                Team::start(crate::default_threads().saturating_sub(1))
+            }
+        })
     }
 
     fn start(helpers: usize) -> Team {
-        let shared: &'static Shared = Box::leak(Box::new(Shared {
-            claim: AtomicU64::new(0),
-            parts: AtomicUsize::new(0),
-            done: AtomicUsize::new(0),
-            job: UnsafeCell::new(None),
-            panicked: AtomicBool::new(false),
-            sleepers: AtomicUsize::new(0),
-            park: Mutex::new(()),
-            wake: Condvar::new(),
-        }));
+        let shared: &'static Shared = Box::leak(Box::new(Shared::new()));
         let mut started = 0;
         for idx in 1..=helpers {
             let spawned = std::thread::Builder::new().name(format!("tlt-team-{idx}")).spawn(move || helper(shared));
@@ -82,13 +99,16 @@ impl Team {
             }
             started += 1;
         }
-        Team { shared, helpers: started, owner: Mutex::new(()) }
+        Team { shared, helpers: started, owner: Mutex::new(()), enabled: true }
     }
 
     /// Runs `f(0)`, …, `f(parts - 1)`, each exactly once, on the calling thread and the helpers, and returns
     /// `true`; or returns `false` without running anything when another caller owns the team. With no helpers
     /// every part runs on the calling thread. Panics if a part panicked (after every claimed part finished).
     pub(crate) fn run(&self, parts: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
+        if parts > 1 && !self.enabled {
+            return false;
+        }
         if parts <= 1 || self.helpers == 0 {
             (0..parts).for_each(f);
             return true;
@@ -182,10 +202,16 @@ fn wait_for_job(s: &Shared, seen: u64) -> u64 {
             return epoch;
         }
         spins = spins.wrapping_add(1);
-        if spins % 1024 == 0 && start.elapsed() > SPIN {
-            break;
+        if spins % 64 == 0 {
+            if start.elapsed() > SPIN {
+                break;
+            }
+            // Give the core away if another thread wants it (an oversubscribed machine: parallel test
+            // processes, a trainer beside the engine); returns at once otherwise.
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
         }
-        std::hint::spin_loop();
     }
     let mut guard = s.park.lock().unwrap_or_else(|e| e.into_inner());
     s.sleepers.fetch_add(1, Ordering::SeqCst);

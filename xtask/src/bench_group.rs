@@ -98,6 +98,15 @@ pub struct RunStats {
     pub speedup_tail: f64,
     /// Per running-batch bucket.
     pub buckets: Vec<BucketStats>,
+    /// Per exact running batch (index = requests running before the round; index 0 unused).
+    pub by_live: Vec<BucketStats>,
+    /// Throughput ratio on plain's workload: the time plain spent at each running batch, divided by this run's
+    /// throughput ratio to plain at that batch (its bucket's ratio where it has fewer than 3 rounds there).
+    /// Runs sample different completions (lossless sampling draws other random numbers), so their length
+    /// profiles differ; this compares them on one profile.
+    pub speedup_matched: f64,
+    /// [`RunStats::speedup_matched`] over the rounds with at most 4 running.
+    pub speedup_tail_matched: f64,
     /// Seconds in the suffix index (appends and proposals), suffix drafters only.
     pub index_s: f64,
     /// Index seconds per round / plain decode seconds per round at the largest running batches.
@@ -175,6 +184,9 @@ fn rollout(
     }
     let mut buckets: Vec<BucketStats> =
         BUCKETS.iter().map(|&(a, b)| BucketStats { min_batch: a, max_batch: b, ..BucketStats::default() }).collect();
+    let mut by_live: Vec<BucketStats> = (0..=prompts.len() * g)
+        .map(|b| BucketStats { min_batch: b, max_batch: b, ..BucketStats::default() })
+        .collect();
     let (mut sd_tokens, mut sd_seq_rounds) = (0u64, 0u64);
     let mut arms = Default::default();
     let mut how = how;
@@ -193,10 +205,12 @@ fn rollout(
         let secs = t.elapsed().as_secs_f64();
         let c = engine.counters();
         let b = buckets.iter_mut().find(|b| live >= b.min_batch && live <= b.max_batch).context("bucket")?;
-        b.rounds += 1;
-        b.seq_rounds += c.seq_rounds - before.seq_rounds;
-        b.tokens += c.committed - before.committed;
-        b.seconds += secs;
+        for b in [b, by_live.get_mut(live).context("live count above the batch")?] {
+            b.rounds += 1;
+            b.seq_rounds += c.seq_rounds - before.seq_rounds;
+            b.tokens += c.committed - before.committed;
+            b.seconds += secs;
+        }
         if c.drafted > before.drafted || matches!(how, How::Fixed(..)) {
             sd_tokens += c.committed - before.committed;
             sd_seq_rounds += c.seq_rounds - before.seq_rounds;
@@ -220,6 +234,9 @@ fn rollout(
         speedup: 0.0,
         speedup_tail: 0.0,
         buckets,
+        by_live,
+        speedup_matched: 0.0,
+        speedup_tail_matched: 0.0,
         index_s: 0.0,
         index_cost_frac: 0.0,
         arms,
@@ -267,6 +284,32 @@ fn chain_ceiling(pmax: &[Vec<f32>], k: usize) -> f64 {
 fn percentile(mut v: Vec<usize>, q: f64) -> usize {
     v.sort_unstable();
     v.get(((v.len().saturating_sub(1)) as f64 * q).round() as usize).copied().unwrap_or(0)
+}
+
+/// `r`'s throughput ratio to `plain` on plain's running-batch profile, over running batches `<= max_live`
+/// (see [`RunStats::speedup_matched`]); 0 when plain has no rounds there.
+fn matched_speedup(plain: &RunStats, r: &RunStats, max_live: usize) -> f64 {
+    let bucket_ratio = |b: usize| -> f64 {
+        let find = |s: &RunStats| s.buckets.iter().find(|x| b >= x.min_batch && b <= x.max_batch).cloned();
+        match (find(plain), find(r)) {
+            (Some(p), Some(x)) if p.tokens > 0 && x.tokens > 0 => x.tokens_per_s() / p.tokens_per_s(),
+            _ => 1.0,
+        }
+    };
+    let (mut t_plain, mut t_run) = (0.0, 0.0);
+    for (b, p) in plain.by_live.iter().enumerate().filter(|(b, p)| *b >= 1 && *b <= max_live && p.tokens > 0) {
+        let ratio = match r.by_live.get(b) {
+            Some(x) if x.rounds >= 3 && x.tokens > 0 => x.tokens_per_s() / p.tokens_per_s(),
+            _ => bucket_ratio(b),
+        };
+        t_plain += p.seconds;
+        t_run += p.seconds / ratio;
+    }
+    if t_run > 0.0 {
+        t_plain / t_run
+    } else {
+        0.0
+    }
 }
 
 fn tail_throughput(r: &RunStats) -> f64 {
@@ -355,10 +398,14 @@ pub fn run(args: &GroupArgs) -> Result<()> {
         let full = plain.buckets.iter().rev().find(|b| b.rounds > 0).map_or(0.0, |b| b.seconds / b.rounds as f64);
         plain.speedup = 1.0;
         plain.speedup_tail = 1.0;
+        plain.speedup_matched = 1.0;
+        plain.speedup_tail_matched = 1.0;
         for r in &mut runs {
             r.speedup = (r.tokens as f64 / r.seconds) / plain_tput;
             // 0 when the plain run never had a phase of at most 4 running requests.
             r.speedup_tail = if plain_tail > 0.0 { tail_throughput(r) / plain_tail } else { 0.0 };
+            r.speedup_matched = matched_speedup(&plain, r, usize::MAX);
+            r.speedup_tail_matched = matched_speedup(&plain, r, 4);
             let rounds: u64 = r.buckets.iter().map(|b| b.rounds).sum();
             r.index_cost_frac = if full > 0.0 { r.index_s / rounds.max(1) as f64 / full } else { 0.0 };
             info!(
@@ -367,6 +414,8 @@ pub fn run(args: &GroupArgs) -> Result<()> {
                 tokens_per_step = format!("{:.2}", r.tokens_per_sd_step),
                 speedup = format!("{:.2}", r.speedup),
                 tail = format!("{:.2}", r.speedup_tail),
+                matched = format!("{:.2}", r.speedup_matched),
+                tail_matched = format!("{:.2}", r.speedup_tail_matched),
                 "run"
             );
         }
@@ -415,8 +464,10 @@ fn markdown(r: &GroupReport) -> String {
         let ceil: Vec<String> = t.ceiling.iter().map(|(k, v)| format!("k={k}: {v:.2}")).collect();
         s += &format!(
             "\n## T = {}\n\nmean p_max {:.3}; argmax-chain ceiling (tokens/step) {}; response length p50/p90/max {:?}\n\n\
-             | drafter | tokens/SD step | tokens/step | speedup | speedup (<= 4 running) | index cost / decode step | s |\n\
-             |---|---|---|---|---|---|---|\n",
+             Speedups are throughput ratios to plain: raw (each run's own length profile) and on plain's \
+             running-batch profile (matched; runs sample different completions).\n\n\
+             | drafter | tokens/SD step | tokens/step | speedup | speedup (<= 4 running) | matched | matched (<= 4 running) | index cost / decode step | s |\n\
+             |---|---|---|---|---|---|---|---|---|\n",
             t.temperature,
             t.mean_p_max,
             ceil.join(", "),
@@ -424,12 +475,14 @@ fn markdown(r: &GroupReport) -> String {
         );
         for run in &t.runs {
             s += &format!(
-                "| {} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.2}% | {:.1} |\n",
+                "| {} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.2}x | {:.2}x | {:.2}% | {:.1} |\n",
                 run.drafter,
                 run.tokens_per_sd_step,
                 run.tokens_per_step,
                 run.speedup,
                 run.speedup_tail,
+                run.speedup_matched,
+                run.speedup_tail_matched,
                 100.0 * run.index_cost_frac,
                 run.seconds
             );
