@@ -69,7 +69,7 @@ pub use params::SpecParams;
 pub use plan::Plan;
 pub use stop::TokenDecoder;
 pub use suffix::{
-    merge_trees, HybridDrafter, Occurrence, StateId, SuffixConfig, SuffixDrafter, SuffixIndex, SuffixStats,
+    merge_trees, Calibration, HybridDrafter, Occurrence, StateId, SuffixConfig, SuffixDrafter, SuffixIndex, SuffixStats,
 };
 pub use target::{SeqHandle, Target, TargetInput, TargetOutput};
 pub use tlt_kernels::{SamplingParams, SeededRng};

@@ -315,3 +315,40 @@ fn remembered_answers_seed_the_next_group() {
     assert!(d.propose(&bad, &Plan::chain(2)).is_err());
     assert!(SuffixDrafter::new(SuffixConfig { min_prob: 2.0, ..SuffixConfig::default() }).is_err());
 }
+
+#[test]
+fn calibration_stops_drafting_what_the_target_keeps_rejecting() {
+    // Every round is a new group: sibling A answered "7 8 9 6 20 7 8 9 4 21", so after "7 8 9" the draft is 6 or 4
+    // (empirical probability 0.5 each); sibling B reaches "7 8 9" and the target commits 30, never the draft.
+    // The calibration is the drafter's, so it carries from group to group as it does from rollout to rollout.
+    fn rounds(cfg: SuffixConfig) -> (Vec<bool>, SuffixDrafter) {
+        let mut d = SuffixDrafter::new(cfg).unwrap();
+        let prompt = [1u32, 2];
+        let mut drafted = Vec::new();
+        for round in 0..200usize {
+            let g = Some(GroupId(round as u64));
+            let ctx =
+                |r: usize, h| DraftContext { request: RequestId(r), history: h, prompt_len: 2, hidden: None, group: g };
+            let (a, b) = (2 * round, 2 * round + 1);
+            d.admit(&ctx(a, &prompt));
+            d.observe(RequestId(a), &[7, 8, 9, 6, 20, 7, 8, 9, 4, 21]);
+            d.admit(&ctx(b, &prompt));
+            d.observe(RequestId(b), &[7, 8, 9]);
+            let tree = d.propose(&ctx(b, &[1, 2, 7, 8, 9]), &Plan::chain(3)).unwrap();
+            drafted.push(tree.len() > 1);
+            d.observe(RequestId(b), &[30]);
+            d.release(RequestId(a));
+            d.release(RequestId(b));
+        }
+        (drafted, d)
+    }
+    let (drafted, d) = rounds(SuffixConfig { min_match: 1, min_accept: 0.3, ..SuffixConfig::default() });
+    assert!(drafted[0], "calibration starts from the empirical probability, so it drafts at first");
+    let last = drafted.iter().rposition(|&x| x).unwrap();
+    assert!(last < 100, "still drafting in round {last} after every draft was rejected");
+    assert!(d.calibration().acceptance() < 1e-9, "{:?}", d.calibration());
+    // The negative control: without calibration every round drafts.
+    let (drafted, _) = rounds(SuffixConfig { min_match: 1, ..SuffixConfig::default() });
+    assert!(drafted.iter().all(|&x| x));
+    assert!(SuffixDrafter::new(SuffixConfig { min_accept: 1.5, ..SuffixConfig::default() }).is_err());
+}

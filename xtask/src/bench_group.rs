@@ -45,6 +45,9 @@ pub struct GroupArgs {
     /// The fixed plan of the non-adaptive speculative runs, `steps:top_k:verify_tokens`.
     #[arg(long, default_value = "6:2:12")]
     plan: String,
+    /// `SuffixConfig::min_accept` of the suffix drafters (0: no acceptance calibration).
+    #[arg(long, default_value_t = 0.0)]
+    suffix_min_accept: f32,
     /// Seed of the task's problems and of the sampling streams.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -166,7 +169,7 @@ fn parse_plan(s: &str) -> Result<Plan> {
 enum How<'a> {
     Plain,
     Fixed(&'a mut dyn Drafter, Plan),
-    Adaptive(&'a mut dyn Drafter, AdaptiveDecoder),
+    Adaptive(&'a mut dyn Drafter, &'a mut AdaptiveDecoder),
 }
 
 /// Decodes `prompts` × `g` to completion, recording every round. Returns the stats and the samples.
@@ -184,9 +187,8 @@ fn rollout(
     }
     let mut buckets: Vec<BucketStats> =
         BUCKETS.iter().map(|&(a, b)| BucketStats { min_batch: a, max_batch: b, ..BucketStats::default() }).collect();
-    let mut by_live: Vec<BucketStats> = (0..=prompts.len() * g)
-        .map(|b| BucketStats { min_batch: b, max_batch: b, ..BucketStats::default() })
-        .collect();
+    let mut by_live: Vec<BucketStats> =
+        (0..=prompts.len() * g).map(|b| BucketStats { min_batch: b, max_batch: b, ..BucketStats::default() }).collect();
     let (mut sd_tokens, mut sd_seq_rounds) = (0u64, 0u64);
     let mut arms = Default::default();
     let mut how = how;
@@ -371,12 +373,13 @@ pub fn run(args: &GroupArgs) -> Result<()> {
         let mut runs = Vec::new();
         let mut ngram = NgramDrafter::default();
         runs.push(rollout(&model, &prompts, g, &params, "ngram", How::Fixed(&mut ngram, plan))?.0);
-        let mut suffix = SuffixDrafter::new(SuffixConfig::default())?;
+        let suffix_cfg = SuffixConfig { min_accept: args.suffix_min_accept, ..SuffixConfig::default() };
+        let mut suffix = SuffixDrafter::new(suffix_cfg)?;
         let (mut r, _) = rollout(&model, &prompts, g, &params, "suffix", How::Fixed(&mut suffix, plan))?;
         r.index_s = suffix.stats().seconds;
         runs.push(r);
         // History: an earlier rollout's answers (another seed) to the same prompts seed each group's index.
-        let hist_cfg = SuffixConfig { history_per_prompt: g, ..SuffixConfig::default() };
+        let hist_cfg = SuffixConfig { history_per_prompt: g, ..suffix_cfg };
         let mut hist = SuffixDrafter::new(hist_cfg)?;
         let warm = SpecParams { seed: args.seed + 1_000, ..params.clone() };
         rollout(&model, &prompts, g, &warm, "warm", How::Fixed(&mut hist, plan))?;
@@ -385,12 +388,16 @@ pub fn run(args: &GroupArgs) -> Result<()> {
         r.index_s = hist.stats().seconds;
         runs.push(r);
         // The adaptive rollout: gate + bandit over {plain, suffix+history, n-gram}; history from the runs above.
+        // In training the bandit's estimates carry from one RL step's rollout to the next, so one earlier
+        // adaptive rollout (another seed) warms it here, and only the rollout after it is measured.
         let mut mab = cpu_mab();
         mab.drafters = vec!["suffix".into(), "ngram".into()];
         mab.plain_arm = true;
-        let decoder = AdaptiveDecoder::new(cpu_gate(), mab)?;
+        let mut decoder = AdaptiveDecoder::new(cpu_gate(), mab)?;
         let mut set = DrafterSet::new(vec![Box::new(hist), Box::new(NgramDrafter::default())])?;
-        runs.push(rollout(&model, &prompts, g, &params, "adaptive", How::Adaptive(&mut set, decoder))?.0);
+        let warm = SpecParams { seed: args.seed + 2_000, ..params.clone() };
+        rollout(&model, &prompts, g, &warm, "warm", How::Adaptive(&mut set, &mut decoder))?;
+        runs.push(rollout(&model, &prompts, g, &params, "adaptive", How::Adaptive(&mut set, &mut decoder))?.0);
 
         let plain_tput = plain.tokens as f64 / plain.seconds;
         let plain_tail = tail_throughput(&plain);

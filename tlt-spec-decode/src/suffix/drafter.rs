@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use super::calibrate::{Calibration, Pending};
 use super::index::{Occurrence, SuffixIndex};
 use crate::{DraftContext, DraftTree, Drafter, Error, GroupId, Plan, RequestId, Result};
 
@@ -23,6 +24,10 @@ pub struct SuffixConfig {
     /// A node is drafted only if its empirical probability (the share of the match's occurrences continuing with
     /// its path) is at least this, in `[0, 1]`. Default 0.1.
     pub min_prob: f32,
+    /// A node is drafted only if the measured acceptance of nodes with its empirical probability (see
+    /// [`Calibration`]) is at least this, in `[0, 1]`: the share of a verify row's cost a drafted token must be
+    /// expected to repay. 0 turns calibration off. Default 0.
+    pub min_accept: f32,
     /// Occurrences of the match read per proposal (`>= 1`), newer first. Default 64.
     pub max_occurrences: usize,
     /// Earlier answers (prompt + response) remembered per prompt and added to a new group of that prompt
@@ -38,6 +43,7 @@ impl Default for SuffixConfig {
             min_match: 2,
             match_factor: 1.0,
             min_prob: 0.1,
+            min_accept: 0.0,
             max_occurrences: 64,
             history_per_prompt: 0,
             history_prompts: 4096,
@@ -59,6 +65,9 @@ impl SuffixConfig {
         }
         if !(0.0..=1.0).contains(&self.min_prob) {
             return Err(Error::InvalidArgument(format!("suffix min_prob {} is outside [0, 1]", self.min_prob)));
+        }
+        if !(0.0..=1.0).contains(&self.min_accept) {
+            return Err(Error::InvalidArgument(format!("suffix min_accept {} is outside [0, 1]", self.min_accept)));
         }
         if self.max_occurrences == 0 {
             return Err(Error::InvalidArgument("suffix max_occurrences must be at least 1".into()));
@@ -153,6 +162,8 @@ pub struct SuffixDrafter {
     history: HashMap<u64, VecDeque<Vec<u32>>>,
     history_order: VecDeque<u64>,
     stats: SuffixStats,
+    calibration: Calibration,
+    pending: HashMap<RequestId, Pending>,
 }
 
 /// A candidate node: its empirical probability, then its trie index (lower first on ties, for determinism).
@@ -205,6 +216,11 @@ impl SuffixDrafter {
     /// The counters.
     pub fn stats(&self) -> &SuffixStats {
         &self.stats
+    }
+
+    /// Measured acceptance of the nodes proposed so far, by empirical probability (kept across rollouts).
+    pub fn calibration(&self) -> &Calibration {
+        &self.calibration
     }
 
     /// Zeroes the counters.
@@ -279,18 +295,19 @@ impl SuffixDrafter {
     }
 
     /// The draft tree for a registered member whose stream equals its history.
-    fn tree(&self, m: Member, root: u32, plan: &Plan) -> Result<(DraftTree, usize)> {
+    fn tree(&self, m: Member, root: u32, plan: &Plan) -> Result<(DraftTree, usize, Pending)> {
+        let mut pending = Pending::default();
         let mut tree = DraftTree::new(root);
-        let Some(group) = self.groups.get(&m.key) else { return Ok((tree, 0)) };
+        let Some(group) = self.groups.get(&m.key) else { return Ok((tree, 0, pending)) };
         let ix = &group.index;
         let (state, match_len) = ix.continuation_state(m.stream)?;
         if match_len < self.cfg.min_match {
-            return Ok((tree, match_len));
+            return Ok((tree, match_len, pending));
         }
         let depth = ((self.cfg.match_factor * match_len as f32).ceil() as usize).clamp(1, plan.steps);
         let occ: Vec<Occurrence> = ix.occurrences(state, self.cfg.max_occurrences);
         if occ.is_empty() {
-            return Ok((tree, match_len));
+            return Ok((tree, match_len, pending));
         }
         // The trie of continuations with counts; node 0 is the root.
         let mut trie = vec![TrieNode { token: root, count: occ.len() as u32, children: Vec::new() }];
@@ -323,16 +340,22 @@ impl SuffixDrafter {
             if tree.len() >= plan.verify_tokens || c.prob < self.cfg.min_prob {
                 break;
             }
+            if self.cfg.min_accept > 0.0 && self.calibration.estimate(c.prob) < self.cfg.min_accept {
+                // Best-first: every later candidate is at most as probable (bins are not monotone in general,
+                // so this is a cut, not a skip).
+                break;
+            }
             if tree.children(c.parent)?.len() >= plan.top_k {
                 continue;
             }
             let parent_count = trie[map[c.parent]].count as f32;
             let lp = (trie[c.trie].count as f32 / parent_count).ln();
             let node = tree.push_child(c.parent, trie[c.trie].token, lp)?;
+            pending.nodes.push((c.parent, trie[c.trie].token, c.prob));
             map.push(c.trie);
             push_children(&mut heap, &trie, c.trie, node);
         }
-        Ok((tree, match_len))
+        Ok((tree, match_len, pending))
     }
 }
 
@@ -361,7 +384,12 @@ impl Drafter for SuffixDrafter {
         }
         group.index.extend(m.stream, &ctx.history[have..])?;
         self.stats.appended += (ctx.history.len() - have) as u64;
-        let (tree, match_len) = self.tree(m, root, plan)?;
+        let (tree, match_len, pending) = self.tree(m, root, plan)?;
+        if pending.nodes.is_empty() {
+            self.pending.remove(&ctx.request);
+        } else {
+            self.pending.insert(ctx.request, pending);
+        }
         self.stats.proposals += 1;
         self.stats.drafted += u64::from(tree.len() > 1);
         self.stats.match_len_sum += match_len as u64;
@@ -370,6 +398,9 @@ impl Drafter for SuffixDrafter {
     }
 
     fn observe(&mut self, request: RequestId, committed: &[u32]) {
+        if let Some(p) = self.pending.remove(&request) {
+            p.settle(committed, &mut self.calibration);
+        }
         let Some(m) = self.members.get(&request).copied() else { return };
         let t = Instant::now();
         if let Some(g) = self.groups.get_mut(&m.key) {
@@ -381,6 +412,7 @@ impl Drafter for SuffixDrafter {
     }
 
     fn release(&mut self, request: RequestId) {
+        self.pending.remove(&request);
         let Some(m) = self.members.remove(&request) else { return };
         let Some(g) = self.groups.get_mut(&m.key) else { return };
         g.live = g.live.saturating_sub(1);
