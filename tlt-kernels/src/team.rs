@@ -143,7 +143,7 @@ impl Team {
         let mut spins = 0u32;
         while s.done.load(Ordering::Acquire) + ran < parts {
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 {
+            if spins.is_multiple_of(1024) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -202,7 +202,7 @@ fn wait_for_job(s: &Shared, seen: u64) -> u64 {
             return epoch;
         }
         spins = spins.wrapping_add(1);
-        if spins % 64 == 0 {
+        if spins.is_multiple_of(64) {
             if start.elapsed() > SPIN {
                 break;
             }

@@ -5,7 +5,7 @@
 //! `--group-size` times each, every prompt one engine group (prefilled once, forked to its siblings), by:
 //! plain decoding; the self n-gram drafter; the suffix drafter over the group; the suffix drafter whose index was
 //! also seeded with a previous rollout's answers to the same prompts ("history"); and the adaptive rollout (SD gate
-//! + BEG-MAB choosing per batch bucket among plain, suffix+history and n-gram with the CPU plans). The fixed-plan
+//! and BEG-MAB choosing per batch bucket among plain, suffix+history and n-gram with the CPU plans). The fixed-plan
 //! runs speculate every round. Each round's running batch, seconds and committed tokens are recorded and split by
 //! running batch size. The ceiling: the target's own probabilities along the plain run's samples (teacher-forced),
 //! the expected tokens per step of an argmax-chain drafter `1 + Σ_{i≤k} Π_{j<i} p_max`.
@@ -172,6 +172,9 @@ enum How<'a> {
     Adaptive(&'a mut dyn Drafter, &'a mut AdaptiveDecoder),
 }
 
+/// Every sample of a rollout: (prompt length, prompt + response).
+type Samples = Vec<(usize, Vec<u32>)>;
+
 /// Decodes `prompts` × `g` to completion, recording every round. Returns the stats and the samples.
 fn rollout(
     model: &Llama,
@@ -180,7 +183,7 @@ fn rollout(
     params: &SpecParams,
     name: &str,
     how: How<'_>,
-) -> Result<(RunStats, Vec<(usize, Vec<u32>)>)> {
+) -> Result<(RunStats, Samples)> {
     let mut engine = Engine::new(model, params.clone())?;
     for p in prompts {
         engine.add_group(p, g, params.max_new_tokens)?;

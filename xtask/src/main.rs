@@ -45,11 +45,15 @@ struct Cli {
 enum Cmd {
     /// Download and verify the offline assets (SmolLM2-135M-Instruct GGUF) into `$TLT_CACHE` or `<workspace>/.cache`.
     FetchAssets,
-    /// Fetch assets, then run all tests of the workspace (cargo nextest, or cargo test without it).
+    /// Lints (`cargo fmt --check`, `cargo clippy -D warnings`), then fetch assets and run all tests of the
+    /// workspace (cargo nextest, or cargo test without it).
     Test {
         /// Also run the GPU tests (`tlt-cudagraph --features cuda`) and require a CUDA driver for them.
         #[arg(long)]
         gpu: bool,
+        /// Skip the lints (rustfmt and clippy).
+        #[arg(long)]
+        no_lint: bool,
         /// Extra arguments for the test runner, after `--`.
         #[arg(last = true)]
         args: Vec<String>,
@@ -122,7 +126,22 @@ fn exit_code(status: ExitStatus) -> ExitCode {
     }
 }
 
-fn test(gpu: bool, args: &[String]) -> Result<ExitCode> {
+fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
+    if !no_lint {
+        // Formatting and clippy first: both are fast next to the release build, and CI should fail on them.
+        let mut fmt = cargo();
+        fmt.args(["fmt", "--all", "--check"]);
+        let code = run(fmt)?;
+        if !code.success() {
+            return Ok(exit_code(code));
+        }
+        let mut clippy = cargo();
+        clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
+        let code = run(clippy)?;
+        if !code.success() {
+            return Ok(exit_code(code));
+        }
+    }
     let gguf = assets::fetch_assets()?;
     // Doc tests first (nextest does not run them), so the runner's summary of all other tests comes last.
     let mut doc = cargo();
@@ -207,7 +226,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             println!("{}", gguf.display());
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Test { gpu, args } => test(gpu, &args),
+        Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),
         Cmd::Demo { steps, config } => demo(steps, config.as_deref()),
         Cmd::Bench { suite: Suite::Decode(args) } => {
             bench_decode::run(&args)?;
