@@ -183,16 +183,16 @@ pub fn tree_attention_with(
     let parts = crate::default_threads().min(shape.n_heads).max(1);
     let parts = if work >= MIN_PARALLEL_WORK { parts } else { 1 };
     let out_ptr = SendPtr(out.as_mut_ptr());
-    let part = |t: usize| {
-        let heads = (t * shape.n_heads / parts)..((t + 1) * shape.n_heads / parts);
+    let run_heads = |heads: Range<usize>| {
         let mut scratch = SCRATCH.take();
-        // SAFETY: all lengths were checked above, parents are < their child, and `isa` is available; parts
-        // write the disjoint output columns of their heads.
+        // SAFETY: all lengths were checked above, parents are < their child, and `isa` is available; concurrent
+        // calls write the disjoint output columns of their heads.
         unsafe { f(&args, out_ptr, heads, &mut scratch) };
         SCRATCH.set(scratch);
     };
-    if !crate::team::Team::global().run(parts, &part) {
-        (0..parts).for_each(part);
+    let part = |t: usize| run_heads((t * shape.n_heads / parts)..((t + 1) * shape.n_heads / parts));
+    if !crate::team::Team::global().is_some_and(|team| team.run(parts, &part)) {
+        run_heads(0..shape.n_heads);
     }
     Ok(())
 }

@@ -72,21 +72,18 @@ pub(crate) struct Team {
     shared: &'static Shared,
     helpers: usize,
     owner: Mutex<()>,
-    /// `false` when `TLT_KERNELS_NO_TEAM` is set: [`Team::run`] refuses every parallel job.
-    enabled: bool,
 }
 
 impl Team {
-    /// The team with `threads - 1` helpers for [`crate::default_threads`] threads, started on first use.
-    pub(crate) fn global() -> &'static Team {
-        static TEAM: OnceLock<Team> = OnceLock::new();
+    /// The team with `threads - 1` helpers for [`crate::default_threads`] threads, started on first use;
+    /// `None` when `TLT_KERNELS_NO_TEAM` is set (and not `0`).
+    pub(crate) fn global() -> Option<&'static Team> {
+        static TEAM: OnceLock<Option<Team>> = OnceLock::new();
         TEAM.get_or_init(|| {
-            if std::env::var_os("TLT_KERNELS_NO_TEAM").is_some_and(|v| v != "0") {
-                Team { shared: Box::leak(Box::new(Shared::new())), helpers: 0, owner: Mutex::new(()), enabled: false }
-            } else {
-                Team::start(crate::default_threads().saturating_sub(1))
-            }
+            let off = std::env::var_os("TLT_KERNELS_NO_TEAM").is_some_and(|v| v != "0");
+            (!off).then(|| Team::start(crate::default_threads().saturating_sub(1)))
         })
+        .as_ref()
     }
 
     fn start(helpers: usize) -> Team {
@@ -99,16 +96,13 @@ impl Team {
             }
             started += 1;
         }
-        Team { shared, helpers: started, owner: Mutex::new(()), enabled: true }
+        Team { shared, helpers: started, owner: Mutex::new(()) }
     }
 
     /// Runs `f(0)`, …, `f(parts - 1)`, each exactly once, on the calling thread and the helpers, and returns
     /// `true`; or returns `false` without running anything when another caller owns the team. With no helpers
     /// every part runs on the calling thread. Panics if a part panicked (after every claimed part finished).
     pub(crate) fn run(&self, parts: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
-        if parts > 1 && !self.enabled {
-            return false;
-        }
         if parts <= 1 || self.helpers == 0 {
             (0..parts).for_each(f);
             return true;

@@ -9,7 +9,7 @@
 //! and batch-1 decode with Q8_0 weights (tlt-model's packed inference weights against candle-transformers'
 //! quantized Llama on a Q8_0 GGUF).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -20,7 +20,7 @@ use serde::Serialize;
 use tlt_model::{KvCache, Llama, LogitsFor, SeqId, SeqInput, WeightDType};
 use tracing::{info, warn};
 
-use crate::candle_ref::{requantize_gguf, CandleLlama, CandleQuantLlama};
+use crate::candle_ref::{requant_path, requantize_gguf, CandleLlama, CandleQuantLlama};
 use crate::report::{self, median, Header};
 use crate::sysinfo::{self, MachineInfo, Probe};
 
@@ -412,12 +412,6 @@ fn measure_verify(model: &Llama, prompt: &[u32], draft: &[u32], repeats: usize) 
     })
 }
 
-/// Where the re-quantized Q8_0 GGUF of `src` lives: `<cache>/requant/<stem>.Q8_0.gguf`.
-fn q8_gguf_path(src: &Path) -> PathBuf {
-    let stem = src.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
-    crate::assets::cache_dir().join("requant").join(format!("{stem}.Q8_0.gguf"))
-}
-
 pub(crate) fn summarize(runs: &[Run], batch: usize, steps: usize, bytes: u64, bw_gbs: f64) -> ImplResult {
     let decode_s_runs: Vec<f64> = runs.iter().map(|r| r.decode.as_secs_f64()).collect();
     let prefill_ms_runs: Vec<f64> = runs.iter().map(|r| r.prefill.as_secs_f64() * 1e3).collect();
@@ -485,7 +479,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     } else {
         let mut ours = model.clone();
         ours.pack_for_inference(WeightDType::Q8_0)?;
-        let gguf = q8_gguf_path(&path);
+        let gguf = requant_path(&path, "q8_0");
         if !gguf.exists() {
             info!(from = %path.display(), to = %gguf.display(), "writing a Q8_0 GGUF for candle-transformers");
         }

@@ -188,8 +188,6 @@ fn rollout(
     for p in prompts {
         engine.add_group(p, g, params.max_new_tokens)?;
     }
-    let mut buckets: Vec<BucketStats> =
-        BUCKETS.iter().map(|&(a, b)| BucketStats { min_batch: a, max_batch: b, ..BucketStats::default() }).collect();
     let mut by_live: Vec<BucketStats> =
         (0..=prompts.len() * g).map(|b| BucketStats { min_batch: b, max_batch: b, ..BucketStats::default() }).collect();
     let (mut sd_tokens, mut sd_seq_rounds) = (0u64, 0u64);
@@ -209,19 +207,30 @@ fn rollout(
         }
         let secs = t.elapsed().as_secs_f64();
         let c = engine.counters();
-        let b = buckets.iter_mut().find(|b| live >= b.min_batch && live <= b.max_batch).context("bucket")?;
-        for b in [b, by_live.get_mut(live).context("live count above the batch")?] {
-            b.rounds += 1;
-            b.seq_rounds += c.seq_rounds - before.seq_rounds;
-            b.tokens += c.committed - before.committed;
-            b.seconds += secs;
-        }
+        let b = by_live.get_mut(live).context("live count above the batch")?;
+        b.rounds += 1;
+        b.seq_rounds += c.seq_rounds - before.seq_rounds;
+        b.tokens += c.committed - before.committed;
+        b.seconds += secs;
         if c.drafted > before.drafted || matches!(how, How::Fixed(..)) {
             sd_tokens += c.committed - before.committed;
             sd_seq_rounds += c.seq_rounds - before.seq_rounds;
         }
     }
     let seconds = t_all.elapsed().as_secs_f64();
+    let buckets = BUCKETS
+        .iter()
+        .map(|&(lo, hi)| {
+            let sum = BucketStats { min_batch: lo, max_batch: hi, ..BucketStats::default() };
+            by_live.iter().filter(|x| x.min_batch >= lo && x.min_batch <= hi).fold(sum, |mut a, x| {
+                a.rounds += x.rounds;
+                a.seq_rounds += x.seq_rounds;
+                a.tokens += x.tokens;
+                a.seconds += x.seconds;
+                a
+            })
+        })
+        .collect();
     if let How::Adaptive(_, dec) = &mut how {
         arms = dec.take_trace().arms;
     }

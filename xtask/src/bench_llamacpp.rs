@@ -18,7 +18,7 @@ use tlt_model::WeightDType;
 use tracing::info;
 
 use crate::bench_decode::{make_prompts, run_ours, summarize, ImplResult};
-use crate::candle_ref::requantize_gguf;
+use crate::candle_ref::{requant_path, requantize_gguf};
 use crate::report::{self, median, Header};
 use crate::sysinfo::{self, MachineInfo, Probe};
 
@@ -105,12 +105,6 @@ fn parse_dtype(s: &str) -> Result<(WeightDType, GgmlDType)> {
     }
 }
 
-/// Where the re-written GGUF of `src` in `dtype` lives: `<cache>/requant/<stem>.<DTYPE>.gguf`.
-fn gguf_path(src: &Path, name: &str) -> PathBuf {
-    let stem = src.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
-    crate::assets::cache_dir().join("requant").join(format!("{stem}.{}.gguf", name.to_ascii_uppercase()))
-}
-
 /// What one `llama-bench` run reported.
 struct LlamaRun {
     tokens_per_s: f64,
@@ -171,7 +165,7 @@ pub fn run(args: &LlamaCppArgs) -> Result<()> {
     let (mut build, mut cpu_info) = (String::new(), String::new());
     let mut results = Vec::new();
     for (name, (ours_dtype, ggml)) in formats {
-        let gguf = gguf_path(&path, &name);
+        let gguf = requant_path(&path, &name);
         requantize_gguf(&path, &gguf, ggml)?;
         let mut model = loaded.model.clone();
         model.pack_for_inference(ours_dtype)?;

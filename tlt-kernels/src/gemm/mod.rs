@@ -133,7 +133,7 @@ fn run<F: Format>(cfg: GemmConfig, x: &[f32], w: &[F::Elem], row_elems: usize, y
     };
     // The spinning team first (no sleep/wake per call); rayon when another thread holds the team or more
     // threads were asked for than it has.
-    if !crate::team::Team::global().run(parts, &part) {
+    if !crate::team::Team::global().is_some_and(|team| team.run(parts, &part)) {
         rayon::scope(|s| {
             for t in 0..parts {
                 s.spawn(move |_| part(t));
