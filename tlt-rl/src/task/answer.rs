@@ -95,20 +95,35 @@ pub(crate) fn verify(truth: &str, text: &str, deadline: &mut Deadline) -> Verdic
     }
 }
 
-/// The last number in `text` (digits with an optional leading `-` and one decimal point), for flexible scoring.
+/// The last number in `text`, for flexible scoring: digits with an optional leading `-`, thousands separators
+/// (`3,000`, `1,234,567.5`: groups of three digits after the first, before any decimal point) and one decimal point.
+/// A comma that does not separate thousands ends the number (`1,2` gives `2`).
 pub(crate) fn last_number(text: &str) -> Option<&str> {
     let b = text.as_bytes();
     let end = b.iter().rposition(u8::is_ascii_digit)? + 1;
+    let digit_before = |i: usize| i >= 2 && b[i - 2].is_ascii_digit();
     let mut start = end;
-    let mut dot = false;
+    // Digits since the last separator, whether a decimal point or a thousands comma was taken, and where the
+    // number began before its first comma (the fallback when the leading group turns out longer than three).
+    let (mut run, mut dot, mut comma, mut after_comma) = (0usize, false, false, end);
     while start > 0 {
         let c = b[start - 1];
-        if c.is_ascii_digit() || (c == b'.' && !dot && start >= 2 && b[start - 2].is_ascii_digit()) {
-            dot |= c == b'.';
-            start -= 1;
+        if c.is_ascii_digit() {
+            run += 1;
+        } else if c == b'.' && !dot && !comma && digit_before(start) {
+            dot = true;
+            run = 0;
+        } else if c == b',' && run == 3 && digit_before(start) {
+            comma = true;
+            after_comma = start;
+            run = 0;
         } else {
             break;
         }
+        start -= 1;
+    }
+    if comma && run > 3 {
+        start = after_comma;
     }
     if start > 0 && b[start - 1] == b'-' {
         start -= 1;
@@ -427,5 +442,14 @@ mod tests {
         assert_eq!(last_number("x 1.2.3"), Some("2.3"));
         assert_eq!(last_number("no digits"), None);
         assert_eq!(last_number("\u{ff11} 4"), Some("4"));
+        // Thousands separators (the GSM8K grading disagreements "A: 3,000" and "A: 6,250").
+        assert_eq!(last_number("A: 3,000"), Some("3,000"));
+        assert_eq!(last_number("A: 6,250."), Some("6,250"));
+        assert_eq!(last_number("total -1,234,567.25 dollars"), Some("-1,234,567.25"));
+        assert_eq!(last_number("pick 1,2"), Some("2"));
+        assert_eq!(last_number("5, 600"), Some("600"));
+        assert_eq!(last_number("12345,678"), Some("678"));
+        assert_eq!(last_number("1.234,567"), Some("234,567"));
+        assert_eq!(last_number("x,000"), Some("000"));
     }
 }

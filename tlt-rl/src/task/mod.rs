@@ -396,5 +396,11 @@ mod tests {
         // The boxed answer wins over later numbers.
         let s = score_answer(&truth, "\\boxed{12} (not 13)", &flexible);
         assert!(s.correct && s.formatted, "{s:?}");
+        // Thousands separators in a flexible answer are read as one number.
+        for (truth, text) in [("3000", "A: 3,000"), ("6250", "A: 6,250"), ("1234567.5", "so 1,234,567.5.")] {
+            let s = score_answer(&Answer::Number(truth.into()), text, &flexible);
+            assert!(s.correct, "{text} should be {truth}: {s:?}");
+        }
+        assert!(!score_answer(&Answer::Number("3".into()), "A: 3,000", &flexible).correct);
     }
 }
