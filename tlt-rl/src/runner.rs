@@ -19,10 +19,13 @@ use crate::{Error, Result};
 pub struct TaskSpec {
     /// A built-in generator (`"arithmetic"`, `"countdown"`), ignored when `jsonl` is set. Default arithmetic.
     pub name: String,
-    /// Seed of the generator.
+    /// Seed of the generator, and of a file dataset's held-out split and shuffling.
     pub seed: u64,
     /// A GSM8K/MATH-style JSONL file (`question`, `answer`) instead of a generator.
     pub jsonl: Option<PathBuf>,
+    /// Problems of a file dataset held out for evaluation, never trained on (at least `eval.prompts`; generators
+    /// evaluate on their own index range). Default 64.
+    pub held_out: u64,
     /// A system message (default: the chat template's own).
     pub system: Option<String>,
     /// The arithmetic generator's settings (its `seed` is replaced by [`Self::seed`]).
@@ -37,6 +40,7 @@ impl Default for TaskSpec {
             name: "arithmetic".into(),
             seed: 0,
             jsonl: None,
+            held_out: 64,
             system: None,
             arithmetic: ArithmeticConfig::default(),
             reward: RewardConfig::default(),
@@ -52,13 +56,11 @@ pub struct EvalSpec {
     pub prompts: usize,
     /// Most new tokens. Default 128.
     pub max_new_tokens: usize,
-    /// First data index (kept apart from training indices). Default 1,000,000.
-    pub offset: u64,
 }
 
 impl Default for EvalSpec {
     fn default() -> Self {
-        Self { prompts: 16, max_new_tokens: 128, offset: 1_000_000 }
+        Self { prompts: 16, max_new_tokens: 128 }
     }
 }
 
@@ -107,7 +109,7 @@ pub fn text_env(spec: &TaskSpec, tokenizer: Tokenizer, template: Option<&str>) -
         Some(src) => ChatTemplate::from_jinja(src, &token("<|endoftext|>"), &token("<|im_end|>"))?,
         None => ChatTemplate::chatml(),
     };
-    Ok(TextEnv::new(task, tokenizer, template, spec.system.clone()))
+    TextEnv::new(task, tokenizer, template, spec.system.clone())?.with_split(spec.held_out, spec.seed)
 }
 
 /// What a run did.
@@ -198,7 +200,7 @@ impl Session {
     }
 
     fn eval_range(cfg: &RunConfig) -> std::ops::Range<u64> {
-        cfg.eval.offset..cfg.eval.offset + cfg.eval.prompts as u64
+        0..cfg.eval.prompts as u64
     }
 
     /// Whether `trainer` has steps left.

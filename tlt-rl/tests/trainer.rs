@@ -11,7 +11,7 @@ use tlt_model::{EosTokens, Llama, LlamaConfig};
 use tlt_rl::grpo::{GrpoConfig, MeanLevel};
 use tlt_rl::metrics::StepMetrics;
 use tlt_rl::schedule::{LrSchedule, ScheduleKind};
-use tlt_rl::task::Score;
+use tlt_rl::task::{Score, Split};
 use tlt_rl::trainer::{
     DrafterChoice, DrafterSchedule, Environment, Mode, Prompt, Quiet, SdConfig, Trainer, TrainerConfig,
 };
@@ -43,7 +43,11 @@ impl CountEnv {
 }
 
 impl Environment for CountEnv {
-    fn prompt(&self, index: u64) -> Result<Prompt> {
+    fn prompt(&self, split: Split, pos: u64) -> Result<Prompt> {
+        let index = match split {
+            Split::Train => pos,
+            Split::Eval => 1_000_000 + pos,
+        };
         let len = 3 + (index % 4) as usize;
         let ids = (0..len).map(|j| 2 + ((index * 7 + j as u64 * 3) % u64::from(VOCAB - 2)) as u32).collect();
         Ok(Prompt { index, ids, problem: None })

@@ -30,6 +30,7 @@ mod chat;
 mod countdown;
 mod expr;
 mod jsonl;
+mod split;
 
 use std::time::{Duration, Instant};
 
@@ -40,6 +41,7 @@ pub use arithmetic::{Arithmetic, ArithmeticConfig};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use countdown::{Countdown, CountdownConfig};
 pub use jsonl::JsonlTask;
+pub use split::{DataSplit, Split, GENERATOR_EVAL_BASE};
 
 use crate::{Error, Result};
 

@@ -3,7 +3,7 @@
 use tlt_model::{decode, encode};
 use tokenizers::Tokenizer;
 
-use crate::task::{ChatTemplate, Problem, Score, Task};
+use crate::task::{ChatTemplate, DataSplit, Problem, Score, Split, Task};
 use crate::Result;
 
 /// A prompt of one RL group.
@@ -20,11 +20,11 @@ pub struct Prompt {
 /// Prompts and rewards at the token level. Implemented by [`TextEnv`] (a [`Task`] behind a tokenizer and a chat
 /// template); tests implement it directly on token ids.
 pub trait Environment: Send {
-    /// The prompt at data index `index` (deterministic).
+    /// The prompt at position `pos` of `split` (deterministic; training and evaluation prompts never overlap).
     ///
     /// # Errors
-    /// When the task cannot produce it.
-    fn prompt(&self, index: u64) -> Result<Prompt>;
+    /// When the task cannot produce it, or `pos` is past the split.
+    fn prompt(&self, split: Split, pos: u64) -> Result<Prompt>;
 
     /// Scores `completion` (generated tokens, a stop token last if it stopped) for `prompt`.
     ///
@@ -39,6 +39,7 @@ pub struct TextEnv {
     tokenizer: Tokenizer,
     template: ChatTemplate,
     system: Option<String>,
+    split: DataSplit,
 }
 
 impl std::fmt::Debug for TextEnv {
@@ -48,9 +49,34 @@ impl std::fmt::Debug for TextEnv {
 }
 
 impl TextEnv {
-    /// Wraps `task`; `system` is an optional system message.
-    pub fn new(task: Box<dyn Task>, tokenizer: Tokenizer, template: ChatTemplate, system: Option<String>) -> Self {
-        Self { task, tokenizer, template, system }
+    /// Wraps `task`; `system` is an optional system message. Nothing is held out and training data comes in a
+    /// shuffle of seed 0 until [`TextEnv::with_split`].
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidConfig`] for an empty task.
+    pub fn new(
+        task: Box<dyn Task>,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        system: Option<String>,
+    ) -> Result<Self> {
+        let split = DataSplit::new(task.len(), 0, 0)?;
+        Ok(Self { task, tokenizer, template, system, split })
+    }
+
+    /// The same environment holding out `held_out` problems of a finite task for evaluation (ignored by
+    /// generators, whose evaluation prompts come from their own index range), training data shuffled by `seed`.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidConfig`] when nothing would be left to train on.
+    pub fn with_split(mut self, held_out: u64, seed: u64) -> Result<Self> {
+        self.split = DataSplit::new(self.task.len(), held_out, seed)?;
+        Ok(self)
+    }
+
+    /// How training and evaluation prompts are drawn from the task.
+    pub fn split(&self) -> &DataSplit {
+        &self.split
     }
 
     /// The task.
@@ -65,12 +91,8 @@ impl TextEnv {
 }
 
 impl Environment for TextEnv {
-    fn prompt(&self, index: u64) -> Result<Prompt> {
-        let index = match self.task.len() {
-            Some(0) => return Err(crate::Error::InvalidArgument(format!("task `{}` is empty", self.task.name()))),
-            Some(n) => index % n,
-            None => index,
-        };
+    fn prompt(&self, split: Split, pos: u64) -> Result<Prompt> {
+        let index = self.split.index(split, pos)?;
         let problem = self.task.problem(index)?;
         let text = self.template.prompt(self.system.as_deref(), &problem.prompt)?;
         let ids = encode(&self.tokenizer, &text)?;

@@ -37,7 +37,7 @@ pub use update::UpdateStats;
 
 use crate::grpo::group_advantages;
 use crate::metrics::{mean_std, percentile, StepMetrics};
-use crate::task::Score;
+use crate::task::{Score, Split};
 use crate::{Error, Result};
 use drafter::RolloutDrafter;
 use rollout::{run_rollout, spec_params, RolloutJob};
@@ -218,13 +218,14 @@ impl<E: Environment> Trainer<E> {
         &self.env
     }
 
-    /// Greedy, plain decoding of one sample per prompt at data indices `indices` with the current policy.
+    /// Greedy, plain decoding of one sample per held-out prompt at evaluation positions `indices` with the current
+    /// policy.
     ///
     /// # Errors
     /// Engine or environment failures.
     pub fn evaluate(&self, indices: Range<u64>, max_new_tokens: usize) -> Result<Evaluation> {
         let t = Instant::now();
-        let prompts = indices.map(|i| self.env.prompt(i)).collect::<Result<Vec<_>>>()?;
+        let prompts = indices.map(|i| self.env.prompt(Split::Eval, i)).collect::<Result<Vec<_>>>()?;
         let params = spec_params(0.0, 1.0, max_new_tokens, 0);
         let mut plain = AdaptiveDecoder::plain()?;
         let job =
@@ -258,7 +259,7 @@ impl<E: Environment> Trainer<E> {
         let (p, g) = (self.cfg.prompts_per_step, self.cfg.group_size);
         obs.on_phase(step, "rollout");
         let base = step * p as u64;
-        let prompts = (0..p as u64).map(|i| self.env.prompt(base + i)).collect::<Result<Vec<_>>>()?;
+        let prompts = (0..p as u64).map(|i| self.env.prompt(Split::Train, base + i)).collect::<Result<Vec<_>>>()?;
         let params =
             spec_params(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, step_seed(self.cfg.seed, step));
         let drafter = if self.cfg.mode == Mode::Tlt { self.drafter.as_mut() } else { None };
