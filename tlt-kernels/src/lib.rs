@@ -8,7 +8,7 @@
 //! - [`tree_attention`]: GQA softmax attention of `n` new tokens over a committed KV prefix and over each other,
 //!   causally or along a token tree given by parent links (speculative verification), with an online softmax
 //!   and no materialised mask.
-//! - Sampling primitives: [`argmax`], [`probs`] (temperature, top-k, top-p), [`log_softmax`], [`categorical`],
+//! - Sampling primitives: [`argmax`], [`probs`] (temperature, top-k, top-p), [`log_softmax`], [`token_logprob`], [`categorical`],
 //!   [`sample`] and a deterministic, forkable [`SeededRng`].
 //!
 //! ```
@@ -42,4 +42,4 @@ pub use attention::{tree_attention, tree_attention_with, AttnShape, Visibility};
 pub use error::{Error, Result};
 pub use gemm::{default_threads, gemm, gemm_with, GemmConfig, MatRef, Matrix, WeightDType, WeightsRef};
 pub use isa::Isa;
-pub use sampling::{argmax, categorical, log_softmax, probs, sample, SamplingParams, SeededRng};
+pub use sampling::{argmax, categorical, log_softmax, probs, sample, token_logprob, SamplingParams, SeededRng};

@@ -225,6 +225,32 @@ pub fn log_softmax(logits: &[f32]) -> Result<Vec<f32>> {
     Ok(logits.iter().map(|&x| ((x - mx) as f64 - lse) as f32).collect())
 }
 
+/// `log softmax(logits / temperature)[token]`: the log-probability of one token under the temperature-scaled
+/// distribution (no top-k/top-p), without materialising the row. A `temperature` of 0 (greedy) counts as 1.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a `token` out of range, a negative or non-finite temperature, or the rows
+/// [`log_softmax`] rejects.
+pub fn token_logprob(logits: &[f32], token: usize, temperature: f32) -> Result<f32> {
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        return Err(invalid(format!("temperature must be finite and >= 0, got {temperature}")));
+    }
+    let Some(&z) = logits.get(token) else {
+        return Err(invalid(format!("token {token} out of range for {} logits", logits.len())));
+    };
+    let inv_t = if temperature > 0.0 { 1.0 / temperature } else { 1.0 };
+    let mx = finite_max(logits)?;
+    let mut buf = [0f32; 256];
+    let mut total = 0f64;
+    for c in logits.chunks(buf.len()) {
+        for (b, &x) in buf.iter_mut().zip(c) {
+            *b = exp_approx((x - mx) * inv_t);
+        }
+        total += sum_f64(&buf[..c.len()]);
+    }
+    Ok((((z - mx) * inv_t) as f64 - total.ln()) as f32)
+}
+
 /// Draws a token from the (not necessarily normalised) distribution `probs` by inverse CDF with the uniform
 /// variate `u` in `[0, 1)`. Never returns a zero-probability token.
 ///

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
-use tlt_kernels::{argmax, categorical, log_softmax, probs, sample, Error, SamplingParams, SeededRng};
+use tlt_kernels::{argmax, categorical, log_softmax, probs, sample, token_logprob, Error, SamplingParams, SeededRng};
 
 fn is_invalid<T: std::fmt::Debug>(r: tlt_kernels::Result<T>) -> bool {
     matches!(r, Err(Error::InvalidArgument(_)))
@@ -108,6 +108,31 @@ fn log_softmax_is_stable_and_exact() {
             assert!((*l as f64 - w.ln()).abs() < 1e-6, "{ls:?}");
         }
     }
+}
+
+#[test]
+fn token_logprob_matches_the_temperature_softmax() {
+    // Hand-computed: logits [2, 1, 0] at T = 0.7 -> scaled [2/0.7, 1/0.7, 0]; log p(0) = 2/0.7 - lse.
+    let logits = [2.0f32, 1.0, 0.0];
+    let s: Vec<f64> = logits.iter().map(|&x| f64::from(x) / 0.7).collect();
+    let lse = s.iter().map(|x| x.exp()).sum::<f64>().ln();
+    for (tok, want) in s.iter().map(|x| x - lse).enumerate() {
+        let got = f64::from(token_logprob(&logits, tok, 0.7).unwrap());
+        assert!((got - want).abs() < 1e-6, "token {tok}: {got} vs {want}");
+    }
+    // Over a vocabulary-sized row, several temperatures, against the f64 softmax; greedy (0) counts as 1.
+    let mut rng = SeededRng::new(3);
+    let row: Vec<f32> = (0..49_152).map(|_| (rng.uniform() * 20.0 - 10.0) as f32).collect();
+    for t in [0.0f32, 0.5, 0.7, 1.0, 1.3] {
+        let want = softmax64(&row, if t == 0.0 { 1.0 } else { f64::from(t) });
+        for tok in [0usize, 17, 49_151] {
+            let got = f64::from(token_logprob(&row, tok, t).unwrap());
+            assert!((got - want[tok].ln()).abs() < 1e-5, "T={t} token {tok}: {got} vs {}", want[tok].ln());
+        }
+    }
+    assert!(is_invalid(token_logprob(&logits, 3, 1.0)));
+    assert!(is_invalid(token_logprob(&logits, 0, -1.0)));
+    assert!(is_invalid(token_logprob(&[f32::NAN], 0, 1.0)));
 }
 
 #[test]

@@ -105,6 +105,15 @@ pub struct StepMetrics {
     /// Fraction of tokens whose ratio was clipped.
     #[serde(deserialize_with = "f64_or_nan")]
     pub clip_frac: f64,
+    /// Mean PPO ratio `exp(logp - old_logp)` over trained tokens (1 with a single optimizer step).
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub ratio_mean: f64,
+    /// Mean truncated importance-sampling weight between rollout and trainer (1 with the correction off).
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub tis_weight: f64,
+    /// Optimizer steps of the update (mini-batches x epochs).
+    #[serde(default)]
+    pub optimizer_steps: usize,
     /// Gradient norm before clipping.
     #[serde(deserialize_with = "f64_or_nan")]
     pub grad_norm: f64,

@@ -278,6 +278,36 @@ fn a_run_killed_mid_step_resumes_bit_for_bit() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Several optimizer steps per RL step (mini-batches x epochs) move the PPO ratio away from 1 so clipping acts;
+/// one step (the negative control) keeps it at exactly 1 with nothing clipped.
+#[test]
+fn ppo_epochs_and_mini_batches_move_the_ratio_and_clip() {
+    let mut one = Trainer::new(tiny_model(5), CountEnv::new(), base_config(Mode::Baseline)).unwrap();
+    let m = one.step(&mut Quiet).unwrap().metrics;
+    assert_eq!((m.optimizer_steps, m.ratio_mean, m.clip_frac), (1, 1.0, 0.0), "{m:?}");
+
+    let mut cfg = base_config(Mode::Baseline);
+    cfg.ppo_mini_batch_size = Some(2);
+    cfg.ppo_epochs = 3;
+    cfg.optim.schedule.lr = 3e-2;
+    let mut many = Trainer::new(tiny_model(5), CountEnv::new(), cfg.clone()).unwrap();
+    let r = many.step(&mut Quiet).unwrap();
+    let m = r.metrics;
+    let groups = cfg.prompts_per_step - m.zero_variance_groups;
+    let per_epoch = (groups * cfg.group_size).div_ceil(2 * cfg.group_size);
+    assert_eq!(m.optimizer_steps, 3 * per_epoch, "{m:?}");
+    assert!((m.ratio_mean - 1.0).abs() > 1e-4, "ratio never moved: {}", m.ratio_mean);
+    assert!(m.clip_frac > 0.0, "nothing clipped with lr 3e-2 over {} steps", m.optimizer_steps);
+    // Deterministic: the same seed gives the same shuffles and weights.
+    let mut again = Trainer::new(tiny_model(5), CountEnv::new(), cfg).unwrap();
+    again.step(&mut Quiet).unwrap();
+    assert!(weights(&again) == weights(&many));
+    assert!(TrainerConfig { ppo_epochs: 0, ..TrainerConfig::default() }.validate().is_err());
+    assert!(TrainerConfig { ppo_mini_batch_size: Some(0), ..TrainerConfig::default() }.validate().is_err());
+    let e = TrainerConfig { top_p: 0.9, ..TrainerConfig::default() }.validate().unwrap_err();
+    assert!(e.to_string().contains("tis_cap"), "{e}");
+}
+
 #[test]
 fn bad_configs_and_checkpoints_are_clear_errors() {
     let bad = TrainerConfig { group_size: 0, ..TrainerConfig::default() };

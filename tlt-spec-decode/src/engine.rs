@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use tlt_kernels::{log_softmax, SeededRng};
+use tlt_kernels::{token_logprob, SeededRng};
 
 use crate::stop::StopStrings;
 use crate::{
@@ -43,8 +43,9 @@ pub struct Finished {
     pub prompt: Vec<u32>,
     /// Generated tokens (a stop token, if any, is the last one).
     pub tokens: Vec<u32>,
-    /// `logprobs[i]`: the target's log-probability of `tokens[i]` at temperature 1 (no top-k/top-p), given
-    /// everything before it.
+    /// `logprobs[i]`: the target's log-probability of `tokens[i]` given everything before it, at the sampling
+    /// temperature (1 for greedy decoding) and without top-k/top-p: the distribution a trainer recomputes, so
+    /// truncated importance sampling compares like with like at any temperature.
     pub logprobs: Vec<f32>,
     /// When recording was on ([`Engine::record_hidden`]): the target's features at every position fed, prompt
     /// included: `prompt.len() + tokens.len() - 1` rows, row `t` predicting token `t + 1` of prompt + tokens
@@ -523,8 +524,7 @@ impl<T: Target> Engine<T> {
             let mut kept = 0;
             for (k, &tok) in committed.iter().enumerate() {
                 let row = out.logits_row(i, acc.path[k])?;
-                let lp = log_softmax(row)?;
-                s.logprobs.push(lp[tok as usize]);
+                s.logprobs.push(token_logprob(row, tok as usize, self.params.sampling.temperature)?);
                 if let Some(h) = s.hidden.as_mut() {
                     let row = out.hidden_row(i, acc.path[k]).ok_or_else(|| {
                         Error::Target("the target returned no hidden states for a recording request".into())

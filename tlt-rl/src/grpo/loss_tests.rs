@@ -92,6 +92,47 @@ fn grpo_tis_weight_is_capped_and_detached() {
     }
 }
 
+/// TIS at T = 0.7: the trainer's log-probability of the sampled token (candle, logits / T) against the rollout's
+/// (computed here by hand at the same temperature) gives the hand-computed weight `exp(old - rollout)`; comparing
+/// against a temperature-1 rollout log-probability (what the engine recorded before) gives a wrong weight.
+#[test]
+fn grpo_tis_at_temperature_0_7_hand_computed() {
+    let t = 0.7f64;
+    let policy = [2.0f64, 1.0, 0.0];
+    let rollout_logits = [2.2f64, 1.0, 0.0]; // the rollout engine's policy copy differs a little
+    let lp = |z: &[f64], temp: f64| {
+        let s: Vec<f64> = z.iter().map(|x| x / temp).collect();
+        s[0] - s.iter().map(|x| x.exp()).sum::<f64>().ln()
+    };
+    let (old_hand, rollout_hand) = (lp(&policy, t), lp(&rollout_logits, t));
+    // Hand: 2/0.7 - ln(e^{2/0.7} + e^{1/0.7} + 1) = -0.26012, and -0.20151 for the rollout: weight 0.94308.
+    assert!((old_hand + 0.260_12).abs() < 1e-5 && (rollout_hand + 0.201_51).abs() < 1e-5, "{old_hand} {rollout_hand}");
+    let want_w = (old_hand - rollout_hand).exp();
+    assert!((want_w - 0.943_08).abs() < 1e-5);
+    let logits = Tensor::from_vec(policy.to_vec(), (1, 1, 3), &Device::Cpu).unwrap();
+    let target = Tensor::from_vec(vec![0u32], (1, 1), &Device::Cpu).unwrap();
+    let (old, _) = logprobs_and_entropy(&logits, &target, t, false).unwrap();
+    assert!((old.to_vec2::<f64>().unwrap()[0][0] - old_hand).abs() < 1e-12);
+    let (mask, adv) = (t2(&[1.0], 1, 1), t1(&[1.0]));
+    let norm = LossNorm { total_tokens: 1, total_seqs: 1, max_response_len: 1 };
+    let weight = |rollout: f64| {
+        let r = t2(&[rollout], 1, 1);
+        let inp = LossInputs {
+            logp: &old,
+            old_logp: &old,
+            rollout_logp: Some(&r),
+            ref_logp: None,
+            entropy: None,
+            advantages: &adv,
+            mask: &mask,
+        };
+        policy_loss(&inp, &norm, &GrpoConfig::default()).unwrap().1.tis_weight_mean
+    };
+    assert!((weight(rollout_hand) - want_w).abs() < 1e-12, "{} vs {want_w}", weight(rollout_hand));
+    // Negative control: a temperature-1 rollout log-probability misses by far more than rounding.
+    assert!((weight(lp(&rollout_logits, 1.0)) - want_w).abs() > 0.05);
+}
+
 #[test]
 fn grpo_kl_term_and_errors() {
     let (logp, mask, adv, reference) = (t2(&[-1.0], 1, 1), t2(&[1.0], 1, 1), t1(&[0.0]), t2(&[-1.5], 1, 1));

@@ -157,8 +157,18 @@ pub struct TrainerConfig {
     pub grpo: GrpoConfig,
     /// The optimizer.
     pub optim: OptimConfig,
-    /// Padded tokens per micro-batch (gradient accumulation splits a step's batch by this). Default 4096.
+    /// Padded tokens per micro-batch (gradient accumulation splits a mini-batch by this). Default 4096.
     pub micro_batch_tokens: usize,
+    /// Prompts per optimizer step (verl `ppo_mini_batch_size`, counted in prompts, each with its group): a step's
+    /// batch is shuffled and cut into mini-batches of this many prompts' samples, one AdamW step each. `None`: the
+    /// whole batch in one step. Default `None`.
+    ///
+    /// With more than one optimizer step per RL step (here or through [`Self::ppo_epochs`]) the old log-probabilities
+    /// come from a forward pass before the first step (verl `compute_log_prob`), so later steps see ratios away
+    /// from 1 and PPO clipping acts; with one step the ratio is 1 by construction and that pass is skipped.
+    pub ppo_mini_batch_size: Option<usize>,
+    /// Passes over each step's batch (verl `ppo_epochs`), reshuffled every pass. Default 1.
+    pub ppo_epochs: usize,
     /// Speculative decoding in TLT mode.
     pub sd: SdConfig,
 }
@@ -177,6 +187,8 @@ impl Default for TrainerConfig {
             grpo: GrpoConfig::default(),
             optim: OptimConfig::default(),
             micro_batch_tokens: 4096,
+            ppo_mini_batch_size: None,
+            ppo_epochs: 1,
             sd: SdConfig::default(),
         }
     }
@@ -211,6 +223,8 @@ impl TrainerConfig {
             ("group_size", self.group_size),
             ("max_new_tokens", self.max_new_tokens),
             ("micro_batch_tokens", self.micro_batch_tokens),
+            ("ppo_epochs", self.ppo_epochs),
+            ("ppo_mini_batch_size", self.ppo_mini_batch_size.unwrap_or(1)),
             ("sd.tail_batch", self.sd.tail_batch),
         ];
         for (field, v) in positive {
@@ -223,6 +237,13 @@ impl TrainerConfig {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(Error::config("top_p", format!("{} must be in (0, 1]", self.top_p)));
+        }
+        if self.grpo.tis_cap.is_some() && self.top_p < 1.0 {
+            return Err(Error::config(
+                "grpo.tis_cap",
+                "truncated importance sampling compares temperature-scaled log-probabilities, which top_p < 1 \
+                 changes: set top_p = 1 or turn the correction off (tis_cap unset)",
+            ));
         }
         if self.sd.publish_every == 0 {
             return Err(Error::config("sd.publish_every", "must be at least 1"));

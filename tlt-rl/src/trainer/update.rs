@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use tlt_drafter::train::AdamW;
 use tlt_model::Llama;
+use tlt_scheduler::SplitMix64;
 
 use super::rollout::Sample;
 use crate::grpo::{logprobs_and_entropy, policy_loss, GrpoConfig, LossInputs, LossNorm, LossStats};
@@ -15,10 +16,14 @@ use crate::Result;
 /// What one policy update did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct UpdateStats {
-    /// Loss statistics merged over micro-batches (`loss` is the full-batch loss).
+    /// Loss statistics merged over every micro-batch of every optimizer step (token-weighted; `loss` is the mean
+    /// of the mini-batch losses, and `tokens` counts each pass).
     pub loss: LossStats,
-    /// Global gradient norm before clipping (0 without an update).
+    /// Mean global gradient norm before clipping over the optimizer steps (0 without an update).
     pub grad_norm: f64,
+    /// Optimizer (AdamW) steps taken.
+    #[serde(default)]
+    pub optimizer_steps: usize,
     /// Micro-batches run.
     pub micro_batches: usize,
     /// Sequences that took part (zero-variance groups dropped).
@@ -43,13 +48,15 @@ struct Layout {
     mask: Tensor,
     /// `[b, r]` rollout log-probabilities.
     rollout_logp: Tensor,
+    /// `[b, r]` log-probabilities under the policy before the step's first update (when precomputed).
+    old_logp: Option<Tensor>,
     /// `[b]` advantages.
     advantages: Tensor,
     b: usize,
     r: usize,
 }
 
-fn layout(seqs: &[&TrainSeq], grpo: &GrpoConfig, dev: &Device) -> Result<Layout> {
+fn layout(seqs: &[&TrainSeq], old: Option<&[&[f32]]>, grpo: &GrpoConfig, dev: &Device) -> Result<Layout> {
     let b = seqs.len();
     let t = seqs.iter().map(|s| s.sample.prompt.len() + s.sample.tokens.len() - 1).max().unwrap_or(1);
     let r = seqs.iter().map(|s| s.sample.tokens.len()).max().unwrap_or(1);
@@ -58,6 +65,7 @@ fn layout(seqs: &[&TrainSeq], grpo: &GrpoConfig, dev: &Device) -> Result<Layout>
     let mut targets = vec![0u32; b * r];
     let mut mask = vec![0f32; b * r];
     let mut rollout = vec![0f32; b * r];
+    let mut old_logp = vec![0f32; b * r];
     for (i, s) in seqs.iter().enumerate() {
         let (p, n) = (s.sample.prompt.len(), s.sample.tokens.len());
         let full: Vec<u32> = s.sample.prompt.iter().chain(&s.sample.tokens).copied().collect();
@@ -68,6 +76,9 @@ fn layout(seqs: &[&TrainSeq], grpo: &GrpoConfig, dev: &Device) -> Result<Layout>
             targets[i * r + j] = s.sample.tokens[j];
             mask[i * r + j] = on;
             rollout[i * r + j] = s.sample.logprobs.get(j).copied().unwrap_or(0.0);
+            if let Some(o) = old {
+                old_logp[i * r + j] = o[i].get(j).copied().unwrap_or(0.0);
+            }
         }
     }
     let adv: Vec<f32> = seqs.iter().map(|s| s.advantage as f32).collect();
@@ -77,6 +88,7 @@ fn layout(seqs: &[&TrainSeq], grpo: &GrpoConfig, dev: &Device) -> Result<Layout>
         targets: Tensor::from_vec(targets, (b, r), dev)?,
         mask: Tensor::from_vec(mask, (b, r), dev)?,
         rollout_logp: Tensor::from_vec(rollout, (b, r), dev)?,
+        old_logp: old.map(|_| Tensor::from_vec(old_logp, (b, r), dev)).transpose()?,
         advantages: Tensor::from_vec(adv, b, dev)?,
         b,
         r,
@@ -119,53 +131,131 @@ pub(crate) struct UpdateContext<'a> {
     pub temperature: f64,
     pub max_new_tokens: usize,
     pub micro_batch_tokens: usize,
+    /// Sequences per optimizer step (`usize::MAX`: the whole batch).
+    pub mini_batch_seqs: usize,
+    /// Passes over the batch.
+    pub ppo_epochs: usize,
+    /// Seed of the mini-batch shuffles.
+    pub shuffle_seed: u64,
     pub lr: f64,
     pub max_grad_norm: Option<f64>,
 }
 
-/// One GRPO update over `seqs` (already filtered). An empty batch or one without trained tokens changes nothing.
-pub(crate) fn policy_update(ctx: &UpdateContext, opt: &mut AdamW, seqs: &[TrainSeq]) -> Result<UpdateStats> {
-    let trained = |s: &TrainSeq| if ctx.grpo.trains_on(s.sample.truncated) { s.sample.tokens.len() } else { 0 };
-    let total_tokens: usize = seqs.iter().map(trained).sum();
-    let mut stats = UpdateStats { sequences: seqs.len(), ..UpdateStats::default() };
-    if total_tokens == 0 {
-        return Ok(stats);
+impl UpdateContext<'_> {
+    /// The log-probability temperature (greedy rollouts train at 1).
+    fn temperature(&self) -> f64 {
+        if self.temperature > 0.0 {
+            self.temperature
+        } else {
+            1.0
+        }
     }
-    let total_seqs = seqs.iter().filter(|s| trained(s) > 0).count();
-    let norm = LossNorm { total_tokens, total_seqs, max_response_len: ctx.max_new_tokens };
+}
+
+/// Response log-probabilities of every sequence under the policy before any update (no gradient), trimmed to each
+/// response's length: the PPO "old" policy when a step takes several optimizer steps.
+fn old_logprobs(ctx: &UpdateContext, seqs: &[TrainSeq]) -> Result<Vec<Vec<f32>>> {
     let lengths: Vec<usize> = seqs.iter().map(|s| s.sample.prompt.len() + s.sample.tokens.len() - 1).collect();
-    let plan = plan_micro_batches(&lengths, ctx.micro_batch_tokens)?;
+    let mut out = vec![Vec::new(); seqs.len()];
+    for mb in plan_micro_batches(&lengths, ctx.micro_batch_tokens)? {
+        let part: Vec<&TrainSeq> = mb.iter().map(|&i| &seqs[i]).collect();
+        let l = layout(&part, None, ctx.grpo, &Device::Cpu)?;
+        let logp = response_logprobs(ctx.policy, &l, ctx.temperature(), false)?.0.detach().to_vec2::<f32>()?;
+        for (&i, row) in mb.iter().zip(logp) {
+            out[i] = row[..seqs[i].sample.tokens.len()].to_vec();
+        }
+    }
+    Ok(out)
+}
+
+/// One optimizer step over the sequences `mb` of `seqs`: micro-batches by token budget, the loss normalised over
+/// the mini-batch, gradients accumulated, AdamW. `None` when the mini-batch trains no token.
+fn mini_batch_step(
+    ctx: &UpdateContext,
+    opt: &mut AdamW,
+    seqs: &[TrainSeq],
+    mb: &[usize],
+    old: Option<&[Vec<f32>]>,
+) -> Result<Option<(LossStats, f64, usize)>> {
+    let trained = |s: &TrainSeq| if ctx.grpo.trains_on(s.sample.truncated) { s.sample.tokens.len() } else { 0 };
+    let total_tokens: usize = mb.iter().map(|&i| trained(&seqs[i])).sum();
+    if total_tokens == 0 {
+        return Ok(None);
+    }
+    let total_seqs = mb.iter().filter(|&&i| trained(&seqs[i]) > 0).count();
+    let norm = LossNorm { total_tokens, total_seqs, max_response_len: ctx.max_new_tokens };
+    let lengths: Vec<usize> =
+        mb.iter().map(|&i| seqs[i].sample.prompt.len() + seqs[i].sample.tokens.len() - 1).collect();
     let vars: Vec<Tensor> = opt.params().iter().map(|(_, v)| v.as_tensor().clone()).collect();
     let dev = Device::Cpu;
-    let temperature = if ctx.temperature > 0.0 { ctx.temperature } else { 1.0 };
-    let mut acc = None;
-    for mb in &plan {
-        let part: Vec<&TrainSeq> = mb.iter().map(|&i| &seqs[i]).collect();
-        let l = layout(&part, ctx.grpo, &dev)?;
+    let temperature = ctx.temperature();
+    let (mut acc, mut stats, mut micros) = (None, LossStats::default(), 0);
+    for micro in plan_micro_batches(&lengths, ctx.micro_batch_tokens)? {
+        let part: Vec<&TrainSeq> = micro.iter().map(|&j| &seqs[mb[j]]).collect();
+        let part_old: Option<Vec<&[f32]>> = old.map(|o| micro.iter().map(|&j| o[mb[j]].as_slice()).collect());
+        let l = layout(&part, part_old.as_deref(), ctx.grpo, &dev)?;
         let (logp, entropy) = response_logprobs(ctx.policy, &l, temperature, ctx.grpo.entropy_coef > 0.0)?;
-        let old = logp.detach();
+        let old_logp = match &l.old_logp {
+            Some(o) => o.clone(),
+            None => logp.detach(),
+        };
         let reference = match (ctx.reference, &ctx.grpo.kl) {
             (Some(m), Some(_)) => Some(response_logprobs(m, &l, temperature, false)?.0.detach()),
             _ => None,
         };
-        // The engine records temperature-1 log-probabilities: the IS correction compares like with like only there.
-        let rollout = (temperature == 1.0).then_some(&l.rollout_logp);
+        // The engine records log-probabilities at the rollout temperature: the IS correction compares like with like.
         let inputs = LossInputs {
             logp: &logp,
-            old_logp: &old,
-            rollout_logp: rollout,
+            old_logp: &old_logp,
+            rollout_logp: Some(&l.rollout_logp),
             ref_logp: reference.as_ref(),
             entropy: entropy.as_ref(),
             advantages: &l.advantages,
             mask: &l.mask,
         };
         let (loss, s) = policy_loss(&inputs, &norm, ctx.grpo)?;
-        stats.loss.merge(&s);
+        stats.merge(&s);
         accumulate(&mut acc, loss.to_dtype(DType::F32)?.backward()?, &vars)?;
-        stats.micro_batches += 1;
+        micros += 1;
     }
-    if let Some(grads) = acc {
-        stats.grad_norm = opt.step(&grads, ctx.lr, ctx.max_grad_norm)?.before;
+    let Some(grads) = acc else { return Ok(None) };
+    let grad_norm = opt.step(&grads, ctx.lr, ctx.max_grad_norm)?.before;
+    Ok(Some((stats, grad_norm, micros)))
+}
+
+/// The GRPO update of one RL step over `seqs` (already filtered): `ppo_epochs` passes, each cutting the shuffled
+/// batch into mini-batches of `mini_batch_seqs`, one AdamW step per mini-batch. An empty batch or one without
+/// trained tokens changes nothing.
+pub(crate) fn policy_update(ctx: &UpdateContext, opt: &mut AdamW, seqs: &[TrainSeq]) -> Result<UpdateStats> {
+    let mut stats = UpdateStats { sequences: seqs.len(), ..UpdateStats::default() };
+    if seqs.is_empty() {
+        return Ok(stats);
+    }
+    let chunk = ctx.mini_batch_seqs.clamp(1, seqs.len());
+    let several = ctx.ppo_epochs * seqs.len().div_ceil(chunk) > 1;
+    let old = if several { Some(old_logprobs(ctx, seqs)?) } else { None };
+    let mut rng = SplitMix64::new(ctx.shuffle_seed);
+    let mut order: Vec<usize> = (0..seqs.len()).collect();
+    let mut grad_norm_sum = 0.0;
+    for _ in 0..ctx.ppo_epochs {
+        if several {
+            for i in (1..order.len()).rev() {
+                order.swap(i, rng.below(i + 1));
+            }
+        }
+        for mb in order.chunks(chunk) {
+            if let Some((s, grad_norm, micros)) = mini_batch_step(ctx, opt, seqs, mb, old.as_deref())? {
+                stats.loss.merge(&s);
+                grad_norm_sum += grad_norm;
+                stats.optimizer_steps += 1;
+                stats.micro_batches += micros;
+            }
+        }
+    }
+    if stats.optimizer_steps > 0 {
+        let n = stats.optimizer_steps as f64;
+        stats.loss.loss /= n;
+        stats.grad_norm = grad_norm_sum / n;
     }
     Ok(stats)
 }
