@@ -9,7 +9,9 @@ use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 
 use crate::metrics::{read_metrics, truncate_after, MetricsWriter, StepMetrics};
-use crate::task::{builtin_with, ArithmeticConfig, ChatTemplate, JsonlTask, RewardConfig, Task};
+use crate::task::{
+    builtin_with, ArithmeticConfig, ChatTemplate, JsonlTask, RewardConfig, Task, WordConfig, WordProblems,
+};
 use crate::trainer::{Environment, Evaluation, Mode, Observer, TextEnv, Trainer, TrainerConfig, STATE_FILE};
 use crate::{Error, Result};
 
@@ -17,7 +19,8 @@ use crate::{Error, Result};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TaskSpec {
-    /// A built-in generator (`"arithmetic"`, `"countdown"`), ignored when `jsonl` is set. Default arithmetic.
+    /// A built-in generator (`"arithmetic"`, `"countdown"`, `"word"`), ignored when `jsonl` is set. Default
+    /// arithmetic.
     pub name: String,
     /// Seed of the generator, and of a file dataset's held-out split and shuffling.
     pub seed: u64,
@@ -30,6 +33,8 @@ pub struct TaskSpec {
     pub system: Option<String>,
     /// The arithmetic generator's settings (its `seed` is replaced by [`Self::seed`]).
     pub arithmetic: ArithmeticConfig,
+    /// The word-problem generator's settings (its `seed` is replaced by [`Self::seed`]).
+    pub word: WordConfig,
     /// Rewards.
     pub reward: RewardConfig,
 }
@@ -43,6 +48,7 @@ impl Default for TaskSpec {
             held_out: 64,
             system: None,
             arithmetic: ArithmeticConfig::default(),
+            word: WordConfig::default(),
             reward: RewardConfig::default(),
         }
     }
@@ -98,6 +104,9 @@ impl RunConfig {
 pub fn text_env(spec: &TaskSpec, tokenizer: Tokenizer, template: Option<&str>) -> Result<TextEnv> {
     let task: Box<dyn Task> = match &spec.jsonl {
         Some(path) => Box::new(JsonlTask::open(path)?.with_reward(spec.reward.clone())?),
+        None if spec.name == "word" => Box::new(
+            WordProblems::new(WordConfig { seed: spec.seed, ..spec.word.clone() })?.with_reward(spec.reward.clone())?,
+        ),
         None => builtin_with(
             &spec.name,
             ArithmeticConfig { seed: spec.seed, ..spec.arithmetic.clone() },

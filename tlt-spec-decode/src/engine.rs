@@ -6,8 +6,8 @@ use tlt_kernels::{token_logprob, SeededRng};
 
 use crate::stop::StopStrings;
 use crate::{
-    DraftContext, DraftTree, Drafter, Error, ExactVerifier, HiddenStates, Plan, Result, SeqHandle, SpecParams, Target,
-    TargetInput, TokenDecoder, Verifier,
+    Coins, DraftContext, DraftTree, Drafter, Error, ExactVerifier, HiddenStates, Plan, Result, SeqHandle, SpecParams,
+    Target, TargetInput, TokenDecoder, Verifier,
 };
 
 /// Identifies a request of an [`Engine`] (dense, in order of [`Engine::add_request`]).
@@ -117,7 +117,8 @@ struct Live {
     logprobs: Vec<f32>,
     /// Features of every fed position (`history.len() - 1` rows) when recording.
     hidden: Option<HiddenStates>,
-    rng: SeededRng,
+    /// The request's sampling stream: position `i`'s coin is `stream.fork(i)` ([`Coins`]).
+    stream: SeededRng,
 }
 
 /// Appends `rows` (flat, `width` wide) to `h`, adopting `width` while `h` is still empty.
@@ -397,7 +398,7 @@ impl<T: Target> Engine<T> {
             max_new_tokens,
             logprobs: Vec::new(),
             hidden,
-            rng: SeededRng::new(self.params.seed).fork(id.0 as u64),
+            stream: SeededRng::new(self.params.seed).fork(id.0 as u64),
         });
         id
     }
@@ -505,7 +506,8 @@ impl<T: Target> Engine<T> {
         let mut accepted = Vec::with_capacity(trees.len());
         for (i, (s, tree)) in self.live.iter_mut().zip(&trees).enumerate() {
             let rows: Vec<&[f32]> = (0..tree.len()).map(|r| out.logits_row(i, r)).collect::<Result<_>>()?;
-            accepted.push(self.verifier.verify(tree, &rows, &self.params.sampling, &mut s.rng)?);
+            let coins = Coins::new(s.stream.clone(), (s.history.len() - s.prompt_len) as u64);
+            accepted.push(self.verifier.verify(tree, &rows, &self.params.sampling, &coins)?);
         }
         let t3 = Instant::now();
         self.counters.verify_s += (t3 - t2).as_secs_f64();

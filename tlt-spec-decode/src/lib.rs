@@ -74,4 +74,4 @@ pub use suffix::{
 pub use target::{SeqHandle, Target, TargetInput, TargetOutput};
 pub use tlt_kernels::{SamplingParams, SeededRng};
 pub use tree::{Beam, DraftTree, Node};
-pub use verify::{verify_greedy, verify_sampling, Accepted, ExactVerifier, Proposal, Verifier};
+pub use verify::{verify_coupled, verify_greedy, verify_sampling, Accepted, Coins, ExactVerifier, Proposal, Verifier};

@@ -237,42 +237,90 @@ pub fn verify_sampling<R: AsRef<[f32]>>(
     }
 }
 
+/// The randomness of one request's round: one uniform per output position, keyed by the request's stream and the
+/// position alone, so the token sampled at a position does not depend on how the request got there (plain decoding
+/// or any draft tree).
+#[derive(Debug, Clone)]
+pub struct Coins {
+    stream: SeededRng,
+    position: u64,
+}
+
+impl Coins {
+    /// The coins of a round whose root predicts output position `position` of the request with `stream`.
+    pub fn new(stream: SeededRng, position: u64) -> Self {
+        Self { stream, position }
+    }
+
+    /// The uniform in `[0, 1)` of the position `depth` past the root.
+    pub fn uniform(&self, depth: usize) -> f64 {
+        self.stream.fork(self.position + depth as u64).uniform()
+    }
+
+    /// A sequential generator for this round (for verifiers that draw a variable number of coins).
+    pub fn sequential(&self) -> SeededRng {
+        self.stream.fork(self.position).fork(u64::MAX)
+    }
+}
+
+/// Lossless verification of deterministic drafts by **coupling**: at every node the target's token is drawn by
+/// inverse CDF of `p` (vocabulary order) with the coin of its output position, and the walk descends into the
+/// child drafting that token, if any; otherwise that token is the `next_token`.
+///
+/// Every committed token is the inverse-CDF draw of the target's distribution with a coin used by no other
+/// position, and the path to a position depends only on earlier coins, so each token is distributed exactly as the
+/// target's `p` given the committed prefix. A node's children are accepted with total probability `Σ p(child)`,
+/// the same as [`verify_sampling`] with [`Proposal::PointMass`]; and because the draw does not depend on the tree,
+/// speculative decoding commits **the same tokens as plain decoding with the same coins**, at any temperature
+/// (up to rounding differences between the logits of a verify and a decode forward that move a CDF boundary across a
+/// coin). `params.temperature == 0` is [`verify_greedy`].
+///
+/// # Errors
+/// As [`verify_greedy`]; [`Error::Kernel`] for invalid `params` or logits.
+pub fn verify_coupled<R: AsRef<[f32]>>(
+    tree: &DraftTree,
+    target_rows: &[R],
+    params: &SamplingParams,
+    coins: &Coins,
+) -> Result<Accepted> {
+    if params.temperature == 0.0 {
+        return verify_greedy(tree, target_rows);
+    }
+    check_rows(tree, target_rows)?;
+    let (mut path, mut cur) = (vec![0], 0);
+    loop {
+        let p = probs(target_rows[cur].as_ref(), params)?;
+        let t = categorical(&p, coins.uniform(path.len() - 1))? as u32;
+        match tree.children(cur)?.iter().find(|&&c| tree.nodes()[c].token == t) {
+            Some(&c) => {
+                path.push(c);
+                cur = c;
+            }
+            None => return Ok(Accepted { path, next_token: t }),
+        }
+    }
+}
+
 /// The acceptance rule the [`Engine`](crate::Engine) applies to each verified tree. The default,
 /// [`ExactVerifier`], is lossless; the seam exists for lossy rules (e.g. typical acceptance) and for testing that
 /// the engine's statistical tests catch a biased rule.
 pub trait Verifier: std::fmt::Debug {
     /// Accepts a root path of `tree` given the target's logits row at every node (`rows[i]` for node `i`),
-    /// drawing randomness from `rng` only.
+    /// drawing randomness from `coins` only.
     ///
     /// # Errors
     /// On inconsistent shapes or invalid logits/params.
-    fn verify(
-        &self,
-        tree: &DraftTree,
-        rows: &[&[f32]],
-        params: &SamplingParams,
-        rng: &mut SeededRng,
-    ) -> Result<Accepted>;
+    fn verify(&self, tree: &DraftTree, rows: &[&[f32]], params: &SamplingParams, coins: &Coins) -> Result<Accepted>;
 }
 
-/// Lossless verification of deterministic drafts: [`verify_greedy`] at temperature 0, otherwise
-/// [`verify_sampling`] with [`Proposal::PointMass`].
+/// Lossless verification of deterministic drafts: [`verify_coupled`] (greedy at temperature 0), so sampled
+/// speculative decoding commits the tokens plain decoding would.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ExactVerifier;
 
 impl Verifier for ExactVerifier {
-    fn verify(
-        &self,
-        tree: &DraftTree,
-        rows: &[&[f32]],
-        params: &SamplingParams,
-        rng: &mut SeededRng,
-    ) -> Result<Accepted> {
-        if params.temperature == 0.0 {
-            verify_greedy(tree, rows)
-        } else {
-            verify_sampling(tree, rows, Proposal::PointMass, params, rng)
-        }
+    fn verify(&self, tree: &DraftTree, rows: &[&[f32]], params: &SamplingParams, coins: &Coins) -> Result<Accepted> {
+        verify_coupled(tree, rows, params, coins)
     }
 }
 

@@ -88,7 +88,7 @@ fn switching_the_drafter_mid_generation_needs_no_prefill() {
 }
 
 /// Teacher-forced log-probs of `tokens` after `prompt`, and final-norm states of every position fed.
-fn teacher_forced(m: &Llama, prompt: &[u32], tokens: &[u32]) -> (Vec<f32>, Vec<Vec<f32>>) {
+fn teacher_forced(m: &Llama, prompt: &[u32], tokens: &[u32], temperature: f32) -> (Vec<f32>, Vec<Vec<f32>>) {
     let mut cache = m.new_cache();
     let seq = cache.add_sequence();
     let ctx: Vec<u32> = prompt.iter().chain(&tokens[..tokens.len() - 1]).copied().collect();
@@ -98,7 +98,11 @@ fn teacher_forced(m: &Llama, prompt: &[u32], tokens: &[u32]) -> (Vec<f32>, Vec<V
     let rows = out.logits.to_vec2::<f32>().unwrap();
     let hid = out.taps[0].to_vec2::<f32>().unwrap();
     let p = prompt.len() - 1;
-    let lps = tokens.iter().enumerate().map(|(i, &t)| log_softmax(&rows[p + i]).unwrap()[t as usize]).collect();
+    // The engine records log-probabilities at the sampling temperature (greedy: 1), without top-p.
+    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    let scaled = |row: &[f32]| row.iter().map(|x| x / t).collect::<Vec<f32>>();
+    let lps =
+        tokens.iter().enumerate().map(|(i, &tok)| log_softmax(&scaled(&rows[p + i])).unwrap()[tok as usize]).collect();
     (lps, hid)
 }
 
@@ -125,7 +129,7 @@ fn logprobs_and_hidden_states_match_a_teacher_forced_forward() {
             assert_eq!(f.logprobs.len(), 20);
             let hidden = f.hidden.as_ref().expect("recorded");
             assert_eq!(hidden.len(), f.prompt.len() + 20 - 1, "every fed position, prompt included");
-            let (lps, hid) = teacher_forced(&m, &f.prompt, &f.tokens);
+            let (lps, hid) = teacher_forced(&m, &f.prompt, &f.tokens, temperature);
             for (i, (want, got)) in lps.iter().zip(&f.logprobs).enumerate() {
                 assert!((want - got).abs() < 1e-3, "logprob {i}: {want} vs {got}");
                 assert!(*got <= 0.0);
@@ -257,4 +261,75 @@ fn params_round_trip_through_serde() {
     let d: SpecParams = serde_json::from_str("{}").unwrap();
     assert_eq!(d, SpecParams::default());
     assert!(d.validate().is_ok());
+}
+
+/// The sequential (pre-coupling) lossless verifier: fresh coins per sibling, so its tokens depend on the tree.
+#[derive(Debug)]
+struct SequentialVerifier;
+
+impl tlt_spec_decode::Verifier for SequentialVerifier {
+    fn verify(
+        &self,
+        tree: &tlt_spec_decode::DraftTree,
+        rows: &[&[f32]],
+        params: &SamplingParams,
+        coins: &tlt_spec_decode::Coins,
+    ) -> tlt_spec_decode::Result<tlt_spec_decode::Accepted> {
+        let mut rng = coins.sequential();
+        tlt_spec_decode::verify_sampling(tree, rows, tlt_spec_decode::Proposal::PointMass, params, &mut rng)
+    }
+}
+
+/// Generated tokens of every prompt with `drafter` (plain without one), and the drafts accepted.
+fn sampled(
+    m: &Llama,
+    params: &SpecParams,
+    drafter: Option<&mut dyn Drafter>,
+    sequential: bool,
+) -> (Vec<Vec<u32>>, u64) {
+    let mut engine = Engine::new(m, params.clone()).unwrap();
+    if sequential {
+        engine = engine.with_verifier(Box::new(SequentialVerifier));
+    }
+    for p in prompts() {
+        engine.add_request(&p).unwrap();
+    }
+    engine.run_to_completion(drafter, &Plan { steps: 4, top_k: 2, verify_tokens: 8 }).unwrap();
+    let accepted = engine.counters().accepted;
+    let mut fin = engine.take_finished();
+    fin.sort_by_key(|f| f.id);
+    (fin.into_iter().map(|f| f.tokens).collect(), accepted)
+}
+
+/// Coupled verification: sampled speculative decoding commits exactly plain decoding's tokens (same seed), at
+/// temperature 1 and at 0.7 with top-p, whatever the drafter; the sequential verifier (lossless in distribution
+/// only) is the negative control.
+#[test]
+fn sampled_speculative_decoding_commits_plain_decodings_tokens() {
+    let m = model();
+    for sampling in [
+        SamplingParams { temperature: 1.0, top_k: None, top_p: None },
+        SamplingParams { temperature: 0.7, top_k: None, top_p: Some(0.9) },
+    ] {
+        let params = SpecParams {
+            sampling,
+            max_new_tokens: 40,
+            stop_token_ids: Some(vec![]),
+            seed: 11,
+            ..SpecParams::default()
+        };
+        let (plain, _) = sampled(&m, &params, None, false);
+        let mut ngram = NgramDrafter { min_ngram: 1, max_ngram: 3 };
+        let (ng, ng_acc) = sampled(&m, &params, Some(&mut ngram), false);
+        // An oracle drafting plain's own samples: most drafts are accepted, and the tokens still match.
+        let mut orc = oracle(VOCAB, &prompts(), &plain, 1, true);
+        let (or, or_acc) = sampled(&m, &params, Some(&mut orc), false);
+        assert!(ng_acc > 0 && or_acc > ng_acc, "{sampling:?}: accepted {ng_acc} / {or_acc}");
+        assert_eq!(ng, plain, "{sampling:?}: n-gram drafting changed the samples");
+        assert_eq!(or, plain, "{sampling:?}: oracle drafting changed the samples");
+        let mut ngram = NgramDrafter { min_ngram: 1, max_ngram: 3 };
+        let (seq, seq_acc) = sampled(&m, &params, Some(&mut ngram), true);
+        assert!(seq_acc > 0);
+        assert_ne!(seq, plain, "{sampling:?}: the negative control should depend on the drafts");
+    }
 }

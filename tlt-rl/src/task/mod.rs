@@ -31,6 +31,7 @@ mod countdown;
 mod expr;
 mod jsonl;
 mod split;
+mod word;
 
 use std::time::{Duration, Instant};
 
@@ -42,6 +43,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use countdown::{Countdown, CountdownConfig};
 pub use jsonl::JsonlTask;
 pub use split::{DataSplit, Split, GENERATOR_EVAL_BASE};
+pub use word::{WordConfig, WordProblems};
 
 use crate::{Error, Result};
 
@@ -192,7 +194,7 @@ pub fn score_answer(answer: &Answer, completion: &str, reward: &RewardConfig) ->
     }
 }
 
-/// The built-in generator `name` (`"arithmetic"` or `"countdown"`) with default settings and `seed`.
+/// The built-in generator `name` (`"arithmetic"`, `"countdown"` or `"word"`) with default settings and `seed`.
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] for an unknown name, listing the known ones.
@@ -212,7 +214,13 @@ pub fn builtin_with(name: &str, arithmetic: ArithmeticConfig, reward: RewardConf
             let cfg = CountdownConfig { seed: arithmetic.seed, ..CountdownConfig::default() };
             Ok(Box::new(Countdown::new(cfg)?.with_reward(reward)?))
         }
-        other => Err(Error::config("task.name", format!("unknown task `{other}`; known tasks: arithmetic, countdown"))),
+        "word" => {
+            let cfg = WordConfig { seed: arithmetic.seed, ..WordConfig::default() };
+            Ok(Box::new(WordProblems::new(cfg)?.with_reward(reward)?))
+        }
+        other => {
+            Err(Error::config("task.name", format!("unknown task `{other}`; known tasks: arithmetic, countdown, word")))
+        }
     }
 }
 
@@ -291,6 +299,7 @@ mod tests {
     fn task_builtin_names() {
         assert_eq!(builtin("arithmetic", 1).unwrap().name(), "arithmetic");
         assert_eq!(builtin("countdown", 1).unwrap().name(), "countdown");
+        assert_eq!(builtin("word", 1).unwrap().name(), "word");
         let err = builtin("chess", 1).err().unwrap().to_string();
         assert!(err.contains("chess") && err.contains("arithmetic") && err.contains("countdown"), "{err}");
     }

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use tlt_kernels::{categorical, probs};
-use tlt_spec_decode::{Accepted, DraftTree, Proposal, Result, SamplingParams, SeededRng, Verifier};
+use tlt_spec_decode::{Accepted, Coins, DraftTree, Proposal, Result, SamplingParams, SeededRng, Verifier};
 
 /// Vocabulary size of the toy models.
 pub const VOCAB: usize = 8;
@@ -331,13 +331,7 @@ impl BiasedVerifier {
 
 /// In the [`Engine`](tlt_spec_decode::Engine), biased verifiers see deterministic drafts.
 impl Verifier for BiasedVerifier {
-    fn verify(
-        &self,
-        tree: &DraftTree,
-        rows: &[&[f32]],
-        params: &SamplingParams,
-        rng: &mut SeededRng,
-    ) -> Result<Accepted> {
-        BiasedVerifier::verify(*self, tree, rows, Proposal::PointMass, params, rng)
+    fn verify(&self, tree: &DraftTree, rows: &[&[f32]], params: &SamplingParams, coins: &Coins) -> Result<Accepted> {
+        BiasedVerifier::verify(*self, tree, rows, Proposal::PointMass, params, &mut coins.sequential())
     }
 }
