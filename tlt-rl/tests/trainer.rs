@@ -242,20 +242,48 @@ fn sampled_tlt_rollouts_match_baseline_distribution() {
     assert!(pr > 0.01 && pl > 0.01, "distributions differ: reward p {pr}, length p {pl}");
 }
 
+/// Sampled TLT rollouts (T = 1 and 0.7) commit the baseline's tokens with the same seed, for every drafter, so two
+/// steps end at the same weights (the IS correction is off: the rollout's own log-probabilities differ between
+/// verify and decode forwards by rounding).
+#[test]
+fn sampled_tlt_commits_the_baselines_tokens_and_weights() {
+    for temperature in [1.0, 0.7] {
+        let run = |mode: Mode, drafter: DrafterChoice| {
+            let mut cfg = base_config(mode);
+            cfg.temperature = temperature;
+            cfg.sd.drafter = drafter;
+            cfg.grpo.tis_cap = None;
+            let mut t = Trainer::new(tiny_model(6), CountEnv::new(), cfg).unwrap();
+            let mut outs = Vec::new();
+            let mut accept = 0.0;
+            for _ in 0..2 {
+                let r = t.step(&mut Quiet).unwrap();
+                accept += r.metrics.accept_len;
+                outs.push(r.samples.into_iter().map(|(s, _, _)| s.tokens).collect::<Vec<_>>());
+            }
+            (outs, weights(&t), accept)
+        };
+        let (base_outs, base_w, _) = run(Mode::Baseline, DrafterChoice::Ngram);
+        for drafter in [DrafterChoice::Ngram, DrafterChoice::Hybrid] {
+            let (outs, w, accept) = run(Mode::Tlt, drafter);
+            assert!(accept > 2.0, "T={temperature} {drafter:?}: SD barely ran ({accept})");
+            assert_eq!(outs, base_outs, "T={temperature} {drafter:?}: completions differ");
+            assert!(w == base_w, "T={temperature} {drafter:?}: weights differ");
+        }
+    }
+}
+
 #[test]
 fn a_run_killed_mid_step_resumes_bit_for_bit() {
     let dir = std::env::temp_dir().join(format!("tlt-rl-resume-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     for mode in [Mode::Baseline, Mode::Tlt] {
+        // Sampled (T = 1) in both modes: coupled verification makes TLT's tokens independent of the drafts, so the
+        // bandit's wall-time choices do not matter. The drafter's buffer keeps only the current step (it is not
+        // checkpointed); the drafts it shapes change speed, not tokens.
         let mut cfg = base_config(mode);
-        if mode == Mode::Tlt {
-            // TLT samples depend on the drafts, and the bandit picks plans by wall time: greedy rollouts make the
-            // run reproducible. The drafter's buffer keeps only the current step (it is not checkpointed).
-            cfg.temperature = 0.0;
-            cfg.grpo =
-                GrpoConfig { mean_level: MeanLevel::Batch, drop_zero_variance_groups: false, ..GrpoConfig::default() };
-            cfg.sd.buffer.keep_steps = 1;
-        }
+        assert_eq!(cfg.temperature, 1.0);
+        cfg.sd.buffer.keep_steps = 1;
         let mut full = Trainer::new(tiny_model(2), CountEnv::new(), cfg.clone()).unwrap();
         let full_m: Vec<String> = (0..3).map(|_| deterministic(&full.step(&mut Quiet).unwrap().metrics)).collect();
 
