@@ -3,11 +3,112 @@
 //! candle-nn's fused `softmax_last_dim`, `rms_norm` and `rope` kernels silently cut gradients, so this module
 //! builds RMSNorm, RoPE and softmax from differentiable primitives (see [`crate::nn`]).
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
 
 use crate::model::Llama;
 use crate::nn::{causal_mask, linear, repeat_kv, rms_norm, rope, rope_tensors};
-use crate::Result;
+use crate::weights::LayerWeights;
+use crate::{Error, Result};
+
+/// What every decoder layer of one training forward shares: shapes, rotary tables and the causal mask.
+#[derive(Debug, Clone)]
+struct LayerCtx {
+    b: usize,
+    t: usize,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor,
+}
+
+impl LayerCtx {
+    fn new(m: &Llama, ids: &Tensor) -> Result<Self> {
+        let (b, t) = ids.dims2()?;
+        let w = m.weights();
+        let (dtype, dev) = (w.embed_tokens.dtype(), w.embed_tokens.device().clone());
+        let (cos, sin) = rope_tensors(m.inv_freq(), t, dtype, &dev)?;
+        let mask = causal_mask(t, dtype, &dev)?;
+        Ok(Self { b, t, cos, sin, mask })
+    }
+
+    /// `[b, t, hidden]` token embeddings.
+    fn embed(&self, m: &Llama, ids: &Tensor) -> Result<Tensor> {
+        let e = m.weights().embed_tokens.index_select(&ids.flatten_all()?, 0)?;
+        Ok(e.reshape((self.b, self.t, m.config().hidden_size))?)
+    }
+
+    /// One decoder layer (attention and MLP with their residuals) from differentiable primitives.
+    fn layer(&self, m: &Llama, lw: &LayerWeights, x: &Tensor) -> Result<Tensor> {
+        let cfg = m.config();
+        let (b, t) = (self.b, self.t);
+        let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+        let eps = cfg.rms_norm_eps;
+        let xn = rms_norm(x, &lw.input_layernorm, eps)?;
+        let heads = |lin: &crate::Linear, n: usize| -> Result<Tensor> {
+            Ok(linear(&xn, lin)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?)
+        };
+        let q = rope(&heads(&lw.q_proj, nh)?, &self.cos, &self.sin)?;
+        let k = repeat_kv(&rope(&heads(&lw.k_proj, nkv)?, &self.cos, &self.sin)?, nh / nkv)?;
+        let v = repeat_kv(&heads(&lw.v_proj, nkv)?, nh / nkv)?;
+        let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(&self.mask)?;
+        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+        let attn = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        let x = (x + linear(&attn, &lw.o_proj)?)?;
+        let xn = rms_norm(&x, &lw.post_attention_layernorm, eps)?;
+        let act = (candle_nn::ops::silu(&linear(&xn, &lw.gate_proj)?)? * linear(&xn, &lw.up_proj)?)?;
+        Ok((x + linear(&act, &lw.down_proj)?)?)
+    }
+}
+
+/// Adds every gradient of `other` into `into`.
+fn add_grads(into: &mut GradStore, other: &GradStore) -> Result<()> {
+    let ids: Vec<_> = other.get_ids().copied().collect();
+    for id in ids {
+        let Some(g) = other.get_id(id) else { continue };
+        let sum = match into.get_id(id) {
+            Some(old) => (old + g)?,
+            None => g.clone(),
+        };
+        into.insert_id(id, sum);
+    }
+    Ok(())
+}
+
+/// The layer inputs a checkpointed forward kept ([`Llama::forward_train_hidden_checkpointed`]).
+#[derive(Debug)]
+pub struct Checkpoints {
+    ids: Tensor,
+    ctx: LayerCtx,
+    inputs: Vec<Tensor>,
+    last: Var,
+}
+
+impl Checkpoints {
+    /// Completes the backward pass of a loss built on the checkpointed hidden states: `grads` is that loss's
+    /// `backward()`; the result adds the gradients of every decoder layer and of the embedding, recomputing each
+    /// layer's forward from its kept input, last layer first. `model` must be the model of the forward.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when `grads` holds no gradient for the checkpointed states (the loss did not use them),
+    /// and tensor errors.
+    pub fn backward(self, model: &Llama, mut grads: GradStore) -> Result<GradStore> {
+        let mut g = grads.remove(self.last.as_tensor()).ok_or_else(|| {
+            Error::InvalidInput("Checkpoints::backward: the loss does not depend on the checkpointed states".into())
+        })?;
+        for (lw, x) in model.weights().layers.iter().zip(&self.inputs).rev() {
+            let xin = Var::from_tensor(x)?;
+            let y = self.ctx.layer(model, lw, xin.as_tensor())?;
+            let mut lg = (y * &g)?.sum_all()?.backward()?;
+            g = lg
+                .remove(xin.as_tensor())
+                .ok_or_else(|| Error::InvalidInput("a layer without an input gradient".into()))?;
+            add_grads(&mut grads, &lg)?;
+        }
+        let e = self.ctx.embed(model, &self.ids)?;
+        add_grads(&mut grads, &(e * &g)?.sum_all()?.backward()?)?;
+        Ok(grads)
+    }
+}
 
 impl Llama {
     /// Causal forward over a right-padded batch `ids: [batch, seq]` (u32) at positions `0..seq`;
@@ -20,34 +121,34 @@ impl Llama {
     /// As [`Self::forward_train`] but stops before the LM head: `[batch, seq, hidden]` final-norm states, so a
     /// caller can apply [`LlamaWeights::lm_head`](crate::LlamaWeights::lm_head) to the positions it needs only.
     pub fn forward_train_hidden(&self, ids: &Tensor) -> Result<Tensor> {
-        let cfg = self.config();
-        let w = self.weights();
-        let (b, t) = ids.dims2()?;
-        let dtype = w.embed_tokens.dtype();
-        let dev = w.embed_tokens.device().clone();
-        let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
-        let eps = cfg.rms_norm_eps;
-
-        let (cos, sin) = rope_tensors(self.inv_freq(), t, dtype, &dev)?;
-        let mask = causal_mask(t, dtype, &dev)?;
-        let mut x = w.embed_tokens.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, cfg.hidden_size))?;
-        for lw in &w.layers {
-            let xn = rms_norm(&x, &lw.input_layernorm, eps)?;
-            let heads = |lin: &crate::Linear, n: usize| -> Result<Tensor> {
-                Ok(linear(&xn, lin)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?)
-            };
-            let q = rope(&heads(&lw.q_proj, nh)?, &cos, &sin)?;
-            let k = repeat_kv(&rope(&heads(&lw.k_proj, nkv)?, &cos, &sin)?, nh / nkv)?;
-            let v = repeat_kv(&heads(&lw.v_proj, nkv)?, nh / nkv)?;
-            let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
-            let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
-            let attn = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-            x = (x + linear(&attn, &lw.o_proj)?)?;
-            let xn = rms_norm(&x, &lw.post_attention_layernorm, eps)?;
-            let act = (candle_nn::ops::silu(&linear(&xn, &lw.gate_proj)?)? * linear(&xn, &lw.up_proj)?)?;
-            x = (x + linear(&act, &lw.down_proj)?)?;
+        let ctx = LayerCtx::new(self, ids)?;
+        let mut x = ctx.embed(self, ids)?;
+        for lw in &self.weights().layers {
+            x = ctx.layer(self, lw, &x)?;
         }
-        rms_norm(&x, &w.norm, eps)
+        Ok(rms_norm(&x, &self.weights().norm, self.config().rms_norm_eps)?)
+    }
+
+    /// As [`Self::forward_train_hidden`], keeping only each decoder layer's input instead of the whole graph
+    /// (activation checkpointing): the returned states are differentiable w.r.t. the final norm (and whatever the
+    /// caller builds on them); [`Checkpoints::backward`] then adds the gradients of every layer and the embedding
+    /// by recomputing one layer at a time. Memory: the layer inputs plus one layer's graph, instead of every
+    /// layer's; compute: one more forward of the layers.
+    ///
+    /// # Errors
+    /// Shape or dtype errors.
+    pub fn forward_train_hidden_checkpointed(&self, ids: &Tensor) -> Result<(Tensor, Checkpoints)> {
+        let ctx = LayerCtx::new(self, ids)?;
+        let mut x = ctx.embed(self, ids)?.detach();
+        let mut inputs = Vec::with_capacity(self.weights().layers.len());
+        for lw in &self.weights().layers {
+            let next = ctx.layer(self, lw, &x)?.detach();
+            inputs.push(x);
+            x = next;
+        }
+        let last = Var::from_tensor(&x)?;
+        let h = rms_norm(last.as_tensor(), &self.weights().norm, self.config().rms_norm_eps)?;
+        Ok((h, Checkpoints { ids: ids.clone(), ctx, inputs, last }))
     }
 
     /// Log-probabilities `[batch, seq]` of `targets[b, s]` under the logits at `ids[b, s]` (differentiable).

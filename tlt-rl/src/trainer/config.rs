@@ -169,6 +169,10 @@ pub struct TrainerConfig {
     pub ppo_mini_batch_size: Option<usize>,
     /// Passes over each step's batch (verl `ppo_epochs`), reshuffled every pass. Default 1.
     pub ppo_epochs: usize,
+    /// Activation checkpointing in the policy update (verl `enable_gradient_checkpointing`): keep each decoder
+    /// layer's input only and recompute the layer in the backward, for one more forward of compute. Same
+    /// gradients (to rounding). Default true.
+    pub activation_checkpointing: bool,
     /// Speculative decoding in TLT mode.
     pub sd: SdConfig,
 }
@@ -189,6 +193,7 @@ impl Default for TrainerConfig {
             micro_batch_tokens: 4096,
             ppo_mini_batch_size: None,
             ppo_epochs: 1,
+            activation_checkpointing: true,
             sd: SdConfig::default(),
         }
     }

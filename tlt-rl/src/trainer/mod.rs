@@ -297,6 +297,7 @@ impl<E: Environment> Trainer<E> {
             micro_batch_tokens: self.cfg.micro_batch_tokens,
             mini_batch_seqs: self.cfg.ppo_mini_batch_size.map_or(usize::MAX, |m| m.saturating_mul(g)),
             ppo_epochs: self.cfg.ppo_epochs,
+            checkpoint: self.cfg.activation_checkpointing,
             shuffle_seed: SplitMix64::new(step_seed(self.cfg.seed, step)).fork(0x5eed).next_u64(),
             lr,
             max_grad_norm: self.cfg.optim.max_grad_norm,

@@ -5,7 +5,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use tlt_drafter::train::AdamW;
-use tlt_model::Llama;
+use tlt_model::{Checkpoints, Llama};
 use tlt_scheduler::SplitMix64;
 
 use super::rollout::Sample;
@@ -95,13 +95,26 @@ fn layout(seqs: &[&TrainSeq], old: Option<&[&[f32]]>, grpo: &GrpoConfig, dev: &D
     })
 }
 
-/// Log-probabilities (and entropies) of the response tokens under `model`: `[b, r]` each.
-fn response_logprobs(model: &Llama, l: &Layout, temperature: f64, entropy: bool) -> Result<(Tensor, Option<Tensor>)> {
-    let h = model.forward_train_hidden(&l.ids)?;
+/// Log-probabilities (and entropies) of the response tokens under `model`: `[b, r]` each, and with
+/// `checkpoint` the layer inputs a backward must finish with ([`Checkpoints::backward`]).
+fn response_logprobs(
+    model: &Llama,
+    l: &Layout,
+    temperature: f64,
+    entropy: bool,
+    checkpoint: bool,
+) -> Result<(Tensor, Option<Tensor>, Option<Checkpoints>)> {
+    let (h, ck) = if checkpoint {
+        let (h, ck) = model.forward_train_hidden_checkpointed(&l.ids)?;
+        (h, Some(ck))
+    } else {
+        (model.forward_train_hidden(&l.ids)?, None)
+    };
     let (bb, tt, hidden) = h.dims3()?;
     let picked = h.reshape((bb * tt, hidden))?.index_select(&l.rows, 0)?;
     let logits = picked.matmul(&model.weights().lm_head().t()?)?.reshape((l.b, l.r, ()))?;
-    logprobs_and_entropy(&logits, &l.targets, temperature, entropy)
+    let (logp, ent) = logprobs_and_entropy(&logits, &l.targets, temperature, entropy)?;
+    Ok((logp, ent, ck))
 }
 
 /// Adds `g` into `acc` for every tensor of `vars`.
@@ -137,6 +150,8 @@ pub(crate) struct UpdateContext<'a> {
     pub ppo_epochs: usize,
     /// Seed of the mini-batch shuffles.
     pub shuffle_seed: u64,
+    /// Activation checkpointing in the update's backward.
+    pub checkpoint: bool,
     pub lr: f64,
     pub max_grad_norm: Option<f64>,
 }
@@ -160,7 +175,8 @@ fn old_logprobs(ctx: &UpdateContext, seqs: &[TrainSeq]) -> Result<Vec<Vec<f32>>>
     for mb in plan_micro_batches(&lengths, ctx.micro_batch_tokens)? {
         let part: Vec<&TrainSeq> = mb.iter().map(|&i| &seqs[i]).collect();
         let l = layout(&part, None, ctx.grpo, &Device::Cpu)?;
-        let logp = response_logprobs(ctx.policy, &l, ctx.temperature(), false)?.0.detach().to_vec2::<f32>()?;
+        // The checkpointed forward drops each layer's graph as it goes: no-gradient passes stay small.
+        let logp = response_logprobs(ctx.policy, &l, ctx.temperature(), false, true)?.0.detach().to_vec2::<f32>()?;
         for (&i, row) in mb.iter().zip(logp) {
             out[i] = row[..seqs[i].sample.tokens.len()].to_vec();
         }
@@ -194,13 +210,14 @@ fn mini_batch_step(
         let part: Vec<&TrainSeq> = micro.iter().map(|&j| &seqs[mb[j]]).collect();
         let part_old: Option<Vec<&[f32]>> = old.map(|o| micro.iter().map(|&j| o[mb[j]].as_slice()).collect());
         let l = layout(&part, part_old.as_deref(), ctx.grpo, &dev)?;
-        let (logp, entropy) = response_logprobs(ctx.policy, &l, temperature, ctx.grpo.entropy_coef > 0.0)?;
+        let (logp, entropy, ck) =
+            response_logprobs(ctx.policy, &l, temperature, ctx.grpo.entropy_coef > 0.0, ctx.checkpoint)?;
         let old_logp = match &l.old_logp {
             Some(o) => o.clone(),
             None => logp.detach(),
         };
         let reference = match (ctx.reference, &ctx.grpo.kl) {
-            (Some(m), Some(_)) => Some(response_logprobs(m, &l, temperature, false)?.0.detach()),
+            (Some(m), Some(_)) => Some(response_logprobs(m, &l, temperature, false, true)?.0.detach()),
             _ => None,
         };
         // The engine records log-probabilities at the rollout temperature: the IS correction compares like with like.
@@ -215,7 +232,11 @@ fn mini_batch_step(
         };
         let (loss, s) = policy_loss(&inputs, &norm, ctx.grpo)?;
         stats.merge(&s);
-        accumulate(&mut acc, loss.to_dtype(DType::F32)?.backward()?, &vars)?;
+        let mut grads = loss.to_dtype(DType::F32)?.backward()?;
+        if let Some(ck) = ck {
+            grads = ck.backward(ctx.policy, grads)?;
+        }
+        accumulate(&mut acc, grads, &vars)?;
         micros += 1;
     }
     let Some(grads) = acc else { return Ok(None) };
