@@ -60,8 +60,11 @@ impl LayerCtx {
     }
 }
 
-/// Adds every gradient of `other` into `into`.
-fn add_grads(into: &mut GradStore, other: &GradStore) -> Result<()> {
+/// Adds every gradient of `other` into `into` (gradient accumulation across backward passes).
+///
+/// # Errors
+/// Tensor errors (mismatched shapes for the same tensor).
+pub fn add_grads(into: &mut GradStore, other: &GradStore) -> Result<()> {
     let ids: Vec<_> = other.get_ids().copied().collect();
     for id in ids {
         let Some(g) = other.get_id(id) else { continue };
@@ -92,16 +95,22 @@ impl Checkpoints {
     /// [`Error::InvalidInput`] when `grads` holds no gradient for the checkpointed states (the loss did not use them),
     /// and tensor errors.
     pub fn backward(self, model: &Llama, mut grads: GradStore) -> Result<GradStore> {
-        let mut g = grads.remove(self.last.as_tensor()).ok_or_else(|| {
-            Error::InvalidInput("Checkpoints::backward: the loss does not depend on the checkpointed states".into())
-        })?;
+        // Gradients of leaves can carry a graph (candle builds them from the weights): detach them so each
+        // surrogate's backward reaches only its own layer.
+        let mut g = grads
+            .remove(self.last.as_tensor())
+            .ok_or_else(|| {
+                Error::InvalidInput("Checkpoints::backward: the loss does not depend on the checkpointed states".into())
+            })?
+            .detach();
         for (lw, x) in model.weights().layers.iter().zip(&self.inputs).rev() {
             let xin = Var::from_tensor(x)?;
             let y = self.ctx.layer(model, lw, xin.as_tensor())?;
             let mut lg = (y * &g)?.sum_all()?.backward()?;
             g = lg
                 .remove(xin.as_tensor())
-                .ok_or_else(|| Error::InvalidInput("a layer without an input gradient".into()))?;
+                .ok_or_else(|| Error::InvalidInput("a layer without an input gradient".into()))?
+                .detach();
             add_grads(&mut grads, &lg)?;
         }
         let e = self.ctx.embed(model, &self.ids)?;

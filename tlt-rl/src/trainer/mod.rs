@@ -17,6 +17,7 @@ mod checkpoint;
 mod config;
 mod drafter;
 mod env;
+mod head;
 mod rollout;
 mod update;
 

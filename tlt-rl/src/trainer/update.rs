@@ -2,14 +2,15 @@
 //! gradient accumulation, AdamW.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use tlt_drafter::train::AdamW;
 use tlt_model::{Checkpoints, Llama};
 use tlt_scheduler::SplitMix64;
 
+use super::head::ChunkedHead;
 use super::rollout::Sample;
-use crate::grpo::{logprobs_and_entropy, policy_loss, GrpoConfig, LossInputs, LossNorm, LossStats};
+use crate::grpo::{policy_loss, GrpoConfig, LossInputs, LossNorm, LossStats};
 use crate::microbatch::plan_micro_batches;
 use crate::Result;
 
@@ -52,8 +53,6 @@ struct Layout {
     old_logp: Option<Tensor>,
     /// `[b]` advantages.
     advantages: Tensor,
-    b: usize,
-    r: usize,
 }
 
 fn layout(seqs: &[&TrainSeq], old: Option<&[&[f32]]>, grpo: &GrpoConfig, dev: &Device) -> Result<Layout> {
@@ -90,20 +89,12 @@ fn layout(seqs: &[&TrainSeq], old: Option<&[&[f32]]>, grpo: &GrpoConfig, dev: &D
         rollout_logp: Tensor::from_vec(rollout, (b, r), dev)?,
         old_logp: old.map(|_| Tensor::from_vec(old_logp, (b, r), dev)).transpose()?,
         advantages: Tensor::from_vec(adv, b, dev)?,
-        b,
-        r,
     })
 }
 
-/// Log-probabilities (and entropies) of the response tokens under `model`: `[b, r]` each, and with
-/// `checkpoint` the layer inputs a backward must finish with ([`Checkpoints::backward`]).
-fn response_logprobs(
-    model: &Llama,
-    l: &Layout,
-    temperature: f64,
-    entropy: bool,
-    checkpoint: bool,
-) -> Result<(Tensor, Option<Tensor>, Option<Checkpoints>)> {
+/// The final-norm states of the response rows (`[b * r, hidden]`, attached to the graph) and, with `checkpoint`,
+/// the layer inputs a backward must finish with ([`Checkpoints::backward`]).
+fn response_hidden(model: &Llama, l: &Layout, checkpoint: bool) -> Result<(Tensor, Option<Checkpoints>)> {
     let (h, ck) = if checkpoint {
         let (h, ck) = model.forward_train_hidden_checkpointed(&l.ids)?;
         (h, Some(ck))
@@ -111,10 +102,14 @@ fn response_logprobs(
         (model.forward_train_hidden(&l.ids)?, None)
     };
     let (bb, tt, hidden) = h.dims3()?;
-    let picked = h.reshape((bb * tt, hidden))?.index_select(&l.rows, 0)?;
-    let logits = picked.matmul(&model.weights().lm_head().t()?)?.reshape((l.b, l.r, ()))?;
-    let (logp, ent) = logprobs_and_entropy(&logits, &l.targets, temperature, entropy)?;
-    Ok((logp, ent, ck))
+    Ok((h.reshape((bb * tt, hidden))?.index_select(&l.rows, 0)?, ck))
+}
+
+/// `[b, r]` log-probabilities of the response tokens under `model`, values only: the checkpointed forward and the
+/// chunked head keep no more than one layer's graph or one chunk's logits alive.
+fn response_logprobs(model: &Llama, l: &Layout, temperature: f64) -> Result<Tensor> {
+    let (h, _) = response_hidden(model, l, true)?;
+    Ok(ChunkedHead::new(model, h.detach(), &l.targets, temperature, false)?.logp.as_tensor().detach())
 }
 
 /// Adds `g` into `acc` for every tensor of `vars`.
@@ -175,8 +170,7 @@ fn old_logprobs(ctx: &UpdateContext, seqs: &[TrainSeq]) -> Result<Vec<Vec<f32>>>
     for mb in plan_micro_batches(&lengths, ctx.micro_batch_tokens)? {
         let part: Vec<&TrainSeq> = mb.iter().map(|&i| &seqs[i]).collect();
         let l = layout(&part, None, ctx.grpo, &Device::Cpu)?;
-        // The checkpointed forward drops each layer's graph as it goes: no-gradient passes stay small.
-        let logp = response_logprobs(ctx.policy, &l, ctx.temperature(), false, true)?.0.detach().to_vec2::<f32>()?;
+        let logp = response_logprobs(ctx.policy, &l, ctx.temperature())?.to_vec2::<f32>()?;
         for (&i, row) in mb.iter().zip(logp) {
             out[i] = row[..seqs[i].sample.tokens.len()].to_vec();
         }
@@ -210,29 +204,30 @@ fn mini_batch_step(
         let part: Vec<&TrainSeq> = micro.iter().map(|&j| &seqs[mb[j]]).collect();
         let part_old: Option<Vec<&[f32]>> = old.map(|o| micro.iter().map(|&j| o[mb[j]].as_slice()).collect());
         let l = layout(&part, part_old.as_deref(), ctx.grpo, &dev)?;
-        let (logp, entropy, ck) =
-            response_logprobs(ctx.policy, &l, temperature, ctx.grpo.entropy_coef > 0.0, ctx.checkpoint)?;
+        let (hidden, ck) = response_hidden(ctx.policy, &l, ctx.checkpoint)?;
+        let head = ChunkedHead::new(ctx.policy, hidden, &l.targets, temperature, ctx.grpo.entropy_coef > 0.0)?;
         let old_logp = match &l.old_logp {
             Some(o) => o.clone(),
-            None => logp.detach(),
+            None => head.logp.as_tensor().detach(),
         };
         let reference = match (ctx.reference, &ctx.grpo.kl) {
-            (Some(m), Some(_)) => Some(response_logprobs(m, &l, temperature, false, true)?.0.detach()),
+            (Some(m), Some(_)) => Some(response_logprobs(m, &l, temperature)?),
             _ => None,
         };
         // The engine records log-probabilities at the rollout temperature: the IS correction compares like with like.
         let inputs = LossInputs {
-            logp: &logp,
+            logp: head.logp.as_tensor(),
             old_logp: &old_logp,
             rollout_logp: Some(&l.rollout_logp),
             ref_logp: reference.as_ref(),
-            entropy: entropy.as_ref(),
+            entropy: head.entropy.as_ref().map(Var::as_tensor),
             advantages: &l.advantages,
             mask: &l.mask,
         };
         let (loss, s) = policy_loss(&inputs, &norm, ctx.grpo)?;
         stats.merge(&s);
-        let mut grads = loss.to_dtype(DType::F32)?.backward()?;
+        let loss_grads = loss.to_dtype(DType::F32)?.backward()?;
+        let mut grads = head.backward(&loss_grads, ctx.policy)?;
         if let Some(ck) = ck {
             grads = ck.backward(ctx.policy, grads)?;
         }
