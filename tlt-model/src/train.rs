@@ -60,7 +60,8 @@ impl LayerCtx {
     }
 }
 
-/// Adds every gradient of `other` into `into` (gradient accumulation across backward passes).
+/// Adds every gradient of `other` into `into` (gradient accumulation across backward passes), detached: candle
+/// builds a leaf's gradient from the forward's tensors, so a kept gradient would keep that whole graph alive.
 ///
 /// # Errors
 /// Tensor errors (mismatched shapes for the same tensor).
@@ -72,7 +73,7 @@ pub fn add_grads(into: &mut GradStore, other: &GradStore) -> Result<()> {
             Some(old) => (old + g)?,
             None => g.clone(),
         };
-        into.insert_id(id, sum);
+        into.insert_id(id, sum.detach());
     }
     Ok(())
 }

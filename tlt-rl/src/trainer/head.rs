@@ -108,7 +108,16 @@ impl ChunkedHead {
             g_hidden
                 .push(g.remove(rows.as_tensor()).ok_or_else(|| Error::InvalidArgument("no hidden gradient".into()))?);
             match &mut head_grads {
-                None => head_grads = Some(g),
+                None => {
+                    // Kept gradients must not keep this chunk's logits alive through their graph.
+                    let ids: Vec<_> = g.get_ids().copied().collect();
+                    for id in ids {
+                        if let Some(t) = g.get_id(id).map(Tensor::detach) {
+                            g.insert_id(id, t);
+                        }
+                    }
+                    head_grads = Some(g);
+                }
                 Some(acc) => add_grads(acc, &g)?,
             }
         }

@@ -5,7 +5,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use tlt_drafter::train::AdamW;
-use tlt_model::{Checkpoints, Llama};
+use tlt_model::{add_grads, Checkpoints, Llama};
 use tlt_scheduler::SplitMix64;
 
 use super::head::ChunkedHead;
@@ -112,21 +112,17 @@ fn response_logprobs(model: &Llama, l: &Layout, temperature: f64) -> Result<Tens
     Ok(ChunkedHead::new(model, h.detach(), &l.targets, temperature, false)?.logp.as_tensor().detach())
 }
 
-/// Adds `g` into `acc` for every tensor of `vars`.
-fn accumulate(acc: &mut Option<GradStore>, g: GradStore, vars: &[Tensor]) -> Result<()> {
+/// Adds `g` into `acc`, the gradients of `vars` detached: candle builds a leaf's gradient from the forward's
+/// tensors, so a kept gradient would keep that micro-batch's whole graph alive.
+fn accumulate(acc: &mut Option<GradStore>, mut g: GradStore, vars: &[Tensor]) -> Result<()> {
+    for v in vars {
+        if let Some(t) = g.remove(v) {
+            g.insert(v, t.detach());
+        }
+    }
     match acc {
         None => *acc = Some(g),
-        Some(a) => {
-            for v in vars {
-                if let Some(new) = g.get(v) {
-                    let sum = match a.get(v) {
-                        Some(old) => (old + new)?,
-                        None => new.clone(),
-                    };
-                    a.insert(v, sum);
-                }
-            }
-        }
+        Some(a) => add_grads(a, &g)?,
     }
     Ok(())
 }
