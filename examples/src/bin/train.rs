@@ -177,6 +177,14 @@ fn compare(model_path: &Path, cfg: &RunConfig, out: &Path, resume: bool) -> Resu
     Ok(Comparison::new(ot, ob))
 }
 
+/// This process's peak resident set (VmHWM) in GB, where `/proc` has it (Linux).
+fn peak_rss_gb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1e6)
+}
+
 fn main() -> Result<()> {
     tlt_examples::init_logging();
     let args = Args::parse();
@@ -200,6 +208,9 @@ fn main() -> Result<()> {
             let summary = args.out.join("summary.json");
             std::fs::write(&summary, serde_json::to_string_pretty(&cmp)?)?;
             println!("\n{}", cmp.report());
+            if let Some(gb) = peak_rss_gb() {
+                println!("peak resident memory of this process (both runs): {gb:.2} GB");
+            }
             println!(
                 "metrics, checkpoints and plots: {} ({} comparison plots); summary: {}",
                 args.out.display(),
