@@ -136,7 +136,7 @@ impl Llama {
         for lw in &self.weights().layers {
             x = ctx.layer(self, lw, &x)?;
         }
-        Ok(rms_norm(&x, &self.weights().norm, self.config().rms_norm_eps)?)
+        rms_norm(&x, &self.weights().norm, self.config().rms_norm_eps)
     }
 
     /// As [`Self::forward_train_hidden`], keeping only each decoder layer's input instead of the whole graph
