@@ -330,6 +330,13 @@ pub struct Comparison {
     pub e2e_speedup: f64,
     /// Per step: baseline rollout seconds / TLT rollout seconds.
     pub rollout_speedup_per_step: Vec<f64>,
+    /// The baseline's rollout share of its step time, `R`.
+    #[serde(default)]
+    pub rollout_share: f64,
+    /// The end-to-end speed-up Amdahl's law allows from the measured split: `1 / ((1 - R) + R / S)` with `S` the
+    /// rollout speed-up (the end-to-end figure if nothing but the rollout changed between the runs).
+    #[serde(default)]
+    pub amdahl_bound: f64,
 }
 
 impl Comparison {
@@ -340,7 +347,9 @@ impl Comparison {
         let e2e_speedup = ratio(&|m| m.step_s);
         let rollout_speedup_per_step =
             tlt.metrics.iter().zip(&baseline.metrics).map(|(t, b)| b.rollout_s / t.rollout_s.max(1e-9)).collect();
-        Self { tlt, baseline, rollout_speedup, e2e_speedup, rollout_speedup_per_step }
+        let rollout_share = baseline.total(|m| m.rollout_s) / baseline.total(|m| m.step_s).max(1e-9);
+        let amdahl_bound = amdahl(rollout_share, rollout_speedup);
+        Self { tlt, baseline, rollout_speedup, e2e_speedup, rollout_speedup_per_step, rollout_share, amdahl_bound }
     }
 
     /// A short human-readable report.
@@ -372,6 +381,43 @@ impl Comparison {
             self.e2e_speedup,
             100.0 * sd,
         ));
+        s.push_str(&format!(
+            "Amdahl: the rollout is R = {:.0}% of the baseline's step, so a rollout speed-up of S = {:.2}x allows \
+             1 / ((1 - R) + R / S) = {:.2}x end to end if nothing else changed; measured {:.2}x (the difference is \
+             the update and the other phases running at different speeds in the two runs)\n",
+            100.0 * self.rollout_share,
+            self.rollout_speedup,
+            self.amdahl_bound,
+            self.e2e_speedup,
+        ));
         s
+    }
+}
+
+/// Amdahl's law: the whole's speed-up when a share `r` of the time is sped up `s` times.
+pub fn amdahl(r: f64, s: f64) -> f64 {
+    1.0 / ((1.0 - r) + r / s.max(1e-9))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn amdahl_bound_hand_computed() {
+        assert!((amdahl(0.85, 2.0) - 1.0 / 0.575).abs() < 1e-12);
+        assert!((amdahl(0.21, 0.84) - 1.0 / (0.79 + 0.25)).abs() < 1e-12);
+        assert_eq!(amdahl(0.0, 5.0), 1.0);
+        assert_eq!(amdahl(1.0, 3.0), 3.0);
+        // Baseline: 6 s of rollout in a 10 s step; TLT: 3 s of rollout in a 9 s step (its update ran slower).
+        let out = |rollout_s: f64, step_s: f64| RunOutcome {
+            metrics: vec![StepMetrics { rollout_s, step_s, ..StepMetrics::default() }],
+            ..RunOutcome::default()
+        };
+        let c = Comparison::new(out(3.0, 9.0), out(6.0, 10.0));
+        assert!((c.rollout_share - 0.6).abs() < 1e-12 && (c.rollout_speedup - 2.0).abs() < 1e-12);
+        assert!((c.amdahl_bound - 1.0 / 0.7).abs() < 1e-12, "{}", c.amdahl_bound);
+        assert!((c.e2e_speedup - 10.0 / 9.0).abs() < 1e-12);
+        assert!(c.report().contains("allows 1 / ((1 - R) + R / S) = 1.43x"), "{}", c.report());
     }
 }

@@ -62,6 +62,9 @@ pub struct Report {
     pub rollout_speedup: f64,
     /// Baseline / TLT step seconds over all steps.
     pub e2e_speedup: f64,
+    /// The end-to-end speed-up Amdahl's law allows from the baseline's rollout share and the measured rollout
+    /// speed-up, `1 / ((1 - R) + R / S)`.
+    pub amdahl_bound: f64,
     /// Per step.
     pub steps: Vec<StepRow>,
     /// Both runs in full.
@@ -113,6 +116,7 @@ pub fn run(args: &E2eArgs) -> Result<()> {
         header: Header::new("e2e", 1, timestamp, machine),
         rollout_speedup: comparison.rollout_speedup,
         e2e_speedup: comparison.e2e_speedup,
+        amdahl_bound: comparison.amdahl_bound,
         steps,
         comparison,
     };
@@ -122,7 +126,8 @@ pub fn run(args: &E2eArgs) -> Result<()> {
 fn markdown(r: &Report) -> String {
     let mut s = format!(
         "# e2e: GRPO with TLT rollouts vs plain rollouts (SmolLM2-135M, CPU)\n\n{} ({} threads); commit {}; {}\n\n\
-         **Rollout speedup {:.2}x, end-to-end {:.2}x** (baseline seconds / TLT seconds over all steps).\n\n{}\n\
+         **Rollout speedup {:.2}x, end-to-end {:.2}x** (baseline seconds / TLT seconds over all steps; Amdahl's \
+         bound from the measured split {:.2}x).\n\n{}\n\
          | step | TLT step s | baseline step s | TLT rollout s | baseline rollout s | rollout x | step x | accept len | SD on | idle TLT/base | reward TLT/base | drafter v |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         r.header.machine.cpu_model,
@@ -131,6 +136,7 @@ fn markdown(r: &Report) -> String {
         r.header.timestamp,
         r.rollout_speedup,
         r.e2e_speedup,
+        r.amdahl_bound,
         r.comparison.report().replace('\n', "\n\n"),
     );
     for x in &r.steps {
