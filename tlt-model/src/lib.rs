@@ -56,7 +56,7 @@ pub use hf::{atomic_write, load_hf_dir, save_hf_dir, write_dir_atomic};
 pub use model::{ForwardOutput, Llama, LogitsFor, SeqInput, Tap};
 pub use tlt_kernels::WeightDType;
 pub use tokenizer::{decode, encode, load_tokenizer_json, tokenizer_from_gguf_vocab, GgufVocab};
-pub use train::{add_grads, Checkpoints};
+pub use train::{accumulate_grads, Checkpoints};
 pub use weights::{LayerWeights, Linear, LlamaWeights, TensorSource};
 
 /// A model with what came with it in the checkpoint.

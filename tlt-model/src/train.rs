@@ -60,12 +60,30 @@ impl LayerCtx {
     }
 }
 
-/// Adds every gradient of `other` into `into` (gradient accumulation across backward passes), detached: candle
-/// builds a leaf's gradient from the forward's tensors, so a kept gradient would keep that whole graph alive.
+/// Accumulates the gradients of one backward pass into `acc` (the first pass's become `acc`), every kept gradient
+/// detached: candle builds a leaf's gradient from the forward's tensors, so a kept gradient would keep that whole
+/// graph alive until the optimizer step.
 ///
 /// # Errors
 /// Tensor errors (mismatched shapes for the same tensor).
-pub fn add_grads(into: &mut GradStore, other: &GradStore) -> Result<()> {
+pub fn accumulate_grads(acc: &mut Option<GradStore>, mut grads: GradStore) -> Result<()> {
+    match acc {
+        Some(a) => add_grads(a, &grads),
+        None => {
+            let ids: Vec<_> = grads.get_ids().copied().collect();
+            for id in ids {
+                if let Some(g) = grads.get_id(id).map(Tensor::detach) {
+                    grads.insert_id(id, g);
+                }
+            }
+            *acc = Some(grads);
+            Ok(())
+        }
+    }
+}
+
+/// Adds every gradient of `other` into `into`, detached (see [`accumulate_grads`]).
+fn add_grads(into: &mut GradStore, other: &GradStore) -> Result<()> {
     let ids: Vec<_> = other.get_ids().copied().collect();
     for id in ids {
         let Some(g) = other.get_id(id) else { continue };

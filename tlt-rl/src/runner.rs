@@ -9,9 +9,7 @@ use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 
 use crate::metrics::{read_metrics, truncate_after, MetricsWriter, StepMetrics};
-use crate::task::{
-    builtin_with, ArithmeticConfig, ChatTemplate, JsonlTask, RewardConfig, Task, WordConfig, WordProblems,
-};
+use crate::task::{builtin_with, ArithmeticConfig, ChatTemplate, JsonlTask, RewardConfig, Task, WordConfig};
 use crate::trainer::{Environment, Evaluation, Mode, Observer, TextEnv, Trainer, TrainerConfig, STATE_FILE};
 use crate::{Error, Result};
 
@@ -104,14 +102,7 @@ impl RunConfig {
 pub fn text_env(spec: &TaskSpec, tokenizer: Tokenizer, template: Option<&str>) -> Result<TextEnv> {
     let task: Box<dyn Task> = match &spec.jsonl {
         Some(path) => Box::new(JsonlTask::open(path)?.with_reward(spec.reward.clone())?),
-        None if spec.name == "word" => Box::new(
-            WordProblems::new(WordConfig { seed: spec.seed, ..spec.word.clone() })?.with_reward(spec.reward.clone())?,
-        ),
-        None => builtin_with(
-            &spec.name,
-            ArithmeticConfig { seed: spec.seed, ..spec.arithmetic.clone() },
-            spec.reward.clone(),
-        )?,
+        None => builtin_with(&spec.name, spec.seed, &spec.arithmetic, &spec.word, spec.reward.clone())?,
     };
     let token = |id: &str| if tokenizer.token_to_id(id).is_some() { id.to_string() } else { String::new() };
     let template = match template {

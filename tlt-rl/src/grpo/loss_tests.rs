@@ -67,25 +67,30 @@ fn grpo_clipping_hand_computed() {
     }
 }
 
+/// The loss of one trained token with advantage 1, log-probabilities `logp`/`old` (`[1, 1]`), rollout log-probability
+/// `rollout` and TIS cap `cap`.
+fn tis_token(logp: &Tensor, old: &Tensor, rollout: f64, cap: Option<f64>) -> (Tensor, LossStats) {
+    let (r, mask, adv) = (t2(&[rollout], 1, 1), t2(&[1.0], 1, 1), t1(&[1.0]));
+    let norm = LossNorm { total_tokens: 1, total_seqs: 1, max_response_len: 1 };
+    let inp = LossInputs {
+        logp,
+        old_logp: old,
+        rollout_logp: Some(&r),
+        ref_logp: None,
+        entropy: None,
+        advantages: &adv,
+        mask: &mask,
+    };
+    policy_loss(&inp, &norm, &GrpoConfig { tis_cap: cap, ..GrpoConfig::default() }).unwrap()
+}
+
 #[test]
 fn grpo_tis_weight_is_capped_and_detached() {
-    let (logp, old, mask, adv) = (t2(&[1.1f64.ln()], 1, 1), t2(&[0.0], 1, 1), t2(&[1.0], 1, 1), t1(&[1.0]));
-    let norm = LossNorm { total_tokens: 1, total_seqs: 1, max_response_len: 1 };
+    let (logp, old) = (t2(&[1.1f64.ln()], 1, 1), t2(&[0.0], 1, 1));
     for (rollout, cap, want_w) in
         [(-1.5f64.ln(), Some(2.0), 1.5), (-3.0f64.ln(), Some(2.0), 2.0), (-3.0f64.ln(), None, 1.0)]
     {
-        let r = t2(&[rollout], 1, 1);
-        let inp = LossInputs {
-            logp: &logp,
-            old_logp: &old,
-            rollout_logp: Some(&r),
-            ref_logp: None,
-            entropy: None,
-            advantages: &adv,
-            mask: &mask,
-        };
-        let cfg = GrpoConfig { tis_cap: cap, ..GrpoConfig::default() };
-        let (loss, s) = policy_loss(&inp, &norm, &cfg).unwrap();
+        let (loss, s) = tis_token(&logp, &old, rollout, cap);
         assert!((loss.to_scalar::<f64>().unwrap() + 1.1 * want_w).abs() < 1e-12);
         assert!((s.tis_weight_mean - want_w).abs() < 1e-12);
         assert!((s.pg_loss + 1.1 * want_w).abs() < 1e-12);
@@ -113,21 +118,7 @@ fn grpo_tis_at_temperature_0_7_hand_computed() {
     let target = Tensor::from_vec(vec![0u32], (1, 1), &Device::Cpu).unwrap();
     let (old, _) = logprobs_and_entropy(&logits, &target, t, false).unwrap();
     assert!((old.to_vec2::<f64>().unwrap()[0][0] - old_hand).abs() < 1e-12);
-    let (mask, adv) = (t2(&[1.0], 1, 1), t1(&[1.0]));
-    let norm = LossNorm { total_tokens: 1, total_seqs: 1, max_response_len: 1 };
-    let weight = |rollout: f64| {
-        let r = t2(&[rollout], 1, 1);
-        let inp = LossInputs {
-            logp: &old,
-            old_logp: &old,
-            rollout_logp: Some(&r),
-            ref_logp: None,
-            entropy: None,
-            advantages: &adv,
-            mask: &mask,
-        };
-        policy_loss(&inp, &norm, &GrpoConfig::default()).unwrap().1.tis_weight_mean
-    };
+    let weight = |rollout: f64| tis_token(&old, &old, rollout, GrpoConfig::default().tis_cap).1.tis_weight_mean;
     assert!((weight(rollout_hand) - want_w).abs() < 1e-12, "{} vs {want_w}", weight(rollout_hand));
     // Negative control: a temperature-1 rollout log-probability misses by far more than rounding.
     assert!((weight(lp(&rollout_logits, 1.0)) - want_w).abs() > 0.05);

@@ -199,25 +199,31 @@ pub fn score_answer(answer: &Answer, completion: &str, reward: &RewardConfig) ->
 /// # Errors
 /// [`Error::InvalidConfig`] for an unknown name, listing the known ones.
 pub fn builtin(name: &str, seed: u64) -> Result<Box<dyn Task>> {
-    builtin_with(name, ArithmeticConfig { seed, ..ArithmeticConfig::default() }, RewardConfig::default())
+    builtin_with(name, seed, &ArithmeticConfig::default(), &WordConfig::default(), RewardConfig::default())
 }
 
-/// The built-in generator `name` with an arithmetic config (its seed is used for Countdown too) and a reward
-/// config.
+/// The built-in generator `name` seeded with `seed` (which replaces the seed in `arithmetic` and `word`), with the
+/// settings of its kind (Countdown keeps its defaults) and `reward`.
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] for an unknown name or invalid configs.
-pub fn builtin_with(name: &str, arithmetic: ArithmeticConfig, reward: RewardConfig) -> Result<Box<dyn Task>> {
+pub fn builtin_with(
+    name: &str,
+    seed: u64,
+    arithmetic: &ArithmeticConfig,
+    word: &WordConfig,
+    reward: RewardConfig,
+) -> Result<Box<dyn Task>> {
     match name {
-        "arithmetic" => Ok(Box::new(Arithmetic::new(arithmetic)?.with_reward(reward)?)),
+        "arithmetic" => {
+            let cfg = ArithmeticConfig { seed, ..arithmetic.clone() };
+            Ok(Box::new(Arithmetic::new(cfg)?.with_reward(reward)?))
+        }
         "countdown" => {
-            let cfg = CountdownConfig { seed: arithmetic.seed, ..CountdownConfig::default() };
+            let cfg = CountdownConfig { seed, ..CountdownConfig::default() };
             Ok(Box::new(Countdown::new(cfg)?.with_reward(reward)?))
         }
-        "word" => {
-            let cfg = WordConfig { seed: arithmetic.seed, ..WordConfig::default() };
-            Ok(Box::new(WordProblems::new(cfg)?.with_reward(reward)?))
-        }
+        "word" => Ok(Box::new(WordProblems::new(WordConfig { seed, ..word.clone() })?.with_reward(reward)?)),
         other => {
             Err(Error::config("task.name", format!("unknown task `{other}`; known tasks: arithmetic, countdown, word")))
         }

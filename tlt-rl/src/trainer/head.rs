@@ -10,7 +10,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use tlt_model::{add_grads, Llama};
+use tlt_model::{accumulate_grads, Llama};
 
 use crate::grpo::logprobs_and_entropy;
 use crate::{Error, Result};
@@ -31,17 +31,17 @@ pub(crate) struct ChunkedHead {
     temperature: f64,
 }
 
-/// Log-probabilities and entropies of `targets` (`[n]`) under the head applied to `hidden` rows (`[n, hidden]`),
-/// flat `[n]` each.
+/// Log-probabilities and entropies of `targets` (`[n]`) under `head` (`[vocab, hidden]`) applied to `hidden` rows
+/// (`[n, hidden]`), flat `[n]` each.
 fn head_rows(
-    model: &Llama,
+    head: &Tensor,
     hidden: &Tensor,
     targets: &Tensor,
     temperature: f64,
     entropy: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let n = hidden.dim(0)?;
-    let logits = hidden.matmul(&model.weights().lm_head().t()?)?.reshape((1, n, ()))?;
+    let logits = hidden.matmul(&head.t()?)?.reshape((1, n, ()))?;
     let (lp, ent) = logprobs_and_entropy(&logits, &targets.reshape((1, n))?, temperature, entropy)?;
     Ok((lp.flatten_all()?, ent.map(|e| e.flatten_all()).transpose()?))
 }
@@ -62,11 +62,12 @@ impl ChunkedHead {
     ) -> Result<Self> {
         let (b, r) = targets.dims2()?;
         let targets = targets.flatten_all()?;
-        let detached = hidden.detach();
+        // Values only: detached inputs build no graph.
+        let (detached, head) = (hidden.detach(), model.weights().lm_head().detach());
         let (mut lps, mut ents) = (Vec::new(), Vec::new());
         for (s, len) in chunks(b * r) {
             let (lp, ent) =
-                head_rows(model, &detached.narrow(0, s, len)?, &targets.narrow(0, s, len)?, temperature, entropy)?;
+                head_rows(&head, &detached.narrow(0, s, len)?, &targets.narrow(0, s, len)?, temperature, entropy)?;
             lps.push(lp.detach());
             ents.extend(ent.map(|e| e.detach()));
         }
@@ -99,7 +100,8 @@ impl ChunkedHead {
             // Each chunk's rows are their own leaf, so its gradient is chunk-sized.
             let rows = Var::from_tensor(&detached.narrow(0, s, len)?)?;
             let targets = self.targets.narrow(0, s, len)?;
-            let (lp, ent) = head_rows(model, rows.as_tensor(), &targets, self.temperature, g_ent.is_some())?;
+            let (lp, ent) =
+                head_rows(model.weights().lm_head(), rows.as_tensor(), &targets, self.temperature, g_ent.is_some())?;
             let mut surrogate = (lp * g_lp.narrow(0, s, len)?)?.sum_all()?;
             if let (Some(e), Some(g)) = (ent, &g_ent) {
                 surrogate = (surrogate + (e * g.narrow(0, s, len)?)?.sum_all()?)?;
@@ -107,27 +109,13 @@ impl ChunkedHead {
             let mut g = surrogate.backward()?;
             g_hidden
                 .push(g.remove(rows.as_tensor()).ok_or_else(|| Error::InvalidArgument("no hidden gradient".into()))?);
-            match &mut head_grads {
-                None => {
-                    // Kept gradients must not keep this chunk's logits alive through their graph.
-                    let ids: Vec<_> = g.get_ids().copied().collect();
-                    for id in ids {
-                        if let Some(t) = g.get_id(id).map(Tensor::detach) {
-                            g.insert_id(id, t);
-                        }
-                    }
-                    head_grads = Some(g);
-                }
-                Some(acc) => add_grads(acc, &g)?,
-            }
+            // Detached as kept: a kept gradient would keep this chunk's logits alive through its graph.
+            accumulate_grads(&mut head_grads, g)?;
         }
         // Leaf gradients carry a graph to the head's weights (candle builds them from the weights): detach.
         let g_h = Tensor::cat(&g_hidden, 0)?.detach();
-        let mut grads = (self.hidden * g_h)?.sum_all()?.backward()?;
-        if let Some(h) = head_grads {
-            add_grads(&mut grads, &h)?;
-        }
-        Ok(grads)
+        accumulate_grads(&mut head_grads, (self.hidden * g_h)?.sum_all()?.backward()?)?;
+        head_grads.ok_or_else(|| Error::InvalidArgument("no rows to differentiate".into()))
     }
 }
 

@@ -1,11 +1,10 @@
 //! The policy update of one RL step: micro-batches by token budget, the GRPO loss on response tokens only,
 //! gradient accumulation, AdamW.
 
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use tlt_drafter::train::AdamW;
-use tlt_model::{add_grads, Checkpoints, Llama};
+use tlt_model::{accumulate_grads, Checkpoints, Llama};
 use tlt_scheduler::SplitMix64;
 
 use super::head::ChunkedHead;
@@ -112,21 +111,6 @@ fn response_logprobs(model: &Llama, l: &Layout, temperature: f64) -> Result<Tens
     Ok(ChunkedHead::new(model, h.detach(), &l.targets, temperature, false)?.logp.as_tensor().detach())
 }
 
-/// Adds `g` into `acc`, the gradients of `vars` detached: candle builds a leaf's gradient from the forward's
-/// tensors, so a kept gradient would keep that micro-batch's whole graph alive.
-fn accumulate(acc: &mut Option<GradStore>, mut g: GradStore, vars: &[Tensor]) -> Result<()> {
-    for v in vars {
-        if let Some(t) = g.remove(v) {
-            g.insert(v, t.detach());
-        }
-    }
-    match acc {
-        None => *acc = Some(g),
-        Some(a) => add_grads(a, &g)?,
-    }
-    Ok(())
-}
-
 /// Everything the update reads besides the data.
 pub(crate) struct UpdateContext<'a> {
     pub policy: &'a Llama,
@@ -192,7 +176,6 @@ fn mini_batch_step(
     let norm = LossNorm { total_tokens, total_seqs, max_response_len: ctx.max_new_tokens };
     let lengths: Vec<usize> =
         mb.iter().map(|&i| seqs[i].sample.prompt.len() + seqs[i].sample.tokens.len() - 1).collect();
-    let vars: Vec<Tensor> = opt.params().iter().map(|(_, v)| v.as_tensor().clone()).collect();
     let dev = Device::Cpu;
     let temperature = ctx.temperature();
     let (mut acc, mut stats, mut micros) = (None, LossStats::default(), 0);
@@ -227,7 +210,7 @@ fn mini_batch_step(
         if let Some(ck) = ck {
             grads = ck.backward(ctx.policy, grads)?;
         }
-        accumulate(&mut acc, grads, &vars)?;
+        accumulate_grads(&mut acc, grads)?;
         micros += 1;
     }
     let Some(grads) = acc else { return Ok(None) };
