@@ -4,6 +4,8 @@
 //! checkpoints' `config.json` *is* such a config plus a few extras); [`DrafterConfig`] adds what ties the drafter
 //! to its target. Configs do no I/O; checkpoint code in [`crate::checkpoint`] reads and writes them.
 
+use std::ops::Range;
+
 use serde::{Deserialize, Serialize};
 use tlt_model::{Architecture, LlamaConfig, Tap};
 
@@ -309,6 +311,49 @@ impl Eagle3LossConfig {
             return Err(Error::config("decay", self.decay, "must be finite and >= 0"));
         }
         self.noise.as_ref().map_or(Ok(()), UniformNoise::validate)
+    }
+}
+
+/// Where a drafter's inputs lie in one recorded hidden row (see [`feature_slices`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FeatureSlices {
+    /// The drafter's input feature: EAGLE-2 the final-norm state (`H` wide), EAGLE-3 the three tapped layers
+    /// (`3H` wide).
+    pub feature: Range<usize>,
+    /// EAGLE-3 only: the final-norm state the teacher logits come from (`H` wide).
+    pub teacher: Option<Range<usize>>,
+}
+
+/// Decides which columns of a recorded hidden row of `width` features a `kind` drafter of hidden size `h`
+/// trains on.
+///
+/// - EAGLE-2, `width == H` (the engine on a plain `Llama`): the whole row is the final-norm state.
+/// - EAGLE-2, `width == 4H` (`TappedLlama` with `Tap::eagle3`): the LAST `H` columns (the final norm).
+/// - EAGLE-3, `width == 4H` (`TappedLlama` with `Tap::eagle3`): the first `3H` columns are the aux taps, the last
+///   `H` the final-norm state that gives the teacher logits.
+///
+/// # Errors
+/// [`Error::InvalidBatch`] for any other width, in particular `3H` rows for EAGLE-3 (no teacher: record the
+/// samples with `TappedLlama { taps: &Tap::eagle3(L) }`) and `H` rows for EAGLE-3.
+pub fn feature_slices(kind: DrafterKind, h: usize, width: usize) -> Result<FeatureSlices> {
+    match kind {
+        DrafterKind::Eagle2 if h > 0 && width == h => Ok(FeatureSlices { feature: 0..h, teacher: None }),
+        DrafterKind::Eagle2 if h > 0 && width == 4 * h => Ok(FeatureSlices { feature: 3 * h..4 * h, teacher: None }),
+        DrafterKind::Eagle3 if h > 0 && width == 4 * h => {
+            Ok(FeatureSlices { feature: 0..3 * h, teacher: Some(3 * h..4 * h) })
+        }
+        DrafterKind::Eagle3 => Err(Error::batch(
+            "hidden",
+            format!(
+                "rows of width {width}: EAGLE-3 training needs 4H = {} (three aux taps then the final norm, as \
+                 TappedLlama with Tap::eagle3 records them)",
+                4 * h
+            ),
+        )),
+        DrafterKind::Eagle2 => Err(Error::batch(
+            "hidden",
+            format!("rows of width {width}: EAGLE-2 training reads rows of H = {h} or 4H = {} (Tap::eagle3)", 4 * h),
+        )),
     }
 }
 

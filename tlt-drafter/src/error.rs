@@ -160,6 +160,14 @@ impl Error {
         Error::Malformed { path: path.into(), format, reason: reason.to_string() }
     }
 
+    /// A shared optimizer's config error (`tlt_model::optim`) as this crate's [`Error::InvalidConfig`].
+    pub(crate) fn from_model_config(e: tlt_model::Error) -> Self {
+        match e {
+            tlt_model::Error::InvalidConfig { field, value, reason } => Error::InvalidConfig { field, value, reason },
+            e => Error::Model(e),
+        }
+    }
+
     pub(crate) fn config(field: &str, value: impl std::fmt::Display, reason: &'static str) -> Self {
         Error::InvalidConfig { field: field.into(), value: value.to_string(), reason }
     }

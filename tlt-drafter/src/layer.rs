@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use tlt_kernels::SeededRng;
 use tlt_model::nn::{linear, repeat_kv, rms_norm, rope};
-use tlt_model::Linear;
+use tlt_model::{Linear, Projections};
 
 use crate::config::{DrafterConfig, DrafterKind};
 use crate::{Error, Result};
@@ -12,20 +12,8 @@ use crate::{Error, Result};
 /// so an inference forward can reuse `tlt-model`'s kernels.
 #[derive(Debug, Clone)]
 pub struct DraftLayer {
-    /// Query projection, `[heads * head_dim, qkv_in]` (`qkv_in` = H for EAGLE-2, 2H for EAGLE-3).
-    pub q_proj: Linear,
-    /// Key projection, `[kv_heads * head_dim, qkv_in]`.
-    pub k_proj: Linear,
-    /// Value projection, `[kv_heads * head_dim, qkv_in]`.
-    pub v_proj: Linear,
-    /// Attention output projection, `[H, heads * head_dim]`.
-    pub o_proj: Linear,
-    /// SwiGLU gate projection, `[I, H]`.
-    pub gate_proj: Linear,
-    /// SwiGLU up projection, `[I, H]`.
-    pub up_proj: Linear,
-    /// SwiGLU down projection, `[H, I]`.
-    pub down_proj: Linear,
+    /// The attention and MLP projections (`qkv_in` = H for EAGLE-2, 2H for EAGLE-3 on q/k/v).
+    pub proj: Projections,
     /// EAGLE-3: RMSNorm of the token embedding. EAGLE-2: `None` (the input norm is the identity).
     pub input_layernorm: Option<Tensor>,
     /// EAGLE-3: RMSNorm of the feature. EAGLE-2: `None`.
@@ -80,28 +68,24 @@ pub(crate) fn check_shape(name: &str, t: &Tensor, shape: &[usize]) -> Result<()>
 impl DraftLayer {
     /// A freshly initialised layer for `cfg`: matrices ~ N(0, 1/fan_in), norms 1, biases 0 (f32).
     pub fn random(cfg: &DrafterConfig, rng: &mut SeededRng) -> Result<Self> {
-        let l = &cfg.llama;
-        let (h, i, q, kv, inp) = (l.hidden_size, l.intermediate_size, l.q_dim(), l.kv_dim(), cfg.qkv_in());
-        let bias = |n: usize| -> Result<Option<Tensor>> {
-            if cfg.qkv_bias() {
-                Ok(Some(zeros(n)?))
-            } else {
-                Ok(None)
-            }
-        };
+        let h = cfg.llama.hidden_size;
+        let proj = Projections::build(&Self::projection_shapes(cfg), |p| -> Result<Linear> {
+            let bias = if p.bias { Some(zeros(p.out)?) } else { None };
+            Ok(Linear::new(random_matrix(rng, p.out, p.inp)?, bias))
+        })?;
         let eagle3 = cfg.kind == DrafterKind::Eagle3;
         Ok(Self {
-            q_proj: Linear::new(random_matrix(rng, q, inp)?, bias(q)?),
-            k_proj: Linear::new(random_matrix(rng, kv, inp)?, bias(kv)?),
-            v_proj: Linear::new(random_matrix(rng, kv, inp)?, bias(kv)?),
-            o_proj: Linear::new(random_matrix(rng, h, q)?, None),
-            gate_proj: Linear::new(random_matrix(rng, i, h)?, None),
-            up_proj: Linear::new(random_matrix(rng, i, h)?, None),
-            down_proj: Linear::new(random_matrix(rng, h, i)?, None),
+            proj,
             input_layernorm: if eagle3 { Some(ones(h)?) } else { None },
             hidden_norm: if eagle3 { Some(ones(h)?) } else { None },
             post_attention_layernorm: ones(h)?,
         })
+    }
+
+    /// The projections' names and shapes for `cfg`.
+    fn projection_shapes(cfg: &DrafterConfig) -> [tlt_model::ProjectionShape; 7] {
+        let l = &cfg.llama;
+        Projections::shapes(l.hidden_size, l.q_dim(), l.kv_dim(), l.intermediate_size, cfg.qkv_in(), cfg.qkv_bias())
     }
 
     /// A layer for `cfg` whose parameters `get(name, shape)` supplies, named under `prefix` as in
@@ -111,22 +95,12 @@ impl DraftLayer {
         prefix: &str,
         get: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
     ) -> Result<Self> {
-        let l = &cfg.llama;
-        let (h, i, q, kv, inp) = (l.hidden_size, l.intermediate_size, l.q_dim(), l.kv_dim(), cfg.qkv_in());
-        let mut lin = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
-            let w = get(&format!("{prefix}{name}.weight"), &[out, inp])?;
-            let b = if bias { Some(get(&format!("{prefix}{name}.bias"), &[out])?) } else { None };
+        let h = cfg.llama.hidden_size;
+        let proj = Projections::build(&Self::projection_shapes(cfg), |p| -> Result<Linear> {
+            let w = get(&format!("{prefix}{}.weight", p.name), &[p.out, p.inp])?;
+            let b = if p.bias { Some(get(&format!("{prefix}{}.bias", p.name), &[p.out])?) } else { None };
             Ok(Linear::new(w, b))
-        };
-        let qb = cfg.qkv_bias();
-        let (q_proj, k_proj, v_proj) = (
-            lin("self_attn.q_proj", q, inp, qb)?,
-            lin("self_attn.k_proj", kv, inp, qb)?,
-            lin("self_attn.v_proj", kv, inp, qb)?,
-        );
-        let o_proj = lin("self_attn.o_proj", h, q, false)?;
-        let (gate_proj, up_proj) = (lin("mlp.gate_proj", i, h, false)?, lin("mlp.up_proj", i, h, false)?);
-        let down_proj = lin("mlp.down_proj", h, i, false)?;
+        })?;
         let (input_layernorm, hidden_norm) = if cfg.kind == DrafterKind::Eagle3 {
             (
                 Some(get(&format!("{prefix}input_layernorm.weight"), &[h])?),
@@ -136,44 +110,14 @@ impl DraftLayer {
             (None, None)
         };
         let post_attention_layernorm = get(&format!("{prefix}post_attention_layernorm.weight"), &[h])?;
-        Ok(Self {
-            q_proj,
-            k_proj,
-            v_proj,
-            o_proj,
-            gate_proj,
-            up_proj,
-            down_proj,
-            input_layernorm,
-            hidden_norm,
-            post_attention_layernorm,
-        })
+        Ok(Self { proj, input_layernorm, hidden_norm, post_attention_layernorm })
     }
 
     /// Every parameter with its name under `prefix` (e.g. `"midlayer."`), in a fixed order.
     pub fn entries_mut(&mut self, prefix: &str) -> Vec<(String, &mut Tensor)> {
-        let Self {
-            q_proj,
-            k_proj,
-            v_proj,
-            o_proj,
-            gate_proj,
-            up_proj,
-            down_proj,
-            input_layernorm,
-            hidden_norm,
-            post_attention_layernorm,
-        } = self;
+        let Self { proj, input_layernorm, hidden_norm, post_attention_layernorm } = self;
         let mut out = Vec::new();
-        for (name, lin) in [
-            ("self_attn.q_proj", q_proj),
-            ("self_attn.k_proj", k_proj),
-            ("self_attn.v_proj", v_proj),
-            ("self_attn.o_proj", o_proj),
-            ("mlp.gate_proj", gate_proj),
-            ("mlp.up_proj", up_proj),
-            ("mlp.down_proj", down_proj),
-        ] {
+        for (name, lin) in proj.named_mut() {
             out.push((format!("{prefix}{name}.weight"), &mut lin.weight));
             if let Some(b) = lin.bias.as_mut() {
                 out.push((format!("{prefix}{name}.bias"), b));
@@ -190,21 +134,12 @@ impl DraftLayer {
 
     /// The names and shapes `cfg` implies under `prefix`, in [`Self::entries_mut`] order.
     pub fn expected_shapes(cfg: &DrafterConfig, prefix: &str) -> Vec<(String, Vec<usize>)> {
-        let l = &cfg.llama;
-        let (h, i, q, kv, inp) = (l.hidden_size, l.intermediate_size, l.q_dim(), l.kv_dim(), cfg.qkv_in());
+        let h = cfg.llama.hidden_size;
         let mut out = Vec::new();
-        for (name, shape, bias) in [
-            ("self_attn.q_proj", [q, inp], cfg.qkv_bias()),
-            ("self_attn.k_proj", [kv, inp], cfg.qkv_bias()),
-            ("self_attn.v_proj", [kv, inp], cfg.qkv_bias()),
-            ("self_attn.o_proj", [h, q], false),
-            ("mlp.gate_proj", [i, h], false),
-            ("mlp.up_proj", [i, h], false),
-            ("mlp.down_proj", [h, i], false),
-        ] {
-            out.push((format!("{prefix}{name}.weight"), shape.to_vec()));
-            if bias {
-                out.push((format!("{prefix}{name}.bias"), vec![shape[0]]));
+        for p in Self::projection_shapes(cfg) {
+            out.push((format!("{prefix}{}.weight", p.name), vec![p.out, p.inp]));
+            if p.bias {
+                out.push((format!("{prefix}{}.bias", p.name), vec![p.out]));
             }
         }
         if cfg.kind == DrafterKind::Eagle3 {
@@ -252,9 +187,9 @@ impl DraftLayer {
         let heads = |lin: &Linear, n: usize| -> Result<Tensor> {
             Ok(linear(x_in, lin)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?)
         };
-        let q = rope(&heads(&self.q_proj, nh)?, cos, sin)?;
-        let k = repeat_kv(&rope(&heads(&self.k_proj, nkv)?, cos, sin)?, nh / nkv)?;
-        let v = repeat_kv(&heads(&self.v_proj, nkv)?, nh / nkv)?;
+        let q = rope(&heads(&self.proj.q_proj, nh)?, cos, sin)?;
+        let k = repeat_kv(&rope(&heads(&self.proj.k_proj, nkv)?, cos, sin)?, nh / nkv)?;
+        let v = repeat_kv(&heads(&self.proj.v_proj, nkv)?, nh / nkv)?;
         kv.push((k, v));
         let scale = 1.0 / (hd as f64).sqrt();
         let (k0, v0) = &kv[0];
@@ -268,13 +203,13 @@ impl DraftLayer {
             out = (out + probs.narrow(D::Minus1, t + i - 1, 1)?.broadcast_mul(vi)?)?;
         }
         let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        linear(&out, &self.o_proj).map_err(Error::from)
+        linear(&out, &self.proj.o_proj).map_err(Error::from)
     }
 
     /// `x + down(silu(gate(n)) * up(n))` with `n = post_attention_layernorm(x)`.
     pub(crate) fn mlp_residual(&self, x: &Tensor, eps: f64) -> Result<Tensor> {
         let n = rms_norm(x, &self.post_attention_layernorm, eps)?;
-        let act = (candle_nn::ops::silu(&linear(&n, &self.gate_proj)?)? * linear(&n, &self.up_proj)?)?;
-        Ok((x + linear(&act, &self.down_proj)?)?)
+        let act = (candle_nn::ops::silu(&linear(&n, &self.proj.gate_proj)?)? * linear(&n, &self.proj.up_proj)?)?;
+        Ok((x + linear(&act, &self.proj.down_proj)?)?)
     }
 }

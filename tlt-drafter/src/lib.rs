@@ -43,7 +43,7 @@
 //!   [`WeightsReader`](online::WeightsReader)) and the preemptible [`BackgroundTrainer`](online::BackgroundTrainer).
 //!
 //! - [`train`]: drafter training from rollout samples. [`DrafterTrainer`] (EAGLE-2 or EAGLE-3) packs windows
-//!   of [`Sample`](online::Sample)s (tokens + the engine's recorded hidden states; `4H` rows from
+//!   of [`FeatureSample`](online::FeatureSample)s (tokens + the engine's recorded hidden states; `4H` rows from
 //!   `TappedLlama` with `Tap::eagle3` serve both kinds) into segment-packed batches, steps its own AdamW
 //!   (visible moments, global-norm clipping, warmup + constant/cosine schedule), draws batches
 //!   deterministically from `(seed, step)`, and saves/resumes atomic checkpoints bit-exactly.
@@ -53,13 +53,13 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use tlt_drafter::online::Sample;
+//! use tlt_drafter::online::FeatureSample;
 //! use tlt_drafter::train::{train_offline, Budget};
 //! use tlt_drafter::{DrafterConfig, DrafterTrainer, Eagle2Drafter, FrozenTarget, RuntimeOptions, TrainConfig};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let target = tlt_model::Llama::random(tlt_model::LlamaConfig::tiny(32, 16, 2), 0)?;
-//! # let samples: Vec<Arc<Sample>> = Vec::new(); // Sample::from_finished(&engine_output, rl_step)
+//! # let samples: Vec<Arc<FeatureSample>> = Vec::new(); // FeatureSample::from_finished(&engine_output, rl_step)
 //! let cfg = DrafterConfig::eagle2_from_target(target.config(), false);
 //! let drafter = Eagle2Drafter::random(cfg, FrozenTarget::new(&target), 1)?;
 //! let mut trainer = DrafterTrainer::new(drafter, TrainConfig { lr: 1e-4, ..TrainConfig::default() })?;
@@ -98,5 +98,5 @@ pub use frozen::FrozenTarget;
 pub use layer::DraftLayer;
 pub use propose::EagleProposer;
 pub use runtime::{DraftCache, DraftRuntime, RuntimeOptions};
-pub use train::{DrafterTrainer, LrSchedule, StepStats, TrainConfig, TrainableDrafter};
+pub use train::{DrafterTrainer, StepStats, TrainConfig, TrainableDrafter};
 pub use vocab::VocabMap;

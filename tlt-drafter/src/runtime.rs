@@ -71,13 +71,13 @@ impl PackedLayer {
     fn new(l: &DraftLayer, dtype: WeightDType) -> Result<Self> {
         let p = |lin: &Linear| Packed::from_linear(lin, dtype);
         Ok(Self {
-            q: p(&l.q_proj)?,
-            k: p(&l.k_proj)?,
-            v: p(&l.v_proj)?,
-            o: p(&l.o_proj)?,
-            gate: p(&l.gate_proj)?,
-            up: p(&l.up_proj)?,
-            down: p(&l.down_proj)?,
+            q: p(&l.proj.q_proj)?,
+            k: p(&l.proj.k_proj)?,
+            v: p(&l.proj.v_proj)?,
+            o: p(&l.proj.o_proj)?,
+            gate: p(&l.proj.gate_proj)?,
+            up: p(&l.proj.up_proj)?,
+            down: p(&l.proj.down_proj)?,
             input_norm: l.input_layernorm.as_ref().map(host_f32).transpose()?,
             hidden_norm: l.hidden_norm.as_ref().map(host_f32).transpose()?,
             post_norm: host_f32(&l.post_attention_layernorm)?,
@@ -141,13 +141,13 @@ pub(crate) enum Attend<'a> {
     Tree(&'a [Option<usize>]),
 }
 
-/// See [`DraftRuntime::feature_of`]: training's column choice ([`crate::train::feature_slices`]), plus EAGLE-3
+/// See [`DraftRuntime::feature_of`]: training's column choice ([`crate::config::feature_slices`]), plus EAGLE-3
 /// rows of just the three taps (inference needs no teacher).
 pub(crate) fn feature_slice(kind: DrafterKind, h: usize, row: &[f32]) -> Result<&[f32]> {
     if kind == DrafterKind::Eagle3 && row.len() == 3 * h {
         return Ok(row);
     }
-    let cols = crate::train::feature_slices(kind, h, row.len())?;
+    let cols = crate::config::feature_slices(kind, h, row.len())?;
     row.get(cols.feature).ok_or_else(|| Error::batch("hidden", "feature columns outside the row"))
 }
 

@@ -91,22 +91,22 @@ fn reference_output(d: &Eagle2Drafter, tokens_in: &[u32], h: &[Vec<f64>]) -> Vec
         let mut x = embed[tok as usize].clone();
         x.extend_from_slice(hj);
         let a = lin(&w.fc, &x);
-        let (mut q, mut k) = (lin(&l.q_proj, &a), lin(&l.k_proj, &a));
+        let (mut q, mut k) = (lin(&l.proj.q_proj, &a), lin(&l.proj.k_proj, &a));
         rope(&mut q, hd, j, &inv);
         rope(&mut k, hd, j, &inv);
         keys.push(k);
-        values.push(lin(&l.v_proj, &a));
+        values.push(lin(&l.proj.v_proj, &a));
         last = (a, q);
     }
     let (a, q) = last;
-    let x = add(&a, &lin(&l.o_proj, &attend(&q, &keys, &values, nh, nkv, hd)));
+    let x = add(&a, &lin(&l.proj.o_proj, &attend(&q, &keys, &values, nh, nkv, hd)));
     let m = |lin: &tlt_model::Linear| mat(&lin.weight);
     mlp_residual(
         &x,
         &vec1(&l.post_attention_layernorm),
-        &m(&l.gate_proj),
-        &m(&l.up_proj),
-        &m(&l.down_proj),
+        &m(&l.proj.gate_proj),
+        &m(&l.proj.up_proj),
+        &m(&l.proj.down_proj),
         c.rms_norm_eps,
     )
 }

@@ -10,16 +10,17 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor, Var};
 use common::*;
 use parking_lot::Mutex;
-use tlt_drafter::online::{BackgroundTrainer, BufferConfig, OnlineBuffer, Sample, WeightsSlot};
+use tlt_drafter::online::{BackgroundTrainer, BufferConfig, FeatureSample, OnlineBuffer, WeightsSlot};
 use tlt_drafter::train::{
-    build_eagle2_batch, build_eagle3_batch, clip_grad_norm, feature_slices, online_step_fn, train_offline, AdamW,
-    AdamWParams, Budget, LossParts, OnlineStepConfig,
+    build_eagle2_batch, build_eagle3_batch, feature_slices, online_step_fn, train_offline, Budget, LossParts,
+    OnlineStepConfig,
 };
 use tlt_drafter::{
     DraftRuntime, DrafterConfig, DrafterKind, DrafterTrainer, Eagle2Drafter, Eagle3Drafter, EagleProposer, Error,
-    FrozenTarget, LrSchedule, RuntimeOptions, TrainConfig, UniformNoise, VocabMap,
+    FrozenTarget, RuntimeOptions, TrainConfig, UniformNoise, VocabMap,
 };
 use tlt_kernels::WeightDType;
+use tlt_model::optim::{clip_grad_norm, AdamW, AdamWParams, LrSchedule, ScheduleKind};
 use tlt_model::{Llama, Tap};
 use tlt_spec_decode::{Engine, Finished, HiddenStates, Plan, SpecParams, TappedLlama, Target};
 
@@ -44,10 +45,15 @@ fn trainer(target: &Llama, kind: DrafterKind, cfg: TrainConfig) -> DrafterTraine
     }
 }
 
+/// A cosine schedule: peak `lr`, `warmup` steps, the floor `ratio * lr` at `total`.
+fn cosine(lr: f64, warmup: u64, total: u64, ratio: f64) -> LrSchedule {
+    LrSchedule { lr, warmup_steps: warmup, total_steps: total, min_lr_ratio: ratio, kind: ScheduleKind::Cosine }
+}
+
 /// A small-model training config: windows of 32, rows of 64, 4 samples per step.
 fn small_cfg(lr: f64) -> TrainConfig {
     TrainConfig {
-        lr,
+        schedule: LrSchedule::constant(lr),
         window: 32,
         row_len: 64,
         tokens_per_step: 128,
@@ -77,13 +83,13 @@ fn rollout<T: Target>(t: T, prompts: &[Vec<u32>], n: usize, drafter: Option<&mut
 }
 
 /// Samples recorded as `kind` needs them: final-norm rows for EAGLE-2, `Tap::eagle3` rows for EAGLE-3.
-fn samples(target: &Llama, kind: DrafterKind, prompts: &[Vec<u32>], n: usize) -> Vec<Arc<Sample>> {
+fn samples(target: &Llama, kind: DrafterKind, prompts: &[Vec<u32>], n: usize) -> Vec<Arc<FeatureSample>> {
     let taps = Tap::eagle3(LAYERS);
     let fin = match kind {
         DrafterKind::Eagle2 => rollout(target, prompts, n, None),
         DrafterKind::Eagle3 => rollout(TappedLlama { model: target, taps: &taps }, prompts, n, None),
     };
-    fin.iter().map(|f| Arc::new(Sample::from_finished(f, 0).unwrap())).collect()
+    fin.iter().map(|f| Arc::new(FeatureSample::from_finished(f, 0).unwrap())).collect()
 }
 
 fn weight_bits(t: &DrafterTrainer) -> Vec<(String, Vec<u64>)> {
@@ -96,10 +102,10 @@ fn weight_bits(t: &DrafterTrainer) -> Vec<(String, Vec<u64>)> {
 }
 
 /// A hand-made sample of `h`-wide rows: row `j` is `[100 j + c for c in 0..width]`.
-fn fake(tokens: &[u32], response_start: usize, width: usize) -> Arc<Sample> {
+fn fake(tokens: &[u32], response_start: usize, width: usize) -> Arc<FeatureSample> {
     let rows = tokens.len() - 1;
     let data = (0..rows).flat_map(|j| (0..width).map(move |c| (100 * j + c) as f32)).collect();
-    Arc::new(Sample {
+    Arc::new(FeatureSample {
         tokens: tokens.to_vec(),
         hidden: HiddenStates::from_flat(width, data).unwrap(),
         response_start,
@@ -182,17 +188,12 @@ fn config_validation_and_schedule() {
         TrainConfig { tokens_per_step: 10, ..TrainConfig::default() },
         TrainConfig { betas: [0.9, 1.0], ..TrainConfig::default() },
         TrainConfig { grad_clip: Some(0.0), ..TrainConfig::default() },
-        TrainConfig { schedule: LrSchedule::Cosine { total_steps: 10, min_lr: 1.0 }, ..TrainConfig::default() },
+        TrainConfig { schedule: cosine(5e-5, 0, 10, 2.0), ..TrainConfig::default() },
     ];
     for c in bad {
         assert!(matches!(c.validate(), Err(Error::InvalidConfig { .. })), "{c:?}");
     }
-    let c = TrainConfig {
-        lr: 1.0,
-        warmup_steps: 4,
-        schedule: LrSchedule::Cosine { total_steps: 14, min_lr: 0.1 },
-        ..TrainConfig::default()
-    };
+    let c = TrainConfig { schedule: cosine(1.0, 4, 14, 0.1), ..TrainConfig::default() };
     assert_eq!(c.lr_at(0), 0.25);
     assert_eq!(c.lr_at(3), 1.0);
     assert_eq!(c.lr_at(4), 1.0);
@@ -296,7 +297,7 @@ fn training_reduces_the_loss_and_leaves_the_target_untouched() {
 }
 
 /// `n` steps of offline training; returns the losses.
-fn run(t: &mut DrafterTrainer, set: &[Arc<Sample>], n: u64) -> Vec<f64> {
+fn run(t: &mut DrafterTrainer, set: &[Arc<FeatureSample>], n: u64) -> Vec<f64> {
     let mut losses = Vec::new();
     train_offline(t, set, Budget::Steps(n), |s| losses.push(s.eval.loss)).unwrap();
     losses
@@ -306,17 +307,18 @@ fn run(t: &mut DrafterTrainer, set: &[Arc<Sample>], n: u64) -> Vec<f64> {
 fn a_run_split_in_two_with_a_new_schedule_matches_one_run() {
     let target = target("llama", 23);
     let set = samples(&target, DrafterKind::Eagle2, &tokens(4, 4, 9), 16);
-    let cfg = TrainConfig { warmup_steps: 2, ..small_cfg(3e-3) };
-    let cosine = LrSchedule::Cosine { total_steps: 6, min_lr: 1e-4 };
+    let cfg = small_cfg(3e-3);
+    let cfg = TrainConfig { schedule: LrSchedule { warmup_steps: 2, ..cfg.schedule.clone() }, ..cfg };
+    let cosine = cosine(3e-3, 2, 6, 1e-4 / 3e-3);
 
-    let mut straight = trainer(&target, DrafterKind::Eagle2, TrainConfig { schedule: cosine, ..cfg.clone() });
+    let mut straight = trainer(&target, DrafterKind::Eagle2, TrainConfig { schedule: cosine.clone(), ..cfg.clone() });
     let mut lrs = Vec::new();
     let whole = train_offline(&mut straight, &set, Budget::Steps(6), |s| lrs.push(s.lr)).unwrap();
 
     let mut split = trainer(&target, DrafterKind::Eagle2, cfg);
     let mut split_lrs = Vec::new();
     let first = train_offline(&mut split, &set, Budget::Steps(2), |s| split_lrs.push(s.lr)).unwrap();
-    split.set_lr_schedule(cosine).unwrap();
+    split.set_lr_schedule(cosine.clone()).unwrap();
     let rest = train_offline(&mut split, &set, Budget::Steps(4), |s| split_lrs.push(s.lr)).unwrap();
     let merged = first.clone().merge(rest.clone());
 
@@ -325,7 +327,7 @@ fn a_run_split_in_two_with_a_new_schedule_matches_one_run() {
     assert_eq!(merged.tokens, whole.tokens);
     assert_eq!(merged.first.map(|s| s.step), first.first.map(|s| s.step));
     assert_eq!(merged.last.map(|s| s.eval.loss), whole.last.map(|s| s.eval.loss), "same trajectory");
-    let bad = LrSchedule::Cosine { total_steps: 6, min_lr: f64::NAN };
+    let bad = LrSchedule { min_lr_ratio: f64::NAN, ..cosine };
     assert!(split.set_lr_schedule(bad).is_err(), "an invalid schedule is refused");
 }
 
@@ -336,8 +338,7 @@ fn resume_continues_bit_for_bit() {
     for kind in [DrafterKind::Eagle2, DrafterKind::Eagle3] {
         let set = samples(&target, kind, &prompts, 20);
         let mut cfg = TrainConfig {
-            warmup_steps: 2,
-            schedule: LrSchedule::Cosine { total_steps: 8, min_lr: 1e-4 },
+            schedule: cosine(3e-3, 2, 8, 1e-4 / 3e-3),
             weight_decay: 0.01,
             samples_per_step: 2,
             ..small_cfg(3e-3)
@@ -465,7 +466,7 @@ fn online_training_next_to_rollouts_loses_nothing_and_pauses_within_a_step() {
         // Rollouts run while the trainer trains; their samples feed the buffer as they finish.
         let prompts = tokens(4, 5, rl_step as u32);
         for f in rollout(&target, &prompts, 16, Some(&mut proposer)) {
-            buffer.push(Sample::from_finished(&f, rl_step).unwrap()).unwrap();
+            buffer.push(FeatureSample::from_finished(&f, rl_step).unwrap()).unwrap();
             pushed += 1;
         }
         // Let it train a few steps on this step's data.

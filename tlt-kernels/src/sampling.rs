@@ -1,5 +1,5 @@
 //! Sampling primitives on logit rows: greedy [`argmax`], the temperature / top-k / top-p distribution
-//! ([`probs`]), [`log_softmax`], inverse-CDF [`categorical`] draws and a small deterministic RNG
+//! ([`probs`]), [`log_softmax`] and inverse-CDF [`categorical`] draws driven by the deterministic RNG
 //! ([`SeededRng`]) with per-sequence streams.
 //!
 //! Logits may be finite or `-inf` (a masked token); `NaN` and `+inf` are rejected. Probabilities are computed with
@@ -8,7 +8,7 @@
 use std::cmp::Ordering;
 
 use crate::attention::exp_approx;
-use crate::{Error, Result};
+use crate::{Error, Result, SeededRng};
 
 /// How to turn logits into a sampling distribution.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -309,87 +309,4 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng) -> R
     }
     let p = probs(logits, params)?;
     categorical(&p, rng.uniform())
-}
-
-/// A small, fast, deterministic RNG: xoshiro256** seeded through SplitMix64. Not cryptographic.
-///
-/// ```
-/// use tlt_kernels::SeededRng;
-///
-/// let root = SeededRng::new(42);
-/// let (mut a, mut b) = (root.fork(0), root.fork(1));
-/// assert_ne!(a.next_u64(), b.next_u64());
-/// let u = SeededRng::new(7).uniform();
-/// assert!((0.0..1.0).contains(&u));
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SeededRng {
-    s: [u64; 4],
-}
-
-/// One SplitMix64 step: advances `state` and returns a well-mixed output.
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-impl SeededRng {
-    /// A generator whose whole stream is determined by `seed`.
-    pub fn new(seed: u64) -> Self {
-        let mut sm = seed;
-        let mut s = [0u64; 4];
-        for w in &mut s {
-            *w = splitmix64(&mut sm);
-        }
-        if s == [0; 4] {
-            s[0] = 1; // The all-zero state is a fixed point of xoshiro.
-        }
-        Self { s }
-    }
-
-    /// The next 64 random bits.
-    #[inline]
-    pub fn next_u64(&mut self) -> u64 {
-        let s = &mut self.s;
-        let out = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
-        out
-    }
-
-    /// A uniform f64 in `[0, 1)` with 53 random bits.
-    #[inline]
-    pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-
-    /// `n` values uniform in `[low, high)` (test data, random initialisation).
-    pub fn uniform_vec(&mut self, n: usize, low: f32, high: f32) -> Vec<f32> {
-        (0..n).map(|_| low + (high - low) * self.uniform() as f32).collect()
-    }
-
-    /// An independent generator for sub-stream `stream` (e.g. a sequence id), derived from the current state
-    /// without advancing it: the same parent state and stream always give the same child.
-    pub fn fork(&self, stream: u64) -> SeededRng {
-        let mut sm = stream ^ 0xD1B5_4A32_D192_ED03;
-        let salt = splitmix64(&mut sm);
-        let mix = self.s[0] ^ self.s[1].rotate_left(16) ^ self.s[2].rotate_left(32) ^ self.s[3].rotate_left(48);
-        let mut seed = mix ^ salt;
-        let mut s = [0u64; 4];
-        for (w, own) in s.iter_mut().zip(self.s) {
-            *w = splitmix64(&mut seed) ^ own.rotate_left(23);
-        }
-        if s == [0; 4] {
-            s[0] = 1;
-        }
-        SeededRng { s }
-    }
 }

@@ -113,6 +113,10 @@ impl Error {
         Error::Io { path: path.into(), source }
     }
 
+    pub(crate) fn config(field: impl Into<String>, value: impl std::fmt::Display, reason: &'static str) -> Self {
+        Error::InvalidConfig { field: field.into(), value: value.to_string(), reason }
+    }
+
     pub(crate) fn malformed(path: impl Into<PathBuf>, format: &'static str, reason: impl ToString) -> Self {
         Error::Malformed { path: path.into(), format, reason: reason.to_string() }
     }

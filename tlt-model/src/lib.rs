@@ -44,6 +44,7 @@ mod linear;
 mod model;
 pub mod nn;
 pub mod ops;
+pub mod optim;
 mod tokenizer;
 mod train;
 mod weights;
@@ -57,7 +58,7 @@ pub use model::{ForwardOutput, Llama, LogitsFor, SeqInput, Tap};
 pub use tlt_kernels::WeightDType;
 pub use tokenizer::{decode, encode, load_tokenizer_json, tokenizer_from_gguf_vocab, GgufVocab};
 pub use train::{accumulate_grads, Checkpoints};
-pub use weights::{LayerWeights, Linear, LlamaWeights, TensorSource};
+pub use weights::{LayerWeights, Linear, LlamaWeights, ProjectionShape, Projections, TensorSource};
 
 /// A model with what came with it in the checkpoint.
 #[derive(Debug)]

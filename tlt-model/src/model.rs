@@ -1,13 +1,14 @@
 //! The inference forward: batched, ragged, with causal appends and tentative token trees.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use tlt_kernels::{tree_attention, AttnShape, Visibility};
+use tlt_kernels::{tree_attention, AttnShape, Matrix, Visibility, WeightDType};
 
 use crate::cache::{KvCache, SeqId};
 use crate::config::LlamaConfig;
-use crate::linear::linear;
+use crate::linear::{linear, with_f32_slice};
 use crate::ops;
 use crate::weights::{Linear, LlamaWeights};
 
@@ -249,9 +250,9 @@ impl Llama {
         for (li, lw) in self.weights.layers.iter().enumerate() {
             record(li, &x);
             let xn = ops::rms_norm_rows(&x, &lw.input_layernorm.to_vec1::<f32>()?, eps);
-            let mut q = lin(&xn, t, &lw.q_proj)?;
-            let mut k = lin(&xn, t, &lw.k_proj)?;
-            let v = lin(&xn, t, &lw.v_proj)?;
+            let mut q = lin(&xn, t, &lw.proj.q_proj)?;
+            let mut k = lin(&xn, t, &lw.proj.k_proj)?;
+            let v = lin(&xn, t, &lw.proj.v_proj)?;
             ops::apply_rope(&mut q, hd, &cos, &sin);
             ops::apply_rope(&mut k, hd, &cos, &sin);
             let kvd = cfg.kv_dim();
@@ -272,13 +273,13 @@ impl Llama {
                     &mut attn[r.start * cfg.q_dim()..r.end * cfg.q_dim()],
                 )?;
             }
-            let o = lin(&attn, t, &lw.o_proj)?;
+            let o = lin(&attn, t, &lw.proj.o_proj)?;
             ops::add_assign(&mut x, &o);
             let xn = ops::rms_norm_rows(&x, &lw.post_attention_layernorm.to_vec1::<f32>()?, eps);
-            let mut gate = lin(&xn, t, &lw.gate_proj)?;
-            let up = lin(&xn, t, &lw.up_proj)?;
+            let mut gate = lin(&xn, t, &lw.proj.gate_proj)?;
+            let up = lin(&xn, t, &lw.proj.up_proj)?;
             ops::silu_mul_assign(&mut gate, &up);
-            let down = lin(&gate, t, &lw.down_proj)?;
+            let down = lin(&gate, t, &lw.proj.down_proj)?;
             ops::add_assign(&mut x, &down);
         }
         record(cfg.num_hidden_layers, &x);
@@ -336,4 +337,47 @@ fn tree_depths(parents: &[Option<usize>], n: usize) -> Result<Vec<usize>> {
         });
     }
     Ok(depths)
+}
+
+fn pack(t: &Tensor, dtype: WeightDType) -> Result<Arc<Matrix>> {
+    let (n, k) = t.dims2()?;
+    Ok(Arc::new(with_f32_slice(t, |w| Matrix::from_f32(n, k, w, dtype))??))
+}
+
+impl Llama {
+    /// Converts every linear layer and the LM head to `dtype` for the inference forward (e.g. Q8_0 streams
+    /// about a quarter of the bytes of f32). The f32 weights stay for training and saving; training does not
+    /// update the packed copies, so [`Llama::make_trainable`] drops them. `WeightDType::F32` removes the packs.
+    pub fn pack_for_inference(&mut self, dtype: WeightDType) -> Result<()> {
+        let keep = dtype != WeightDType::F32;
+        let w = self.weights_mut();
+        for (_, lin) in w.linears_mut() {
+            lin.packed = if keep { Some(pack(&lin.weight, dtype)?) } else { None };
+        }
+        w.head_packed = if keep { Some(pack(w.lm_head(), dtype)?) } else { None };
+        Ok(())
+    }
+
+    /// The format the inference forward reads the linear layers in.
+    pub fn inference_dtype(&self) -> WeightDType {
+        self.weights()
+            .layers
+            .first()
+            .and_then(|l| l.proj.q_proj.packed.as_ref())
+            .map_or(WeightDType::F32, |m| m.view().dtype())
+    }
+
+    /// Bytes of weights one decode step streams through the linear layers (weights and biases) and the LM head.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let w = self.weights();
+        let bytes =
+            |t: &Tensor, p: Option<&Arc<Matrix>>| -> usize { p.map_or(t.elem_count() * 4, |m| m.view().bytes()) };
+        let mut total = bytes(w.lm_head(), w.head_packed.as_ref());
+        for l in &w.layers {
+            for lin in l.proj.all() {
+                total += bytes(&lin.weight, lin.packed.as_ref()) + lin.bias.as_ref().map_or(0, |b| b.elem_count() * 4);
+            }
+        }
+        total
+    }
 }

@@ -47,16 +47,16 @@ impl LayerCtx {
         let heads = |lin: &crate::Linear, n: usize| -> Result<Tensor> {
             Ok(linear(&xn, lin)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?)
         };
-        let q = rope(&heads(&lw.q_proj, nh)?, &self.cos, &self.sin)?;
-        let k = repeat_kv(&rope(&heads(&lw.k_proj, nkv)?, &self.cos, &self.sin)?, nh / nkv)?;
-        let v = repeat_kv(&heads(&lw.v_proj, nkv)?, nh / nkv)?;
+        let q = rope(&heads(&lw.proj.q_proj, nh)?, &self.cos, &self.sin)?;
+        let k = repeat_kv(&rope(&heads(&lw.proj.k_proj, nkv)?, &self.cos, &self.sin)?, nh / nkv)?;
+        let v = repeat_kv(&heads(&lw.proj.v_proj, nkv)?, nh / nkv)?;
         let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(&self.mask)?;
         let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
         let attn = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        let x = (x + linear(&attn, &lw.o_proj)?)?;
+        let x = (x + linear(&attn, &lw.proj.o_proj)?)?;
         let xn = rms_norm(&x, &lw.post_attention_layernorm, eps)?;
-        let act = (candle_nn::ops::silu(&linear(&xn, &lw.gate_proj)?)? * linear(&xn, &lw.up_proj)?)?;
-        Ok((x + linear(&act, &lw.down_proj)?)?)
+        let act = (candle_nn::ops::silu(&linear(&xn, &lw.proj.gate_proj)?)? * linear(&xn, &lw.proj.up_proj)?)?;
+        Ok((x + linear(&act, &lw.proj.down_proj)?)?)
     }
 }
 

@@ -29,58 +29,123 @@ impl Linear {
     }
 }
 
+/// The seven linear layers of a Llama-family decoder block (attention and SwiGLU MLP), as the model's blocks
+/// and the EAGLE drafters' single layer both hold them. Weights are `[out, in]`.
+#[derive(Debug, Clone)]
+pub struct Projections {
+    /// Query projection, `[heads * head_dim, in]`.
+    pub q_proj: Linear,
+    /// Key projection, `[kv_heads * head_dim, in]`.
+    pub k_proj: Linear,
+    /// Value projection, `[kv_heads * head_dim, in]`.
+    pub v_proj: Linear,
+    /// Attention output projection, `[hidden, heads * head_dim]`.
+    pub o_proj: Linear,
+    /// SwiGLU gate projection, `[intermediate, hidden]`.
+    pub gate_proj: Linear,
+    /// SwiGLU up projection, `[intermediate, hidden]`.
+    pub up_proj: Linear,
+    /// SwiGLU down projection, `[hidden, intermediate]`.
+    pub down_proj: Linear,
+}
+
+/// One projection's place in a block: its HF module name (under the block's prefix), `[out, in]`, and whether it
+/// has a bias.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProjectionShape {
+    /// HF module name, e.g. `self_attn.q_proj`.
+    pub name: &'static str,
+    /// Output features.
+    pub out: usize,
+    /// Input features.
+    pub inp: usize,
+    /// Whether the layer has a bias (Qwen2's q/k/v).
+    pub bias: bool,
+}
+
+impl Projections {
+    /// The shapes of a block with `hidden` features, `q`/`kv` attention widths, `ffn` MLP features, attention
+    /// inputs of width `qkv_in` (`hidden`, or `2 * hidden` for an EAGLE-3 layer) and optional q/k/v biases, in
+    /// field order.
+    pub fn shapes(
+        hidden: usize,
+        q: usize,
+        kv: usize,
+        ffn: usize,
+        qkv_in: usize,
+        qkv_bias: bool,
+    ) -> [ProjectionShape; 7] {
+        let s = |name, out, inp, bias| ProjectionShape { name, out, inp, bias };
+        [
+            s("self_attn.q_proj", q, qkv_in, qkv_bias),
+            s("self_attn.k_proj", kv, qkv_in, qkv_bias),
+            s("self_attn.v_proj", kv, qkv_in, qkv_bias),
+            s("self_attn.o_proj", hidden, q, false),
+            s("mlp.gate_proj", ffn, hidden, false),
+            s("mlp.up_proj", ffn, hidden, false),
+            s("mlp.down_proj", hidden, ffn, false),
+        ]
+    }
+
+    /// Builds the seven layers from `shapes` (as [`Projections::shapes`] gives them), one `make` call each.
+    ///
+    /// # Errors
+    /// The first error of `make`.
+    pub fn build<E>(
+        shapes: &[ProjectionShape; 7],
+        mut make: impl FnMut(&ProjectionShape) -> std::result::Result<Linear, E>,
+    ) -> std::result::Result<Self, E> {
+        Ok(Self {
+            q_proj: make(&shapes[0])?,
+            k_proj: make(&shapes[1])?,
+            v_proj: make(&shapes[2])?,
+            o_proj: make(&shapes[3])?,
+            gate_proj: make(&shapes[4])?,
+            up_proj: make(&shapes[5])?,
+            down_proj: make(&shapes[6])?,
+        })
+    }
+
+    /// The seven layers with their HF module names, in field order.
+    pub fn named_mut(&mut self) -> [(&'static str, &mut Linear); 7] {
+        let Self { q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj } = self;
+        [
+            ("self_attn.q_proj", q_proj),
+            ("self_attn.k_proj", k_proj),
+            ("self_attn.v_proj", v_proj),
+            ("self_attn.o_proj", o_proj),
+            ("mlp.gate_proj", gate_proj),
+            ("mlp.up_proj", up_proj),
+            ("mlp.down_proj", down_proj),
+        ]
+    }
+
+    /// The seven layers, in field order.
+    pub fn all(&self) -> [&Linear; 7] {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj, &self.gate_proj, &self.up_proj, &self.down_proj]
+    }
+}
+
 /// The parameters of one decoder block.
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
-    /// Query projection.
-    pub q_proj: Linear,
-    /// Key projection.
-    pub k_proj: Linear,
-    /// Value projection.
-    pub v_proj: Linear,
-    /// Attention output projection.
-    pub o_proj: Linear,
-    /// SwiGLU gate projection.
-    pub gate_proj: Linear,
-    /// SwiGLU up projection.
-    pub up_proj: Linear,
-    /// SwiGLU down projection.
-    pub down_proj: Linear,
+    /// The attention and MLP projections.
+    pub proj: Projections,
     /// RMSNorm weight before attention.
     pub input_layernorm: Tensor,
     /// RMSNorm weight before the MLP.
     pub post_attention_layernorm: Tensor,
 }
 
-/// A block's seven linear layers, each with its HF module name.
-type NamedLinears<'a> = [(&'static str, &'a mut Linear); 7];
 /// A block's two norms, each with its HF module name.
 type NamedNorms<'a> = [(&'static str, &'a mut Tensor); 2];
 
 impl LayerWeights {
     /// The block's linear layers and norms, each with its HF module name.
-    fn parts_mut(&mut self) -> (NamedLinears<'_>, NamedNorms<'_>) {
-        let LayerWeights {
-            q_proj,
-            k_proj,
-            v_proj,
-            o_proj,
-            gate_proj,
-            up_proj,
-            down_proj,
-            input_layernorm,
-            post_attention_layernorm,
-        } = self;
+    fn parts_mut(&mut self) -> ([(&'static str, &mut Linear); 7], NamedNorms<'_>) {
+        let LayerWeights { proj, input_layernorm, post_attention_layernorm } = self;
         (
-            [
-                ("self_attn.q_proj", q_proj),
-                ("self_attn.k_proj", k_proj),
-                ("self_attn.v_proj", v_proj),
-                ("self_attn.o_proj", o_proj),
-                ("mlp.gate_proj", gate_proj),
-                ("mlp.up_proj", up_proj),
-                ("mlp.down_proj", down_proj),
-            ],
+            proj.named_mut(),
             [("input_layernorm", input_layernorm), ("post_attention_layernorm", post_attention_layernorm)],
         )
     }
@@ -122,14 +187,9 @@ impl LlamaWeights {
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let bias = arch.qkv_bias();
+            let shapes = Projections::shapes(h, q, kv, ffn, h, bias);
             layers.push(LayerWeights {
-                q_proj: loader.linear(&format!("{p}.self_attn.q_proj"), q, h, bias)?,
-                k_proj: loader.linear(&format!("{p}.self_attn.k_proj"), kv, h, bias)?,
-                v_proj: loader.linear(&format!("{p}.self_attn.v_proj"), kv, h, bias)?,
-                o_proj: loader.linear(&format!("{p}.self_attn.o_proj"), h, q, false)?,
-                gate_proj: loader.linear(&format!("{p}.mlp.gate_proj"), ffn, h, false)?,
-                up_proj: loader.linear(&format!("{p}.mlp.up_proj"), ffn, h, false)?,
-                down_proj: loader.linear(&format!("{p}.mlp.down_proj"), h, ffn, false)?,
+                proj: Projections::build(&shapes, |s| loader.linear(&format!("{p}.{}", s.name), s.out, s.inp, s.bias))?,
                 input_layernorm: loader.required(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_attention_layernorm: loader.required(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
             });

@@ -158,11 +158,11 @@ fn gguf_quantized_tensors_are_dequantized() {
         let path = dir.join(format!("{dtype:?}.gguf"));
         write_gguf(&model, &path, &GgufSpec { dtype, ..GgufSpec::default() });
         let loaded = load_gguf(&path).unwrap();
-        let want = QTensor::quantize(&model.weights().layers[1].down_proj.weight, dtype)
+        let want = QTensor::quantize(&model.weights().layers[1].proj.down_proj.weight, dtype)
             .unwrap()
             .dequantize(&Device::Cpu)
             .unwrap();
-        let got = &loaded.model.weights().layers[1].down_proj.weight;
+        let got = &loaded.model.weights().layers[1].proj.down_proj.weight;
         let diff = (got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert_eq!(diff, 0.0, "{dtype:?}");
 

@@ -12,7 +12,7 @@ pub mod metrics;
 pub mod microbatch;
 pub mod plot;
 pub mod runner;
-pub mod schedule;
+
 pub mod task;
 pub mod trainer;
 

@@ -7,10 +7,10 @@
 use std::cell::Cell;
 use std::collections::BTreeMap;
 
+use tlt_model::optim::{LrSchedule, ScheduleKind};
 use tlt_model::{EosTokens, Llama, LlamaConfig};
 use tlt_rl::grpo::{GrpoConfig, MeanLevel};
 use tlt_rl::metrics::StepMetrics;
-use tlt_rl::schedule::{LrSchedule, ScheduleKind};
 use tlt_rl::task::{Score, Split};
 use tlt_rl::trainer::{
     DrafterChoice, DrafterSchedule, Environment, Mode, Prompt, Quiet, SdConfig, Trainer, TrainerConfig,

@@ -3,11 +3,10 @@
 //! with the committed tokens per second of that round. Everything it decided is kept in a [`DecodeTrace`].
 //!
 //! ```
-//! use tlt_model::{Llama, LlamaConfig};
 //! use tlt_scheduler::{AdaptiveDecoder, GateConfig, MabConfig};
-//! use tlt_spec_decode::{Engine, NgramDrafter, SpecParams};
+//! use tlt_spec_decode::{Engine, NgramDrafter, SpecParams, ToyTarget};
 //!
-//! let model = Llama::random(LlamaConfig::tiny(32, 64, 2), 0).unwrap();
+//! let model = ToyTarget::new(32, 0);
 //! let mut engine = Engine::new(&model, SpecParams::greedy(16)).unwrap();
 //! engine.add_request(&[1, 2, 3, 1, 2]).unwrap();
 //! let mut decoder = AdaptiveDecoder::new(GateConfig::default(), MabConfig::default()).unwrap();

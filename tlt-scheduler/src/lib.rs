@@ -13,10 +13,8 @@
 //! - [`BegMab`]: BEG multi-armed bandit over [`Plan`](tlt_spec_decode::Plan) arms. Batch-size buckets map to
 //!   tree sizes (defaults `[1, 2, 5, 21]` → 48/32/16/8 tokens); ε-greedy inside a bucket on the median reward
 //!   (committed tokens per second, [`step_reward`]) over a sliding window; unseen arms first; seeded.
-//! - [`bucket`]: pure bucketing functions (pad up to a captured batch size, BEG group of a batch).
-//! - [`Coordinator`]: idle-worker coordination on real threads. Workers that finish their shard are lent to a
-//!   [`DrafterTrainer`] until the **whole rollout** ends (or [`Coordinator::preempt_training`]); preemption is
-//!   cooperative with a bounded, measured latency; every transition is a timestamped [`Event`].
+//! - [`bucket`]: the BEG group of a batch (rounding down); padding up to a captured batch size is
+//!   `tlt_cudagraph::BucketPolicy`.
 //! - [`sim`]: a discrete-event simulator of `W` workers decoding long-tailed lengths with a calibratable
 //!   cost model; [`sim::simulate`] takes a serde [`sim::SimConfig`] and returns a serde [`sim::SimReport`]
 //!   comparing plain decoding, adaptive SD, and adaptive SD with an online drafter.
@@ -43,27 +41,23 @@
 //! **Not here yet:** KV-budget admission with preemption, and CPU re-tuning of the bandit defaults by
 //! measurement.
 //!
-//! **Where it sits:** depends on `tlt-spec-decode` (for `Plan` only), parking_lot, serde, thiserror; used by
-//! `tlt-rl`. See the workspace `DESIGN.md`.
+//! **Where it sits:** depends on `tlt-spec-decode` without its default features (the `Engine`, `Plan` and the
+//! `Target`/`Drafter` traits: no model, no tensors), `tlt-kernels` (its seeded [`SplitMix64`](tlt_kernels::SplitMix64)),
+//! `tlt-cudagraph` (the capture-size ladder the simulator pads to), serde and thiserror; used by `tlt-rl`.
+//! Idle-worker drafter training lives with the drafter (`tlt_drafter::online`), which the trainer drives.
 
 pub mod adaptive;
 pub mod bucket;
-pub mod coord;
 mod error;
 pub mod gate;
 pub mod mab;
-mod rng;
 pub mod rollout;
 pub mod sim;
 
 pub use adaptive::{AdaptiveDecoder, DecodeTrace};
-pub use coord::{
-    CoordinationReport, Coordinator, CoordinatorConfig, DrafterTrainer, Event, EventKind, TrainContext, TrainExit,
-};
 pub use error::{Error, Result};
 pub use gate::{GateConfig, GateDecision, Phase, SdGate};
 pub use mab::{step_reward, BegMab, Choice, ChoiceReason, MabConfig};
-pub use rng::SplitMix64;
 pub use rollout::{
     FinishReason, Finished, GroupId, RequestId, RequestOutcome, Rollout, RolloutConfig, RolloutStats, Step, StepOutcome,
 };

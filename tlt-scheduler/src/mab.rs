@@ -30,7 +30,7 @@ use tlt_spec_decode::Plan;
 
 use crate::bucket::group_of;
 use crate::error::{invalid, Error, Result};
-use crate::rng::SplitMix64;
+use tlt_kernels::SplitMix64;
 
 /// Tokens committed per second by a step: `accept_len × batch / step_seconds`, where `accept_len` is the mean
 /// number of tokens committed per request in the step (accepted drafts + the bonus/correction token).

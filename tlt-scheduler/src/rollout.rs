@@ -77,9 +77,9 @@ impl RolloutConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RequestId(pub u64);
 
-/// A group of requests sampled from one prompt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct GroupId(pub u64);
+/// A group of requests sampled from one prompt: the engine's [`GroupId`](tlt_spec_decode::GroupId), so a
+/// rollout's groups and the engine's are one id space.
+pub use tlt_spec_decode::GroupId;
 
 /// Why a request finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -500,8 +500,8 @@ impl Rollout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::SplitMix64;
     use proptest::prelude::*;
+    use tlt_kernels::SplitMix64;
 
     fn small(max_running: usize, budget: usize) -> RolloutConfig {
         RolloutConfig {

@@ -29,11 +29,11 @@ use std::collections::{BinaryHeap, HashMap};
 use serde::{Deserialize, Serialize};
 use tlt_spec_decode::Plan;
 
-use crate::bucket::pad_up;
 use crate::error::{invalid, Error, Result};
 use crate::gate::GateConfig;
-use crate::rng::SplitMix64;
 use crate::rollout::{RequestId, RequestOutcome, Rollout, RolloutConfig, StepOutcome};
+use tlt_cudagraph::BucketPolicy;
+use tlt_kernels::SplitMix64;
 
 /// Where response lengths come from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -128,9 +128,9 @@ pub struct CostModel {
     pub draft: Linear,
     /// Prefill seconds per prompt token admitted in a step. Default 0.02 ms.
     pub prefill_per_token_s: f64,
-    /// Captured graph batch sizes: a step's batch is padded up to the next one (larger batches run unpadded).
-    /// Default: SGLang's ladder to 32. Empty: no padding.
-    pub graph_batch_sizes: Vec<usize>,
+    /// Captured graph batch sizes: a step's batch is padded up to the next one (larger batches run unpadded),
+    /// as the graph pool pads it. Default: SGLang's ladder to 32. Empty: no padding.
+    pub graphs: BucketPolicy,
     /// Relative uniform noise on each step time, in `[0, 1)`. Default 0.05.
     pub noise: f64,
 }
@@ -142,7 +142,7 @@ impl Default for CostModel {
             verify: Linear { fixed_s: 0.022, per_token_s: 5e-5 },
             draft: Linear { fixed_s: 0.002, per_token_s: 1e-5 },
             prefill_per_token_s: 2e-5,
-            graph_batch_sizes: crate::bucket::capture_sizes(32),
+            graphs: BucketPolicy::ladder(32),
             noise: 0.05,
         }
     }
@@ -159,8 +159,8 @@ impl CostModel {
         if !(self.prefill_per_token_s.is_finite() && self.prefill_per_token_s >= 0.0) {
             return Err(invalid("sim.cost.prefill_per_token_s", "must be finite and non-negative"));
         }
-        if self.graph_batch_sizes.first() == Some(&0) || self.graph_batch_sizes.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(invalid("sim.cost.graph_batch_sizes", "must be strictly ascending sizes >= 1"));
+        if !self.graphs.batch_sizes.is_empty() && self.graphs.validate().is_err() {
+            return Err(invalid("sim.cost.graphs.batch_sizes", "must be strictly ascending sizes >= 1"));
         }
         if !(0.0..1.0).contains(&self.noise) {
             return Err(invalid("sim.cost.noise", format!("{} is not in [0, 1)", self.noise)));
@@ -170,7 +170,7 @@ impl CostModel {
 
     /// Seconds of a step over `batch` requests: plain decode, or an SD round under `plan`.
     pub fn step_seconds(&self, batch: usize, plan: Option<&Plan>) -> f64 {
-        let b = pad_up(batch, &self.graph_batch_sizes).unwrap_or(batch);
+        let b = self.graphs.pad(batch).unwrap_or(batch);
         match plan {
             None => self.decode.at(b),
             Some(p) => p.steps as f64 * self.draft.at(b * p.top_k) + self.verify.at(b * p.verify_tokens),

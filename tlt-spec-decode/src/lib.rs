@@ -47,6 +47,7 @@ mod drafter;
 mod engine;
 mod error;
 mod hidden;
+#[cfg(feature = "llama")]
 mod llama;
 mod ngram;
 mod oracle;
@@ -55,6 +56,7 @@ mod plan;
 mod stop;
 mod suffix;
 mod target;
+mod toy;
 mod tree;
 mod verify;
 
@@ -62,6 +64,7 @@ pub use drafter::{DraftContext, Drafter, DrafterSet};
 pub use engine::{Counters, Engine, FinishReason, Finished, GroupId, RequestId};
 pub use error::{Error, Result};
 pub use hidden::HiddenStates;
+#[cfg(feature = "llama")]
 pub use llama::TappedLlama;
 pub use ngram::NgramDrafter;
 pub use oracle::{Corruption, OracleDrafter};
@@ -73,5 +76,6 @@ pub use suffix::{
 };
 pub use target::{SeqHandle, Target, TargetInput, TargetOutput};
 pub use tlt_kernels::{SamplingParams, SeededRng};
+pub use toy::ToyTarget;
 pub use tree::{Beam, DraftTree, Node};
 pub use verify::{verify_coupled, verify_greedy, verify_sampling, Accepted, Coins, ExactVerifier, Proposal, Verifier};

@@ -1,8 +1,8 @@
 //! Stop strings: the engine works on token ids, so it asks a [`TokenDecoder`] for the text of the latest tokens.
 
-use crate::{Error, Result};
+use crate::Result;
 
-/// Turns token ids into text, for stop strings. Implemented for `tokenizers::Tokenizer`.
+/// Turns token ids into text, for stop strings. Implemented for `tokenizers::Tokenizer` (feature `tokenizers`).
 pub trait TokenDecoder: std::fmt::Debug {
     /// The text of `tokens` (special tokens skipped).
     ///
@@ -11,9 +11,12 @@ pub trait TokenDecoder: std::fmt::Debug {
     fn decode(&self, tokens: &[u32]) -> Result<String>;
 }
 
+#[cfg(feature = "tokenizers")]
 impl TokenDecoder for tokenizers::Tokenizer {
     fn decode(&self, tokens: &[u32]) -> Result<String> {
-        std::ops::Deref::deref(self).decode(tokens, true).map_err(|e| Error::InvalidArgument(format!("decode: {e}")))
+        std::ops::Deref::deref(self)
+            .decode(tokens, true)
+            .map_err(|e| crate::Error::InvalidArgument(format!("decode: {e}")))
     }
 }
 

@@ -16,10 +16,12 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::GgmlDType;
 use candle_core::{Tensor, D};
 use indicatif::{ProgressBar, ProgressState, ProgressStyle};
-use serde::Serialize;
 use tlt_model::{KvCache, Llama, LogitsFor, SeqId, SeqInput, WeightDType};
 use tracing::{info, warn};
 
+use crate::bench_decode_md::{
+    BatchResult, ImplResult, Pair, Q8Result, Report, Sanity, TreeTiming, VerifyResult, Workload,
+};
 use crate::candle_ref::{requant_path, requantize_gguf, CandleLlama, CandleQuantLlama};
 use crate::report::{self, median, Header};
 use crate::sysinfo::{self, MachineInfo, Probe};
@@ -95,171 +97,6 @@ pub(crate) struct Run {
     decode: Duration,
     /// Greedy tokens of sequence 0: the one from the prefill, then one per decode step.
     tokens0: Vec<u32>,
-}
-
-/// Median figures of one implementation at one batch size.
-#[derive(Debug, Clone, Serialize)]
-pub struct ImplResult {
-    /// Median prefill time of the whole batch, milliseconds.
-    pub prefill_ms: f64,
-    /// Median decode time of all steps, seconds.
-    pub decode_s: f64,
-    /// `batch * new_tokens / decode_s`.
-    pub tokens_per_s: f64,
-    /// `decode_s / new_tokens`, milliseconds.
-    pub ms_per_step: f64,
-    /// `weight_bytes_per_step / step time`, GB/s (10^9 B/s).
-    pub achieved_gbs: f64,
-    /// `achieved_gbs / read_bandwidth_gbs`.
-    pub bw_fraction: f64,
-    /// Decode seconds of every repeat, in run order.
-    pub decode_s_runs: Vec<f64>,
-    /// Prefill milliseconds of every repeat, in run order.
-    pub prefill_ms_runs: Vec<f64>,
-}
-
-/// Everything measured at one batch size.
-#[derive(Debug, Clone, Serialize)]
-pub struct BatchResult {
-    /// Sequences decoded together.
-    pub batch: usize,
-    /// Runs per implementation.
-    pub repeats: usize,
-    /// Decode steps per run.
-    pub new_tokens: usize,
-    /// Bytes of weights one decode step reads (all linear weights and biases, plus the LM head once).
-    pub weight_bytes_per_step: u64,
-    /// tlt-model.
-    pub ours: ImplResult,
-    /// candle-transformers' Llama on the same weights.
-    pub candle_transformers: ImplResult,
-    /// `ours.tokens_per_s / candle_transformers.tokens_per_s`.
-    pub ratio_vs_candle_transformers: f64,
-}
-
-/// The greedy-agreement check at batch 1.
-#[derive(Debug, Clone, Serialize)]
-pub struct Sanity {
-    /// Greedy tokens compared (the prefill's token plus `check_steps - 1` decode steps).
-    pub tokens_compared: usize,
-    /// Whether all of them agreed.
-    pub tokens_match: bool,
-    /// Index of the first disagreeing token, if any.
-    pub first_mismatch: Option<usize>,
-    /// tlt-model's tokens.
-    pub ours: Vec<u32>,
-    /// candle-transformers' tokens.
-    pub candle_transformers: Vec<u32>,
-}
-
-/// The workload.
-#[derive(Debug, Clone, Serialize)]
-pub struct Workload {
-    /// The GGUF file.
-    pub model_path: String,
-    /// Parameter count (a tied head counted once).
-    pub params: usize,
-    /// Compute dtype.
-    pub dtype: &'static str,
-    /// Tokens per prompt.
-    pub prompt_tokens: usize,
-    /// Decode steps per run.
-    pub new_tokens: usize,
-    /// Token choice.
-    pub sampling: &'static str,
-}
-
-/// Batch-1 throughput of a pair of implementations, side by side.
-#[derive(Debug, Clone, Serialize)]
-pub struct Pair {
-    /// Weight format both read.
-    pub weights: &'static str,
-    /// Bytes of weights one decode step of ours reads.
-    pub weight_bytes_per_step: u64,
-    /// tlt-model's tokens per second.
-    pub ours_tokens_per_s: f64,
-    /// candle-transformers' tokens per second.
-    pub candle_tokens_per_s: f64,
-    /// `ours_tokens_per_s / candle_tokens_per_s`.
-    pub ratio_vs_candle_transformers: f64,
-}
-
-/// Batch-1 decode with Q8_0 weights: tlt-model (`pack_for_inference(Q8_0)`) vs candle-transformers' quantized Llama.
-#[derive(Debug, Clone, Serialize)]
-pub struct Q8Result {
-    /// The headline figures.
-    #[serde(flatten)]
-    pub pair: Pair,
-    /// Runs per implementation.
-    pub repeats: usize,
-    /// Decode steps per run.
-    pub new_tokens: usize,
-    /// The Q8_0 GGUF candle-transformers loads (re-quantized from the model's GGUF).
-    pub candle_gguf: String,
-    /// tlt-model's full figures (`bw_fraction` against `weight_bytes_per_step`).
-    pub ours: ImplResult,
-    /// candle-transformers' full figures (same byte count).
-    pub candle_transformers: ImplResult,
-    /// Greedy agreement of the two over the first tokens (informative: the weights are quantized separately).
-    pub greedy_agreement: Sanity,
-}
-
-/// One draft shape of the verification measurement.
-#[derive(Debug, Clone, Serialize)]
-pub struct TreeTiming {
-    /// Parent links of the 8 draft nodes.
-    pub parents: Vec<Option<usize>>,
-    /// Median time of `verify_tree` plus `commit(seq, &[])`, ms.
-    pub verify_ms: f64,
-    /// Every repeat's time, ms, in run order.
-    pub verify_ms_runs: Vec<f64>,
-    /// `verify_ms / decode1_ms`.
-    pub verify8_over_decode1: f64,
-}
-
-/// Cost of scoring an 8-token draft against one decode step, batch 1, f32, at the same context.
-#[derive(Debug, Clone, Serialize)]
-pub struct VerifyResult {
-    /// Committed tokens before every timed call (the prefill).
-    pub context: usize,
-    /// Draft nodes per verification.
-    pub nodes: usize,
-    /// Timed repeats of each measurement (interleaved).
-    pub repeats: usize,
-    /// Median time of one `decode` step (then truncated back to `context`), ms.
-    pub decode1_ms: f64,
-    /// Every repeat's decode time, ms, in run order.
-    pub decode1_ms_runs: Vec<f64>,
-    /// `chain.verify8_over_decode1`.
-    pub verify8_over_decode1: f64,
-    /// A chain of 8 tokens (`parents = [None, Some(0), ..., Some(6)]`).
-    pub chain: TreeTiming,
-    /// A branching tree of 8 nodes.
-    pub tree: TreeTiming,
-}
-
-/// The whole `decode.json`.
-#[derive(Debug, Clone, Serialize)]
-pub struct Report {
-    /// Suite, schema version, time, commit, command line and machine.
-    #[serde(flatten)]
-    pub header: Header,
-    /// The workload.
-    pub workload: Workload,
-    /// Single-thread read bandwidth, GB/s (10^9 B/s).
-    pub read_bandwidth_gbs: f64,
-    /// How `read_bandwidth_gbs` was measured.
-    pub read_bandwidth_probe: Probe,
-    /// The greedy-agreement check.
-    pub sanity: Sanity,
-    /// One entry per batch size.
-    pub results: Vec<BatchResult>,
-    /// The f32 pair at batch 1 (copied from `results`; `null` without batch 1).
-    pub f32_batch1: Option<Pair>,
-    /// Batch-1 decode with Q8_0 weights (`null` with `--skip-q8-0`).
-    pub q8_0: Option<Q8Result>,
-    /// Draft verification against single-token decode at batch 1 (f32).
-    pub verify: VerifyResult,
 }
 
 /// Greedy token of every row of `[rows, vocab]` logits.

@@ -13,13 +13,14 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use parking_lot::Mutex;
 use serde::Serialize;
-use tlt_drafter::online::{BackgroundTrainer, BufferConfig, OnlineBuffer, Sample, WeightsSlot};
+use tlt_drafter::online::{BackgroundTrainer, BufferConfig, FeatureSample, OnlineBuffer, WeightsSlot};
 use tlt_drafter::train::{online_step_fn, train_offline, Budget, OfflineReport, OnlineStepConfig};
 use tlt_drafter::{
-    DrafterConfig, DrafterTrainer, Eagle2Drafter, Eagle3Drafter, FrozenTarget, LrSchedule, RuntimeOptions, TrainConfig,
+    DrafterConfig, DrafterTrainer, Eagle2Drafter, Eagle3Drafter, FrozenTarget, RuntimeOptions, TrainConfig,
     UniformNoise, VocabMap,
 };
 use tlt_kernels::WeightDType;
+use tlt_model::optim::{LrSchedule, ScheduleKind};
 use tlt_model::Llama;
 use tlt_spec_decode::Plan;
 use tracing::info;
@@ -225,7 +226,7 @@ fn parse_plan(s: &str) -> Result<Plan> {
 }
 
 /// Response-token counts of `samples` over the target vocabulary.
-fn response_counts(samples: &[Arc<Sample>], vocab: usize) -> Vec<u64> {
+fn response_counts(samples: &[Arc<FeatureSample>], vocab: usize) -> Vec<u64> {
     let mut counts = vec![0u64; vocab];
     for s in samples {
         for &t in &s.tokens[s.response_start..] {
@@ -292,7 +293,7 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
         cached &= more_cached;
         train_prompts.extend(extra);
     }
-    let samples: Vec<Arc<Sample>> = samples.into_iter().map(Arc::new).collect();
+    let samples: Vec<Arc<FeatureSample>> = samples.into_iter().map(Arc::new).collect();
     let data = DataReport {
         cached,
         prompts: train_prompts.len(),
@@ -303,7 +304,7 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     info!(tokens = data.response_tokens, seconds = format!("{:.0}", data.seconds), "training data ready");
 
     let (heldout, _) = cached_rollout_samples(&cache, &path, &target, &eval, args.eval_tokens, 16)?;
-    let heldout: Vec<Arc<Sample>> = heldout.into_iter().map(Arc::new).collect();
+    let heldout: Vec<Arc<FeatureSample>> = heldout.into_iter().map(Arc::new).collect();
     let counts = response_counts(&samples, target.config().vocab_size);
     let eos = target.config().eos_ids();
     let vocab = VocabMap::from_counts(&counts, args.draft_vocab.min(target.config().vocab_size), &eos)?;
@@ -314,8 +315,10 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     let plain_tps = generated as f64 / plain.decode_s;
     info!(tok_s = format!("{plain_tps:.1}"), "plain decode");
 
-    let mut cfg =
-        TrainConfig { lr: args.lr, warmup_steps: 20, schedule: LrSchedule::Constant, ..TrainConfig::default() };
+    let mut cfg = TrainConfig {
+        schedule: LrSchedule { warmup_steps: 20, ..LrSchedule::constant(args.lr) },
+        ..TrainConfig::default()
+    };
     cfg.eagle2_loss.ploss_weight = args.eagle2_ploss_weight;
     if args.noise_std > 0.0 {
         cfg.eagle2_loss.noise = Some(UniformNoise { std: args.noise_std, seed: 0 });
@@ -452,7 +455,7 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
 /// `warmup_steps` set the pace from which the cosine's step count is estimated.
 fn train_within(
     trainer: &mut DrafterTrainer,
-    samples: &[Arc<Sample>],
+    samples: &[Arc<FeatureSample>],
     kind: &str,
     args: &DrafterArgs,
 ) -> Result<OfflineReport> {
@@ -465,11 +468,16 @@ fn train_within(
         bar.set_message(format!("{kind} step {} loss {:.4} acc {:.3}", s.step, s.eval.loss, s.eval.accuracy));
     };
     let rep = if args.schedule == "cosine" {
-        let warmup = trainer.config().warmup_steps.max(1);
+        let warmup = trainer.config().schedule.warmup_steps.max(1);
         let first = train_offline(trainer, samples, Budget::Steps(warmup), &mut progress)?;
         let pace = first.seconds / first.steps.max(1) as f64;
         let total_steps = warmup + ((budget.as_secs_f64() - first.seconds).max(0.0) / pace) as u64;
-        trainer.set_lr_schedule(LrSchedule::Cosine { total_steps, min_lr: 0.05 * args.lr })?;
+        trainer.set_lr_schedule(LrSchedule {
+            total_steps,
+            min_lr_ratio: 0.05,
+            kind: ScheduleKind::Cosine,
+            ..trainer.config().schedule.clone()
+        })?;
         let left = budget.saturating_sub(Duration::from_secs_f64(first.seconds));
         let rest = train_offline(trainer, samples, Budget::Time(left), &mut progress)?;
         first.merge(rest)
@@ -482,7 +490,7 @@ fn train_within(
 
 /// Runs `trainer` as a background trainer on a buffer of `samples` and times `n` pause requests, each after
 /// a random-ish 50-150 ms of running.
-fn measure_preemption(trainer: DrafterTrainer, samples: &[Arc<Sample>], n: usize) -> Result<PreemptionReport> {
+fn measure_preemption(trainer: DrafterTrainer, samples: &[Arc<FeatureSample>], n: usize) -> Result<PreemptionReport> {
     let buffer = Arc::new(OnlineBuffer::new(BufferConfig { max_samples: samples.len().max(1), keep_steps: 2 })?);
     for s in samples {
         buffer.push((**s).clone())?;

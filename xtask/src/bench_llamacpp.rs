@@ -17,7 +17,8 @@ use serde::Serialize;
 use tlt_model::WeightDType;
 use tracing::info;
 
-use crate::bench_decode::{make_prompts, run_ours, summarize, ImplResult};
+use crate::bench_decode::{make_prompts, run_ours, summarize};
+use crate::bench_decode_md::ImplResult;
 use crate::candle_ref::{requant_path, requantize_gguf};
 use crate::report::{self, median, Header};
 use crate::sysinfo::{self, MachineInfo, Probe};

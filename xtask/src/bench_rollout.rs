@@ -16,8 +16,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::Value;
+use tlt_kernels::SplitMix64;
 use tlt_scheduler::sim::{simulate, AcceptModel, AcceptPoint, CostModel, LengthDist, Linear, SimConfig, SimReport};
-use tlt_scheduler::{AdaptiveDecoder, GateConfig, MabConfig, RolloutConfig, SplitMix64};
+use tlt_scheduler::{AdaptiveDecoder, GateConfig, MabConfig, RolloutConfig};
 use tlt_spec_decode::{Engine, NgramDrafter, Plan, SpecParams};
 use tracing::info;
 

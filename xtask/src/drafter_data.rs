@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
-use tlt_drafter::online::Sample;
+use tlt_drafter::online::FeatureSample;
 use tlt_drafter::{DraftRuntime, EagleProposer};
 use tlt_model::{Llama, Tap};
 use tlt_spec_decode::{Counters, Engine, HiddenStates, Plan, SpecParams, TappedLlama};
@@ -146,7 +146,7 @@ pub fn cached_rollout_samples(
     prompts: &[Vec<u32>],
     new_tokens: usize,
     batch: usize,
-) -> Result<(Vec<Sample>, bool)> {
+) -> Result<(Vec<FeatureSample>, bool)> {
     let mut key = Fnv::default();
     let meta = std::fs::metadata(model_path).with_context(|| format!("reading {}", model_path.display()))?;
     key.write(model_path.to_string_lossy().as_bytes());
@@ -190,7 +190,7 @@ impl Fnv {
     }
 }
 
-fn save_samples(path: &Path, samples: &[Sample]) -> Result<()> {
+fn save_samples(path: &Path, samples: &[FeatureSample]) -> Result<()> {
     let dev = Device::Cpu;
     let mut map = HashMap::new();
     let starts: Vec<u32> = samples.iter().map(|s| s.response_start as u32).collect();
@@ -204,7 +204,7 @@ fn save_samples(path: &Path, samples: &[Sample]) -> Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
-fn load_samples(path: &Path) -> Result<Vec<Sample>> {
+fn load_samples(path: &Path) -> Result<Vec<FeatureSample>> {
     let map = candle_core::safetensors::load(path, &Device::Cpu)?;
     let starts: Vec<u32> = map.get("response_start").context("no response_start")?.to_vec1()?;
     let mut out = Vec::with_capacity(starts.len());
@@ -213,7 +213,7 @@ fn load_samples(path: &Path) -> Result<Vec<Sample>> {
         let h = map.get(&format!("{i}.hidden")).context("missing hidden")?;
         let (_, width) = h.dims2()?;
         let hidden = HiddenStates::from_flat(width, h.flatten_all()?.to_vec1()?)?;
-        let s = Sample { tokens, hidden, response_start: start as usize, rl_step: 0 };
+        let s = FeatureSample { tokens, hidden, response_start: start as usize, rl_step: 0 };
         s.validate()?;
         out.push(s);
     }
@@ -222,7 +222,12 @@ fn load_samples(path: &Path) -> Result<Vec<Sample>> {
 
 /// Greedy responses of `target` to `prompts` (`batch` at a time, up to `new_tokens` each, EOS stops), with the
 /// taps of [`Tap::eagle3`] recorded (rows of 4H: three aux layers, then the final norm), as training samples.
-pub fn rollout_samples(target: &Llama, prompts: &[Vec<u32>], new_tokens: usize, batch: usize) -> Result<Vec<Sample>> {
+pub fn rollout_samples(
+    target: &Llama,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+    batch: usize,
+) -> Result<Vec<FeatureSample>> {
     let taps = Tap::eagle3(target.config().num_hidden_layers);
     let mut out = Vec::with_capacity(prompts.len());
     for chunk in prompts.chunks(batch.max(1)) {
@@ -235,7 +240,7 @@ pub fn rollout_samples(target: &Llama, prompts: &[Vec<u32>], new_tokens: usize, 
         let mut fin = e.take_finished();
         fin.sort_by_key(|f| f.id);
         for f in &fin {
-            out.push(Sample::from_finished(f, 0)?);
+            out.push(FeatureSample::from_finished(f, 0)?);
         }
     }
     Ok(out)
@@ -297,10 +302,15 @@ pub fn eval_batch1(
 mod tests {
     use super::*;
 
-    fn sample(n: usize, width: usize, start: usize, seed: u32) -> Sample {
+    fn sample(n: usize, width: usize, start: usize, seed: u32) -> FeatureSample {
         let tokens: Vec<u32> = (0..n as u32).map(|i| i * 7 + seed).collect();
         let data: Vec<f32> = (0..(n - 1) * width).map(|i| (i as f32 + seed as f32) * 0.5 - 3.0).collect();
-        Sample { tokens, hidden: HiddenStates::from_flat(width, data).unwrap(), response_start: start, rl_step: 0 }
+        FeatureSample {
+            tokens,
+            hidden: HiddenStates::from_flat(width, data).unwrap(),
+            response_start: start,
+            rl_step: 0,
+        }
     }
 
     #[test]

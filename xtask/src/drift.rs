@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
-use tlt_drafter::online::Sample;
-use tlt_drafter::train::{train_offline, AdamW, AdamWParams, Budget};
-use tlt_drafter::{DrafterTrainer, FrozenTarget, LrSchedule, RuntimeOptions};
+use tlt_drafter::online::FeatureSample;
+use tlt_drafter::train::{train_offline, Budget};
+use tlt_drafter::{DrafterTrainer, FrozenTarget, RuntimeOptions};
+use tlt_model::optim::{AdamW, AdamWParams, LrSchedule, ScheduleKind};
 use tlt_model::{Llama, WeightDType};
 use tlt_spec_decode::Plan;
 use tokenizers::Tokenizer;
@@ -151,13 +152,13 @@ pub fn run(
     info!(tau = format!("{:.2}", stale.counters.mean_accept_len()), "drift: stale drafter on the new target");
 
     let t = Instant::now();
-    let samples: Vec<Arc<Sample>> =
+    let samples: Vec<Arc<FeatureSample>> =
         rollout_samples(&new_target, s.prompts, s.rollout_tokens, 16)?.into_iter().map(Arc::new).collect();
     let recovery_rollout_s = t.elapsed().as_secs_f64();
     let recovery_tokens = samples.iter().map(|x| x.tokens.len() - x.response_start).sum();
     // Online training runs at a constant rate, the peak one (as TLT's online trainer): an offline cosine
     // schedule would leave the recovery at its floor.
-    trainer.set_lr_schedule(LrSchedule::Constant)?;
+    trainer.set_lr_schedule(LrSchedule { kind: ScheduleKind::Constant, ..trainer.config().schedule.clone() })?;
     let rep = train_offline(trainer, &samples, Budget::Time(Duration::from_secs_f64(s.minutes * 60.0)), |_| {})?;
     let recovered = eval_batch1(&new_target, s.eval, s.eval_tokens, Some(&trainer.runtime(s.opts)?), s.plan)?;
     let tau_recovered = recovered.counters.mean_accept_len();
@@ -175,7 +176,7 @@ pub fn run(
         recovery_tokens,
         recovery_rollout_s,
         recovery_steps: rep.steps,
-        recovery_lr: trainer.config().lr,
+        recovery_lr: trainer.config().schedule.lr,
         plan: *s.plan,
         recovery_train_s: rep.seconds,
         speedup: [plain.decode_s / stale.decode_s, plain.decode_s / recovered.decode_s],

@@ -22,6 +22,7 @@ mod bench_spec;
 mod candle_ref;
 mod drafter_data;
 mod drift;
+mod graph;
 mod report;
 mod sysinfo;
 
@@ -51,7 +52,7 @@ enum Cmd {
         /// Also run the GPU tests (`tlt-cudagraph --features cuda`) and require a CUDA driver for them.
         #[arg(long)]
         gpu: bool,
-        /// Skip the lints (rustfmt and clippy).
+        /// Skip the lints (rustfmt, clippy and the dependency-graph check).
         #[arg(long)]
         no_lint: bool,
         /// Extra arguments for the test runner, after `--`.
@@ -141,6 +142,7 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         if !code.success() {
             return Ok(exit_code(code));
         }
+        graph::check(cargo)?;
     }
     let gguf = assets::fetch_assets()?;
     // Doc tests first (nextest does not run them), so the runner's summary of all other tests comes last.

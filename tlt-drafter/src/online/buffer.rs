@@ -12,7 +12,7 @@ use crate::{Error, Result};
 
 /// One rollout sequence for drafter training: its tokens and the target's features at every fed position.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Sample {
+pub struct FeatureSample {
     /// Prompt followed by the response.
     pub tokens: Vec<u32>,
     /// The target's features, `tokens.len() - 1` rows: row `t` is the feature at position `t` (EAGLE's `h_t`,
@@ -24,7 +24,7 @@ pub struct Sample {
     pub rl_step: u64,
 }
 
-impl Sample {
+impl FeatureSample {
     /// A sample from a finished engine request that recorded hidden states.
     ///
     /// # Errors
@@ -111,14 +111,14 @@ pub struct BufferStats {
 
 #[derive(Debug, Default)]
 struct Inner {
-    items: VecDeque<(u64, Arc<Sample>)>,
+    items: VecDeque<(u64, Arc<FeatureSample>)>,
     next_id: u64,
     step: u64,
     evicted: u64,
     positions: usize,
 }
 
-/// A thread-safe, bounded FIFO of rollout [`Sample`]s: rollout threads push, the trainer draws. Each sample gets
+/// A thread-safe, bounded FIFO of rollout [`FeatureSample`]s: rollout threads push, the trainer draws. Each sample gets
 /// a unique, increasing id.
 #[derive(Debug)]
 pub struct OnlineBuffer {
@@ -144,8 +144,8 @@ impl OnlineBuffer {
     /// Adds a sample (evicting the oldest when full) and returns its id.
     ///
     /// # Errors
-    /// If the sample is malformed ([`Sample::validate`]).
-    pub fn push(&self, sample: Sample) -> Result<u64> {
+    /// If the sample is malformed ([`FeatureSample::validate`]).
+    pub fn push(&self, sample: FeatureSample) -> Result<u64> {
         sample.validate()?;
         let mut g = self.inner.lock();
         let id = g.next_id;
@@ -185,7 +185,7 @@ impl OnlineBuffer {
     }
 
     /// `n` samples drawn uniformly with replacement (empty when the buffer is).
-    pub fn sample(&self, n: usize, rng: &mut SeededRng) -> Vec<(u64, Arc<Sample>)> {
+    pub fn sample(&self, n: usize, rng: &mut SeededRng) -> Vec<(u64, Arc<FeatureSample>)> {
         let g = self.inner.lock();
         if g.items.is_empty() {
             return Vec::new();
@@ -214,8 +214,8 @@ impl OnlineBuffer {
 mod tests {
     use super::*;
 
-    fn sample(len: usize, step: u64) -> Sample {
-        Sample {
+    fn sample(len: usize, step: u64) -> FeatureSample {
+        FeatureSample {
             tokens: (0..len as u32).collect(),
             hidden: HiddenStates::from_flat(2, vec![0.5; 2 * (len - 1)]).unwrap(),
             response_start: 1,

@@ -6,6 +6,6 @@ mod buffer;
 mod publish;
 mod trainer;
 
-pub use buffer::{BufferConfig, BufferStats, OnlineBuffer, Sample};
+pub use buffer::{BufferConfig, BufferStats, FeatureSample, OnlineBuffer};
 pub use publish::{Versioned, WeightsReader, WeightsSlot};
-pub use trainer::{BackgroundTrainer, StepOutcome, TrainerStats};
+pub use trainer::{BackgroundTrainer, MicroStepOutcome, TrainerStats};

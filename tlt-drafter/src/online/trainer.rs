@@ -11,7 +11,7 @@ use crate::{Error, Result};
 
 /// What a micro-step reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StepOutcome {
+pub enum MicroStepOutcome {
     /// It trained; call again.
     Trained,
     /// Nothing to train on yet: the trainer waits `idle_wait` before trying again (or until paused).
@@ -65,7 +65,7 @@ impl BackgroundTrainer {
     /// batch, or one gradient-accumulation part of it); keep it short, it bounds the preemption latency.
     pub fn spawn<F>(mut step: F, idle_wait: Duration) -> Self
     where
-        F: FnMut() -> Result<StepOutcome> + Send + 'static,
+        F: FnMut() -> Result<MicroStepOutcome> + Send + 'static,
     {
         let shared = Arc::new(Shared {
             ctrl: Mutex::new(Ctrl { want: Want::Pause, running: false, stats: TrainerStats::default(), error: None }),
@@ -95,8 +95,8 @@ impl BackgroundTrainer {
                     g = worker.ctrl.lock();
                     g.stats.busy_s += busy;
                     match out {
-                        Ok(StepOutcome::Trained) => g.stats.steps += 1,
-                        Ok(StepOutcome::NoData) => {
+                        Ok(MicroStepOutcome::Trained) => g.stats.steps += 1,
+                        Ok(MicroStepOutcome::NoData) => {
                             if g.want == Want::Run {
                                 worker.cv.wait_for(&mut g, idle_wait);
                             }
@@ -201,7 +201,7 @@ mod tests {
             move || {
                 std::thread::sleep(step_time);
                 c.fetch_add(1, Ordering::SeqCst);
-                Ok(StepOutcome::Trained)
+                Ok(MicroStepOutcome::Trained)
             },
             Duration::from_millis(1),
         );
@@ -234,7 +234,7 @@ mod tests {
 
     #[test]
     fn no_data_waits_and_pause_still_returns() {
-        let t = BackgroundTrainer::spawn(|| Ok(StepOutcome::NoData), Duration::from_secs(10));
+        let t = BackgroundTrainer::spawn(|| Ok(MicroStepOutcome::NoData), Duration::from_secs(10));
         t.resume();
         std::thread::sleep(Duration::from_millis(10));
         let latency = t.pause();

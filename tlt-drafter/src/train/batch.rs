@@ -1,60 +1,16 @@
-//! Training batches from rollout [`Sample`]s: which part of a recorded hidden row each drafter reads, the
+//! Training batches from rollout [`FeatureSample`]s: which part of a recorded hidden row each drafter reads, the
 //! window of a sample a step trains on, and packing windows into rows with segment ids.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
 use super::TrainConfig;
-use crate::config::DrafterKind;
+use crate::config::{feature_slices, DrafterKind};
 use crate::eagle2::Eagle2Batch;
 use crate::eagle3::{Eagle3Batch, Teacher};
-use crate::online::Sample;
+use crate::online::FeatureSample;
 use crate::{Error, Result};
-
-/// Where a drafter's inputs lie in one recorded hidden row (see [`feature_slices`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FeatureSlices {
-    /// The drafter's input feature: EAGLE-2 the final-norm state (`H` wide), EAGLE-3 the three tapped layers
-    /// (`3H` wide).
-    pub feature: Range<usize>,
-    /// EAGLE-3 only: the final-norm state the teacher logits come from (`H` wide).
-    pub teacher: Option<Range<usize>>,
-}
-
-/// Decides which columns of a recorded hidden row of `width` features a `kind` drafter of hidden size `h`
-/// trains on.
-///
-/// - EAGLE-2, `width == H` (the engine on a plain `Llama`): the whole row is the final-norm state.
-/// - EAGLE-2, `width == 4H` (`TappedLlama` with `Tap::eagle3`): the LAST `H` columns (the final norm).
-/// - EAGLE-3, `width == 4H` (`TappedLlama` with `Tap::eagle3`): the first `3H` columns are the aux taps, the last
-///   `H` the final-norm state that gives the teacher logits.
-///
-/// # Errors
-/// [`Error::InvalidBatch`] for any other width, in particular `3H` rows for EAGLE-3 (no teacher: record the
-/// samples with `TappedLlama { taps: &Tap::eagle3(L) }`) and `H` rows for EAGLE-3.
-pub fn feature_slices(kind: DrafterKind, h: usize, width: usize) -> Result<FeatureSlices> {
-    match kind {
-        DrafterKind::Eagle2 if h > 0 && width == h => Ok(FeatureSlices { feature: 0..h, teacher: None }),
-        DrafterKind::Eagle2 if h > 0 && width == 4 * h => Ok(FeatureSlices { feature: 3 * h..4 * h, teacher: None }),
-        DrafterKind::Eagle3 if h > 0 && width == 4 * h => {
-            Ok(FeatureSlices { feature: 0..3 * h, teacher: Some(3 * h..4 * h) })
-        }
-        DrafterKind::Eagle3 => Err(Error::batch(
-            "hidden",
-            format!(
-                "rows of width {width}: EAGLE-3 training needs 4H = {} (three aux taps then the final norm, as \
-                 TappedLlama with Tap::eagle3 records them)",
-                4 * h
-            ),
-        )),
-        DrafterKind::Eagle2 => Err(Error::batch(
-            "hidden",
-            format!("rows of width {width}: EAGLE-2 training reads rows of H = {h} or 4H = {} (Tap::eagle3)", 4 * h),
-        )),
-    }
-}
 
 /// The tokens of one sample a step trains on: `tokens[start..start + len]` and the hidden rows at the same
 /// positions (the last token of a sample has none; its row is zero and masked).
@@ -72,7 +28,7 @@ pub struct Window {
 /// exist (`j <= tokens.len() - 2`); target `j` is predicted by drafter position `j - 1` (which reads `x_j` and
 /// `h_{j-1}`), so `j >= 1`. Like TLT's trainer, the window starts at the first response token's context:
 /// one position before the first target, `start = max(response_start - 1, 1) - 1`.
-pub fn window(sample: &Sample, max_len: usize) -> Option<Window> {
+pub fn window(sample: &FeatureSample, max_len: usize) -> Option<Window> {
     let n = sample.tokens.len();
     if n < 3 || max_len < 2 {
         return None;
@@ -109,7 +65,7 @@ impl Packing {
 /// Packs the windows of `samples`, in order, first-fit into rows of at most `cfg.row_len` tokens, until
 /// `cfg.tokens_per_step` tokens are used (the last window is cropped to what is left if that still trains
 /// something; samples without a trainable position are skipped).
-pub fn pack(samples: &[Arc<Sample>], cfg: &TrainConfig) -> Packing {
+pub fn pack(samples: &[Arc<FeatureSample>], cfg: &TrainConfig) -> Packing {
     let mut rows: Vec<Vec<(usize, Window)>> = Vec::new();
     let mut used_per_row: Vec<usize> = Vec::new();
     let mut used = 0;
@@ -147,7 +103,7 @@ struct Gathered {
     segments: Vec<u32>,
 }
 
-fn gather(samples: &[Arc<Sample>], packing: &Packing, kind: DrafterKind, h: usize) -> Result<Gathered> {
+fn gather(samples: &[Arc<FeatureSample>], packing: &Packing, kind: DrafterKind, h: usize) -> Result<Gathered> {
     let (b, t) = (packing.rows.len(), packing.row_len);
     if b == 0 || t < 2 {
         return Err(Error::InvalidArgument(format!(
@@ -225,7 +181,11 @@ fn info(p: &Packing) -> BatchInfo {
 /// # Errors
 /// [`Error::InvalidBatch`] for a sample of the wrong width; [`Error::InvalidArgument`] when no sample has a
 /// training position.
-pub fn build_eagle2_batch(samples: &[Arc<Sample>], h: usize, cfg: &TrainConfig) -> Result<(Eagle2Batch, BatchInfo)> {
+pub fn build_eagle2_batch(
+    samples: &[Arc<FeatureSample>],
+    h: usize,
+    cfg: &TrainConfig,
+) -> Result<(Eagle2Batch, BatchInfo)> {
     let p = pack(samples, cfg);
     let g = gather(samples, &p, DrafterKind::Eagle2, h)?;
     let dev = Device::Cpu;
@@ -244,7 +204,11 @@ pub fn build_eagle2_batch(samples: &[Arc<Sample>], h: usize, cfg: &TrainConfig) 
 ///
 /// # Errors
 /// As [`build_eagle2_batch`]; rows not `4H` wide are an [`Error::InvalidBatch`].
-pub fn build_eagle3_batch(samples: &[Arc<Sample>], h: usize, cfg: &TrainConfig) -> Result<(Eagle3Batch, BatchInfo)> {
+pub fn build_eagle3_batch(
+    samples: &[Arc<FeatureSample>],
+    h: usize,
+    cfg: &TrainConfig,
+) -> Result<(Eagle3Batch, BatchInfo)> {
     let p = pack(samples, cfg);
     let g = gather(samples, &p, DrafterKind::Eagle3, h)?;
     let dev = Device::Cpu;

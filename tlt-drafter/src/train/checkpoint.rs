@@ -15,7 +15,9 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 use tlt_model::Llama;
 
-use super::{AdamW, DrafterTrainer, ParamState, Totals, TrainConfig, TrainableDrafter};
+use tlt_model::optim::{AdamW, ParamState};
+
+use super::{DrafterTrainer, Totals, TrainConfig, TrainableDrafter};
 use crate::checkpoint::{load_eagle2, load_eagle3, save_eagle2, save_eagle3, Blob, SaveDType, StFile};
 use crate::config::{DrafterConfig, DrafterKind};
 use crate::eagle2::Eagle2Drafter;

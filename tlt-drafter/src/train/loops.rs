@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::{DrafterTrainer, StepStats};
-use crate::online::{OnlineBuffer, Sample, StepOutcome, WeightsSlot};
+use crate::online::{FeatureSample, MicroStepOutcome, OnlineBuffer, WeightsSlot};
 use crate::runtime::{DraftRuntime, RuntimeOptions};
 use crate::{Error, Result};
 
@@ -64,7 +64,7 @@ impl OfflineReport {
 /// [`Error::InvalidArgument`] if no sample has a training position; any step's error.
 pub fn train_offline(
     trainer: &mut DrafterTrainer,
-    samples: &[Arc<Sample>],
+    samples: &[Arc<FeatureSample>],
     budget: Budget,
     mut progress: impl FnMut(&StepStats),
 ) -> Result<OfflineReport> {
@@ -120,7 +120,7 @@ impl Default for OnlineStepConfig {
 /// The micro-step closure [`BackgroundTrainer::spawn`](crate::online::BackgroundTrainer::spawn) runs for online
 /// training: lock `trainer`, draw from `buffer` ([`DrafterTrainer::draw_from_buffer`]), train one step, and
 /// every `publish_every` steps publish [`DrafterTrainer::runtime`] to `slot`. Returns
-/// [`StepOutcome::NoData`] when the buffer holds no sample with a training position. The lock is held for
+/// [`MicroStepOutcome::NoData`] when the buffer holds no sample with a training position. The lock is held for
 /// the whole step, so other users of `trainer` (a checkpoint, say) wait at most one step.
 ///
 /// # Errors
@@ -130,7 +130,7 @@ pub fn online_step_fn(
     buffer: Arc<OnlineBuffer>,
     slot: Arc<WeightsSlot<DraftRuntime>>,
     cfg: OnlineStepConfig,
-) -> Result<impl FnMut() -> Result<StepOutcome> + Send + 'static> {
+) -> Result<impl FnMut() -> Result<MicroStepOutcome> + Send + 'static> {
     if cfg.publish_every == 0 {
         return Err(Error::config("publish_every", 0, "must be >= 1"));
     }
@@ -138,13 +138,13 @@ pub fn online_step_fn(
         let mut t = trainer.lock();
         let drawn = t.draw_from_buffer(&buffer);
         if drawn.is_empty() {
-            return Ok(StepOutcome::NoData);
+            return Ok(MicroStepOutcome::NoData);
         }
-        let samples: Vec<Arc<Sample>> = drawn.into_iter().map(|(_, s)| s).collect();
+        let samples: Vec<Arc<FeatureSample>> = drawn.into_iter().map(|(_, s)| s).collect();
         t.step(&samples)?;
         if t.steps_done().is_multiple_of(cfg.publish_every) {
             slot.publish(t.runtime(&cfg.runtime)?);
         }
-        Ok(StepOutcome::Trained)
+        Ok(MicroStepOutcome::Trained)
     })
 }

@@ -7,7 +7,6 @@
 //! or EAGLE-3 loss, clips the gradients by global norm and applies AdamW to the drafter's own [`Var`]s. The
 //! target's embedding and LM head ([`FrozenTarget`]) are never among them.
 
-mod adamw;
 mod batch;
 mod checkpoint;
 mod loops;
@@ -18,11 +17,10 @@ use std::time::Instant;
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use tlt_kernels::SeededRng;
+use tlt_model::optim::{AdamW, AdamWParams, GradNorm, LrSchedule};
 
-pub use adamw::{clip_grad_norm, AdamW, AdamWParams, GradNorm, ParamState};
-pub use batch::{
-    build_eagle2_batch, build_eagle3_batch, feature_slices, pack, window, BatchInfo, FeatureSlices, Packing, Window,
-};
+pub use crate::config::{feature_slices, FeatureSlices};
+pub use batch::{build_eagle2_batch, build_eagle3_batch, pack, window, BatchInfo, Packing, Window};
 pub use checkpoint::{TrainState, OPTIMIZER_FILE, STATE_FILE};
 pub use loops::{online_step_fn, train_offline, Budget, OfflineReport, OnlineStepConfig};
 
@@ -30,42 +28,24 @@ use crate::config::{DrafterConfig, DrafterKind, Eagle2LossConfig, Eagle3LossConf
 use crate::eagle2::Eagle2Drafter;
 use crate::eagle3::Eagle3Drafter;
 use crate::frozen::FrozenTarget;
-use crate::online::{OnlineBuffer, Sample};
+use crate::online::{FeatureSample, OnlineBuffer};
 use crate::runtime::{DraftRuntime, RuntimeOptions};
 use crate::{Error, Result};
-
-/// Learning-rate shape after the linear warmup.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
-pub enum LrSchedule {
-    /// The peak rate forever (TLT's online trainer).
-    Constant,
-    /// Cosine from the peak down to `min_lr` at step `total_steps`, then `min_lr`.
-    Cosine {
-        /// Step (warmup included) at which the floor is reached.
-        total_steps: u64,
-        /// The floor.
-        min_lr: f64,
-    },
-}
 
 /// How a [`DrafterTrainer`] trains. `Default` follows EAGLE/EAGLE-3's offline recipe without its 12k-step
 /// warmup (TLT's online trainer uses `lr = 1e-6`, `weight_decay = 0.01`, 1000 warmup steps, clip 1.0).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
-    /// Peak learning rate. Default `5e-5`.
-    pub lr: f64,
+    /// Learning rate: peak, linear warmup, decay after it (the workspace's one schedule,
+    /// [`tlt_model::optim::LrSchedule`]). Default `5e-5`, no warmup, constant.
+    pub schedule: LrSchedule,
     /// AdamW `(beta1, beta2)`. Default `[0.9, 0.95]`.
     pub betas: [f64; 2],
     /// AdamW epsilon. Default `1e-8`.
     pub eps: f64,
     /// Decoupled weight decay. Default 0.
     pub weight_decay: f64,
-    /// Linear warmup from `lr / warmup_steps` to `lr` over this many steps. Default 0.
-    pub warmup_steps: u64,
-    /// After the warmup. Default [`LrSchedule::Constant`].
-    pub schedule: LrSchedule,
     /// Clip the gradients to this global L2 norm (`None`: no clipping). Default `Some(0.5)`.
     pub grad_clip: Option<f64>,
     /// Token budget of one step: windows are packed until it is used. Default 2048.
@@ -87,12 +67,10 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
-            lr: 5e-5,
+            schedule: LrSchedule::constant(5e-5),
             betas: [0.9, 0.95],
             eps: 1e-8,
             weight_decay: 0.0,
-            warmup_steps: 0,
-            schedule: LrSchedule::Constant,
             grad_clip: Some(0.5),
             tokens_per_step: 2048,
             window: 512,
@@ -111,18 +89,8 @@ impl TrainConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] naming the field.
     pub fn validate(&self) -> Result<()> {
-        if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return Err(Error::config("lr", self.lr, "must be finite and >= 0"));
-        }
-        self.adamw().validate()?;
-        if let LrSchedule::Cosine { total_steps, min_lr } = self.schedule {
-            if !(min_lr.is_finite() && (0.0..=self.lr).contains(&min_lr)) {
-                return Err(Error::config("schedule.min_lr", min_lr, "must be in [0, lr]"));
-            }
-            if total_steps == 0 {
-                return Err(Error::config("schedule.total_steps", 0, "must be positive"));
-            }
-        }
+        self.schedule.validate().map_err(Error::from_model_config)?;
+        self.adamw().validate().map_err(Error::from_model_config)?;
         if let Some(c) = self.grad_clip {
             if !(c.is_finite() && c > 0.0) {
                 return Err(Error::config("grad_clip", c, "must be finite and > 0 (None disables clipping)"));
@@ -151,18 +119,7 @@ impl TrainConfig {
 
     /// The learning rate of the update after `step` completed steps.
     pub fn lr_at(&self, step: u64) -> f64 {
-        let w = self.warmup_steps;
-        if step < w {
-            return self.lr * (step + 1) as f64 / w as f64;
-        }
-        match self.schedule {
-            LrSchedule::Constant => self.lr,
-            LrSchedule::Cosine { total_steps, min_lr } => {
-                let span = total_steps.saturating_sub(w).max(1);
-                let p = ((step - w) as f64 / span as f64).min(1.0);
-                min_lr + (self.lr - min_lr) * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
-            }
-        }
+        self.schedule.lr_at(step)
     }
 }
 
@@ -272,7 +229,7 @@ pub enum LossParts {
 
 /// A loss evaluated on a packed batch.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Evaluation {
+pub struct DraftEvaluation {
     /// The weighted total the optimizer minimises.
     pub loss: f64,
     /// Its terms.
@@ -291,7 +248,7 @@ pub struct StepStats {
     /// Steps done, this one included.
     pub step: u64,
     /// The loss before the update, with the step's input noise.
-    pub eval: Evaluation,
+    pub eval: DraftEvaluation,
     /// Gradient norm before and after clipping.
     pub grad_norm: GradNorm,
     /// The learning rate used.
@@ -311,7 +268,7 @@ pub struct Totals {
     pub targets: f64,
 }
 
-/// Trains one drafter (EAGLE-2 or EAGLE-3) with AdamW on rollout [`Sample`]s; checkpoints and resumes
+/// Trains one drafter (EAGLE-2 or EAGLE-3) with AdamW on rollout [`FeatureSample`]s; checkpoints and resumes
 /// bit-exactly.
 #[derive(Debug)]
 pub struct DrafterTrainer {
@@ -401,7 +358,7 @@ impl DrafterTrainer {
 
     /// The samples the next step trains on, drawn from `pool` without repetition (up to `samples_per_step`
     /// of those with a training position), determined by `(seed, steps_done)` and the pool.
-    pub fn draw(&self, pool: &[Arc<Sample>]) -> Vec<Arc<Sample>> {
+    pub fn draw(&self, pool: &[Arc<FeatureSample>]) -> Vec<Arc<FeatureSample>> {
         let mut cand: Vec<usize> = (0..pool.len()).filter(|&i| window(&pool[i], self.cfg.window).is_some()).collect();
         let mut rng = self.step_rng();
         let k = self.cfg.samples_per_step.min(cand.len());
@@ -416,9 +373,9 @@ impl DrafterTrainer {
     /// Like [`Self::draw`] from an [`OnlineBuffer`]: `samples_per_step` uniform draws with replacement
     /// ([`OnlineBuffer::sample`]), duplicates and samples without a training position dropped. Returns the
     /// buffer ids too.
-    pub fn draw_from_buffer(&self, buffer: &OnlineBuffer) -> Vec<(u64, Arc<Sample>)> {
+    pub fn draw_from_buffer(&self, buffer: &OnlineBuffer) -> Vec<(u64, Arc<FeatureSample>)> {
         let mut rng = self.step_rng();
-        let mut out: Vec<(u64, Arc<Sample>)> = Vec::new();
+        let mut out: Vec<(u64, Arc<FeatureSample>)> = Vec::new();
         for (id, s) in buffer.sample(self.cfg.samples_per_step, &mut rng) {
             if window(&s, self.cfg.window).is_some() && !out.iter().any(|(i, _)| *i == id) {
                 out.push((id, s));
@@ -431,11 +388,11 @@ impl DrafterTrainer {
     ///
     /// # Errors
     /// As [`Self::step`].
-    pub fn evaluate(&self, samples: &[Arc<Sample>]) -> Result<Evaluation> {
+    pub fn evaluate(&self, samples: &[Arc<FeatureSample>]) -> Result<DraftEvaluation> {
         Ok(self.loss(samples, None)?.1)
     }
 
-    fn loss(&self, samples: &[Arc<Sample>], noise_seed: Option<u64>) -> Result<(Tensor, Evaluation)> {
+    fn loss(&self, samples: &[Arc<FeatureSample>], noise_seed: Option<u64>) -> Result<(Tensor, DraftEvaluation)> {
         let scalar = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
         let (total, eval) = match &self.drafter {
             TrainableDrafter::Eagle2(d) => {
@@ -448,8 +405,13 @@ impl DrafterTrainer {
                 }
                 let l = d.loss(&batch, &lc)?;
                 let parts = LossParts::Eagle2 { vloss: scalar(&l.vloss)?, ploss: scalar(&l.ploss)? };
-                let eval =
-                    Evaluation { loss: scalar(&l.total)?, parts, accuracy: l.accuracy, targets: l.tokens, batch: info };
+                let eval = DraftEvaluation {
+                    loss: scalar(&l.total)?,
+                    parts,
+                    accuracy: l.accuracy,
+                    targets: l.tokens,
+                    batch: info,
+                };
                 (l.total, eval)
             }
             TrainableDrafter::Eagle3(d) => {
@@ -462,7 +424,7 @@ impl DrafterTrainer {
                 }
                 let l = d.loss(&batch, &lc)?;
                 let steps = l.steps.iter().map(scalar).collect::<Result<Vec<f64>>>()?;
-                let eval = Evaluation {
+                let eval = DraftEvaluation {
                     loss: scalar(&l.total)?,
                     accuracy: l.accuracy.first().copied().unwrap_or(0.0),
                     targets: l.tokens.first().copied().unwrap_or(0.0),
@@ -481,7 +443,7 @@ impl DrafterTrainer {
     /// # Errors
     /// [`Error::InvalidArgument`] when no sample has a training position or the loss is not finite (the
     /// weights are then left alone); [`Error::InvalidBatch`] for samples of the wrong width.
-    pub fn step(&mut self, samples: &[Arc<Sample>]) -> Result<StepStats> {
+    pub fn step(&mut self, samples: &[Arc<FeatureSample>]) -> Result<StepStats> {
         let t0 = Instant::now();
         let lr = self.cfg.lr_at(self.step);
         let noise_seed = self.step_rng().fork(NOISE_STREAM).next_u64();

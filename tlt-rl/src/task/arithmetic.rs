@@ -1,7 +1,7 @@
 //! [`Arithmetic`]: seeded multi-step integer arithmetic ("Compute 7 + 5 * 3."), answered in `\boxed{}`.
 
 use serde::{Deserialize, Serialize};
-use tlt_scheduler::SplitMix64;
+use tlt_kernels::SplitMix64;
 
 use super::expr::evaluate;
 use super::{score_answer, Answer, Deadline, Problem, RewardConfig, Score, Task};

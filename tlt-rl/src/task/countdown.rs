@@ -1,7 +1,7 @@
 //! [`Countdown`]: TinyZero's "make the target from these numbers" task, answered in `<answer></answer>`.
 
 use serde::{Deserialize, Serialize};
-use tlt_scheduler::SplitMix64;
+use tlt_kernels::SplitMix64;
 
 use super::expr::{evaluate, ExprError, Rational};
 use super::{score_answer, Answer, Deadline, Problem, RewardConfig, Score, Task, Verdict};

@@ -1,7 +1,7 @@
 //! [`DataSplit`]: training and held-out evaluation prompts from one task, training data in a seeded shuffled order.
 
 use serde::{Deserialize, Serialize};
-use tlt_scheduler::SplitMix64;
+use tlt_kernels::SplitMix64;
 
 use crate::{Error, Result};
 

@@ -1,7 +1,7 @@
 //! [`WordProblems`]: seeded GSM-style multi-step word problems with an exact integer answer, chain of thought asked.
 
 use serde::{Deserialize, Serialize};
-use tlt_scheduler::SplitMix64;
+use tlt_kernels::SplitMix64;
 
 use super::{score_answer, Answer, Problem, RewardConfig, Score, Task};
 use crate::{Error, Result};

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
-use tlt_drafter::train::{AdamW, ParamState};
+use tlt_model::optim::{AdamW, ParamState};
 
 use super::config::TrainerConfig;
 use crate::{Error, Result};

@@ -7,8 +7,8 @@ use tlt_scheduler::{GateConfig, MabConfig};
 use tlt_spec_decode::SuffixConfig;
 
 use crate::grpo::GrpoConfig;
-use crate::schedule::LrSchedule;
 use crate::{Error, Result};
+use tlt_model::optim::LrSchedule;
 
 /// How rollouts decode.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,7 +95,7 @@ impl Default for SdConfig {
             mab: MabConfig::default(),
             drafter: DrafterChoice::default(),
             suffix: SuffixConfig::default(),
-            drafter_train: TrainConfig { lr: 3e-4, ..TrainConfig::default() },
+            drafter_train: TrainConfig { schedule: LrSchedule::constant(3e-4), ..TrainConfig::default() },
             buffer: BufferConfig::default(),
             schedule: DrafterSchedule::default(),
             tail_batch: 4,
@@ -270,8 +270,8 @@ impl TrainerConfig {
     }
 
     /// The policy's AdamW hyperparameters.
-    pub fn adamw(&self) -> tlt_drafter::train::AdamWParams {
+    pub fn adamw(&self) -> tlt_model::optim::AdamWParams {
         let [beta1, beta2] = self.optim.betas;
-        tlt_drafter::train::AdamWParams { beta1, beta2, eps: self.optim.eps, weight_decay: self.optim.weight_decay }
+        tlt_model::optim::AdamWParams { beta1, beta2, eps: self.optim.eps, weight_decay: self.optim.weight_decay }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tlt_drafter::online::{BackgroundTrainer, OnlineBuffer, Sample, StepOutcome, WeightsSlot};
+use tlt_drafter::online::{BackgroundTrainer, FeatureSample, MicroStepOutcome, OnlineBuffer, WeightsSlot};
 use tlt_drafter::train::{online_step_fn, OnlineStepConfig};
 use tlt_drafter::{
     DraftRuntime, DrafterConfig, DrafterTrainer, Eagle2Drafter, EagleProposer, FrozenTarget, RuntimeOptions,
@@ -127,7 +127,7 @@ impl RolloutDrafter {
     /// A request finished: its tokens and hidden states become training data.
     pub(crate) fn on_finished(&self, f: &Finished, step: u64) -> Result<()> {
         if let Self::Eagle(e) = self {
-            let sample = Sample::from_finished(f, step)?;
+            let sample = FeatureSample::from_finished(f, step)?;
             if sample.train_positions() > 0 {
                 e.buffer.push(sample)?;
             }
@@ -165,7 +165,7 @@ impl RolloutDrafter {
             let step_cfg = OnlineStepConfig { publish_every: e.publish_every, runtime: RuntimeOptions::default() };
             let mut step = online_step_fn(e.trainer.clone(), e.buffer.clone(), e.slot.clone(), step_cfg)?;
             for _ in 0..steps {
-                if step()? == StepOutcome::NoData {
+                if step()? == MicroStepOutcome::NoData {
                     break;
                 }
             }

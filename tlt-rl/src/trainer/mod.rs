@@ -25,10 +25,11 @@ use std::ops::Range;
 use std::path::Path;
 use std::time::Instant;
 
-use tlt_drafter::train::AdamW;
 use tlt_drafter::DrafterTrainer;
+use tlt_kernels::SplitMix64;
+use tlt_model::optim::AdamW;
 use tlt_model::{Llama, WeightDType};
-use tlt_scheduler::{AdaptiveDecoder, SplitMix64};
+use tlt_scheduler::AdaptiveDecoder;
 
 pub use checkpoint::{TrainerState, DRAFTER_DIR, OPTIMIZER_FILE, POLICY_DIR, STATE_FILE};
 pub use config::{DrafterChoice, DrafterSchedule, Mode, OptimConfig, SdConfig, TrainerConfig};

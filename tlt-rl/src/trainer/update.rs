@@ -3,9 +3,9 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
-use tlt_drafter::train::AdamW;
+use tlt_kernels::SplitMix64;
+use tlt_model::optim::AdamW;
 use tlt_model::{accumulate_grads, Checkpoints, Llama};
-use tlt_scheduler::SplitMix64;
 
 use super::head::ChunkedHead;
 use super::rollout::Sample;

@@ -154,7 +154,7 @@ impl AdamW {
     /// [`Error::InvalidArgument`] if the count or a moment's length does not match the parameters.
     pub fn set_state(&mut self, state: Vec<ParamState>) -> Result<()> {
         if state.len() != self.params.len() {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::InvalidInput(format!(
                 "optimizer state for {} parameters, expected {}",
                 state.len(),
                 self.params.len()
@@ -162,7 +162,7 @@ impl AdamW {
         }
         for ((name, v), s) in self.params.iter().zip(&state) {
             if s.exp_avg.len() != v.elem_count() || s.exp_avg_sq.len() != v.elem_count() {
-                return Err(Error::InvalidArgument(format!("optimizer state of `{name}` has the wrong size")));
+                return Err(Error::InvalidInput(format!("optimizer state of `{name}` has the wrong size")));
             }
         }
         self.state = state;
@@ -209,7 +209,7 @@ impl AdamW {
         let (name, var) = &self.params[i];
         let st = &mut self.state[i];
         if g.len() != st.exp_avg.len() {
-            return Err(Error::InvalidArgument(format!("gradient of `{name}` has {} elements", g.len())));
+            return Err(Error::InvalidInput(format!("gradient of `{name}` has {} elements", g.len())));
         }
         let AdamWParams { beta1, beta2, eps, weight_decay } = self.hp;
         st.steps += 1;

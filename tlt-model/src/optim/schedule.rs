@@ -50,21 +50,18 @@ impl LrSchedule {
     }
 
     /// Checks `lr` (finite, >= 0), `min_lr_ratio` (in `[0, 1]`) and `total_steps` (0 or > `warmup_steps`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the field.
     pub fn validate(&self) -> Result<()> {
         if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return Err(Error::config("schedule.lr", format!("must be finite and >= 0, got {}", self.lr)));
+            return Err(Error::config("schedule.lr", self.lr, "must be finite and >= 0"));
         }
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
-            return Err(Error::config(
-                "schedule.min_lr_ratio",
-                format!("must be in [0, 1], got {}", self.min_lr_ratio),
-            ));
+            return Err(Error::config("schedule.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]"));
         }
         if self.total_steps != 0 && self.total_steps <= self.warmup_steps {
-            return Err(Error::config(
-                "schedule.total_steps",
-                format!("must be 0 or > warmup_steps ({}), got {}", self.warmup_steps, self.total_steps),
-            ));
+            return Err(Error::config("schedule.total_steps", self.total_steps, "must be 0 or > warmup_steps"));
         }
         Ok(())
     }
