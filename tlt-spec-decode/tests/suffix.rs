@@ -195,8 +195,11 @@ fn appends_are_amortised_constant_on_a_million_tokens() {
         let work = ix.update_steps();
         println!("{name}: {work} update steps ({:.2} per token)", work as f64 / n as f64);
         assert!(work <= 6 * n as u64, "{name}: {work} update steps for {n} tokens");
-        // Wall time, loosely (memory grows to hundreds of MiB, so caches make later appends somewhat slower).
-        assert!(second / ((n / 2) as f64) < 5e-6, "{name}: {second:.3}s for {} tokens", n / 2);
+        // Wall time, loosely: memory grows to hundreds of MiB, so caches make later appends somewhat slower, and
+        // CI runs this beside the SmolLM2 tests on 2 cores (5.8 us/token measured there on random tokens, 3.4 us
+        // idle). A per-token walk over the stream would cost ~n/4 steps, i.e. milliseconds per token, so 20 us
+        // still tells constant from linear by two orders of magnitude; the counted work above is the exact check.
+        assert!(second / ((n / 2) as f64) < 2e-5, "{name}: {second:.3}s for {} tokens", n / 2);
         assert!(!occ.is_empty() || name == "random");
         assert!(query < 0.05, "{name}: query took {query:.3}s");
     }
