@@ -72,3 +72,8 @@ pub use error::{BoxError, Error, Result};
 pub use executor::{Captured, EagerExecutor, Executor, GraphBackend, GraphExecutor, RunInfo, RunMode};
 pub use key::{GraphKey, GraphPhase, TreeShape};
 pub use pool::{FallbackReason, GraphPool, PoolStats, Rejected};
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -62,7 +62,8 @@
 //! # let samples: Vec<Arc<FeatureSample>> = Vec::new(); // FeatureSample::from_finished(&engine_output, rl_step)
 //! let cfg = DrafterConfig::eagle2_from_target(target.config(), false);
 //! let drafter = Eagle2Drafter::random(cfg, FrozenTarget::new(&target), 1)?;
-//! let mut trainer = DrafterTrainer::new(drafter, TrainConfig { lr: 1e-4, ..TrainConfig::default() })?;
+//! let schedule = tlt_model::optim::LrSchedule::constant(1e-4);
+//! let mut trainer = DrafterTrainer::new(drafter, TrainConfig { schedule, ..TrainConfig::default() })?;
 //! let report = train_offline(&mut trainer, &samples, Budget::Steps(100), |s| println!("{}", s.eval.loss))?;
 //! trainer.save_checkpoint(std::path::Path::new("ckpt"))?; // resume: DrafterTrainer::resume(dir, &target)
 //! let runtime = trainer.runtime(&RuntimeOptions::default())?; // for EagleProposer / WeightsSlot::publish
@@ -100,3 +101,8 @@ pub use propose::EagleProposer;
 pub use runtime::{DraftCache, DraftRuntime, RuntimeOptions};
 pub use train::{DrafterTrainer, StepStats, TrainConfig, TrainableDrafter};
 pub use vocab::VocabMap;
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -45,3 +45,8 @@ pub use gemm::{default_threads, gemm, gemm_with, GemmConfig, MatRef, Matrix, Wei
 pub use isa::Isa;
 pub use rng::{SeededRng, SplitMix64};
 pub use sampling::{argmax, categorical, log_softmax, probs, sample, token_logprob, SamplingParams};
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -79,3 +79,8 @@ pub fn load(path: &std::path::Path) -> Result<LoadedModel> {
         load_gguf(path)
     }
 }
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

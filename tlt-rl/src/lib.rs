@@ -4,7 +4,7 @@
 //! `Trainer` that composes adaptive speculative rollouts, rewards, policy updates and online drafter training.
 //!
 //! **Where it sits:** depends on every crate above; used by the `examples` crate and `xtask`. See the workspace
-//! `DESIGN.md` for the crate boundaries.
+//! README for the crate graph.
 
 mod error;
 pub mod grpo;
@@ -18,3 +18,8 @@ pub mod trainer;
 
 pub use error::{Error, Result};
 pub use trainer::{Environment, Mode, Observer, Trainer, TrainerConfig};
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

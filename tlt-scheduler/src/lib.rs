@@ -61,3 +61,8 @@ pub use mab::{step_reward, BegMab, Choice, ChoiceReason, MabConfig};
 pub use rollout::{
     FinishReason, Finished, GroupId, RequestId, RequestOutcome, Rollout, RolloutConfig, RolloutStats, Step, StepOutcome,
 };
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

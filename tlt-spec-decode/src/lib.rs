@@ -79,3 +79,8 @@ pub use tlt_kernels::{SamplingParams, SeededRng};
 pub use toy::ToyTarget;
 pub use tree::{Beam, DraftTree, Node};
 pub use verify::{verify_coupled, verify_greedy, verify_sampling, Accepted, Coins, ExactVerifier, Proposal, Verifier};
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
