@@ -56,6 +56,14 @@ pub enum Error {
     /// The scheduler failed.
     #[error(transparent)]
     Scheduler(#[from] tlt_scheduler::Error),
+    /// A chart could not be drawn (plotters failed) or encoded.
+    #[error("plot `{chart}`: {reason}")]
+    Plot {
+        /// The chart's title (or what was being set up).
+        chart: String,
+        /// What went wrong.
+        reason: String,
+    },
     /// JSON (de)serialisation failed.
     #[error(transparent)]
     Json(#[from] serde_json::Error),
@@ -73,6 +81,11 @@ impl Error {
     /// An [`Error::Parse`].
     pub fn parse(what: impl Into<String>, reason: impl Into<String>) -> Self {
         Self::Parse { what: what.into(), reason: reason.into() }
+    }
+
+    /// An [`Error::Plot`].
+    pub fn plot(chart: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::Plot { chart: chart.into(), reason: reason.into() }
     }
 
     /// An [`Error::Io`] for `path`.

@@ -1,164 +1,34 @@
-//! Dependency-free training charts: line charts and overlaid histograms, written as SVG (hand-written XML) and
-//! PNG (a small built-in rasterizer with an 8×8 bitmap font, encoded by `png`).
+//! Training charts, drawn with [plotters](https://docs.rs/plotters) and written as SVG and PNG.
 //!
-//! Both outputs come from one layout, so they agree: "nice" ticks (1, 2 or 5 × 10^k, see [`nice_ticks`]) with
-//! labels and a light grid, a title, axis labels, a legend when there is more than one series, and a fixed
-//! palette of distinct colours. Non-finite points are skipped; empty, single-point and constant data render
-//! without panicking. [`training_plots`] draws the standard set of charts for a run's [`StepMetrics`].
+//! [`training_plots`] draws the standard set of charts for a run's [`StepMetrics`]: line charts and overlaid
+//! histograms with a title, axis descriptions, a light grid, a legend when there is more than one series, and
+//! ticks that fit the data (integers only on integer axes such as RL steps or counts). PNG text is rasterized
+//! from Noto Sans, embedded in the binary, so no system font or font library is needed. Non-finite values are
+//! skipped; empty, single-point and constant data give a (possibly empty) chart, never a panic.
 //!
 //! ```
-//! use tlt_rl::plot::{LineChart, Series};
+//! use tlt_rl::metrics::StepMetrics;
 //!
-//! let chart = LineChart {
-//!     title: "reward".into(),
-//!     x_label: "step".into(),
-//!     y_label: "mean reward".into(),
-//!     series: vec![Series::new("tlt", vec![(0.0, 0.1), (1.0, 0.4), (2.0, 0.5)])],
-//! };
-//! let svg = chart.to_svg();
-//! assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
-//! let png = chart.to_png(320, 200)?;
-//! assert_eq!(&png[1..4], b"PNG");
-//! # Ok::<(), tlt_rl::Error>(())
+//! let dir = std::env::temp_dir().join(format!("tlt-rl-plot-doc-{}", std::process::id()));
+//! let metrics: Vec<StepMetrics> =
+//!     (0..3).map(|step| StepMetrics { step, reward_mean: step as f64 * 0.2, ..StepMetrics::default() }).collect();
+//! let written = tlt_rl::plot::training_plots(&metrics, None, &dir)?;
+//! assert_eq!(written.len(), 10);
+//! assert!(std::fs::read_to_string(dir.join("reward.svg"))?.contains("Mean reward per step"));
+//! # std::fs::remove_dir_all(&dir)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-mod raster;
-mod scene;
-mod svg;
-mod ticks;
+mod axis;
+mod chart;
 
 use std::path::{Path, PathBuf};
 
-pub use ticks::nice_ticks;
+use axis::Scale;
+use chart::{Chart, Histogram, LineChart, Series};
 
-use crate::metrics::{write_atomic, StepMetrics};
+use crate::metrics::StepMetrics;
 use crate::{Error, Result};
-
-/// Width of the SVG, and of the PNG written by `save`, in pixels.
-pub const DEFAULT_WIDTH: u32 = 1200;
-/// Height of the SVG, and of the PNG written by `save`, in pixels.
-pub const DEFAULT_HEIGHT: u32 = 750;
-/// Smallest PNG side accepted by `to_png`.
-pub const MIN_SIDE: u32 = 64;
-/// Largest PNG side accepted by `to_png`.
-pub const MAX_SIDE: u32 = 8192;
-
-/// One named line of a [`LineChart`].
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Series {
-    /// Legend name.
-    pub name: String,
-    /// `(x, y)` points, drawn in order; points with a non-finite coordinate are skipped.
-    pub points: Vec<(f64, f64)>,
-    /// Draw as a step function (hold each `y` until the next `x`) instead of straight segments.
-    pub step: bool,
-}
-
-impl Series {
-    /// A series drawn with straight segments.
-    pub fn new(name: impl Into<String>, points: Vec<(f64, f64)>) -> Self {
-        Self { name: name.into(), points, step: false }
-    }
-
-    /// A series drawn as a step function.
-    pub fn steps(name: impl Into<String>, points: Vec<(f64, f64)>) -> Self {
-        Self { name: name.into(), points, step: true }
-    }
-
-    /// A series of `ys` against their index `0, 1, 2, …`.
-    pub fn from_ys(name: impl Into<String>, ys: impl IntoIterator<Item = f64>) -> Self {
-        Self::new(name, ys.into_iter().enumerate().map(|(i, y)| (i as f64, y)).collect())
-    }
-}
-
-/// A line chart of one or more [`Series`] on shared axes.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LineChart {
-    /// Title above the chart.
-    pub title: String,
-    /// Label under the x axis.
-    pub x_label: String,
-    /// Label beside the y axis.
-    pub y_label: String,
-    /// The lines, coloured in palette order.
-    pub series: Vec<Series>,
-}
-
-/// Overlaid histograms of one or more named value sets, with shared bins spanning all finite values.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Histogram {
-    /// Title above the chart.
-    pub title: String,
-    /// Label under the x axis (the y axis is "count").
-    pub x_label: String,
-    /// `(name, values)` per series, drawn translucent in palette order; non-finite values are skipped.
-    pub series: Vec<(String, Vec<f64>)>,
-    /// Number of bins (0 is treated as 1).
-    pub bins: usize,
-}
-
-fn check_size(width: u32, height: u32) -> Result<()> {
-    let ok = |s: u32| (MIN_SIDE..=MAX_SIDE).contains(&s);
-    if ok(width) && ok(height) {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "png size {width}x{height} out of range: each side must be in {MIN_SIDE}..={MAX_SIDE}"
-        )))
-    }
-}
-
-/// `path` with `.ext` appended to its file name (unlike `with_extension`, dots already in the name are kept).
-fn with_ext(path: &Path, ext: &str) -> PathBuf {
-    let mut s = path.as_os_str().to_owned();
-    s.push(".");
-    s.push(ext);
-    PathBuf::from(s)
-}
-
-/// Writes `<path>.svg` and `<path>.png` (at the default size), each atomically; returns both paths.
-fn save_scene(path: &Path, svg: String, png: Vec<u8>) -> Result<[PathBuf; 2]> {
-    let (svg_path, png_path) = (with_ext(path, "svg"), with_ext(path, "png"));
-    write_atomic(&svg_path, svg.as_bytes())?;
-    write_atomic(&png_path, &png)?;
-    Ok([svg_path, png_path])
-}
-
-macro_rules! chart_outputs {
-    ($ty:ty, $layout:path) => {
-        impl $ty {
-            /// The chart as a standalone SVG document of [`DEFAULT_WIDTH`] × [`DEFAULT_HEIGHT`].
-            pub fn to_svg(&self) -> String {
-                svg::render(&$layout(self, DEFAULT_WIDTH, DEFAULT_HEIGHT))
-            }
-
-            /// The chart as an RGB8 PNG of `width` × `height` pixels.
-            ///
-            /// # Errors
-            /// [`Error::InvalidArgument`] if a side is outside [`MIN_SIDE`]`..=`[`MAX_SIDE`].
-            pub fn to_png(&self, width: u32, height: u32) -> Result<Vec<u8>> {
-                check_size(width, height)?;
-                raster::render(&$layout(self, width, height))
-            }
-
-            /// Writes `<path_without_ext>.svg` and `<path_without_ext>.png` (at the default size), each
-            /// atomically (temporary file, then rename), creating parent directories.
-            ///
-            /// # Errors
-            /// [`Error::Io`] if a file cannot be written.
-            pub fn save(&self, path_without_ext: impl AsRef<Path>) -> Result<()> {
-                self.save_paths(path_without_ext.as_ref()).map(|_| ())
-            }
-
-            fn save_paths(&self, path: &Path) -> Result<[PathBuf; 2]> {
-                save_scene(path, self.to_svg(), self.to_png(DEFAULT_WIDTH, DEFAULT_HEIGHT)?)
-            }
-        }
-    };
-}
-
-chart_outputs!(LineChart, scene::line_chart);
-chart_outputs!(Histogram, scene::histogram);
 
 /// Bins of the response-length histogram.
 const LENGTH_BINS: usize = 30;
@@ -183,13 +53,14 @@ fn active_series(name: String, s: &StepMetrics) -> Series {
 /// - `reward`: mean reward per step (and the baseline's, when given);
 /// - `response_length`: histogram of response lengths at the first and the last step, overlaid;
 /// - `active_requests`: running requests per decode step within the last step's rollout (both runs when given);
-/// - `accept_length`: mean accepted length per step;
+/// - `accept_length`: mean accept length per step, i.e. tokens emitted per verify step of speculative decoding;
 /// - `step_time`: rollout, train and total seconds per step (plus the baseline's rollout and total).
 ///
-/// Empty inputs give empty charts. Returns the written paths.
+/// The x axes of the per-step charts and of `active_requests` show integer ticks only. Empty inputs give empty
+/// charts. Returns the written paths (`<chart>.svg`, `<chart>.png` for each chart, in the order above).
 ///
 /// # Errors
-/// [`Error::Io`] if the directory or a file cannot be written.
+/// [`Error::Io`] if the directory or a file cannot be written, [`Error::Plot`] if plotters fails to draw a chart.
 pub fn training_plots(
     metrics: &[StepMetrics],
     baseline: Option<&[StepMetrics]>,
@@ -214,10 +85,12 @@ pub fn training_plots(
     let chart = LineChart {
         title: "Mean reward per step".into(),
         x_label: "RL step".into(),
-        y_label: "reward".into(),
+        y_label: "mean reward".into(),
         series: reward,
+        x_scale: Scale::Integer,
+        y_scale: Scale::Real,
     };
-    written.extend(chart.save_paths(&out_dir.join("reward"))?);
+    written.extend(chart.save(&out_dir.join("reward"))?);
 
     let lengths = |s: &StepMetrics| s.response_lengths.iter().map(|&l| l as f64).collect::<Vec<_>>();
     let mut hist = Vec::new();
@@ -233,7 +106,7 @@ pub fn training_plots(
         series: hist,
         bins: LENGTH_BINS,
     };
-    written.extend(chart.save_paths(&out_dir.join("response_length"))?);
+    written.extend(chart.save(&out_dir.join("response_length"))?);
 
     let mut active = Vec::new();
     if let Some(last) = metrics.last() {
@@ -247,16 +120,20 @@ pub fn training_plots(
         x_label: "decode step".into(),
         y_label: "running requests".into(),
         series: active,
+        x_scale: Scale::Integer,
+        y_scale: Scale::Integer,
     };
-    written.extend(chart.save_paths(&out_dir.join("active_requests"))?);
+    written.extend(chart.save(&out_dir.join("active_requests"))?);
 
     let chart = LineChart {
-        title: "Mean accepted length per step".into(),
+        title: "Accept length: tokens per verify step".into(),
         x_label: "RL step".into(),
-        y_label: "accepted tokens / speculative step".into(),
+        y_label: "tokens per verify step (mean)".into(),
         series: vec![per_step(name.as_str(), metrics, |s| s.accept_len)],
+        x_scale: Scale::Integer,
+        y_scale: Scale::Real,
     };
-    written.extend(chart.save_paths(&out_dir.join("accept_length"))?);
+    written.extend(chart.save(&out_dir.join("accept_length"))?);
 
     let mut times = vec![
         per_step("rollout_s", metrics, |s| s.rollout_s),
@@ -272,8 +149,10 @@ pub fn training_plots(
         x_label: "RL step".into(),
         y_label: "seconds".into(),
         series: times,
+        x_scale: Scale::Integer,
+        y_scale: Scale::Real,
     };
-    written.extend(chart.save_paths(&out_dir.join("step_time"))?);
+    written.extend(chart.save(&out_dir.join("step_time"))?);
     Ok(written)
 }
 
