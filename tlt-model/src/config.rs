@@ -4,6 +4,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
+/// Upper bound on every size of a config (hidden, intermediate, heads, head_dim, vocabulary, context): 2^24.
+pub const MAX_DIM: usize = 1 << 24;
+/// Upper bound on the number of decoder layers.
+pub const MAX_LAYERS: usize = 4096;
+
 /// The decoder families this crate implements. They differ only in details of one block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -200,6 +205,20 @@ impl LlamaConfig {
             if value == 0 {
                 return Err(invalid(field, value, "must be positive"));
             }
+            // Bounds far above any real checkpoint (the largest open models have hidden sizes of ~2^14, ~2^18
+            // vocabularies, ~2^7 layers and ~2^20-token contexts), so a corrupt or hostile config.json or GGUF
+            // header is refused before anything is allocated from it.
+            let limit = if field == "num_hidden_layers" { MAX_LAYERS } else { MAX_DIM };
+            if value > limit {
+                return Err(invalid(field, value, "is beyond any supported model (corrupt config?)"));
+            }
+        }
+        if self.num_attention_heads.saturating_mul(self.head_dim()) > MAX_DIM {
+            return Err(invalid(
+                "num_attention_heads",
+                self.num_attention_heads,
+                "times head_dim is beyond any supported model",
+            ));
         }
         if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
             return Err(invalid("num_key_value_heads", self.kv_heads(), "must divide num_attention_heads"));

@@ -22,6 +22,7 @@ mod bench_spec;
 mod candle_ref;
 mod drafter_data;
 mod drift;
+mod fuzz;
 mod graph;
 mod report;
 mod sysinfo;
@@ -68,6 +69,34 @@ enum Cmd {
         /// A run config instead of the embedded demo config.
         #[arg(long)]
         config: Option<PathBuf>,
+    },
+    /// Fuzz a loader with structure-aware mutations of real files for `--minutes`; findings (panics, aborts,
+    /// oversized allocations, hangs) go to `target/fuzz/<target>/findings/`, the summary to `summary.json`.
+    Fuzz {
+        /// The loader.
+        #[arg(value_enum)]
+        target: fuzz::Target,
+        /// How long to fuzz.
+        #[arg(long, default_value_t = 1.0)]
+        minutes: f64,
+        /// The run's seed (input `i` is a function of it and `i`).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Seconds without progress that count as a hang.
+        #[arg(long, default_value_t = 10)]
+        hang_s: u64,
+    },
+    /// The worker process of `fuzz` (internal).
+    #[command(hide = true)]
+    FuzzWorker {
+        #[arg(value_enum)]
+        target: fuzz::Target,
+        #[arg(long)]
+        seed: u64,
+        #[arg(long)]
+        from: u64,
+        #[arg(long)]
+        gguf: PathBuf,
     },
     /// Run a benchmark suite; results go to `target/bench/<suite>.json` and `.md`.
     Bench {
@@ -203,6 +232,10 @@ fn demo(steps: Option<u64>, config: Option<&Path>) -> Result<ExitCode> {
     Ok(exit_code(run(cmd)?))
 }
 
+/// Caps single allocations while a fuzz worker feeds a loader (no cap otherwise).
+#[global_allocator]
+static ALLOC: fuzz::alloc::Capped = fuzz::alloc::Capped;
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -229,6 +262,15 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),
+        Cmd::Fuzz { target, minutes, seed, hang_s } => {
+            let gguf = assets::fetch_assets()?;
+            let summary = fuzz::run(target, minutes, seed, hang_s, &gguf)?;
+            Ok(if summary.findings.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        Cmd::FuzzWorker { target, seed, from, gguf } => {
+            fuzz::worker(target, seed, from, &gguf)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Demo { steps, config } => demo(steps, config.as_deref()),
         Cmd::Bench { suite: Suite::Decode(args) } => {
             bench_decode::run(&args)?;
