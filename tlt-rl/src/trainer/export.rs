@@ -143,36 +143,55 @@ pub fn tokenizer_config(
 /// `SERVE.md` of an export at `dir` (absolute when it can be resolved) after `step` RL steps.
 pub fn serve_instructions(dir: &Path, step: u64, drafter: Option<DrafterKind>) -> String {
     let base = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
-    let policy = base.join(EXPORT_POLICY_DIR);
-    let draft = base.join(EXPORT_DRAFTER_DIR);
-    let (p, d) = (policy.display(), draft.display());
     let mut s = format!(
         "# Serving this export\n\n`policy/` is the policy after {step} RL steps (a Hugging Face checkpoint: \
          `config.json`, `model.safetensors`, tokenizer files when the run had them).\n\n"
     );
-    let (sglang, vllm, what) = match drafter {
-        Some(DrafterKind::Eagle2) => ("EAGLE", "eagle", "EAGLE-2 (original EAGLE layout)"),
-        Some(DrafterKind::Eagle3) => ("EAGLE3", "eagle3", "EAGLE-3 (SGLang/vLLM format)"),
-        None => {
-            s.push_str(&format!(
-                "This run has no trained drafter. Serve the policy alone, or with model-free n-gram drafting:\n\n\
-                 ```sh\npython -m sglang.launch_server --model-path {p} --speculative-algorithm NGRAM\n\
-                 vllm serve {p} --speculative-config '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \
-                 \"prompt_lookup_max\": 4}}'\n```\n"
-            ));
-            return s;
-        }
+    match drafter {
+        Some(kind) => s.push_str(&format!(
+            "`drafter/` is its {} drafter, trained online on the policy's own rollouts. It shares the policy's \
+             embedding and LM head, so serve it with this policy only.\n\n",
+            kind_name(kind)
+        )),
+        None => s.push_str(
+            "This run has no trained drafter. Serve the policy alone, or with model-free n-gram drafting:\n\n",
+        ),
+    }
+    let draft = base.join(EXPORT_DRAFTER_DIR);
+    s.push_str(&serve_commands(&base.join(EXPORT_POLICY_DIR), drafter.map(|k| (draft.as_path(), k))));
+    s
+}
+
+fn kind_name(kind: DrafterKind) -> &'static str {
+    match kind {
+        DrafterKind::Eagle2 => "EAGLE-2 (original EAGLE layout)",
+        DrafterKind::Eagle3 => "EAGLE-3 (SGLang/vLLM format)",
+    }
+}
+
+/// The SGLang and vLLM command lines (Markdown) serving `model` with the EAGLE `drafter` of the given kind
+/// (`--speculative-algorithm EAGLE`/`EAGLE3`, `method: "eagle"`/`"eagle3"`), or with n-gram drafting.
+pub fn serve_commands(model: &Path, drafter: Option<(&Path, DrafterKind)>) -> String {
+    let p = model.display();
+    let Some((draft, kind)) = drafter else {
+        return format!(
+            "```sh\npython -m sglang.launch_server --model-path {p} --speculative-algorithm NGRAM\n\
+             vllm serve {p} --speculative-config '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \
+             \"prompt_lookup_max\": 4}}'\n```\n"
+        );
     };
-    s.push_str(&format!(
-        "`drafter/` is its {what} drafter, trained online on the policy's own rollouts. It shares the policy's \
-         embedding and LM head, so serve it with this policy only.\n\n\
-         SGLang:\n\n```sh\npython -m sglang.launch_server --model-path {p} \\\n  --speculative-algorithm {sglang} \
+    let d = draft.display();
+    let (sglang, vllm) = match kind {
+        DrafterKind::Eagle2 => ("EAGLE", "eagle"),
+        DrafterKind::Eagle3 => ("EAGLE3", "eagle3"),
+    };
+    format!(
+        "SGLang:\n\n```sh\npython -m sglang.launch_server --model-path {p} \\\n  --speculative-algorithm {sglang} \
          --speculative-draft-model-path {d} \\\n  --speculative-num-steps 3 --speculative-eagle-topk 4 \
          --speculative-num-draft-tokens 8\n```\n\n\
          vLLM:\n\n```sh\nvllm serve {p} \\\n  --speculative-config '{{\"method\": \"{vllm}\", \"model\": \"{d}\", \
          \"num_speculative_tokens\": 3}}'\n```\n"
-    ));
-    s
+    )
 }
 
 #[cfg(test)]
