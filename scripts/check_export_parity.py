@@ -9,7 +9,8 @@ manifest has its entry:
 
 - policy: the exported policy directory loads in Hugging Face transformers (AutoModelForCausalLM, AutoTokenizer) on
   CPU in float32; greedy generation gives the same tokens as TLT on every prompt, the prompt's last-position logits
-  are compared (max abs diff), and the tokenizer encodes the prompt texts to TLT's ids.
+  are compared (max abs diff), the tokenizer encodes the prompt texts to TLT's ids, and its chat template
+  (`tokenizer_config.json`) renders user messages as TLT's renderer does.
 - eagle3: the EAGLE-3 drafter (SGLang/vLLM format) is converted with the `speculators` package's Eagle3Converter to
   the speculators format vLLM reads, loaded as speculators' Eagle3DraftModel (eager attention, float32, the
   target's embedding), and run on TLT's inputs (one TTT step: the serving forward); its last decoder-layer output
@@ -95,6 +96,12 @@ def check_policy(dump, m):
         r["tokenizer_identical"] = sum(a == b for a, b in zip(enc, m["prompts"]))
         r["tokenizer_class"] = type(tok).__name__
         ok = ok and r["tokenizer_identical"] == len(m["texts"])
+    if m.get("chat"):
+        tok = AutoTokenizer.from_pretrained(m["dir"])
+        theirs = [tok.apply_chat_template([{"role": "user", "content": u}], add_generation_prompt=True, tokenize=False)
+                  for u in m["chat_users"]]
+        r["chat_template_identical"] = sum(a == b for a, b in zip(theirs, m["chat"]))
+        ok = ok and r["chat_template_identical"] == len(m["chat"])
     return ok, r
 
 

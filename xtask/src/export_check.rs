@@ -158,7 +158,19 @@ fn dump_policy(dir: &Path, out: &Path, new_tokens: usize) -> Result<serde_json::
     Ok(json!({
         "dir": std::path::absolute(dir)?, "prompts": prompts, "texts": texts, "greedy": outs,
         "max_new_tokens": new_tokens, "eos": model.config().eos_ids(), "logits": "policy_logits.safetensors",
+        "chat": chat_renderings(dir)?, "chat_users": PROMPTS,
     }))
+}
+
+/// The prompts rendered as one user message by the chat template of `dir/tokenizer_config.json` (our minijinja
+/// renderer), for comparison with transformers' `apply_chat_template`; empty without a template.
+fn chat_renderings(dir: &Path) -> Result<Vec<String>> {
+    let Ok(text) = std::fs::read_to_string(dir.join("tokenizer_config.json")) else { return Ok(Vec::new()) };
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let Some(src) = v["chat_template"].as_str() else { return Ok(Vec::new()) };
+    let tok = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+    let t = tlt_rl::task::ChatTemplate::from_jinja(src, &tok("bos_token"), &tok("eos_token"))?;
+    PROMPTS.iter().map(|p| Ok(t.prompt(None, p)?)).collect()
 }
 
 /// Eight token-id prompts of 4-11 tokens for a model without a tokenizer.
