@@ -210,6 +210,8 @@ def main():
     with open(os.path.join(dump, "result.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps(summary["versions"]), "| SGLang EAGLE-3 class:", summary["sglang_eagle3"])
+    passed = sum(r["ok"] for r in summary["checks"].values())
+    print(f"export-check: {passed} passed, {len(summary['checks']) - passed} failed")
     sys.exit(1 if failed else 0)
 
 

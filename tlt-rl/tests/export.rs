@@ -121,6 +121,14 @@ fn tlt_run_exports_policy_and_drafter_at_the_end_and_at_checkpoints() {
     assert!(serve.contains("--speculative-algorithm EAGLE "), "{serve}");
     assert!(serve.contains(&format!("{}", std::path::absolute(&drafter).unwrap().display())), "{serve}");
 
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode =
+            std::fs::metadata(exp.join(EXPORT_POLICY_DIR).join("model.safetensors")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o644, "exported files are readable by a serving engine running as another user");
+    }
+
     // One export per checkpoint, each complete.
     for step in 1..=2 {
         let e = RunDir(dir.clone()).step_export(step);

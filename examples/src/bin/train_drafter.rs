@@ -277,6 +277,7 @@ fn main() -> Result<()> {
         tlt_rl::trainer::serve_commands(&abs(&tdir), Some((&abs(&ddir), kind)))
     );
     std::fs::write(args.out.join("SERVE.md"), serve)?;
+    tlt_rl::trainer::make_readable(&args.out)?;
     println!(
         "drafter: {}\ntarget:  {}\nhow to serve them: {}",
         ddir.display(),

@@ -86,11 +86,34 @@ impl<E: Environment> Trainer<E> {
             }
             let serve = serve_instructions(dir, self.step, drafter);
             let path = tmp.join(SERVE_FILE);
-            std::fs::write(&path, serve).map_err(|e| Error::io(path, e))
+            std::fs::write(&path, serve).map_err(|e| Error::io(path, e))?;
+            make_readable(tmp)
         })?;
         tracing::info!(dir = %dir.display(), step = self.step, drafter = ?drafter, "exported policy and drafter");
         Ok(Exported { dir: dir.to_path_buf(), step: self.step, drafter })
     }
+}
+
+/// Makes every file under `dir` readable by all (mode 0644 on Unix): safetensors writes through a private
+/// temporary file (0600), and a serving engine often runs as another user or in a container.
+///
+/// # Errors
+/// On an I/O failure.
+pub fn make_readable(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let path = entry.map_err(|e| Error::io(dir, e))?.path();
+        if path.is_dir() {
+            make_readable(&path)?;
+        } else {
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
+                    .map_err(|e| Error::io(&path, e))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes `policy` as an HF directory; with a tokenizer, also `tokenizer.json` and a `tokenizer_config.json`.

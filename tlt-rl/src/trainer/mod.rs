@@ -38,7 +38,7 @@ pub use checkpoint::{TrainerState, DRAFTER_DIR, OPTIMIZER_FILE, POLICY_DIR, STAT
 pub use config::{DrafterChoice, DrafterSchedule, Mode, OptimConfig, SdConfig, TrainerConfig};
 pub use env::{Environment, Prompt, TextEnv};
 pub use export::{
-    serve_commands, serve_instructions, tokenizer_config, ExportConfig, Exported, EXPORT_DRAFTER_DIR,
+    make_readable, serve_commands, serve_instructions, tokenizer_config, ExportConfig, Exported, EXPORT_DRAFTER_DIR,
     EXPORT_POLICY_DIR, SERVE_FILE,
 };
 pub use rollout::{Observer, Quiet, RolloutOutput, Sample};
