@@ -1,4 +1,4 @@
-//! Checkpoint round trips (EAGLE-3 SGLang/vLLM format, EAGLE-2 fastrl layout) and bad checkpoints.
+//! Checkpoint round trips (EAGLE-3 SGLang/vLLM format, EAGLE-2 fastrl and serving layouts) and bad checkpoints.
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
 mod common;
@@ -9,8 +9,11 @@ use std::path::Path;
 use common::*;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
-use tlt_drafter::checkpoint::{load_eagle2, load_eagle3};
-use tlt_drafter::{DrafterConfig, Eagle2Drafter, Eagle3Drafter, Error, FrozenTarget, SaveDType, VocabMap};
+use tlt_drafter::checkpoint::{load_eagle2, load_eagle3, save_eagle2_serving};
+use tlt_drafter::{
+    DraftCache, DraftRuntime, DrafterConfig, Eagle2Drafter, Eagle3Drafter, Error, FrozenTarget, RuntimeOptions,
+    SaveDType, VocabMap,
+};
 use tlt_model::{Llama, LlamaConfig};
 
 fn eagle3(target: &Llama) -> Eagle3Drafter {
@@ -269,6 +272,45 @@ fn eagle2_round_trips_in_the_fastrl_layout() {
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }
+}
+
+#[test]
+fn eagle2_serving_export_has_bare_names_a_zero_bias_and_the_same_function() {
+    let target = target("llama", 3);
+    let d = eagle2(&target, false);
+    let dir = temp_dir("e2serve");
+    save_eagle2_serving(&d, &dir, SaveDType::F32).unwrap();
+    let raw = read_raw(&dir);
+    assert!(raw.keys().all(|n| n.starts_with("fc.") || n.starts_with("layers.0.")), "{raw:?}");
+    assert_eq!(raw["fc.bias"].1, vec![HIDDEN]);
+    assert!(raw["fc.bias"].2.iter().all(|&b| b == 0), "the added bias is zero");
+    assert!(!raw.keys().any(|n| n.contains("embed") || n.contains("lm_head") || n.contains("input_layernorm")));
+    let c = read_config(&dir);
+    assert_eq!(c["architectures"], json!(["LlamaForCausalLMEagle", "LlamaForCausalLM"]));
+    assert_eq!(c["num_hidden_layers"], 1);
+
+    // Our loader reads it back as a drafter with a zero bias: the same outputs.
+    let back = Eagle2Drafter::load(&dir, &target).unwrap();
+    assert!(back.config().fc_bias);
+    let toks = tokens(1, 9, 4).remove(0);
+    let out = run_target(&target, std::slice::from_ref(&toks));
+    let h = out.final_hidden.get(0).unwrap().to_vec2::<f32>().unwrap();
+    let feats: Vec<&[f32]> = h.iter().map(Vec::as_slice).collect();
+    let run = |d: &Eagle2Drafter| {
+        let rt = DraftRuntime::eagle2(d, &RuntimeOptions::default()).unwrap();
+        let a = rt.extend(&mut DraftCache::default(), &toks, &feats).unwrap();
+        rt.logits(&a).unwrap()
+    };
+    let (a, b) = (run(&d), run(&back));
+    assert_eq!(a.len(), b.len());
+    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(diff < 1e-5, "max |diff| {diff}");
+
+    // bf16, as served: half the bytes.
+    save_eagle2_serving(&d, &dir, SaveDType::Bf16).unwrap();
+    assert_eq!(read_raw(&dir)["fc.weight"].0, Dtype::BF16);
+    assert_eq!(read_config(&dir)["torch_dtype"], "bfloat16");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -10,7 +10,9 @@ use tokenizers::Tokenizer;
 
 use crate::metrics::{read_metrics, truncate_after, MetricsWriter, StepMetrics};
 use crate::task::{builtin_with, ArithmeticConfig, ChatTemplate, JsonlTask, RewardConfig, Task, WordConfig};
-use crate::trainer::{Environment, Evaluation, Mode, Observer, TextEnv, Trainer, TrainerConfig, STATE_FILE};
+use crate::trainer::{
+    Environment, Evaluation, ExportConfig, Mode, Observer, TextEnv, Trainer, TrainerConfig, STATE_FILE,
+};
 use crate::{Error, Result};
 
 /// Which task a run trains on.
@@ -80,6 +82,8 @@ pub struct RunConfig {
     pub eval: EvalSpec,
     /// Checkpoint every this many steps (0: never). Default 0.
     pub checkpoint_every: u64,
+    /// Exporting the policy and its drafter for serving (default: at the end of the run only).
+    pub export: ExportConfig,
 }
 
 impl RunConfig {
@@ -125,6 +129,9 @@ pub struct RunOutcome {
     pub after: Option<Evaluation>,
     /// Wall seconds of this process's steps.
     pub seconds: f64,
+    /// The final export (policy + drafter), when the run wrote one.
+    #[serde(default)]
+    pub export: Option<PathBuf>,
 }
 
 impl RunOutcome {
@@ -134,7 +141,7 @@ impl RunOutcome {
     }
 }
 
-/// Where a run writes: `metrics.jsonl`, `checkpoint/`, `plots/`.
+/// Where a run writes: `metrics.jsonl`, `checkpoint/`, `plots/`, `export/` (and `exports/step-<n>/`).
 #[derive(Debug, Clone)]
 pub struct RunDir(pub PathBuf);
 
@@ -150,6 +157,14 @@ impl RunDir {
     /// The plots directory.
     pub fn plots(&self) -> PathBuf {
         self.0.join("plots")
+    }
+    /// The final export (policy + drafter).
+    pub fn export(&self) -> PathBuf {
+        self.0.join("export")
+    }
+    /// The export written with the checkpoint after step `step` ([`ExportConfig::at_checkpoints`]).
+    pub fn step_export(&self, step: u64) -> PathBuf {
+        self.0.join("exports").join(format!("step-{step:06}"))
     }
     /// Whether a checkpoint exists.
     pub fn has_checkpoint(&self) -> bool {
@@ -232,17 +247,26 @@ impl Session {
         if every > 0 && (n.is_multiple_of(every) || n == self.cfg.trainer.steps) {
             obs.on_phase(n, "checkpoint");
             trainer.save_checkpoint(&self.dir.checkpoint())?;
+            if self.cfg.export.at_checkpoints {
+                obs.on_phase(n, "export");
+                trainer.export(&self.dir.step_export(n), &self.cfg.export)?;
+            }
         }
         self.seconds += t.elapsed().as_secs_f64();
         Ok(())
     }
 
-    /// Evaluates after the last step and returns the outcome.
+    /// Exports the policy and its drafter ([`ExportConfig::at_end`]), evaluates after the last step and returns
+    /// the outcome.
     ///
     /// # Errors
-    /// Evaluation failures.
+    /// Export or evaluation failures.
     pub fn finish<E: Environment>(mut self, trainer: &Trainer<E>, obs: &mut dyn Observer) -> Result<RunOutcome> {
         self.out.seconds = self.seconds;
+        if self.cfg.export.at_end {
+            obs.on_phase(trainer.steps_done(), "export");
+            self.out.export = Some(trainer.export(&self.dir.export(), &self.cfg.export)?.dir);
+        }
         if self.cfg.eval.prompts > 0 {
             obs.on_phase(trainer.steps_done(), "eval");
             self.out.after = Some(trainer.evaluate(Self::eval_range(&self.cfg), self.cfg.eval.max_new_tokens)?);
@@ -252,7 +276,8 @@ impl Session {
 }
 
 /// Runs `trainer` until it has done `cfg.trainer.steps` steps: evaluation first (fresh runs), one metrics line
-/// per step (fsync'ed), a checkpoint every `checkpoint_every` steps and at the end, then the final evaluation.
+/// per step (fsync'ed), a checkpoint every `checkpoint_every` steps and at the end (with an export when
+/// [`ExportConfig::at_checkpoints`]), then the final export and evaluation.
 /// A resumed trainer continues the metrics file from its checkpoint's step.
 ///
 /// # Errors

@@ -156,6 +156,50 @@ pub fn python_check_deps() -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// Python packages of the export parity check (`scripts/check_export_parity.py`), pinned: speculators' model code
+/// (the format vLLM reads) and what it runs on. speculators 0.9.0 caps torch at 2.14.1 and transformers at 5.19.0.
+/// PyPI's Linux torch wheel is the CUDA build and `import torch` fails without its `nvidia-*` libraries, so the
+/// install is about 6 GB (CPU use needs no GPU or driver).
+const EXPORT_CHECK_REQUIREMENTS: [&str; 5] =
+    ["speculators==0.9.0", "torch==2.14.1", "transformers==5.19.0", "safetensors==0.8.0", "numpy==2.4.6"];
+
+/// The one command that installs [`EXPORT_CHECK_REQUIREMENTS`].
+pub const EXPORT_CHECK_FETCH: &str = "cargo xtask fetch-assets --python-checks";
+
+/// The directory holding the export check's packages (`<cache>/pyexport`, for `PYTHONPATH`): `Some` when they
+/// are installed (a marker file records a completed install), else installed first when `install`, else `None`.
+///
+/// # Errors
+/// When pip is missing or the install fails.
+pub fn python_export_deps(install: bool) -> Result<Option<PathBuf>> {
+    let dir = cache_dir().join("pyexport");
+    let marker = dir.join(format!(".installed-{}", EXPORT_CHECK_REQUIREMENTS.join("+")));
+    if marker.exists() {
+        return Ok(Some(dir));
+    }
+    if !install {
+        return Ok(None);
+    }
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    info!(packages = ?EXPORT_CHECK_REQUIREMENTS, dest = %dir.display(), "installing the export check's Python packages \
+          with pip (about 6 GB: PyPI's torch is the CUDA build)");
+    let status = Command::new(&python)
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input", "--upgrade", "--target"])
+        .arg(&dir)
+        .args(EXPORT_CHECK_REQUIREMENTS)
+        .status()
+        .with_context(|| format!("running `{python} -m pip install`"))?;
+    if !status.success() {
+        bail!(
+            "`{python} -m pip install --target {} {}` failed ({status})",
+            dir.display(),
+            EXPORT_CHECK_REQUIREMENTS.join(" ")
+        );
+    }
+    std::fs::write(&marker, b"").with_context(|| format!("writing {}", marker.display()))?;
+    Ok(Some(dir))
+}
+
 fn find_wheel(dir: &Path) -> Result<Option<PathBuf>> {
     if !dir.is_dir() {
         return Ok(None);

@@ -1,8 +1,12 @@
 //! Project automation for the TLT workspace, run as `cargo xtask <command>` (an alias in `.cargo/config.toml`).
 //!
 //! - `fetch-assets`: download and verify the offline assets (the SmolLM2-135M-Instruct GGUF) into the cache;
+//!   `--python-checks` also installs the export check's Python packages (torch, transformers, speculators; ~6 GB);
+//! - `check-export`: compare exported policies and drafters with transformers and speculators
+//!   (`scripts/check_export_parity.py`);
 //! - `test`: `fetch-assets`, then the doc tests (`cargo test --release --workspace --doc`) and every other test of
-//!   the workspace (`cargo nextest run --release --workspace`, or `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF;
+//!   the workspace (`cargo nextest run --release --workspace`, or `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF,
+//!   then the export parity check on a tiny fixture when its Python packages are installed (a SKIP line otherwise);
 //! - `demo`: `fetch-assets`, then the main job: GRPO training of SmolLM2 with TLT rollouts against the baseline
 //!   (the `train` example's `--mode compare` on its embedded config), printing the report;
 //! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`, `rollout`, `e2e`, `group`) writing `target/bench/<suite>.json` and `.md`.
@@ -22,6 +26,7 @@ mod bench_spec;
 mod candle_ref;
 mod drafter_data;
 mod drift;
+mod export_check;
 mod fuzz;
 mod graph;
 mod report;
@@ -46,7 +51,15 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Download and verify the offline assets (SmolLM2-135M-Instruct GGUF) into `$TLT_CACHE` or `<workspace>/.cache`.
-    FetchAssets,
+    FetchAssets {
+        /// Also install the export parity check's Python packages (torch, transformers, speculators) into
+        /// `<cache>/pyexport`: about 6 GB, since PyPI's torch is the CUDA build.
+        #[arg(long)]
+        python_checks: bool,
+    },
+    /// Compare exported policies and drafters with Hugging Face transformers and the `speculators` package (the
+    /// format vLLM reads): greedy tokens, final hidden states, draft logits. Needs `fetch-assets --python-checks`.
+    CheckExport(export_check::CheckExportArgs),
     /// Lints (`cargo fmt --check`, `cargo clippy -D warnings`), then fetch assets and run all tests of the
     /// workspace (cargo nextest, or cargo test without it).
     Test {
@@ -204,8 +217,33 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         Err(e) => warn!("the Python EAGLE export check will be skipped: {e:#}"),
     }
     let code = run(cmd)?;
-    if !code.success() || !gpu {
+    if !code.success() {
         return Ok(exit_code(code));
+    }
+    // The export parity check needs torch, transformers and speculators (~6 GB): run only when installed.
+    match assets::python_export_deps(false)? {
+        Some(_) => {
+            let args = export_check::CheckExportArgs {
+                policy: None,
+                drafter: None,
+                target: None,
+                tiny: true,
+                new_tokens: 16,
+                out: workspace_root().join("target").join("export-check-tiny"),
+            };
+            if let Err(e) = export_check::run(&args) {
+                eprintln!("error: export parity check: {e:#}");
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        None => println!(
+            "SKIP export parity check (scripts/check_export_parity.py: transformers/speculators loading of exported \
+             policies and drafters): its Python packages are not installed; fetch them with `{}`",
+            assets::EXPORT_CHECK_FETCH
+        ),
+    }
+    if !gpu {
+        return Ok(ExitCode::SUCCESS);
     }
     // GPU tests: the CUDA backend of tlt-cudagraph, which must find a driver here.
     let mut gpu_cmd = cargo();
@@ -256,9 +294,18 @@ fn main() -> ExitCode {
 
 fn dispatch(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Cmd::FetchAssets => {
+        Cmd::FetchAssets { python_checks } => {
             let gguf = assets::fetch_assets()?;
             println!("{}", gguf.display());
+            if python_checks {
+                if let Some(dir) = assets::python_export_deps(true)? {
+                    println!("{}", dir.display());
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::CheckExport(args) => {
+            export_check::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),

@@ -1,8 +1,13 @@
-//! Plain autoregressive generation with a `tlt-model` decoder: prefill the prompt, then decode one token at a time
-//! (greedy or temperature sampling), streaming the text to stdout.
+//! Generation with a `tlt-model` decoder: plain (prefill the prompt, then decode one token at a time, greedy or
+//! temperature sampling, streaming the text to stdout), or speculative with a chosen drafter: an EAGLE-2/EAGLE-3
+//! checkpoint directory (`--drafter`, e.g. what `train-drafter` or `train` exported) or model-free n-gram drafting
+//! (`--ngram`), verified losslessly by the target (the same tokens as plain greedy decoding; the same
+//! distribution when sampling), with the mean acceptance length reported.
 //!
 //! ```text
 //! cargo run --release -p tlt-examples --bin generate -- --chat --prompt "What is 15 + 27?"
+//! cargo run --release -p tlt-examples --bin generate -- --chat --prompt "Explain tides." --drafter target/tlt-drafter/drafter
+//! cargo run --release -p tlt-examples --bin generate -- --chat --prompt "Explain tides." --ngram --plan 4:1:5
 //! ```
 //!
 //! The model defaults to the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-assets` caches:
@@ -10,14 +15,18 @@
 //! `<workspace>/.cache`.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressState, ProgressStyle};
+use tlt_drafter::checkpoint::EAGLE3_ARCHITECTURES;
+use tlt_drafter::{DraftRuntime, Eagle2Drafter, Eagle3Drafter, EagleProposer, RuntimeOptions};
 use tlt_examples::default_model;
 use tlt_kernels::{SamplingParams, SeededRng};
+use tlt_model::Tap;
+use tlt_spec_decode::{Drafter, Engine, NgramDrafter, Plan, SpecParams, TappedLlama};
 use tracing::info;
 
 /// SmolLM2's default system prompt (from its chat template).
@@ -45,6 +54,83 @@ struct Args {
     /// Seed of the sampler's random numbers.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Speculative decoding with this EAGLE-2 or EAGLE-3 drafter directory (`config.json` + `model.safetensors`,
+    /// the kind read from its `architectures`); it must have been trained for this model.
+    #[arg(long, conflicts_with = "ngram")]
+    drafter: Option<PathBuf>,
+    /// Speculative decoding with a model-free n-gram drafter over the request's own tokens.
+    #[arg(long)]
+    ngram: bool,
+    /// Speculative plan `steps:top_k:verify_tokens` (draft depth, branching, tree tokens verified per round).
+    #[arg(long, default_value = "3:1:4")]
+    plan: String,
+}
+
+/// Parses `steps:top_k:verify_tokens`.
+fn parse_plan(s: &str) -> Result<Plan> {
+    let v: Vec<usize> = s.split(':').map(str::parse).collect::<Result<_, _>>().context("--plan")?;
+    let [steps, top_k, verify_tokens] = v[..] else { bail!("--plan must be steps:top_k:verify_tokens, got {s:?}") };
+    let plan = Plan { steps, top_k, verify_tokens };
+    plan.validate()?;
+    Ok(plan)
+}
+
+/// The EAGLE drafter in `dir` for `model`, packed for inference.
+fn load_drafter(dir: &Path, model: &tlt_model::Llama) -> Result<DraftRuntime> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let cfg: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let eagle3 = cfg["architectures"]
+        .as_array()
+        .is_some_and(|a| a.iter().any(|x| x.as_str().is_some_and(|s| EAGLE3_ARCHITECTURES.contains(&s))));
+    let opts = RuntimeOptions::default();
+    Ok(if eagle3 {
+        DraftRuntime::eagle3(&Eagle3Drafter::load(dir, model)?, &opts)?
+    } else {
+        DraftRuntime::eagle2(&Eagle2Drafter::load(dir, model)?, &opts)?
+    })
+}
+
+/// Speculative generation of `prompt` through the engine with the drafter `args` names; prints the text, then
+/// the acceptance statistics.
+fn speculative(args: &Args, model: &tlt_model::Llama, tokenizer: &tokenizers::Tokenizer, prompt: &[u32]) -> Result<()> {
+    let plan = parse_plan(&args.plan)?;
+    let mut drafter: Box<dyn Drafter> = match &args.drafter {
+        Some(dir) => Box::new(EagleProposer::fixed(
+            load_drafter(dir, model).with_context(|| format!("loading the drafter {}", dir.display()))?,
+        )),
+        None => Box::new(NgramDrafter::default()),
+    };
+    // Both EAGLE kinds read their features from these taps (three aux layers, then the final norm).
+    let taps = Tap::eagle3(model.config().num_hidden_layers);
+    let sampling = SamplingParams { temperature: args.temperature, ..SamplingParams::default() };
+    let params = SpecParams { sampling, max_new_tokens: args.max_new_tokens, seed: args.seed, ..SpecParams::default() };
+    let mut engine = Engine::new(TappedLlama { model, taps: &taps }, params)?;
+    engine.record_hidden(args.drafter.is_some());
+    engine.add_request(prompt)?;
+    let t = Instant::now();
+    engine.run_to_completion(Some(drafter.as_mut()), &plan)?;
+    let seconds = t.elapsed().as_secs_f64();
+    let fin = engine.take_finished();
+    let tokens = fin.first().map(|f| f.tokens.clone()).unwrap_or_default();
+    let shown: Vec<u32> = tokens.iter().copied().filter(|t| !model.config().eos_ids().contains(t)).collect();
+    println!("{}", tlt_model::decode(tokenizer, &shown)?);
+    let c = engine.counters();
+    eprintln!(
+        "prompt tokens: {}, generated tokens: {}, {:.1} tokens/s (prefill included), plan {}:{}:{}, mean accepted \
+         length {:.2} tokens per round ({} rounds, {} of {} drafted tokens accepted)",
+        prompt.len(),
+        tokens.len(),
+        tokens.len() as f64 / seconds.max(1e-9),
+        plan.steps,
+        plan.top_k,
+        plan.verify_tokens,
+        c.mean_accept_len(),
+        c.seq_rounds,
+        c.accepted,
+        c.drafted,
+    );
+    Ok(())
 }
 
 /// Wraps a user prompt in SmolLM2's ChatML template.
@@ -140,6 +226,9 @@ fn main() -> Result<()> {
     let prompt = tlt_model::encode(&tokenizer, &text)?;
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
+    }
+    if args.drafter.is_some() || args.ngram {
+        return speculative(&args, &model, &tokenizer, &prompt);
     }
     let eos = cfg.eos_ids();
     let params = SamplingParams { temperature: args.temperature, ..SamplingParams::default() };

@@ -7,7 +7,9 @@
 //! ```
 //!
 //! Each run directory gets `metrics.jsonl` (one line per step), `checkpoint/` (atomic; `--resume` continues from
-//! it bit for bit) and `plots/` (PNG + SVG). `--mode compare` runs TLT and the baseline with the same seeds, steps
+//! it bit for bit), `plots/` (PNG + SVG) and `export/`: the RL-trained policy as a Hugging Face directory
+//! (`policy/`) and its drafter in the EAGLE format SGLang and vLLM serve (`drafter/`), with `SERVE.md` giving
+//! both engines' command lines (`--export-at-checkpoints` adds `exports/step-<n>/` at every checkpoint). `--mode compare` runs TLT and the baseline with the same seeds, steps
 //! interleaved, and prints the report `cargo xtask demo` shows (reward before/after, step-time split, TLT speedup).
 
 use std::io::IsTerminal;
@@ -18,7 +20,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tlt_examples::default_model;
 use tlt_rl::runner::{run, run_interleaved, text_env, Comparison, RunConfig, RunDir, RunOutcome};
-use tlt_rl::trainer::{Mode, Observer, TextEnv, Trainer, TrainerConfig};
+use tlt_rl::trainer::{Mode, Observer, TextEnv, Trainer, TrainerConfig, SERVE_FILE};
 
 /// The embedded default configuration.
 const DEMO_CONFIG: &str = include_str!("../../configs/demo.toml");
@@ -56,6 +58,13 @@ struct Args {
     /// Continue from `<out>/<mode>/checkpoint` when it exists.
     #[arg(long)]
     resume: bool,
+    /// Also export the policy and drafter at every checkpoint (`<out>/<mode>/exports/step-<n>`), not only at the
+    /// end (config: `[export] at_checkpoints = true`).
+    #[arg(long)]
+    export_at_checkpoints: bool,
+    /// Write no export (config: `[export] at_end = false`).
+    #[arg(long, conflicts_with = "export_at_checkpoints")]
+    no_export: bool,
     /// Print the effective config as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -121,6 +130,13 @@ fn load_config(args: &Args) -> Result<RunConfig> {
     if let Some(steps) = args.steps {
         cfg.trainer.steps = steps;
     }
+    if args.export_at_checkpoints {
+        cfg.export.at_checkpoints = true;
+    }
+    if args.no_export {
+        cfg.export.at_end = false;
+        cfg.export.at_checkpoints = false;
+    }
     cfg.trainer.validate()?;
     Ok(cfg)
 }
@@ -153,6 +169,9 @@ fn finish(t: Trainer<TextEnv>, out: &RunOutcome, dir: &RunDir) -> Result<()> {
     t.shutdown()?;
     let plots = tlt_rl::plot::training_plots(&out.metrics, None, &dir.plots())?;
     tracing::info!(run = label(mode), plots = plots.len(), dir = %dir.0.display(), "run finished");
+    if let Some(e) = &out.export {
+        println!("{} export (policy + drafter, how to serve them): {}", label(mode), e.join(SERVE_FILE).display());
+    }
     Ok(())
 }
 
@@ -231,5 +250,6 @@ mod tests {
         let cfg = RunConfig::from_toml(DEMO_CONFIG).unwrap();
         assert_eq!(cfg.task.name, "arithmetic");
         assert!(cfg.trainer.steps > 0);
+        assert!(cfg.export.at_end && !cfg.export.at_checkpoints, "exports at the end only by default");
     }
 }

@@ -5,6 +5,10 @@
 //! The loader also reads the original EAGLE-1/2 layout (the same keys without the `model.` prefix), and ignores
 //! `embed_tokens`/`lm_head` (shared with the target) and a `layers.0.input_layernorm.weight` (the identity in
 //! EAGLE-2, so never used).
+//!
+//! [`save_eagle2_serving`] writes that original layout for the serving engines: SGLang's `LlamaForCausalLMEagle`
+//! and vLLM's `EagleLlamaForCausalLM` prefix `model.` to every name but `lm_head` and skip names that are not
+//! parameters without an error, so a `model.`-prefixed checkpoint would load nothing there.
 
 use std::path::Path;
 
@@ -48,6 +52,41 @@ pub fn save_eagle2(drafter: &Eagle2Drafter, dir: &Path, dtype: SaveDType) -> Res
     let mut tensors = Vec::new();
     for (name, t) in drafter.weights().named_tensors() {
         tensors.push((name, Blob::float(&t, dtype)?));
+    }
+    write_checkpoint(dir, tensors, &config)
+}
+
+/// `architectures` of a serving export: SGLang resolves the first it knows (`LlamaForCausalLMEagle`); vLLM's
+/// `method: "eagle"` prefixes `Eagle` to each and takes the first it knows (`EagleLlamaForCausalLM`).
+fn serving_architectures(arch: Architecture) -> [&'static str; 2] {
+    match arch {
+        Architecture::Llama => ["LlamaForCausalLMEagle", "LlamaForCausalLM"],
+        Architecture::Qwen2 => ["Qwen2ForCausalLMEagle", "Qwen2ForCausalLM"],
+    }
+}
+
+/// Writes `drafter` to `dir` in the original EAGLE-1/2 layout the serving engines load (`--speculative-algorithm
+/// EAGLE` in SGLang, `speculative_config={"method": "eagle", ...}` in vLLM): bare names (`fc.weight`, `fc.bias`,
+/// `layers.0.*`), no input norm, no embedding and no LM head (both engines share the target's). SGLang's `fc`
+/// always has a bias, which would keep its random initialisation if the checkpoint had none, so a drafter
+/// without one is written with a zero `fc.bias` (vLLM's `fc` has no bias and skips it: the same function).
+/// [`load_eagle2`] reads the result back (as a drafter with a zero bias).
+pub fn save_eagle2_serving(drafter: &Eagle2Drafter, dir: &Path, dtype: SaveDType) -> Result<()> {
+    let cfg = drafter.config();
+    let mut config = cfg.llama.to_hf_json(dtype.torch_dtype())?;
+    if let Some(obj) = config.as_object_mut() {
+        obj.insert("architectures".into(), json!(serving_architectures(cfg.llama.architecture()?)));
+        obj.insert("num_hidden_layers".into(), json!(1));
+        obj.insert("tie_word_embeddings".into(), json!(false));
+    }
+    let mut tensors = Vec::new();
+    for (name, t) in drafter.weights().named_tensors() {
+        let bare = name.strip_prefix("model.").unwrap_or(&name).to_string();
+        tensors.push((bare, Blob::float(&t, dtype)?));
+    }
+    if drafter.weights().fc.bias.is_none() {
+        let zero = candle_core::Tensor::zeros(cfg.hidden_size(), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+        tensors.push(("fc.bias".into(), Blob::float(&zero, dtype)?));
     }
     write_checkpoint(dir, tensors, &config)
 }

@@ -1,4 +1,5 @@
-//! Drafter checkpoints: EAGLE-3 as SGLang and vLLM load it, EAGLE-2 in the fastrl/TLT layout.
+//! Drafter checkpoints: EAGLE-3 as SGLang and vLLM load it, EAGLE-2 in the fastrl/TLT layout and in the original
+//! layout the serving engines load ([`save_eagle2_serving`]).
 //!
 //! Both are a directory with `config.json` (an HF `LlamaConfig` with `num_hidden_layers = 1` plus extras) and
 //! `model.safetensors`. Every file is written to `<name>.tmp` and renamed, so a crash never leaves a
@@ -16,7 +17,7 @@ use candle_core::{DType, Device, Tensor};
 use safetensors::{Dtype, SafeTensors, View};
 use serde::{Deserialize, Serialize};
 
-pub use eagle2::{load_eagle2, save_eagle2, Eagle2Checkpoint};
+pub use eagle2::{load_eagle2, save_eagle2, save_eagle2_serving, Eagle2Checkpoint};
 pub use eagle3::{load_eagle3, save_eagle3, Eagle3Checkpoint, EAGLE3_ARCHITECTURES};
 
 use crate::{Error, Result};

@@ -40,10 +40,15 @@ impl ChatMessage {
 
 const TEMPLATE_NAME: &str = "chat_template";
 
+/// [`ChatTemplate::chatml`] as a Hugging Face Jinja template (what [`ChatTemplate::jinja_source`] returns for it).
+pub const CHATML_JINJA: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + \
+    message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}\
+    {% endif %}";
+
 #[derive(Clone)]
 enum Kind {
     ChatMl,
-    Jinja { env: Box<Environment<'static>>, bos: String, eos: String },
+    Jinja { env: Box<Environment<'static>>, bos: String, eos: String, source: String },
 }
 
 /// Turns a conversation into the prompt text a chat model expects.
@@ -98,7 +103,18 @@ impl ChatTemplate {
         env.set_unknown_method_callback(python_method);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| Error::parse("chat template", e.to_string()))?;
-        Ok(Self { kind: Kind::Jinja { env: Box::new(env), bos: bos_token.into(), eos: eos_token.into() } })
+        let kind =
+            Kind::Jinja { env: Box::new(env), bos: bos_token.into(), eos: eos_token.into(), source: source.into() };
+        Ok(Self { kind })
+    }
+
+    /// The template as Hugging Face Jinja source (for `tokenizer_config.json`'s `chat_template`): the source given
+    /// to [`Self::from_jinja`], or [`CHATML_JINJA`].
+    pub fn jinja_source(&self) -> &str {
+        match &self.kind {
+            Kind::ChatMl => CHATML_JINJA,
+            Kind::Jinja { source, .. } => source,
+        }
     }
 
     /// Renders `messages`, followed by the assistant header when `add_generation_prompt`.
@@ -121,7 +137,7 @@ impl ChatTemplate {
                 }
                 Ok(out)
             }
-            Kind::Jinja { env, bos, eos } => {
+            Kind::Jinja { env, bos, eos, .. } => {
                 let fail = |e: minijinja::Error| Error::parse("chat template", e.to_string());
                 let template = env.get_template(TEMPLATE_NAME).map_err(fail)?;
                 template
@@ -228,6 +244,16 @@ mod tests {
 
     fn smollm2() -> ChatTemplate {
         ChatTemplate::from_jinja(SMOLLM2, "<|im_start|>", "<|im_end|>").unwrap()
+    }
+
+    #[test]
+    fn chatml_jinja_source_renders_as_the_builtin_chatml() {
+        let jinja = ChatTemplate::from_jinja(ChatTemplate::chatml().jinja_source(), "", "").unwrap();
+        let messages = [ChatMessage::system("S"), ChatMessage::user("Hi"), ChatMessage::assistant("Yo")];
+        for gen in [false, true] {
+            assert_eq!(jinja.render(&messages, gen).unwrap(), ChatTemplate::chatml().render(&messages, gen).unwrap());
+        }
+        assert_eq!(smollm2().jinja_source(), SMOLLM2);
     }
 
     #[test]

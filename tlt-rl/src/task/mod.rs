@@ -39,7 +39,7 @@ use serde::{Deserialize, Serialize};
 
 pub use answer::{answers_equal, extract_answer, numbers_equal};
 pub use arithmetic::{Arithmetic, ArithmeticConfig};
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, CHATML_JINJA};
 pub use countdown::{Countdown, CountdownConfig};
 pub use jsonl::JsonlTask;
 pub use split::{DataSplit, Split, GENERATOR_EVAL_BASE};

@@ -7,10 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use tlt_drafter::checkpoint::{save_eagle2_serving, save_eagle3};
 use tlt_drafter::online::{BackgroundTrainer, FeatureSample, MicroStepOutcome, OnlineBuffer, WeightsSlot};
 use tlt_drafter::train::{online_step_fn, OnlineStepConfig};
 use tlt_drafter::{
-    DraftRuntime, DrafterConfig, DrafterTrainer, Eagle2Drafter, EagleProposer, FrozenTarget, RuntimeOptions,
+    DraftRuntime, DrafterConfig, DrafterKind, DrafterTrainer, Eagle2Drafter, EagleProposer, FrozenTarget,
+    RuntimeOptions, SaveDType, TrainableDrafter,
 };
 use tlt_model::Llama;
 use tlt_spec_decode::{Drafter, Finished, HybridDrafter, NgramDrafter, SuffixConfig, SuffixDrafter};
@@ -206,6 +208,19 @@ impl RolloutDrafter {
             e.trainer.lock().save_checkpoint(dir)?;
         }
         Ok(())
+    }
+
+    /// Exports the drafter's weights now in the format the serving engines load (EAGLE-2: the original EAGLE
+    /// layout; EAGLE-3: the SGLang/vLLM format) to `dir`; returns its kind, or `None` (nothing written) for the
+    /// model-free drafters.
+    pub(crate) fn export(&self, dir: &Path, dtype: SaveDType) -> Result<Option<DrafterKind>> {
+        let Self::Eagle(e) = self else { return Ok(None) };
+        let t = e.trainer.lock();
+        match t.drafter() {
+            TrainableDrafter::Eagle2(d) => save_eagle2_serving(d, dir, dtype)?,
+            TrainableDrafter::Eagle3(d) => save_eagle3(d, dir, dtype)?,
+        }
+        Ok(Some(t.drafter().kind()))
     }
 
     /// Stops the background worker.

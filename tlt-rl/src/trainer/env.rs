@@ -31,6 +31,17 @@ pub trait Environment: Send {
     /// # Errors
     /// When the completion cannot be decoded.
     fn score(&self, prompt: &Prompt, completion: &[u32]) -> Result<Score>;
+
+    /// The tokenizer behind the prompts, written next to an exported policy (`None`: a token-level environment).
+    fn hf_tokenizer(&self) -> Option<&Tokenizer> {
+        None
+    }
+
+    /// The chat template prompts are rendered with, as Hugging Face Jinja source, written to an exported policy's
+    /// `tokenizer_config.json`.
+    fn hf_chat_template(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// A text [`Task`] made token-level: chat-templated prompts, decoded completions.
@@ -105,5 +116,13 @@ impl Environment for TextEnv {
             Some(p) => Ok(self.task.score(p, &text)),
             None => Err(crate::Error::InvalidArgument("a TextEnv prompt without its problem".into())),
         }
+    }
+
+    fn hf_tokenizer(&self) -> Option<&Tokenizer> {
+        Some(&self.tokenizer)
+    }
+
+    fn hf_chat_template(&self) -> Option<&str> {
+        Some(self.template.jinja_source())
     }
 }

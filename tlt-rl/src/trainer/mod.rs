@@ -12,11 +12,15 @@
 //!    gradient accumulation, AdamW at the scheduled learning rate.
 //! 4. **Publication.** The rollout model becomes a snapshot of the new policy; the drafter is pointed at the new
 //!    embedding and LM head and republished.
+//!
+//! [`Trainer::export`] writes the byproduct: the policy as a Hugging Face directory and its drafter in the EAGLE
+//! format SGLang and vLLM serve (see [`ExportConfig`]).
 
 mod checkpoint;
 mod config;
 mod drafter;
 mod env;
+mod export;
 mod head;
 mod rollout;
 mod update;
@@ -34,6 +38,10 @@ use tlt_scheduler::AdaptiveDecoder;
 pub use checkpoint::{TrainerState, DRAFTER_DIR, OPTIMIZER_FILE, POLICY_DIR, STATE_FILE};
 pub use config::{DrafterChoice, DrafterSchedule, Mode, OptimConfig, SdConfig, TrainerConfig};
 pub use env::{Environment, Prompt, TextEnv};
+pub use export::{
+    make_readable, serve_commands, serve_instructions, tokenizer_config, ExportConfig, Exported, EXPORT_DRAFTER_DIR,
+    EXPORT_POLICY_DIR, SERVE_FILE,
+};
 pub use rollout::{Observer, Quiet, RolloutOutput, Sample};
 pub use update::UpdateStats;
 
