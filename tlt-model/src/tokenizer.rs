@@ -27,7 +27,24 @@ const QWEN2_REGEX: &str =
 /// Loads a Hugging Face `tokenizer.json`.
 pub fn load_tokenizer_json(path: &Path) -> Result<Tokenizer> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    Tokenizer::from_bytes(&bytes).map_err(|e| Error::malformed(path, "tokenizer.json", e))
+    // The tokenizers crate panics on some inconsistent files (found by `cargo xtask fuzz tokenizer-json`: a BPE
+    // `continuing_subword_prefix` longer than a merge's right part slices out of range), so its panics become
+    // this loader's typed error.
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Tokenizer::from_bytes(&bytes))) {
+        Ok(r) => r.map_err(|e| Error::malformed(path, "tokenizer.json", e)),
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_string()))
+                .unwrap_or_default();
+            Err(Error::malformed(
+                path,
+                "tokenizer.json",
+                format!("inconsistent tokenizer (the tokenizers crate panicked: {msg})"),
+            ))
+        }
+    }
 }
 
 /// The pieces of a GGUF-embedded tokenizer (`tokenizer.ggml.*` metadata).

@@ -271,9 +271,23 @@ mod tests {
             let regressions = crate::workspace_root().join("xtask/fuzz-regressions").join(name(target));
             for entry in std::fs::read_dir(&regressions).into_iter().flatten().flatten() {
                 let file = entry.file_name().to_string_lossy().into_owned();
-                let case = file.strip_prefix("case").and_then(|r| r.split('-').next()).and_then(|n| n.parse().ok());
+                let case =
+                    file.strip_prefix("case").and_then(|r| r.split('-').next()).and_then(|n| n.parse::<usize>().ok());
                 let case = case.expect("regression files are named case<N>-<name>");
-                cases.push((case, std::fs::read(entry.path()).expect("read regression"), file));
+                let mut bytes = std::fs::read(entry.path()).expect("read regression");
+                if file.ends_with(".patch.json") {
+                    // A large seed's finding kept as a patch: set the JSON pointer's value in the seed.
+                    let patch: serde_json::Value = serde_json::from_slice(&bytes).expect("patch");
+                    let mut doc: serde_json::Value = serde_json::from_slice(seeds[case].bytes()).expect("seed json");
+                    let at = patch["pointer"].as_str().expect("pointer");
+                    let (parent, key) = at.rsplit_once('/').expect("pointer with a key");
+                    doc.pointer_mut(parent)
+                        .and_then(|v| v.as_object_mut())
+                        .expect("parent object")
+                        .insert(key.to_string(), patch["value"].clone());
+                    bytes = serde_json::to_vec(&doc).expect("json");
+                }
+                cases.push((case, bytes, file));
             }
             for (case, bytes, label) in cases {
                 alloc::set_cap((64usize << 20).max(16 * bytes.len()));
