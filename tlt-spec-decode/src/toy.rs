@@ -63,16 +63,11 @@ impl ToyState {
     }
 }
 
-/// SplitMix64's finaliser over a few integers.
+/// A well-mixed hash of a few integers: SplitMix64 steps chained over them.
 fn mix(parts: &[u64]) -> u64 {
-    let mut h = 0x9E37_79B9_7F4A_7C15u64;
-    for &p in parts {
-        h ^= p.wrapping_add(0x9E37_79B9_7F4A_7C15).wrapping_add(h << 6).wrapping_add(h >> 2);
-        h = (h ^ (h >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        h = (h ^ (h >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        h ^= h >> 31;
-    }
-    h
+    parts.iter().fold(0x9E37_79B9_7F4A_7C15u64, |h, &p| {
+        tlt_kernels::SplitMix64::new(h ^ p.wrapping_mul(0xD1B5_4A32_D192_ED03)).next_u64()
+    })
 }
 
 /// A value in `[-1, 1)` from a hash.

@@ -137,23 +137,24 @@ pub fn python_check_deps() -> Result<PathBuf> {
         info!(dir = %dir.display(), "Python check packages present");
         return Ok(dir);
     }
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     info!(packages = ?PY_CHECK_REQUIREMENTS, dest = %dir.display(), "installing Python check packages with pip");
+    pip_install_target(&dir, &PY_CHECK_REQUIREMENTS, &marker)?;
+    Ok(dir)
+}
+
+/// `python -m pip install --target dir packages` (`$PYTHON` or `python3`), then writes `marker` to record success.
+fn pip_install_target(dir: &Path, packages: &[&str], marker: &Path) -> Result<()> {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let status = Command::new(&python)
         .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input", "--upgrade", "--target"])
-        .arg(&dir)
-        .args(PY_CHECK_REQUIREMENTS)
+        .arg(dir)
+        .args(packages)
         .status()
         .with_context(|| format!("running `{python} -m pip install`"))?;
     if !status.success() {
-        bail!(
-            "`{python} -m pip install --target {} {}` failed ({status})",
-            dir.display(),
-            PY_CHECK_REQUIREMENTS.join(" ")
-        );
+        bail!("`{python} -m pip install --target {} {}` failed ({status})", dir.display(), packages.join(" "));
     }
-    std::fs::write(&marker, b"").with_context(|| format!("writing {}", marker.display()))?;
-    Ok(dir)
+    std::fs::write(marker, b"").with_context(|| format!("writing {}", marker.display()))
 }
 
 /// Python packages of the export parity check (`scripts/check_export_parity.py`), pinned: speculators' model code
@@ -180,23 +181,9 @@ pub fn python_export_deps(install: bool) -> Result<Option<PathBuf>> {
     if !install {
         return Ok(None);
     }
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     info!(packages = ?EXPORT_CHECK_REQUIREMENTS, dest = %dir.display(), "installing the export check's Python packages \
           with pip (about 6 GB: PyPI's torch is the CUDA build)");
-    let status = Command::new(&python)
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input", "--upgrade", "--target"])
-        .arg(&dir)
-        .args(EXPORT_CHECK_REQUIREMENTS)
-        .status()
-        .with_context(|| format!("running `{python} -m pip install`"))?;
-    if !status.success() {
-        bail!(
-            "`{python} -m pip install --target {} {}` failed ({status})",
-            dir.display(),
-            EXPORT_CHECK_REQUIREMENTS.join(" ")
-        );
-    }
-    std::fs::write(&marker, b"").with_context(|| format!("writing {}", marker.display()))?;
+    pip_install_target(&dir, &EXPORT_CHECK_REQUIREMENTS, &marker)?;
     Ok(Some(dir))
 }
 

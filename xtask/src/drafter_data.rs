@@ -228,22 +228,7 @@ pub fn rollout_samples(
     new_tokens: usize,
     batch: usize,
 ) -> Result<Vec<FeatureSample>> {
-    let taps = Tap::eagle3(target.config().num_hidden_layers);
-    let mut out = Vec::with_capacity(prompts.len());
-    for chunk in prompts.chunks(batch.max(1)) {
-        let mut e = Engine::new(TappedLlama { model: target, taps: &taps }, SpecParams::greedy(new_tokens))?;
-        e.record_hidden(true);
-        for p in chunk {
-            e.add_request(p)?;
-        }
-        e.run_to_completion(None, &Plan::chain(1))?;
-        let mut fin = e.take_finished();
-        fin.sort_by_key(|f| f.id);
-        for f in &fin {
-            out.push(FeatureSample::from_finished(f, 0)?);
-        }
-    }
-    Ok(out)
+    Ok(FeatureSample::greedy_rollouts(target, prompts, new_tokens, batch, |_| {})?)
 }
 
 /// One evaluation run: decode seconds (prefill excluded), tokens per request, and the engine counters.

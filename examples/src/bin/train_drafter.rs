@@ -35,9 +35,8 @@ use tlt_drafter::{
     TrainableDrafter, VocabMap,
 };
 use tlt_examples::default_model;
-use tlt_model::{Llama, Tap};
+use tlt_model::Llama;
 use tlt_rl::task::ChatTemplate;
-use tlt_spec_decode::{Engine, Plan, SpecParams, TappedLlama};
 use tracing::info;
 
 /// Built-in training questions (the default data).
@@ -145,28 +144,13 @@ fn prompts(args: &Args, tok: &tokenizers::Tokenizer, template: Option<&str>) -> 
 /// Greedy responses of `target` to `prompts` with the EAGLE taps recorded (rows of 4H: three aux layers, then the
 /// final norm), as training samples.
 fn rollouts(target: &Llama, prompts: &[Vec<u32>], new_tokens: usize) -> Result<Vec<Arc<FeatureSample>>> {
-    let taps = Tap::eagle3(target.config().num_hidden_layers);
     let bar = ProgressBar::new(prompts.len() as u64).with_style(
         ProgressStyle::with_template("responses [{elapsed_precise}] {bar:30} {pos}/{len}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let mut out = Vec::with_capacity(prompts.len());
-    for chunk in prompts.chunks(8) {
-        let mut e = Engine::new(TappedLlama { model: target, taps: &taps }, SpecParams::greedy(new_tokens))?;
-        e.record_hidden(true);
-        for p in chunk {
-            e.add_request(p)?;
-        }
-        e.run_to_completion(None, &Plan::chain(1))?;
-        let mut fin = e.take_finished();
-        fin.sort_by_key(|f| f.id);
-        for f in &fin {
-            out.push(Arc::new(FeatureSample::from_finished(f, 0)?));
-        }
-        bar.inc(chunk.len() as u64);
-    }
+    let out = FeatureSample::greedy_rollouts(target, prompts, new_tokens, 8, |done| bar.set_position(done as u64))?;
     bar.finish_and_clear();
-    Ok(out)
+    Ok(out.into_iter().map(Arc::new).collect())
 }
 
 /// A freshly initialised drafter of `kind` for `target` (EAGLE-3's draft vocabulary from the response tokens).

@@ -25,6 +25,39 @@ pub struct FeatureSample {
 }
 
 impl FeatureSample {
+    /// Greedy responses of `target` to `prompts` (`batch` at a time, up to `new_tokens` each, EOS stops) with the
+    /// taps of `Tap::eagle3` recorded (rows of 4H: three aux layers, then the final norm, which both drafter kinds
+    /// train on), as samples in prompt order; `progress` is called with the number of prompts done after each batch.
+    ///
+    /// # Errors
+    /// If the engine or a sample fails.
+    pub fn greedy_rollouts(
+        target: &tlt_model::Llama,
+        prompts: &[Vec<u32>],
+        new_tokens: usize,
+        batch: usize,
+        mut progress: impl FnMut(usize),
+    ) -> Result<Vec<FeatureSample>> {
+        use tlt_spec_decode::{Engine, Plan, SpecParams, TappedLlama};
+        let taps = tlt_model::Tap::eagle3(target.config().num_hidden_layers);
+        let mut out = Vec::with_capacity(prompts.len());
+        for chunk in prompts.chunks(batch.max(1)) {
+            let mut e = Engine::new(TappedLlama { model: target, taps: &taps }, SpecParams::greedy(new_tokens))?;
+            e.record_hidden(true);
+            for p in chunk {
+                e.add_request(p)?;
+            }
+            e.run_to_completion(None, &Plan::chain(1))?;
+            let mut fin = e.take_finished();
+            fin.sort_by_key(|f| f.id);
+            for f in &fin {
+                out.push(FeatureSample::from_finished(f, 0)?);
+            }
+            progress(out.len());
+        }
+        Ok(out)
+    }
+
     /// A sample from a finished engine request that recorded hidden states.
     ///
     /// # Errors

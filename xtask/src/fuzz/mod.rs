@@ -220,12 +220,8 @@ pub fn worker(target: Target, seed: u64, from: u64, gguf: &Path) -> Result<()> {
             Ok(Ok(outcome)) => writeln!(out, "{i} {outcome}")?,
             Ok(Err(e)) => writeln!(out, "{i} harness-error {e:#}")?,
             Err(p) => {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_string()))
-                    .unwrap_or_default();
-                writeln!(out, "{i} panic {}", msg.replace('\n', " "))?;
+                let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied());
+                writeln!(out, "{i} panic {}", msg.unwrap_or("").replace('\n', " "))?;
                 writeln!(out, "{i} panicked")?;
             }
         }
