@@ -33,6 +33,7 @@ impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
         let mut reader = BufReader::new(file);
+        crate::gguf_check::check_header(&mut reader, path)?;
         let content = Content::read(&mut reader).map_err(|e| Error::malformed(path, "gguf", e))?;
         Ok(Self { path: path.to_path_buf(), content, reader })
     }
@@ -236,6 +237,17 @@ impl GgufFile {
 
     fn qtensor(&mut self, name: &str) -> Result<Option<QTensor>> {
         let Some(info) = self.content.tensor_infos.get(name) else { return Ok(None) };
+        // candle sizes the read as elements / block * type size, in wrapping arithmetic: dims whose product
+        // (or its f32 size) overflows would pass its length check with a wrapped size and fail later in the
+        // allocator. Their f32 copy must have a size.
+        let elems = info.shape.dims().iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+        if elems.and_then(|e| e.checked_mul(4)).is_none_or(|b| b > isize::MAX as usize) {
+            return Err(Error::malformed(
+                &self.path,
+                "gguf",
+                format!("tensor `{name}`: dims {:?} overflow", info.shape.dims()),
+            ));
+        }
         if matches!(info.ggml_dtype, GgmlDType::Q8_1 | GgmlDType::Q8K) {
             return Err(Error::UnsupportedDType {
                 path: self.path.clone(),

@@ -38,6 +38,7 @@ mod cache;
 mod config;
 mod error;
 mod gguf;
+mod gguf_check;
 mod hf;
 mod init;
 mod linear;

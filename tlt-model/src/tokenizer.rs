@@ -25,26 +25,64 @@ const QWEN2_REGEX: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Loads a Hugging Face `tokenizer.json`.
+///
+/// The text is parsed as JSON first and the tokenizer built from that value: `tokenizers` deserializes some
+/// components (decoders, normalizers) through helpers that panic on a JSON syntax error inside them (e.g. nesting
+/// past serde_json's recursion limit), where a whole-document parse reports the error.
 pub fn load_tokenizer_json(path: &Path) -> Result<Tokenizer> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    // The tokenizers crate panics on some inconsistent files (found by `cargo xtask fuzz tokenizer-json`: a BPE
-    // `continuing_subword_prefix` longer than a merge's right part slices out of range), so its panics become
-    // this loader's typed error.
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Tokenizer::from_bytes(&bytes))) {
+    let value: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| Error::malformed(path, "tokenizer.json", e))?;
+    check_bpe_merges(&value["model"]).map_err(|reason| Error::malformed(path, "tokenizer.json", reason))?;
+    // Backstop: a panic the checks above did not foresee is this loader's typed error too (fuzzing found a BPE
+    // `continuing_subword_prefix` longer than a merge's right part, which the merge check now reports).
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serde_json::from_value::<Tokenizer>(value))) {
         Ok(r) => r.map_err(|e| Error::malformed(path, "tokenizer.json", e)),
         Err(p) => {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_string()))
-                .unwrap_or_default();
-            Err(Error::malformed(
-                path,
-                "tokenizer.json",
-                format!("inconsistent tokenizer (the tokenizers crate panicked: {msg})"),
-            ))
+            let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied());
+            let reason = format!("inconsistent tokenizer (the tokenizers crate panicked: {})", msg.unwrap_or(""));
+            Err(Error::malformed(path, "tokenizer.json", reason))
         }
     }
+}
+
+/// Checks what `tokenizers`' BPE builder assumes of a model's merges: each `(a, b)` merges into a vocabulary
+/// token `a + b` (with `b`'s `continuing_subword_prefix` dropped, which `b` must start with). The builder writes
+/// the merged bytes into a buffer as long as the longest token and cuts `b`'s prefix by length, so a violation
+/// panics (or builds a non-UTF-8 string) there instead of reporting the missing token. Anything else (not a BPE
+/// model, merges in another shape) is left to `tokenizers`.
+fn check_bpe_merges(model: &serde_json::Value) -> std::result::Result<(), String> {
+    let (Some(vocab), Some(merges)) = (model.get("vocab").and_then(|v| v.as_object()), model.get("merges")) else {
+        return Ok(());
+    };
+    let Some(merges) = merges.as_array() else { return Ok(()) };
+    let prefix = model.get("continuing_subword_prefix").and_then(|p| p.as_str()).unwrap_or("");
+    for m in merges {
+        let (a, b) = match m {
+            // As `tokenizers` reads them: `#version` lines skipped, anything but two parts its error.
+            serde_json::Value::String(s) => match s.split(' ').collect::<Vec<_>>().as_slice() {
+                [a, b] if !s.starts_with("#version") => (*a, *b),
+                _ => continue,
+            },
+            serde_json::Value::Array(pair) => match pair.as_slice() {
+                [serde_json::Value::String(a), serde_json::Value::String(b)] => (a.as_str(), b.as_str()),
+                _ => continue,
+            },
+            _ => continue,
+        };
+        check_merge(a, b, prefix, |t| vocab.contains_key(t))?;
+    }
+    Ok(())
+}
+
+/// Checks one merge `(a, b)` (see [`check_bpe_merges`]).
+fn check_merge(a: &str, b: &str, prefix: &str, known: impl Fn(&str) -> bool) -> std::result::Result<(), String> {
+    let rest = b.strip_prefix(prefix).ok_or_else(|| format!("merge `{a} {b}`: `{b}` lacks the prefix `{prefix}`"))?;
+    let merged = format!("{a}{rest}");
+    if !known(a) || !known(b) || !known(&merged) {
+        return Err(format!("merge `{a} {b}` refers to tokens missing from the vocabulary"));
+    }
+    Ok(())
 }
 
 /// The pieces of a GGUF-embedded tokenizer (`tokenizer.ggml.*` metadata).
@@ -102,6 +140,10 @@ pub fn tokenizer_from_gguf_vocab(vocab: &GgufVocab, path: &Path) -> Result<Token
                 .ok_or_else(|| Error::malformed(path, "gguf", format!("merge `{m}` is not `a b`")))
         })
         .collect::<Result<Vec<_>>>()?;
+    for (a, b) in &merges {
+        check_merge(a, b, "", |t| token_ids.contains_key(t))
+            .map_err(|reason| Error::malformed(path, "gguf", reason))?;
+    }
     let bpe = BPE::builder()
         .vocab_and_merges(token_ids, merges)
         .build()

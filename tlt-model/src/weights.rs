@@ -183,7 +183,9 @@ impl LlamaWeights {
         let mut loader = Loader { src, path: PathBuf::new() };
         loader.path = loader.src.path().to_path_buf();
         let embed_tokens = loader.required("model.embed_tokens.weight", &[v, h])?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        // Not `with_capacity(num_hidden_layers)`: the count comes from the file, and the tensors it names are
+        // checked one layer at a time (a bogus count fails at the first missing layer, not in the allocator).
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers.min(256));
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let bias = arch.qkv_bias();

@@ -211,7 +211,9 @@ impl BegMab {
         let buckets = (0..sizes.len())
             .map(|b| Bucket {
                 arms: (0..cfg.num_arms()).filter(|&a| arm_bucket[a] == b).chain(plain).collect(),
-                window: VecDeque::with_capacity(cfg.window),
+                // The window fills as rounds are observed: a huge configured window (a run config may say
+                // 2^63 - 1) costs nothing up front instead of aborting on the allocation.
+                window: VecDeque::with_capacity(cfg.window.min(1024)),
                 counts: Vec::new(),
             })
             .map(|mut b: Bucket| {
@@ -340,6 +342,17 @@ mod tests {
         assert_eq!(cfg, MabConfig::default());
         let json = serde_json::to_string(&MabConfig::default()).unwrap();
         assert_eq!(serde_json::from_str::<MabConfig>(&json).unwrap(), MabConfig::default());
+    }
+
+    #[test]
+    fn a_huge_window_allocates_nothing_up_front() {
+        // Found by fuzzing run configs: `window = 9223372036854775807` passed validation, then the bandit's
+        // `VecDeque::with_capacity(window)` aborted. The window now fills as rounds are recorded.
+        let mut mab = BegMab::new(MabConfig { window: i64::MAX as usize, ..MabConfig::default() }).unwrap();
+        for _ in 0..5 {
+            let c = mab.select(3);
+            mab.record(&c, 2.0).unwrap();
+        }
     }
 
     #[test]

@@ -101,13 +101,16 @@ fn aux_layers(path: &Path, v: &Value) -> Result<Option<[usize; 3]>> {
     let ids: Vec<i64> = match (&vllm, &sglang) {
         (None, None) => return Ok(None),
         (Some(a), Some(b)) => {
-            if a.len() != b.len() || a.iter().zip(b).any(|(x, y)| *x != y + 1) {
+            if a.len() != b.len() || a.iter().zip(b).any(|(x, y)| Some(*x) != y.checked_add(1)) {
                 return Err(Error::InconsistentLayerIds { path: path.into(), sglang: b.clone(), vllm: a.clone() });
             }
             a.clone()
         }
         (Some(a), None) => a.clone(),
-        (None, Some(b)) => b.iter().map(|x| x + 1).collect(),
+        (None, Some(b)) => b
+            .iter()
+            .map(|x| x.checked_add(1).ok_or_else(|| Error::malformed(path, "config.json", "layer id out of range")))
+            .collect::<Result<_>>()?,
     };
     let ids: Vec<usize> = ids
         .iter()
