@@ -11,7 +11,7 @@ use tokenizers::Tokenizer;
 use crate::metrics::{read_metrics, truncate_after, MetricsWriter, StepMetrics};
 use crate::task::{builtin_with, ArithmeticConfig, ChatTemplate, JsonlTask, RewardConfig, Task, WordConfig};
 use crate::trainer::{
-    Environment, Evaluation, ExportConfig, Mode, Observer, TextEnv, Trainer, TrainerConfig, STATE_FILE,
+    Environment, Evaluation, ExportConfig, Mode, Observer, TextEnv, Trainer, TrainerConfig, WarmupReport, STATE_FILE,
 };
 use crate::{Error, Result};
 
@@ -132,6 +132,13 @@ pub struct RunOutcome {
     /// The final export (policy + drafter), when the run wrote one.
     #[serde(default)]
     pub export: Option<PathBuf>,
+    /// The drafter warm-up before the first step (`None`: none ran in this process). Its time is not in any
+    /// step's: it is TLT's offline stage, done once per model, task and settings and cached.
+    #[serde(default)]
+    pub warmup: Option<WarmupReport>,
+    /// Peak resident memory (GB) of the process that ran it, where the caller measured it.
+    #[serde(default)]
+    pub peak_rss_gb: Option<f64>,
 }
 
 impl RunOutcome {
@@ -183,13 +190,14 @@ pub struct Session {
 }
 
 impl Session {
-    /// Opens `dir` for `trainer`: a fresh run evaluates first and starts `metrics.jsonl`; a resumed one (steps
-    /// done > 0) keeps the file's lines up to its checkpoint and appends.
+    /// Opens `dir` for `trainer`: a fresh run warms its drafter up ([`Trainer::warm_up_drafter`]), evaluates and
+    /// starts `metrics.jsonl`; a resumed one (steps done > 0) keeps the file's lines up to its checkpoint and
+    /// appends.
     ///
     /// # Errors
-    /// I/O or evaluation failures.
+    /// I/O, warm-up or evaluation failures.
     pub fn start<E: Environment>(
-        trainer: &Trainer<E>,
+        trainer: &mut Trainer<E>,
         cfg: &RunConfig,
         dir: &RunDir,
         obs: &mut dyn Observer,
@@ -205,6 +213,19 @@ impl Session {
             out.metrics = read_metrics(dir.metrics())?;
             MetricsWriter::append(dir.metrics())?
         } else {
+            out.warmup = trainer.warm_up_drafter(obs)?;
+            if let Some(w) = &out.warmup {
+                tracing::info!(
+                    cached = w.cached,
+                    samples = w.samples,
+                    tokens = w.tokens,
+                    steps = w.steps,
+                    generate_s = format!("{:.1}", w.generate_s),
+                    train_s = format!("{:.1}", w.train_s),
+                    accuracy = format!("{:.2} -> {:.2}", w.accuracy[0], w.accuracy[1]),
+                    "drafter warmed up"
+                );
+            }
             if cfg.eval.prompts > 0 {
                 obs.on_phase(0, "eval");
                 out.before = Some(trainer.evaluate(Self::eval_range(cfg), cfg.eval.max_new_tokens)?);
@@ -333,7 +354,8 @@ pub fn run_interleaved<A: Environment, B: Environment>(
     Ok((sa.finish(ta, oa)?, sb.finish(tb, ob)?))
 }
 
-/// TLT against the baseline: the same config and seeds, steps interleaved ([`run_interleaved`]).
+/// TLT against the baseline: the same config and seeds (run one after the other in fresh processes by the `train`
+/// example, or interleaved with [`run_interleaved`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Comparison {
     /// The TLT run.
@@ -378,16 +400,31 @@ impl Comparison {
             let (r, t, d) = (o.total(|m| m.rollout_s), o.total(|m| m.train_s), o.total(|m| m.drafter_s));
             let all = o.total(|m| m.step_s).max(1e-9);
             s.push_str(&format!(
-                "{name:<9} reward {} -> {} | step time {all:.1} s: rollout {:.0}%, update {:.0}%, other {:.0}% | drafter trained {d:.1} s\n",
+                "{name:<9} reward {} -> {} | step time {all:.1} s: rollout {:.0}%, update {:.0}%, other {:.0}% | drafter trained {d:.1} s{}\n",
                 eval(&o.before),
                 eval(&o.after),
                 100.0 * r / all,
                 100.0 * t / all,
                 100.0 * (all - r - t) / all,
+                o.peak_rss_gb.map_or(String::new(), |gb| format!(" | peak RSS {gb:.2} GB")),
             ));
         };
         line(&mut s, "TLT", &self.tlt);
         line(&mut s, "baseline", &self.baseline);
+        if let Some(w) = &self.tlt.warmup {
+            if w.cached {
+                s.push_str(&format!(
+                    "drafter warm-up: loaded from the cache ({:.1} s; key {:.12})\n",
+                    w.other_s, w.key
+                ));
+            } else {
+                s.push_str(&format!(
+                    "drafter warm-up (before RL, not in the step times; cached for the next run): {} answers, {} tokens \
+                     generated in {:.1} s, {} drafter steps in {:.1} s, top-1 accuracy {:.2} -> {:.2}\n",
+                    w.samples, w.tokens, w.generate_s, w.steps, w.train_s, w.accuracy[0], w.accuracy[1]
+                ));
+            }
+        }
         let sd = self.tlt.metrics.iter().map(|m| m.sd_on_fraction).sum::<f64>() / self.tlt.metrics.len().max(1) as f64;
         let lens: Vec<f64> = self.tlt.metrics.iter().flat_map(|m| m.accept_lens.iter().copied()).collect();
         let acc = lens.iter().sum::<f64>() / lens.len().max(1) as f64;

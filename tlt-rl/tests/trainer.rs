@@ -13,7 +13,7 @@ use tlt_rl::grpo::{GrpoConfig, MeanLevel};
 use tlt_rl::metrics::StepMetrics;
 use tlt_rl::task::{Score, Split};
 use tlt_rl::trainer::{
-    DrafterChoice, DrafterSchedule, Environment, Mode, Prompt, Quiet, SdConfig, Trainer, TrainerConfig,
+    DrafterChoice, DrafterSchedule, Environment, Mode, Prompt, Quiet, SdConfig, Trainer, TrainerConfig, WarmupConfig,
 };
 use tlt_rl::{Error, Result};
 use tlt_scheduler::GateConfig;
@@ -362,4 +362,90 @@ fn kl_to_the_reference_and_entropy_bonus_enter_the_update() {
     assert!(first.entropy > 0.0, "entropy {}", first.entropy);
     let later: Vec<f64> = (0..3).map(|_| t.step(&mut Quiet).unwrap().metrics.kl).collect();
     assert!(later.iter().all(|&k| k > 0.0 && k.is_finite()), "kl after updates: {later:?}");
+}
+
+/// Every `.safetensors` file under `dir`, by relative path.
+fn tensor_files(dir: &std::path::Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "safetensors") {
+                out.insert(p.strip_prefix(dir).unwrap().display().to_string(), std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn drafter_warm_up_trains_caches_and_reloads() {
+    let root = std::env::temp_dir().join(format!("tlt-rl-warmup-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let mut cfg = base_config(Mode::Tlt);
+    cfg.sd.drafter = DrafterChoice::Eagle2;
+    cfg.sd.warmup = WarmupConfig {
+        prompts: 3,
+        samples_per_prompt: 2,
+        max_new_tokens: 8,
+        max_steps: Some(4),
+        cache_dir: Some(root.join("cache")),
+        ..WarmupConfig::default()
+    };
+    let fresh = |seed: u64, cfg: &TrainerConfig| Trainer::new(tiny_model(seed), CountEnv::new(), cfg.clone()).unwrap();
+    let drafter_files = |t: &Trainer<CountEnv>, name: &str| {
+        let dir = root.join(name);
+        t.save_checkpoint(&dir).unwrap();
+        tensor_files(&dir.join(tlt_rl::trainer::DRAFTER_DIR))
+    };
+
+    // Baseline mode and model-free drafters do nothing.
+    assert!(fresh(0, &TrainerConfig { mode: Mode::Baseline, ..cfg.clone() })
+        .warm_up_drafter(&mut Quiet)
+        .unwrap()
+        .is_none());
+    let mut suffix = cfg.clone();
+    suffix.sd.drafter = DrafterChoice::Suffix;
+    assert!(fresh(0, &suffix).warm_up_drafter(&mut Quiet).unwrap().is_none());
+
+    let cold = drafter_files(&fresh(0, &cfg), "cold");
+    let mut a = fresh(0, &cfg);
+    let ra = a.warm_up_drafter(&mut Quiet).unwrap().unwrap();
+    assert!(!ra.cached && ra.samples == 6 && ra.tokens > 0 && ra.steps == 4, "{ra:?}");
+    assert!(ra.loss[0].is_finite() && ra.loss[1].is_finite());
+    let warm = drafter_files(&a, "a");
+    assert_eq!(warm.keys().collect::<Vec<_>>(), cold.keys().collect::<Vec<_>>());
+    assert_ne!(warm, cold, "the warm-up changed nothing");
+
+    // The same policy, prompts and settings: loaded from the cache, the same weights.
+    let mut b = fresh(0, &cfg);
+    let rb = b.warm_up_drafter(&mut Quiet).unwrap().unwrap();
+    assert!(rb.cached && rb.key == ra.key && rb.steps == 0, "{rb:?}");
+    assert_eq!(drafter_files(&b, "b"), warm);
+
+    // Another policy or other settings: another key, trained anew.
+    let rc = fresh(1, &cfg).warm_up_drafter(&mut Quiet).unwrap().unwrap();
+    assert!(!rc.cached && rc.key != ra.key);
+    let mut longer = cfg.clone();
+    longer.sd.warmup.max_steps = Some(5);
+    let rd = fresh(0, &longer).warm_up_drafter(&mut Quiet).unwrap().unwrap();
+    assert!(!rd.cached && rd.key != ra.key && rd.steps == 5);
+
+    // After the first step there is nothing to warm up.
+    let mut e = fresh(0, &cfg);
+    e.step(&mut Quiet).unwrap();
+    assert!(e.warm_up_drafter(&mut Quiet).unwrap().is_none());
+
+    // A warmed-up TLT run stays lossless: greedy completions equal the baseline's.
+    let greedy = |mode: Mode| {
+        let c = TrainerConfig { mode, temperature: 0.0, ..cfg.clone() };
+        let mut t = fresh(0, &c);
+        t.warm_up_drafter(&mut Quiet).unwrap();
+        t.step(&mut Quiet).unwrap().samples.into_iter().map(|(s, _, _)| s.tokens).collect::<Vec<_>>()
+    };
+    assert_eq!(greedy(Mode::Tlt), greedy(Mode::Baseline));
+    let _ = std::fs::remove_dir_all(&root);
 }

@@ -9,21 +9,26 @@
 //! Each run directory gets `metrics.jsonl` (one line per step), `checkpoint/` (atomic; `--resume` continues from
 //! it bit for bit), `plots/` (PNG + SVG) and `export/`: the RL-trained policy as a Hugging Face directory
 //! (`policy/`) and its drafter in the EAGLE format SGLang and vLLM serve (`drafter/`), with `SERVE.md` giving
-//! both engines' command lines (`--export-at-checkpoints` adds `exports/step-<n>/` at every checkpoint). `--mode compare` runs TLT and the baseline with the same seeds, steps
-//! interleaved, and prints the report `cargo xtask demo` shows (reward before/after, step-time split, TLT speedup).
+//! both engines' command lines (`--export-at-checkpoints` adds `exports/step-<n>/` at every checkpoint). `--mode compare` runs TLT and then the baseline with the same seeds,
+//! each in a fresh process of this binary (both pay the same first-update warm-up of a new process, and only one
+//! trainer's memory is resident at a time), and prints the report `cargo xtask demo` shows (reward before/after,
+//! step-time split, TLT speed-up, peak memory).
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tlt_examples::default_model;
-use tlt_rl::runner::{run, run_interleaved, text_env, Comparison, RunConfig, RunDir, RunOutcome};
+use tlt_rl::runner::{run, text_env, Comparison, RunConfig, RunDir, RunOutcome};
 use tlt_rl::trainer::{Mode, Observer, TextEnv, Trainer, TrainerConfig, SERVE_FILE};
 
 /// The embedded default configuration.
 const DEMO_CONFIG: &str = include_str!("../../configs/demo.toml");
+
+/// Where a single-mode run leaves its [`RunOutcome`] (JSON) for `--mode compare`.
+const OUTCOME_FILE: &str = "outcome.json";
 
 /// What to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -32,7 +37,7 @@ enum RunMode {
     Tlt,
     /// Plain rollouts.
     Baseline,
-    /// TLT, then the baseline with the same seeds, and the comparison report.
+    /// TLT, then the baseline with the same seeds (each in its own process), and the comparison report.
     Compare,
 }
 
@@ -93,6 +98,7 @@ impl Observer for Progress {
     }
 
     fn on_phase(&mut self, step: u64, phase: &str) {
+        tracing::debug!(step, phase, rss_gb = rss_gb("VmRSS:"), peak_gb = rss_gb("VmHWM:"), "phase starts");
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
@@ -175,31 +181,55 @@ fn finish(t: Trainer<TextEnv>, out: &RunOutcome, dir: &RunDir) -> Result<()> {
     Ok(())
 }
 
-/// One run in `dir`.
+/// One run in `dir`; its outcome, with this process's peak memory, also goes to `<dir>/outcome.json`.
 fn run_mode(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &Path, resume: bool) -> Result<RunOutcome> {
     let dir = RunDir(dir.to_path_buf());
     let mut t = trainer(model_path, cfg, mode, &dir, resume)?;
-    let out = run(&mut t, cfg, &dir, &mut Progress::new(label(mode)))?;
+    let mut out = run(&mut t, cfg, &dir, &mut Progress::new(label(mode)))?;
     finish(t, &out, &dir)?;
+    out.peak_rss_gb = peak_rss_gb();
+    std::fs::write(dir.0.join(OUTCOME_FILE), serde_json::to_string_pretty(&out)?)?;
     Ok(out)
 }
 
-/// TLT and the baseline, steps interleaved (alternating which goes first).
+/// TLT, then the baseline, each in a fresh process of this binary with the same (effective) config: the runs see
+/// the same process warm-up (allocator growth and page faults made the first update of a process 27-89% slower
+/// than later ones on the 2-vCPU VM), and one trainer is resident at a time.
 fn compare(model_path: &Path, cfg: &RunConfig, out: &Path, resume: bool) -> Result<Comparison> {
-    let (dt, db) = (RunDir(out.join("tlt")), RunDir(out.join("baseline")));
-    let mut tlt = trainer(model_path, cfg, Mode::Tlt, &dt, resume)?;
-    let mut base = trainer(model_path, cfg, Mode::Baseline, &db, resume)?;
-    let (mut pt, mut pb) = (Progress::new("TLT"), Progress::new("baseline"));
-    let (ot, ob) = run_interleaved((&mut tlt, &dt, &mut pt), (&mut base, &db, &mut pb), cfg)?;
-    finish(tlt, &ot, &dt)?;
-    finish(base, &ob, &db)?;
-    Ok(Comparison::new(ot, ob))
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let config = out.join("config.toml");
+    std::fs::write(&config, toml::to_string_pretty(cfg)?)?;
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let mut outcomes = Vec::with_capacity(2);
+    for mode in ["tlt", "baseline"] {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(["--mode", mode, "--config"]).arg(&config).arg("--model").arg(model_path).arg("--out").arg(out);
+        if resume {
+            cmd.arg("--resume");
+        }
+        let status = cmd.status().with_context(|| format!("starting the {mode} run"))?;
+        if !status.success() {
+            bail!("the {mode} run failed ({status})");
+        }
+        let path = out.join(mode).join(OUTCOME_FILE);
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        outcomes
+            .push(serde_json::from_str::<RunOutcome>(&text).with_context(|| format!("parsing {}", path.display()))?);
+    }
+    let baseline = outcomes.pop().context("no baseline outcome")?;
+    let tlt = outcomes.pop().context("no TLT outcome")?;
+    Ok(Comparison::new(tlt, baseline))
 }
 
 /// This process's peak resident set (VmHWM) in GB, where `/proc` has it (Linux).
 fn peak_rss_gb() -> Option<f64> {
+    rss_gb("VmHWM:")
+}
+
+/// A memory figure of this process from `/proc/self/status` (`VmRSS:` now, `VmHWM:` peak) in GB (Linux only).
+fn rss_gb(field: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb / 1e6)
 }
@@ -227,9 +257,6 @@ fn main() -> Result<()> {
             let summary = args.out.join("summary.json");
             std::fs::write(&summary, serde_json::to_string_pretty(&cmp)?)?;
             println!("\n{}", cmp.report());
-            if let Some(gb) = peak_rss_gb() {
-                println!("peak resident memory of this process (both runs): {gb:.2} GB");
-            }
             println!(
                 "metrics, checkpoints and plots: {} ({} comparison plots); summary: {}",
                 args.out.display(),

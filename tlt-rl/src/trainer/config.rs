@@ -6,6 +6,7 @@ use tlt_drafter::TrainConfig;
 use tlt_scheduler::{GateConfig, MabConfig};
 use tlt_spec_decode::SuffixConfig;
 
+use super::warmup::WarmupConfig;
 use crate::grpo::GrpoConfig;
 use crate::{Error, Result};
 use tlt_model::optim::LrSchedule;
@@ -86,6 +87,8 @@ pub struct SdConfig {
     pub publish_every: u64,
     /// Seed of the drafter's initial weights. Default 1.
     pub drafter_seed: u64,
+    /// Warming the EAGLE drafter up on the policy's own answers before the first RL step (off by default).
+    pub warmup: WarmupConfig,
 }
 
 impl Default for SdConfig {
@@ -101,6 +104,7 @@ impl Default for SdConfig {
             tail_batch: 4,
             publish_every: 5,
             drafter_seed: 1,
+            warmup: WarmupConfig::default(),
         }
     }
 }
@@ -266,6 +270,7 @@ impl TrainerConfig {
         self.sd.drafter_train.validate()?;
         self.sd.suffix.validate()?;
         self.sd.buffer.validate()?;
+        self.sd.warmup.validate()?;
         Ok(())
     }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tlt_drafter::checkpoint::{save_eagle2_serving, save_eagle3};
 use tlt_drafter::online::{BackgroundTrainer, FeatureSample, MicroStepOutcome, OnlineBuffer, WeightsSlot};
-use tlt_drafter::train::{online_step_fn, OnlineStepConfig};
+use tlt_drafter::train::{online_step_fn, train_offline, Budget, OfflineReport, OnlineStepConfig};
 use tlt_drafter::{
     DraftRuntime, DrafterConfig, DrafterKind, DrafterTrainer, Eagle2Drafter, EagleProposer, FrozenTarget,
     RuntimeOptions, SaveDType, TrainableDrafter,
@@ -200,6 +200,16 @@ impl RolloutDrafter {
             Self::Ngram | Self::Suffix(_) => 0,
             Self::Eagle(e) => e.trainer.lock().steps_done(),
         }
+    }
+
+    /// Trains the EAGLE drafter on `samples` until `budget` is spent and publishes it (`None`, nothing done, for
+    /// the model-free drafters).
+    pub(crate) fn warm_up(&self, samples: &[Arc<FeatureSample>], budget: Budget) -> Result<Option<OfflineReport>> {
+        let Self::Eagle(e) = self else { return Ok(None) };
+        let mut t = e.trainer.lock();
+        let report = train_offline(&mut t, samples, budget, |_| {})?;
+        e.slot.publish(t.runtime(&RuntimeOptions::default())?);
+        Ok(Some(report))
     }
 
     /// Checkpoints the drafter trainer into `dir` (nothing for the n-gram drafter).

@@ -24,6 +24,7 @@ mod export;
 mod head;
 mod rollout;
 mod update;
+mod warmup;
 
 use std::ops::Range;
 use std::path::Path;
@@ -44,6 +45,7 @@ pub use export::{
 };
 pub use rollout::{Observer, Quiet, RolloutOutput, Sample};
 pub use update::UpdateStats;
+pub use warmup::{cache_key, WarmupConfig, WarmupReport, WARMUP_DATA_BASE};
 
 use crate::grpo::group_advantages;
 use crate::metrics::{mean_std, percentile, StepMetrics};
@@ -238,8 +240,14 @@ impl<E: Environment> Trainer<E> {
         let prompts = indices.map(|i| self.env.prompt(Split::Eval, i)).collect::<Result<Vec<_>>>()?;
         let params = spec_params(0.0, 1.0, max_new_tokens, 0);
         let mut plain = AdaptiveDecoder::plain()?;
-        let job =
-            RolloutJob { model: &self.rollout_model, prompts: &prompts, group_size: 1, params, rl_step: self.step };
+        let job = RolloutJob {
+            model: &self.rollout_model,
+            prompts: &prompts,
+            group_size: 1,
+            params,
+            rl_step: self.step,
+            record_features: false,
+        };
         let out = run_rollout(job, &mut plain, None, &mut Quiet)?;
         let mut e = Evaluation { prompts: prompts.len(), ..Evaluation::default() };
         for s in &out.samples {
@@ -273,7 +281,14 @@ impl<E: Environment> Trainer<E> {
         let params =
             spec_params(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, step_seed(self.cfg.seed, step));
         let drafter = if self.cfg.mode == Mode::Tlt { self.drafter.as_mut() } else { None };
-        let job = RolloutJob { model: &self.rollout_model, prompts: &prompts, group_size: g, params, rl_step: step };
+        let job = RolloutJob {
+            model: &self.rollout_model,
+            prompts: &prompts,
+            group_size: g,
+            params,
+            rl_step: step,
+            record_features: false,
+        };
         let out = run_rollout(job, &mut self.decoder, drafter, obs)?;
 
         obs.on_phase(step, "reward");

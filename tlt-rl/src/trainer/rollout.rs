@@ -1,8 +1,10 @@
 //! One rollout: every prompt's group decoded by the engine (adaptive SD in TLT mode, plain in the baseline),
 //! finished requests handed to the drafter as they finish.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tlt_drafter::online::FeatureSample;
 use tlt_model::Llama;
 use tlt_scheduler::{AdaptiveDecoder, DecodeTrace};
 use tlt_spec_decode::{Counters, Engine, FinishReason, Finished, SamplingParams, SpecParams};
@@ -55,6 +57,9 @@ pub struct RolloutOutput {
     pub drafter_s: f64,
     /// How long stopping the drafter's background worker took.
     pub preempt_latency: Option<Duration>,
+    /// Every finished request's tokens and hidden states as drafter training data, when the job asked for them
+    /// ([`RolloutJob::record_features`]; empty otherwise).
+    pub features: Vec<Arc<FeatureSample>>,
 }
 
 /// The engine's sampling settings for a rollout at `temperature` / `top_p` with stream seed `seed`.
@@ -75,6 +80,8 @@ pub(crate) struct RolloutJob<'a> {
     pub group_size: usize,
     pub params: SpecParams,
     pub rl_step: u64,
+    /// Keep each finished request's hidden states as a [`FeatureSample`] in [`RolloutOutput::features`].
+    pub record_features: bool,
 }
 
 /// Runs `job` with `decoder` (and `drafter` in TLT mode).
@@ -84,10 +91,11 @@ pub(crate) fn run_rollout(
     mut drafter: Option<&mut RolloutDrafter>,
     obs: &mut dyn Observer,
 ) -> Result<RolloutOutput> {
-    let RolloutJob { model, prompts, group_size, params, rl_step } = job;
+    let RolloutJob { model, prompts, group_size, params, rl_step, record_features } = job;
     let t0 = Instant::now();
     let mut engine = Engine::new(model, params)?;
-    engine.record_hidden(drafter.as_ref().is_some_and(|d| d.needs_hidden()));
+    engine.record_hidden(record_features || drafter.as_ref().is_some_and(|d| d.needs_hidden()));
+    let mut features = Vec::new();
     // One engine group per prompt: its prompt is prefilled once and forked to the siblings, and group drafters
     // draft from the siblings' tokens.
     let mut owner = Vec::new();
@@ -111,6 +119,12 @@ pub(crate) fn run_rollout(
         for mut f in engine.take_finished() {
             if let Some(d) = drafter.as_deref() {
                 d.on_finished(&f, rl_step)?;
+            }
+            if record_features {
+                let sample = FeatureSample::from_finished(&f, rl_step)?;
+                if sample.train_positions() > 0 {
+                    features.push(Arc::new(sample));
+                }
             }
             f.hidden = None;
             tokens += f.tokens.len();
@@ -145,5 +159,6 @@ pub(crate) fn run_rollout(
         seconds: t0.elapsed().as_secs_f64(),
         drafter_s,
         preempt_latency,
+        features,
     })
 }
