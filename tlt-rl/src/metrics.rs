@@ -122,8 +122,15 @@ pub struct StepMetrics {
     pub lr: f64,
     /// Number of prompt groups whose rewards were all equal (zero advantage).
     pub zero_variance_groups: usize,
+    /// Share of the rollout's decode time spent with at most the gate's threshold of requests running (the tail
+    /// phase, where TLT speculates).
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub tail_share: f64,
     /// Running requests after each decode step of the rollout.
     pub active_requests: Vec<usize>,
+    /// Wall seconds of each decode step of the rollout (aligned with `active_requests`).
+    #[serde(deserialize_with = "vec_f64_or_nan")]
+    pub round_seconds: Vec<f64>,
     /// Length of every response, tokens.
     pub response_lengths: Vec<usize>,
     /// Accepted length of every speculative step.

@@ -146,6 +146,12 @@ impl RunOutcome {
     pub fn total(&self, f: impl Fn(&StepMetrics) -> f64) -> f64 {
         self.metrics.iter().map(f).sum()
     }
+
+    /// The tail phase's share of rollout time over all steps (each step's [`StepMetrics::tail_share`] weighted by
+    /// its rollout seconds).
+    pub fn tail_share(&self) -> f64 {
+        self.total(|m| m.tail_share * m.rollout_s) / self.total(|m| m.rollout_s).max(1e-9)
+    }
 }
 
 /// Where a run writes: `metrics.jsonl`, `checkpoint/`, `plots/`, `export/` (and `exports/step-<n>/`).
@@ -425,6 +431,23 @@ impl Comparison {
                 ));
             }
         }
+        if let (Some(b), Some(a)) = (&self.tlt.before, &self.tlt.after) {
+            let (d, se) = accuracy_change(b, a);
+            s.push_str(&format!(
+                "held-out accuracy (greedy, {} prompts), TLT run: {:.3} -> {:.3}, change {d:+.3} (standard error \
+                 {se:.3}: {})\n",
+                a.prompts,
+                b.accuracy,
+                a.accuracy,
+                if d > se { "larger than its standard error" } else { "NOT larger than its standard error" },
+            ));
+        }
+        s.push_str(&format!(
+            "tail phase (rounds with at most the gate's threshold of requests running): {:.0}% of the baseline's \
+             rollout time, {:.0}% of TLT's\n",
+            100.0 * self.baseline.tail_share(),
+            100.0 * self.tlt.tail_share(),
+        ));
         let sd = self.tlt.metrics.iter().map(|m| m.sd_on_fraction).sum::<f64>() / self.tlt.metrics.len().max(1) as f64;
         let lens: Vec<f64> = self.tlt.metrics.iter().flat_map(|m| m.accept_lens.iter().copied()).collect();
         let acc = lens.iter().sum::<f64>() / lens.len().max(1) as f64;
@@ -445,6 +468,13 @@ impl Comparison {
         ));
         s
     }
+}
+
+/// The change of held-out accuracy from `before` to `after` and its standard error (two independent binomial
+/// proportions: `sqrt(p1 (1 - p1) / n1 + p2 (1 - p2) / n2)`).
+pub fn accuracy_change(before: &Evaluation, after: &Evaluation) -> (f64, f64) {
+    let var = |e: &Evaluation| e.accuracy * (1.0 - e.accuracy) / e.prompts.max(1) as f64;
+    (after.accuracy - before.accuracy, (var(before) + var(after)).sqrt())
 }
 
 /// Amdahl's law: the whole's speed-up when a share `r` of the time is sped up `s` times.
@@ -472,5 +502,22 @@ mod tests {
         assert!((c.amdahl_bound - 1.0 / 0.7).abs() < 1e-12, "{}", c.amdahl_bound);
         assert!((c.e2e_speedup - 10.0 / 9.0).abs() < 1e-12);
         assert!(c.report().contains("allows 1 / ((1 - R) + R / S) = 1.43x"), "{}", c.report());
+    }
+
+    #[test]
+    fn accuracy_change_and_tail_share_hand_computed() {
+        let e = |accuracy| Evaluation { prompts: 64, accuracy, ..Evaluation::default() };
+        let (d, se) = accuracy_change(&e(0.25), &e(0.5));
+        assert!((d - 0.25).abs() < 1e-12);
+        // sqrt(0.25 * 0.75 / 64 + 0.5 * 0.5 / 64) = sqrt(0.4375 / 64)
+        assert!((se - (0.4375f64 / 64.0).sqrt()).abs() < 1e-12, "{se}");
+        // Steps of 10 s (tail 20%) and 30 s (tail 60%) of rollout: (2 + 18) / 40.
+        let m = |rollout_s, tail_share| StepMetrics { rollout_s, tail_share, ..StepMetrics::default() };
+        let o = RunOutcome { metrics: vec![m(10.0, 0.2), m(30.0, 0.6)], ..RunOutcome::default() };
+        assert!((o.tail_share() - 0.5).abs() < 1e-12);
+        let with_eval = RunOutcome { before: Some(e(0.25)), after: Some(e(0.5)), ..o.clone() };
+        let report = Comparison::new(with_eval, o).report();
+        assert!(report.contains("0.250 -> 0.500, change +0.250 (standard error 0.083: larger"), "{report}");
+        assert!(report.contains("50% of the baseline's rollout time"), "{report}");
     }
 }

@@ -111,6 +111,9 @@ fn deterministic(m: &StepMetrics) -> String {
     m.accept_len = 0.0;
     m.accept_lens.clear();
     m.arms.clear();
+    // Wall-clock shares and per-round times.
+    m.tail_share = 0.0;
+    m.round_seconds.clear();
     serde_json::to_string(&m).unwrap()
 }
 

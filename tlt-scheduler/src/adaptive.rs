@@ -14,6 +14,7 @@
 //! decoder.run(&mut engine, Some(&mut ngram as &mut dyn tlt_spec_decode::Drafter)).unwrap();
 //! let trace = decoder.take_trace();
 //! assert_eq!(trace.steps as usize, trace.active.len());
+//! assert_eq!(trace.round_seconds.len(), trace.active.len());
 //! assert!(trace.sd_steps > 0); // one request is below the default threshold
 //! ```
 
@@ -40,6 +41,9 @@ pub struct DecodeTrace {
     pub sd_seconds: f64,
     /// Running requests before each round.
     pub active: Vec<usize>,
+    /// Wall seconds of each round (aligned with [`Self::active`]).
+    #[serde(default)]
+    pub round_seconds: Vec<f64>,
     /// Mean tokens committed per request in each speculative round.
     pub accept_lens: Vec<f64>,
     /// Arms chosen, as `"steps:top_k:verify_tokens"` (prefixed `"kind/"` with named drafter kinds) -> rounds.
@@ -49,6 +53,18 @@ pub struct DecodeTrace {
 }
 
 impl DecodeTrace {
+    /// Share of the rounds' wall time spent in rounds that started with at most `batch` running requests (the
+    /// tail phase below a gate threshold of `batch`; 0 without rounds).
+    pub fn tail_share(&self, batch: usize) -> f64 {
+        let all: f64 = self.round_seconds.iter().sum();
+        let tail: f64 = self.active.iter().zip(&self.round_seconds).filter(|&(&a, _)| a <= batch).map(|(_, s)| s).sum();
+        if all > 0.0 {
+            tail / all
+        } else {
+            0.0
+        }
+    }
+
     /// Fraction of rounds that speculated (0 without rounds).
     pub fn sd_fraction(&self) -> f64 {
         if self.steps == 0 {
@@ -118,6 +134,7 @@ impl AdaptiveDecoder {
                     self.trace.plain_arm_steps += 1;
                     self.trace.steps += 1;
                     self.trace.seconds += secs;
+                    self.trace.round_seconds.push(secs);
                     return Ok(Phase::Plain);
                 }
                 if choice.drafter >= drafter.kinds() {
@@ -151,8 +168,10 @@ impl AdaptiveDecoder {
                 Phase::Plain
             }
         };
+        let secs = t.elapsed().as_secs_f64();
         self.trace.steps += 1;
-        self.trace.seconds += t.elapsed().as_secs_f64();
+        self.trace.seconds += secs;
+        self.trace.round_seconds.push(secs);
         Ok(phase)
     }
 
@@ -191,5 +210,20 @@ impl AdaptiveDecoder {
     /// The bandit.
     pub fn mab(&self) -> &BegMab {
         &self.mab
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_share_weights_rounds_by_their_seconds() {
+        let trace =
+            DecodeTrace { active: vec![8, 5, 2, 1], round_seconds: vec![4.0, 3.0, 2.0, 1.0], ..DecodeTrace::default() };
+        assert!((trace.tail_share(2) - 0.3).abs() < 1e-12);
+        assert!((trace.tail_share(8) - 1.0).abs() < 1e-12);
+        assert_eq!(trace.tail_share(0), 0.0);
+        assert_eq!(DecodeTrace::default().tail_share(4), 0.0);
     }
 }

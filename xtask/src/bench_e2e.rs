@@ -96,7 +96,8 @@ pub fn run(args: &E2eArgs) -> Result<()> {
     cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "train", "--", "--mode", "compare", "--model"])
         .arg(&gguf)
         .arg("--out")
-        .arg(&out);
+        .arg(&out)
+        .current_dir(crate::workspace_root());
     if let Some(c) = &args.config {
         cmd.arg("--config").arg(c);
     }

@@ -259,7 +259,8 @@ fn demo(steps: Option<u64>, config: Option<&Path>) -> Result<ExitCode> {
         .arg(&gguf)
         .arg("--out")
         .arg(&out)
-        .env("TLT_SMOLLM2_GGUF", &gguf);
+        .env("TLT_SMOLLM2_GGUF", &gguf)
+        .current_dir(workspace_root());
     if let Some(s) = steps {
         cmd.arg("--steps").arg(s.to_string());
     }

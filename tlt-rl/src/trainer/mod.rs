@@ -89,7 +89,9 @@ pub struct Trainer<E: Environment> {
     env: E,
     policy: Llama,
     opt: AdamW,
-    rollout_model: Llama,
+    /// The policy packed for inference; dropped during the update (its memory goes to the update's peak instead)
+    /// and snapshotted again when the update is done.
+    rollout_model: Option<Llama>,
     reference: Option<Llama>,
     decoder: AdaptiveDecoder,
     drafter: Option<RolloutDrafter>,
@@ -107,6 +109,13 @@ fn snapshot(policy: &Llama) -> Result<Llama> {
     let mut m = policy.deep_copy()?;
     m.pack_for_inference(WeightDType::F32)?;
     Ok(m)
+}
+
+/// The trainer's inference copy of the policy (absent only if copying the policy after an update failed).
+fn inference_copy(m: &Option<Llama>) -> Result<&Llama> {
+    m.as_ref().ok_or_else(|| {
+        Error::InvalidArgument("the trainer has no rollout model since a failed step: resume from a checkpoint".into())
+    })
 }
 
 /// The rollout sampling seed of RL step `step`.
@@ -141,7 +150,7 @@ impl<E: Environment> Trainer<E> {
         };
         let vars = policy.make_trainable()?;
         let opt = AdamW::new(vars, cfg.adamw())?;
-        let rollout_model = snapshot(&policy)?;
+        let rollout_model = Some(snapshot(&policy)?);
         let decoder = match cfg.mode {
             Mode::Tlt => AdaptiveDecoder::new(cfg.sd.gate.clone(), cfg.sd.mab.clone())?,
             Mode::Baseline => AdaptiveDecoder::plain()?,
@@ -190,7 +199,7 @@ impl<E: Environment> Trainer<E> {
             var.set(w)?;
         }
         checkpoint::load_optimizer(&mut t.opt, &dir.join(OPTIMIZER_FILE), &state)?;
-        t.rollout_model = snapshot(&t.policy)?;
+        t.rollout_model = Some(snapshot(&t.policy)?);
         Ok(t)
     }
 
@@ -230,6 +239,11 @@ impl<E: Environment> Trainer<E> {
         &self.env
     }
 
+    /// The policy's inference copy.
+    fn rollout_model(&self) -> Result<&Llama> {
+        inference_copy(&self.rollout_model)
+    }
+
     /// Greedy, plain decoding of one sample per held-out prompt at evaluation positions `indices` with the current
     /// policy.
     ///
@@ -241,7 +255,7 @@ impl<E: Environment> Trainer<E> {
         let params = spec_params(0.0, 1.0, max_new_tokens, 0);
         let mut plain = AdaptiveDecoder::plain()?;
         let job = RolloutJob {
-            model: &self.rollout_model,
+            model: self.rollout_model()?,
             prompts: &prompts,
             group_size: 1,
             params,
@@ -282,7 +296,7 @@ impl<E: Environment> Trainer<E> {
             spec_params(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, step_seed(self.cfg.seed, step));
         let drafter = if self.cfg.mode == Mode::Tlt { self.drafter.as_mut() } else { None };
         let job = RolloutJob {
-            model: &self.rollout_model,
+            model: inference_copy(&self.rollout_model)?,
             prompts: &prompts,
             group_size: g,
             params,
@@ -327,14 +341,18 @@ impl<E: Environment> Trainer<E> {
             lr,
             max_grad_norm: self.cfg.optim.max_grad_norm,
         };
-        let update = policy_update(&ctx, &mut self.opt, &seqs)?;
+        // The rollout's copy of the weights is not needed until the next rollout: free it for the update's peak.
+        self.rollout_model = None;
+        let update = policy_update(&ctx, &mut self.opt, &seqs);
         let train_s = t_train.elapsed().as_secs_f64();
 
         obs.on_phase(step, "publish");
         let t_pub = Instant::now();
-        self.rollout_model = snapshot(&self.policy)?;
+        // Snapshotted even when the update failed, so the trainer stays usable (from its last checkpoint).
+        let model = self.rollout_model.insert(snapshot(&self.policy)?);
+        let update = update?;
         if let Some(d) = &self.drafter {
-            d.retarget(&self.rollout_model)?;
+            d.retarget(model)?;
         }
         let publish_s = t_pub.elapsed().as_secs_f64();
         self.step += 1;
@@ -402,7 +420,9 @@ impl<E: Environment> Trainer<E> {
             grad_norm: update.grad_norm,
             lr,
             zero_variance_groups: zero_var.iter().filter(|&&z| z).count(),
+            tail_share: out.trace.tail_share(self.cfg.sd.gate.threshold),
             active_requests: active.clone(),
+            round_seconds: out.trace.round_seconds.clone(),
             response_lengths: lens,
             accept_lens: out.trace.accept_lens.clone(),
             ..StepMetrics::default()

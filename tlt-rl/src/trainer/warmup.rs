@@ -171,7 +171,7 @@ impl<E: Environment> Trainer<E> {
         let key = cache_key(&self.policy, &prompts, &self.cfg)?;
         let cached = w.cache_dir.as_ref().map(|d| d.join(&key));
         if let Some(dir) = cached.as_ref().filter(|d| d.join(DRAFTER_STATE).exists()) {
-            let trainer = DrafterTrainer::resume(dir, &self.rollout_model)?;
+            let trainer = DrafterTrainer::resume(dir, self.rollout_model()?)?;
             self.drafter = Some(RolloutDrafter::eagle(&self.cfg.sd, trainer, 1)?);
             tracing::info!(dir = %dir.display(), "warm drafter loaded from the cache");
             return Ok(Some(WarmupReport {
@@ -185,7 +185,7 @@ impl<E: Environment> Trainer<E> {
         let seed = SplitMix64::new(self.cfg.seed).fork(WARMUP_DATA_BASE).next_u64();
         let params = spec_params(self.cfg.temperature, self.cfg.top_p, w.max_new_tokens, seed);
         let job = RolloutJob {
-            model: &self.rollout_model,
+            model: self.rollout_model()?,
             prompts: &prompts,
             group_size: w.samples_per_prompt,
             params,
