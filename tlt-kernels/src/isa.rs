@@ -12,9 +12,21 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The best instruction set this CPU supports.
+    /// The best instruction set this CPU supports, capped by the environment variable `TLT_KERNELS_ISA`
+    /// (`scalar`, `avx2` or `avx512`; read once) so that one machine can measure the narrower kernels too. An
+    /// unknown value is ignored.
     pub fn best() -> Isa {
-        *Self::available().last().unwrap_or(&Isa::Scalar)
+        static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| {
+            let best = *Self::available().last().unwrap_or(&Isa::Scalar);
+            let cap = std::env::var("TLT_KERNELS_ISA").ok().and_then(|v| Self::parse(&v));
+            cap.map_or(best, |c| c.min(best))
+        })
+    }
+
+    /// The ISA of a [`Self::name`] (`None` for anything else).
+    pub fn parse(name: &str) -> Option<Isa> {
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().find(|i| i.name() == name.trim().to_ascii_lowercase())
     }
 
     /// Every instruction set this CPU supports, slowest first (always starts with [`Isa::Scalar`]).
@@ -48,5 +60,20 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_are_none() {
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512] {
+            assert_eq!(Isa::parse(isa.name()), Some(isa));
+        }
+        assert_eq!(Isa::parse(" AVX2 "), Some(Isa::Avx2));
+        assert_eq!(Isa::parse("sse4"), None);
+        assert!(Isa::best().is_available());
     }
 }

@@ -14,12 +14,13 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
+use tlt_drafter::{DrafterTrainer, EagleProposer, RuntimeOptions};
 use tlt_model::Llama;
 use tlt_rl::task::{builtin, ChatTemplate};
 use tlt_scheduler::AdaptiveDecoder;
 use tlt_spec_decode::{
-    Drafter, DrafterSet, Engine, GroupId, NgramDrafter, Plan, SamplingParams, SpecParams, SuffixConfig, SuffixDrafter,
-    Target, TargetInput,
+    Drafter, DrafterSet, Engine, GroupId, HybridDrafter, NgramDrafter, Plan, SamplingParams, SpecParams, SuffixConfig,
+    SuffixDrafter, Target, TargetInput,
 };
 use tracing::info;
 
@@ -51,6 +52,11 @@ pub struct GroupArgs {
     /// Seed of the task's problems and of the sampling streams.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// A trained EAGLE drafter for this model (a `DrafterTrainer` checkpoint directory, e.g. the trainer's warm-up
+    /// cache entry under `target/warm-cache/<key>`): adds the `eagle` and `hybrid` (suffix + EAGLE in one tree)
+    /// runs, and the hybrid as a drafter kind of the adaptive run.
+    #[arg(long)]
+    eagle: Option<std::path::PathBuf>,
 }
 
 /// Running-batch buckets the rounds are split by (inclusive upper bounds).
@@ -116,6 +122,14 @@ pub struct RunStats {
     pub index_cost_frac: f64,
     /// Adaptive run: arms chosen (`kind/steps:top_k:verify` -> rounds).
     pub arms: std::collections::BTreeMap<String, u64>,
+    /// Engine seconds: drafting, target forwards, acceptance, commits (the engine's counters).
+    pub draft_s: f64,
+    /// See [`RunStats::draft_s`].
+    pub forward_s: f64,
+    /// See [`RunStats::draft_s`].
+    pub verify_s: f64,
+    /// See [`RunStats::draft_s`].
+    pub commit_s: f64,
 }
 
 /// One temperature.
@@ -185,6 +199,10 @@ fn rollout(
     how: How<'_>,
 ) -> Result<(RunStats, Samples)> {
     let mut engine = Engine::new(model, params.clone())?;
+    engine.record_hidden(match &how {
+        How::Plain => false,
+        How::Fixed(d, _) | How::Adaptive(d, _) => d.needs_hidden(),
+    });
     for p in prompts {
         engine.add_group(p, g, params.max_new_tokens)?;
     }
@@ -254,6 +272,10 @@ fn rollout(
         index_s: 0.0,
         index_cost_frac: 0.0,
         arms,
+        draft_s: c.draft_s,
+        forward_s: c.forward_s,
+        verify_s: c.verify_s,
+        commit_s: c.commit_s,
     };
     Ok((stats, samples))
 }
@@ -405,8 +427,22 @@ pub fn run(args: &GroupArgs) -> Result<()> {
         let mut mab = cpu_mab();
         mab.drafters = vec!["suffix".into(), "ngram".into()];
         mab.plain_arm = true;
+        let mut kinds: Vec<Box<dyn Drafter>> = vec![Box::new(hist), Box::new(NgramDrafter::default())];
+        if let Some(dir) = &args.eagle {
+            let eagle = || -> Result<EagleProposer> {
+                let trainer = DrafterTrainer::resume(dir, &model)
+                    .with_context(|| format!("loading the EAGLE drafter from {}", dir.display()))?;
+                Ok(EagleProposer::fixed(trainer.runtime(&RuntimeOptions::default())?))
+            };
+            let mut e = eagle()?;
+            runs.push(rollout(&model, &prompts, g, &params, "eagle", How::Fixed(&mut e, plan))?.0);
+            let mut h = HybridDrafter::new(SuffixDrafter::new(suffix_cfg)?, eagle()?);
+            runs.push(rollout(&model, &prompts, g, &params, "hybrid", How::Fixed(&mut h, plan))?.0);
+            mab.drafters.push("hybrid".into());
+            kinds.push(Box::new(HybridDrafter::new(SuffixDrafter::new(suffix_cfg)?, eagle()?)));
+        }
         let mut decoder = AdaptiveDecoder::new(cpu_gate(), mab)?;
-        let mut set = DrafterSet::new(vec![Box::new(hist), Box::new(NgramDrafter::default())])?;
+        let mut set = DrafterSet::new(kinds)?;
         let warm = SpecParams { seed: args.seed + 2_000, ..params.clone() };
         rollout(&model, &prompts, g, &warm, "warm", How::Adaptive(&mut set, &mut decoder))?;
         runs.push(rollout(&model, &prompts, g, &params, "adaptive", How::Adaptive(&mut set, &mut decoder))?.0);
@@ -511,6 +547,13 @@ fn markdown(r: &GroupReport) -> String {
             let cells: Vec<String> =
                 run.buckets.iter().map(|b| format!("{:.2}, {:.0}", b.tokens_per_step(), b.tokens_per_s())).collect();
             s += &format!("| {} | {} |\n", run.drafter, cells.join(" | "));
+        }
+        s += "\nEngine seconds (draft / target forward / acceptance / commit):\n\n";
+        for run in &t.runs {
+            s += &format!(
+                "- {}: {:.2} / {:.2} / {:.2} / {:.2}\n",
+                run.drafter, run.draft_s, run.forward_s, run.verify_s, run.commit_s
+            );
         }
         if let Some(a) = t.runs.iter().find(|r| r.drafter == "adaptive") {
             s += &format!("\nAdaptive arms: {:?}\n", a.arms);

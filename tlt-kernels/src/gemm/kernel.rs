@@ -21,6 +21,7 @@ unsafe fn tile<S: Simd, F: Format, const MR_: usize, const NR: usize>(
     ldx: usize,
     w: [*const F::Elem; NR],
     k: usize,
+    prefetch: bool,
 ) -> [[f32; NR]; MR_] {
     unsafe {
         let mut acc = [[S::zero(); NR]; MR_];
@@ -29,8 +30,12 @@ unsafe fn tile<S: Simd, F: Format, const MR_: usize, const NR: usize>(
         // Prefetch the same chunk of the next panel (rows are contiguous, so it starts NR rows further on).
         let ahead = NR * k / QK * F::CHUNK_BYTES;
         for c in 0..chunks {
-            for wr in w.iter().filter(|_| F::PREFETCH) {
-                S::prefetch((*wr as *const u8).wrapping_add(ahead + c * F::CHUNK_BYTES));
+            for wr in w.iter().filter(|_| prefetch) {
+                let mut line = 0;
+                while line < F::CHUNK_BYTES {
+                    S::prefetch((*wr as *const u8).wrapping_add(ahead + c * F::CHUNK_BYTES + line));
+                    line += 64;
+                }
             }
             for j in 0..per_chunk {
                 // Plain loops, not closures: a closure would not inherit the caller's target features.
@@ -69,7 +74,8 @@ pub(crate) struct Dims {
     pub k: usize,
 }
 
-/// Multiplies the weight rows `rows` (a sub-range of `0..n`) for all `m` rows of `x`, writing `y[.., rows]`.
+/// Multiplies the weight rows `rows` (a sub-range of `0..n`) for all `m` rows of `x`, writing `y[.., rows]`;
+/// `prefetch` asks for software prefetches of the next panel (only formats with `F::PREFETCH` issue them).
 ///
 /// # Safety
 /// `x` holds `m * k` f32; `w` holds `n` rows of `row_elems` `F::Elem` each; `y` holds `m * n` f32 and no other
@@ -82,7 +88,9 @@ pub(crate) unsafe fn panel_range<S: Simd, F: Format, const NR: usize>(
     y: *mut f32,
     d: Dims,
     rows: std::ops::Range<usize>,
+    prefetch: bool,
 ) {
+    let prefetch = prefetch && F::PREFETCH;
     unsafe {
         let mut r0 = rows.start;
         while r0 < rows.end {
@@ -91,10 +99,10 @@ pub(crate) unsafe fn panel_range<S: Simd, F: Format, const NR: usize>(
                 for (r, p) in wr.iter_mut().enumerate() {
                     *p = w.add((r0 + r) * row_elems);
                 }
-                row_blocks::<S, F, NR>(x, wr, y, d, r0);
+                row_blocks::<S, F, NR>(x, wr, y, d, r0, prefetch);
                 r0 += NR;
             } else {
-                row_blocks::<S, F, 1>(x, [w.add(r0 * row_elems)], y, d, r0);
+                row_blocks::<S, F, 1>(x, [w.add(r0 * row_elems)], y, d, r0, prefetch);
                 r0 += 1;
             }
         }
@@ -108,6 +116,7 @@ unsafe fn row_blocks<S: Simd, F: Format, const NR: usize>(
     y: *mut f32,
     d: Dims,
     r0: usize,
+    pf: bool,
 ) {
     unsafe {
         // With 32 vector registers (16-lane ISAs) a last block of 5 or 6 rows fits one tile (6 x 4 accumulators
@@ -119,19 +128,19 @@ unsafe fn row_blocks<S: Simd, F: Format, const NR: usize>(
             let left = d.m - i0;
             let rows = match left {
                 6 if wide => {
-                    store(y, d.n, i0, r0, tile::<S, F, 6, NR>(xi, d.k, w, d.k));
+                    store(y, d.n, i0, r0, tile::<S, F, 6, NR>(xi, d.k, w, d.k, pf));
                     6
                 }
                 5 if wide => {
-                    store(y, d.n, i0, r0, tile::<S, F, 5, NR>(xi, d.k, w, d.k));
+                    store(y, d.n, i0, r0, tile::<S, F, 5, NR>(xi, d.k, w, d.k, pf));
                     5
                 }
                 _ => {
                     match left.min(MR) {
-                        4 => store(y, d.n, i0, r0, tile::<S, F, 4, NR>(xi, d.k, w, d.k)),
-                        3 => store(y, d.n, i0, r0, tile::<S, F, 3, NR>(xi, d.k, w, d.k)),
-                        2 => store(y, d.n, i0, r0, tile::<S, F, 2, NR>(xi, d.k, w, d.k)),
-                        _ => store(y, d.n, i0, r0, tile::<S, F, 1, NR>(xi, d.k, w, d.k)),
+                        4 => store(y, d.n, i0, r0, tile::<S, F, 4, NR>(xi, d.k, w, d.k, pf)),
+                        3 => store(y, d.n, i0, r0, tile::<S, F, 3, NR>(xi, d.k, w, d.k, pf)),
+                        2 => store(y, d.n, i0, r0, tile::<S, F, 2, NR>(xi, d.k, w, d.k, pf)),
+                        _ => store(y, d.n, i0, r0, tile::<S, F, 1, NR>(xi, d.k, w, d.k, pf)),
                     }
                     MR
                 }

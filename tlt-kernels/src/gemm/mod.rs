@@ -154,11 +154,11 @@ unsafe fn range_generic<S: Simd, F: Format, const NR: usize, const NR1: usize>(
     unsafe {
         if d.m <= 2 {
             // One or two rows: a wider panel keeps more weight streams in flight (registers allow it).
-            kernel::panel_range::<S, F, NR1>(p.x, p.w, row_elems, p.y, d, rows);
+            kernel::panel_range::<S, F, NR1>(p.x, p.w, row_elems, p.y, d, rows, true);
             return;
         }
         if !F::CONVERTS || d.m <= 2 * MR {
-            kernel::panel_range::<S, F, NR>(p.x, p.w, row_elems, p.y, d, rows);
+            kernel::panel_range::<S, F, NR>(p.x, p.w, row_elems, p.y, d, rows, true);
             return;
         }
         const PANEL: usize = 16;
@@ -170,7 +170,15 @@ unsafe fn range_generic<S: Simd, F: Format, const NR: usize, const NR1: usize>(
         while r0 < rows.end {
             let r1 = (r0 + PANEL).min(rows.end);
             kernel::dequant_rows::<S, F>(p.w, row_elems, d.k, r0..r1, scratch.as_mut_ptr());
-            kernel::panel_range::<S, kernel::F32Format, NR>(p.x, scratch.as_ptr(), d.k, p.y.add(r0), d, 0..r1 - r0);
+            kernel::panel_range::<S, kernel::F32Format, NR>(
+                p.x,
+                scratch.as_ptr(),
+                d.k,
+                p.y.add(r0),
+                d,
+                0..r1 - r0,
+                false,
+            );
             r0 = r1;
         }
         SCRATCH.set(scratch);
