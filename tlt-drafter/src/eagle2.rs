@@ -235,12 +235,34 @@ impl Eagle2Drafter {
     /// # Errors
     /// [`Error::InvalidConfig`] for an empty list or an id outside the vocabulary.
     pub fn with_loss_vocab(mut self, ids: &[u32]) -> Result<Self> {
+        self.set_loss_vocab(Some(ids))?;
+        Ok(self)
+    }
+
+    /// [`Self::with_loss_vocab`] in place (`None`: the whole vocabulary again).
+    ///
+    /// # Errors
+    /// As [`Self::with_loss_vocab`].
+    pub fn set_loss_vocab(&mut self, ids: Option<&[u32]>) -> Result<()> {
+        let Some(ids) = ids else {
+            self.loss_vocab = None;
+            return Ok(());
+        };
         let v = self.cfg.vocab_size();
         if ids.is_empty() || ids.iter().any(|&i| i as usize >= v) {
             return Err(Error::config("loss_vocab", ids.len(), "must be non-empty ids below the vocabulary size"));
         }
         self.loss_vocab = Some(Tensor::from_slice(ids, ids.len(), self.target.embed_tokens().device())?);
-        Ok(self)
+        Ok(())
+    }
+
+    /// The target ids the loss is restricted to ([`Self::with_loss_vocab`]), which the drafter's inference
+    /// runtime also drafts over unless told otherwise ([`crate::RuntimeOptions::hot_vocab`]).
+    ///
+    /// # Errors
+    /// If the ids cannot be read back from their device.
+    pub fn loss_vocab(&self) -> Result<Option<Vec<u32>>> {
+        Ok(self.loss_vocab.as_ref().map(|t| t.to_vec1::<u32>()).transpose()?)
     }
 
     /// The differentiable forward: `[b, t, H]` predictions of `h_{t+1}` at every position `t` (positions with no

@@ -93,8 +93,10 @@ pub struct RuntimeOptions {
     pub layer_dtype: WeightDType,
     /// Format of the LM head (default Q8_0: the head dominates a draft step's bytes).
     pub head_dtype: WeightDType,
-    /// EAGLE-2 only: draft over these target ids only ("hot vocabulary", SGLang's `speculative_token_map`),
-    /// instead of the whole vocabulary. EAGLE-3 always uses its own draft vocabulary.
+    /// EAGLE-2 only: draft over these target ids only ("hot vocabulary", SGLang's `speculative_token_map`,
+    /// FR-Spec's frequency-ranked draft head), instead of the drafter's own loss vocabulary
+    /// ([`Eagle2Drafter::loss_vocab`]) or, without one, the whole vocabulary. EAGLE-3 always uses its own draft
+    /// vocabulary.
     pub hot_vocab: Option<Vec<u32>>,
 }
 
@@ -181,7 +183,8 @@ impl DraftRuntime {
     pub fn eagle2(d: &Eagle2Drafter, opts: &RuntimeOptions) -> Result<Self> {
         let w = d.weights();
         let head_full = d.target().lm_head();
-        let (head, head_ids) = match &opts.hot_vocab {
+        let own = if opts.hot_vocab.is_none() { d.loss_vocab()? } else { None };
+        let (head, head_ids) = match opts.hot_vocab.as_ref().or(own.as_ref()) {
             Some(ids) => {
                 let v = d.target().vocab_size();
                 if ids.is_empty() || ids.iter().any(|&i| i as usize >= v) {

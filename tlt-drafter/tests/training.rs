@@ -17,7 +17,7 @@ use tlt_drafter::train::{
 };
 use tlt_drafter::{
     DraftRuntime, DrafterConfig, DrafterKind, DrafterTrainer, Eagle2Drafter, Eagle3Drafter, EagleProposer, Error,
-    FrozenTarget, RuntimeOptions, TrainConfig, UniformNoise, VocabMap,
+    FrozenTarget, RuntimeOptions, TrainConfig, TrainableDrafter, UniformNoise, VocabMap,
 };
 use tlt_kernels::WeightDType;
 use tlt_model::optim::{clip_grad_norm, AdamW, AdamWParams, LrSchedule, ScheduleKind};
@@ -545,4 +545,36 @@ fn offline_training_raises_acceptance_on_the_engines_own_outputs() {
         );
         assert!(after > before + 0.1, "{kind:?}: acceptance {before} -> {after}");
     }
+}
+
+#[test]
+fn hot_vocabulary_is_saved_resumed_and_drafted_over() {
+    let target = target("llama", 24);
+    let prompts = tokens(4, 4, 9);
+    let set = samples(&target, DrafterKind::Eagle2, &prompts, 16);
+    let hot: Vec<u32> = (0..VOCAB as u32).filter(|i| i % 3 != 1).collect();
+    let mut t = trainer(&target, DrafterKind::Eagle2, small_cfg(3e-3));
+    t.set_hot_vocab(Some(&hot)).unwrap();
+    run(&mut t, &set, 2);
+    // Bad ids, and a hot vocabulary for EAGLE-3, are refused.
+    assert!(t.set_hot_vocab(Some(&[VOCAB as u32])).is_err());
+    assert!(t.set_hot_vocab(Some(&[])).is_err());
+    assert!(trainer(&target, DrafterKind::Eagle3, small_cfg(3e-3)).set_hot_vocab(Some(&hot)).is_err());
+
+    let dir = temp_dir("hot-vocab");
+    t.save_checkpoint(&dir).unwrap();
+    assert_eq!(DrafterTrainer::read_state(&dir).unwrap().hot_vocab.as_deref(), Some(&hot[..]));
+    let mut resumed = DrafterTrainer::resume(&dir, &target).unwrap();
+    let TrainableDrafter::Eagle2(d) = resumed.drafter() else { panic!("an EAGLE-2 drafter") };
+    assert_eq!(d.loss_vocab().unwrap().as_deref(), Some(&hot[..]));
+    // The runtime drafts over the hot ids only (negative control: the whole vocabulary without one).
+    let rt = resumed.runtime(&F32).unwrap();
+    assert_eq!(rt.draft_vocab(), hot.len());
+    assert!((0..rt.draft_vocab()).all(|i| hot.contains(&rt.target_id(i))));
+    let mut proposer = EagleProposer::fixed(rt);
+    let fin = rollout(&target, &prompts, 12, Some(&mut proposer));
+    assert!(fin.iter().all(|f| f.tokens.len() == 12));
+    resumed.set_hot_vocab(None).unwrap();
+    assert_eq!(resumed.runtime(&F32).unwrap().draft_vocab(), VOCAB);
+    let _ = std::fs::remove_dir_all(&dir);
 }

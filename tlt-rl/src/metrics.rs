@@ -69,9 +69,13 @@ pub struct StepMetrics {
     /// Wall seconds spent publishing the new weights to the rollout model.
     #[serde(deserialize_with = "f64_or_nan")]
     pub publish_s: f64,
-    /// Wall seconds of drafter training done during this step.
+    /// Wall seconds of drafter training done during this step (during the rollout's tail, or after it).
     #[serde(deserialize_with = "f64_or_nan")]
     pub drafter_s: f64,
+    /// The part of [`Self::drafter_s`] spent after the rollout ([`DrafterSchedule::Fixed`]
+    /// (crate::trainer::DrafterSchedule::Fixed)), outside [`Self::rollout_s`].
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub drafter_after_s: f64,
     /// Wall seconds of the whole step.
     #[serde(deserialize_with = "f64_or_nan")]
     pub step_s: f64,

@@ -404,14 +404,17 @@ impl Comparison {
                 e.map_or("-".to_string(), |e| format!("{:.3} (acc {:.2})", e.reward_mean, e.accuracy))
             };
             let (r, t, d) = (o.total(|m| m.rollout_s), o.total(|m| m.train_s), o.total(|m| m.drafter_s));
+            let da = o.total(|m| m.drafter_after_s);
             let all = o.total(|m| m.step_s).max(1e-9);
             s.push_str(&format!(
-                "{name:<9} reward {} -> {} | step time {all:.1} s: rollout {:.0}%, update {:.0}%, other {:.0}% | drafter trained {d:.1} s{}\n",
+                "{name:<9} reward {} -> {} | step time {all:.1} s: rollout {:.0}%, update {:.0}%, drafter after the \
+                 rollout {:.0}%, other {:.0}% | drafter trained {d:.1} s{}\n",
                 eval(&o.before),
                 eval(&o.after),
                 100.0 * r / all,
                 100.0 * t / all,
-                100.0 * (all - r - t) / all,
+                100.0 * da / all,
+                100.0 * (all - r - t - da) / all,
                 o.peak_rss_gb.map_or(String::new(), |gb| format!(" | peak RSS {gb:.2} GB")),
             ));
         };

@@ -26,7 +26,7 @@ use tlt_spec_decode::{Drafter, Engine, Target};
 
 use crate::error::Result;
 use crate::gate::{GateConfig, Phase, SdGate};
-use crate::mab::{step_reward, BegMab, MabConfig};
+use crate::mab::{BegMab, MabConfig};
 
 /// What an [`AdaptiveDecoder`] did, round by round.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -130,7 +130,7 @@ impl AdaptiveDecoder {
                 if choice.plain {
                     engine.round(Some(drafter), None)?;
                     let secs = t.elapsed().as_secs_f64();
-                    self.mab.record(&choice, step_reward(1.0, batch, secs.max(1e-9)))?;
+                    self.mab.record_step(&choice, 1.0, batch, secs.max(1e-9))?;
                     self.trace.plain_arm_steps += 1;
                     self.trace.steps += 1;
                     self.trace.seconds += secs;
@@ -153,7 +153,7 @@ impl AdaptiveDecoder {
                 let after = engine.counters();
                 let rounds = (after.seq_rounds - before.seq_rounds).max(1);
                 let accept = (after.committed - before.committed) as f64 / rounds as f64;
-                self.mab.record(&choice, step_reward(accept, batch, secs.max(1e-9)))?;
+                self.mab.record_step(&choice, accept, batch, secs.max(1e-9))?;
                 let p = choice.plan;
                 let kind = self.mab.config().drafters.get(choice.drafter).map(|d| format!("{d}/")).unwrap_or_default();
                 *self.trace.arms.entry(format!("{kind}{}:{}:{}", p.steps, p.top_k, p.verify_tokens)).or_default() += 1;

@@ -57,7 +57,7 @@ pub mod sim;
 pub use adaptive::{AdaptiveDecoder, DecodeTrace};
 pub use error::{Error, Result};
 pub use gate::{GateConfig, GateDecision, Phase, SdGate};
-pub use mab::{step_reward, BegMab, Choice, ChoiceReason, MabConfig};
+pub use mab::{step_reward, BegMab, Choice, ChoiceReason, MabConfig, MabStatistic};
 pub use rollout::{
     FinishReason, Finished, GroupId, RequestId, RequestOutcome, Rollout, RolloutConfig, RolloutStats, Step, StepOutcome,
 };

@@ -578,7 +578,7 @@ mod tests {
         assert!(phases.iter().filter(|p| p.0 > 3).all(|p| p.1 == Phase::Plain));
         // The last steps run one request: the 48-token bucket.
         assert_eq!(phases.last().unwrap().2, Some(48));
-        assert!(r.mab().median(0).is_some());
+        assert!(r.mab().score(0).is_some());
     }
 
     proptest! {

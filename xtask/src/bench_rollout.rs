@@ -168,7 +168,7 @@ pub(crate) fn cpu_mab() -> MabConfig {
         window: 50,
         seed: 0,
         plain_arm: false,
-        drafters: Vec::new(),
+        ..MabConfig::default()
     }
 }
 

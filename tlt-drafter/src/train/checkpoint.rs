@@ -50,6 +50,9 @@ pub struct TrainState {
     pub totals: Totals,
     /// AdamW updates applied to each parameter, by checkpoint name.
     pub param_steps: BTreeMap<String, u64>,
+    /// An EAGLE-2 drafter's hot vocabulary ([`DrafterTrainer::set_hot_vocab`]; absent: the whole vocabulary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot_vocab: Option<Vec<u32>>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -92,6 +95,10 @@ impl DrafterTrainer {
             drafter: self.drafter.config().clone(),
             totals: self.totals,
             param_steps,
+            hot_vocab: match &self.drafter {
+                TrainableDrafter::Eagle2(d) => d.loss_vocab()?,
+                TrainableDrafter::Eagle3(_) => None,
+            },
         };
         let spath = tmp.join(STATE_FILE);
         let text = serde_json::to_string_pretty(&state).map_err(|e| Error::malformed(&spath, STATE_FILE, e))?;
@@ -133,7 +140,9 @@ impl DrafterTrainer {
                 for (_, t) in ck.weights.entries_mut() {
                     *t = t.to_dtype(dtype)?;
                 }
-                Eagle2Drafter::new(state.drafter.clone(), ck.weights, frozen)?.into()
+                let mut d = Eagle2Drafter::new(state.drafter.clone(), ck.weights, frozen)?;
+                d.set_loss_vocab(state.hot_vocab.as_deref())?;
+                d.into()
             }
             DrafterKind::Eagle3 => {
                 let mut ck = load_eagle3(&ddir, target.config())?;

@@ -316,6 +316,21 @@ impl DrafterTrainer {
         Ok(())
     }
 
+    /// Restricts an EAGLE-2 drafter to a hot vocabulary ([`Eagle2Drafter::set_loss_vocab`]): its loss from the
+    /// next step on, and the runtimes made from it, use only these target ids (`None`: the whole vocabulary).
+    /// Saved with the checkpoint.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an EAGLE-3 drafter (it has its own draft vocabulary) or invalid ids.
+    pub fn set_hot_vocab(&mut self, ids: Option<&[u32]>) -> Result<()> {
+        match &mut self.drafter {
+            TrainableDrafter::Eagle2(d) => d.set_loss_vocab(ids),
+            TrainableDrafter::Eagle3(_) => {
+                Err(Error::config("hot_vocab", "eagle3", "an EAGLE-3 drafter drafts over its own vocabulary (d2t)"))
+            }
+        }
+    }
+
     /// The drafter (its weights are the trained ones; clones share their storage).
     pub fn drafter(&self) -> &TrainableDrafter {
         &self.drafter

@@ -89,6 +89,12 @@ pub struct SdConfig {
     pub drafter_seed: u64,
     /// Warming the EAGLE drafter up on the policy's own answers before the first RL step (off by default).
     pub warmup: WarmupConfig,
+    /// Hot vocabulary of the EAGLE-2 drafter (FR-Spec; SGLang's `speculative_token_map`): with a warm-up, the
+    /// drafter drafts over, and trains its loss on, only the `hot_vocab` target tokens most frequent in the
+    /// warm-up's answers (end-of-sequence tokens always included), so a draft step reads that many rows of the
+    /// LM head instead of the whole vocabulary. Verification is unchanged, so decoding stays lossless; a token
+    /// outside the hot vocabulary is simply never drafted. 0 (the default), or no warm-up: the whole vocabulary.
+    pub hot_vocab: usize,
 }
 
 impl Default for SdConfig {
@@ -105,6 +111,7 @@ impl Default for SdConfig {
             publish_every: 5,
             drafter_seed: 1,
             warmup: WarmupConfig::default(),
+            hot_vocab: 0,
         }
     }
 }

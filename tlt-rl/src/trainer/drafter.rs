@@ -12,7 +12,7 @@ use tlt_drafter::online::{BackgroundTrainer, FeatureSample, MicroStepOutcome, On
 use tlt_drafter::train::{online_step_fn, train_offline, Budget, OfflineReport, OnlineStepConfig};
 use tlt_drafter::{
     DraftRuntime, DrafterConfig, DrafterKind, DrafterTrainer, Eagle2Drafter, EagleProposer, FrozenTarget,
-    RuntimeOptions, SaveDType, TrainableDrafter,
+    RuntimeOptions, SaveDType, TrainableDrafter, VocabMap,
 };
 use tlt_model::Llama;
 use tlt_spec_decode::{Drafter, Finished, HybridDrafter, NgramDrafter, SuffixConfig, SuffixDrafter};
@@ -203,10 +203,23 @@ impl RolloutDrafter {
     }
 
     /// Trains the EAGLE drafter on `samples` until `budget` is spent and publishes it (`None`, nothing done, for
-    /// the model-free drafters).
-    pub(crate) fn warm_up(&self, samples: &[Arc<FeatureSample>], budget: Budget) -> Result<Option<OfflineReport>> {
+    /// the model-free drafters). With `hot_vocab > 0` the drafter is first restricted to the `hot_vocab` tokens
+    /// most frequent in the samples' responses, with the ids `keep` (end of sequence) ([`SdConfig::hot_vocab`]).
+    pub(crate) fn warm_up(
+        &self,
+        samples: &[Arc<FeatureSample>],
+        budget: Budget,
+        hot_vocab: usize,
+        keep: &[u32],
+    ) -> Result<Option<OfflineReport>> {
         let Self::Eagle(e) = self else { return Ok(None) };
         let mut t = e.trainer.lock();
+        if hot_vocab > 0 {
+            let vocab = t.drafter().target().vocab_size();
+            let tokens = samples.iter().flat_map(|s| s.tokens[s.response_start.min(s.tokens.len())..].iter().copied());
+            let hot = VocabMap::from_tokens(tokens, vocab, hot_vocab.min(vocab), keep)?;
+            t.set_hot_vocab(Some(hot.used()))?;
+        }
         let report = train_offline(&mut t, samples, budget, |_| {})?;
         e.slot.publish(t.runtime(&RuntimeOptions::default())?);
         Ok(Some(report))

@@ -403,6 +403,7 @@ impl<E: Environment> Trainer<E> {
             rollout_tokens: lens.iter().sum(),
             rollout_s: out.seconds,
             drafter_s: out.drafter_s,
+            drafter_after_s: out.drafter_after_s,
             idle_fraction,
             sd_on_fraction: out.trace.sd_fraction(),
             accept_len: out.trace.mean_accept_len(),

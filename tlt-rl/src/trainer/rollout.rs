@@ -51,10 +51,12 @@ pub struct RolloutOutput {
     pub trace: DecodeTrace,
     /// Engine counters.
     pub counters: Counters,
-    /// Wall seconds.
+    /// Wall seconds of the decoding (fixed-schedule drafter steps after it not included).
     pub seconds: f64,
     /// Seconds the drafter trained during it (tail schedule) or right after it (fixed schedule).
     pub drafter_s: f64,
+    /// The part of `drafter_s` after the decoding (fixed schedule).
+    pub drafter_after_s: f64,
     /// How long stopping the drafter's background worker took.
     pub preempt_latency: Option<Duration>,
     /// Every finished request's tokens and hidden states as drafter training data, when the job asked for them
@@ -137,10 +139,12 @@ pub(crate) fn run_rollout(
         }
         obs.on_round(engine.num_live(), finished, total, tokens);
     }
+    let seconds = t0.elapsed().as_secs_f64();
     let (drafter_s, preempt_latency) = match drafter {
         Some(d) => d.end_rollout()?,
         None => (0.0, None),
     };
+    let drafter_after_s = (t0.elapsed().as_secs_f64() - seconds).min(drafter_s);
     let mut samples = Vec::with_capacity(total);
     for (f, group) in done.into_iter().zip(owner) {
         let f = f.ok_or_else(|| Error::InvalidArgument("a request never finished".into()))?;
@@ -156,8 +160,9 @@ pub(crate) fn run_rollout(
         samples,
         trace: decoder.take_trace(),
         counters: *engine.counters(),
-        seconds: t0.elapsed().as_secs_f64(),
+        seconds,
         drafter_s,
+        drafter_after_s,
         preempt_latency,
         features,
     })

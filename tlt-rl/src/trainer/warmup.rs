@@ -143,6 +143,7 @@ pub fn cache_key(policy: &Llama, prompts: &[Prompt], cfg: &TrainerConfig) -> Res
         "drafter": cfg.sd.drafter,
         "drafter_train": cfg.sd.drafter_train,
         "drafter_seed": cfg.sd.drafter_seed,
+        "hot_vocab": cfg.sd.hot_vocab,
     });
     h.update(settings.to_string().as_bytes());
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
@@ -201,7 +202,10 @@ impl<E: Environment> Trainer<E> {
         obs.on_phase(0, "drafter warm-up training");
         let drafter =
             self.drafter.as_ref().ok_or_else(|| Error::InvalidArgument("TLT mode without a drafter".into()))?;
-        let Some(trained) = drafter.warm_up(&out.features, budget)? else { return Ok(None) };
+        let keep = self.policy.config().eos_ids();
+        let Some(trained) = drafter.warm_up(&out.features, budget, self.cfg.sd.hot_vocab, &keep)? else {
+            return Ok(None);
+        };
         if let Some(dir) = &cached {
             drafter.save(dir)?; // atomic
             tracing::info!(dir = %dir.display(), "warm drafter cached");
