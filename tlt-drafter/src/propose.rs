@@ -162,6 +162,13 @@ impl Drafter for EagleProposer {
         self.propose_all(ctxs, plan).map_err(|e| tlt_spec_decode::Error::InvalidArgument(format!("drafter: {e}")))
     }
 
+    fn prepare(&mut self, ctxs: &[DraftContext<'_>]) -> tlt_spec_decode::Result<()> {
+        if self.reader.refresh() {
+            self.seqs.clear(); // Caches hold keys and values of the old weights.
+        }
+        self.catch_up(ctxs).map(drop).map_err(to_sd)
+    }
+
     fn release(&mut self, request: RequestId) {
         self.seqs.remove(&request);
     }

@@ -135,6 +135,15 @@ pub struct StepMetrics {
     /// Wall seconds of each decode step of the rollout (aligned with `active_requests`).
     #[serde(deserialize_with = "vec_f64_or_nan")]
     pub round_seconds: Vec<f64>,
+    /// Tokens committed in each decode step, all requests together (aligned with `active_requests`).
+    #[serde(default)]
+    pub round_tokens: Vec<u64>,
+    /// Speculative rounds of this rollout that the bandit ran with its plain arm.
+    #[serde(default)]
+    pub plain_arm_steps: u64,
+    /// Seconds the drafter caught up before speculative rounds (inside `rollout_s`).
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub drafter_prepare_s: f64,
     /// Length of every response, tokens.
     pub response_lengths: Vec<usize>,
     /// Accepted length of every speculative step.

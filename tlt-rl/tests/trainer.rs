@@ -105,9 +105,20 @@ fn weights(t: &Trainer<CountEnv>) -> BTreeMap<String, Vec<f32>> {
 /// The metrics that do not depend on wall time (the bandit's arms and hence accept lengths do).
 fn deterministic(m: &StepMetrics) -> String {
     let mut m = m.clone();
-    for x in [&mut m.rollout_s, &mut m.reward_s, &mut m.train_s, &mut m.publish_s, &mut m.drafter_s, &mut m.step_s] {
+    for x in [
+        &mut m.rollout_s,
+        &mut m.reward_s,
+        &mut m.train_s,
+        &mut m.publish_s,
+        &mut m.drafter_s,
+        &mut m.drafter_after_s,
+        &mut m.drafter_prepare_s,
+        &mut m.step_s,
+    ] {
         *x = 0.0;
     }
+    m.plain_arm_steps = 0;
+    m.round_tokens.clear();
     m.accept_len = 0.0;
     m.accept_lens.clear();
     m.arms.clear();
@@ -136,10 +147,13 @@ struct GreedyRun {
     metrics: Vec<StepMetrics>,
 }
 
-fn greedy_run(mode: Mode, drafter: DrafterChoice) -> GreedyRun {
+fn greedy_run(mode: Mode, drafters: &[DrafterChoice]) -> GreedyRun {
     let mut cfg = base_config(mode);
     cfg.temperature = 0.0;
-    cfg.sd.drafter = drafter;
+    match drafters {
+        [one] => cfg.sd.drafter = *one,
+        many => cfg.sd.drafters = many.to_vec(),
+    }
     // Greedy groups are identical: a batch-level baseline keeps the advantages non-zero. The trainer recomputes
     // every log-probability it trains on; the rollout's own (for the IS correction) come from different kernels
     // under SD (verify rows vs decode rows), equal only to rounding, so the correction is off here.
@@ -163,9 +177,11 @@ fn greedy_run(mode: Mode, drafter: DrafterChoice) -> GreedyRun {
 
 #[test]
 fn greedy_tlt_equals_baseline_completions_and_weights() {
-    let base = greedy_run(Mode::Baseline, DrafterChoice::Eagle2);
-    for drafter in [DrafterChoice::Eagle2, DrafterChoice::Ngram, DrafterChoice::Suffix, DrafterChoice::Hybrid] {
-        let run = greedy_run(Mode::Tlt, drafter);
+    let base = greedy_run(Mode::Baseline, &[DrafterChoice::Eagle2]);
+    use DrafterChoice::{Eagle2, Hybrid, Ngram, Suffix};
+    for drafters in [&[Eagle2][..], &[Ngram], &[Suffix], &[Hybrid], &[Suffix, Ngram, Hybrid]] {
+        let run = greedy_run(Mode::Tlt, drafters);
+        let drafter = drafters.to_vec();
         let m = &run.metrics;
         let sd: Vec<f64> = m.iter().map(|m| m.sd_on_fraction).collect();
         assert!(sd.iter().all(|&f| f > 0.5), "{drafter:?}: SD was not on: {sd:?}");
@@ -174,8 +190,14 @@ fn greedy_tlt_equals_baseline_completions_and_weights() {
         for (name, a) in &base.weights {
             assert!(run.weights[name] == *a, "{drafter:?}: weight `{name}` differs after 2 steps");
         }
-        if drafter.has_eagle() {
+        if drafter.iter().any(|d| d.has_eagle()) {
             assert!(m[1].drafter_steps > 0, "the online drafter never trained");
+        }
+        if drafter.len() > 1 {
+            // The bandit's arms carry the drafter kind.
+            let kinds: std::collections::BTreeSet<&str> =
+                m.iter().flat_map(|m| m.arms.keys()).filter_map(|a| a.split('/').next()).collect();
+            assert!(kinds.len() >= 2 && kinds.iter().all(|k| ["suffix", "ngram", "hybrid"].contains(k)), "{kinds:?}");
         }
         let diff = run.logprobs.iter().zip(&base.logprobs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         println!("{drafter:?}: rollout log-probabilities differ from plain decoding by at most {diff:e}");
@@ -344,6 +366,8 @@ fn bad_configs_and_checkpoints_are_clear_errors() {
     let bad = TrainerConfig { group_size: 0, ..TrainerConfig::default() };
     let e = Trainer::new(tiny_model(1), CountEnv::new(), bad).unwrap_err();
     assert!(e.to_string().contains("group_size"), "{e}");
+    let e = TrainerConfig::from_toml("[sd]\ndrafters = [\"suffix\", \"hybrid\", \"suffix\"]\n").unwrap_err();
+    assert!(e.to_string().contains("sd.drafters") && e.to_string().contains("twice"), "{e}");
     let e = TrainerConfig::from_toml("mode = \"tlt\"\nnot_a_key = 1\n").unwrap_err();
     assert!(e.to_string().contains("not_a_key"), "{e}");
     let cfg = TrainerConfig::from_toml(&TrainerConfig::default().to_toml().unwrap()).unwrap();

@@ -44,12 +44,20 @@ pub struct DecodeTrace {
     /// Wall seconds of each round (aligned with [`Self::active`]).
     #[serde(default)]
     pub round_seconds: Vec<f64>,
+    /// Tokens committed in each round, all requests together, before stop truncation (aligned with
+    /// [`Self::active`]).
+    #[serde(default)]
+    pub round_tokens: Vec<u64>,
     /// Mean tokens committed per request in each speculative round.
     pub accept_lens: Vec<f64>,
     /// Arms chosen, as `"steps:top_k:verify_tokens"` (prefixed `"kind/"` with named drafter kinds) -> rounds.
     pub arms: BTreeMap<String, u64>,
     /// Rounds in the speculative phase where the bandit chose its plain arm (counted as plain rounds).
     pub plain_arm_steps: u64,
+    /// Seconds the drafter spent catching up before speculative rounds ([`Engine::prepare_drafter`]), inside
+    /// the rounds' wall time but outside the bandit's measurement of its arms.
+    #[serde(default)]
+    pub prepare_seconds: f64,
 }
 
 impl DecodeTrace {
@@ -122,19 +130,31 @@ impl AdaptiveDecoder {
         let batch = engine.num_live();
         let phase = self.gate.observe(batch).phase;
         self.trace.active.push(batch);
+        let committed0 = engine.counters().committed;
         let t = Instant::now();
         let phase = match (phase, drafter) {
             (Phase::Speculative, Some(drafter)) => {
                 let choice = self.mab.select(batch);
+                if !choice.plain && choice.drafter < drafter.kinds() {
+                    // The drafter's catch-up on what was committed while it did not draft (after the bulk
+                    // phase: every running request's whole history) is not the chosen arm's cost: it runs
+                    // outside the arm's timing (the round's wall time in the trace still includes it).
+                    drafter.select_kind(choice.drafter);
+                    let t_prep = Instant::now();
+                    engine.prepare_drafter(&mut *drafter)?;
+                    self.trace.prepare_seconds += t_prep.elapsed().as_secs_f64();
+                }
+                let t_arm = Instant::now();
                 let before = *engine.counters();
                 if choice.plain {
                     engine.round(Some(drafter), None)?;
+                    self.mab.record_step(&choice, 1.0, batch, t_arm.elapsed().as_secs_f64().max(1e-9))?;
                     let secs = t.elapsed().as_secs_f64();
-                    self.mab.record_step(&choice, 1.0, batch, secs.max(1e-9))?;
                     self.trace.plain_arm_steps += 1;
                     self.trace.steps += 1;
                     self.trace.seconds += secs;
                     self.trace.round_seconds.push(secs);
+                    self.trace.round_tokens.push(engine.counters().committed - committed0);
                     return Ok(Phase::Plain);
                 }
                 if choice.drafter >= drafter.kinds() {
@@ -149,7 +169,7 @@ impl AdaptiveDecoder {
                 }
                 drafter.select_kind(choice.drafter);
                 engine.round(Some(drafter), Some(&choice.plan))?;
-                let secs = t.elapsed().as_secs_f64();
+                let secs = t_arm.elapsed().as_secs_f64();
                 let after = engine.counters();
                 let rounds = (after.seq_rounds - before.seq_rounds).max(1);
                 let accept = (after.committed - before.committed) as f64 / rounds as f64;
@@ -159,7 +179,7 @@ impl AdaptiveDecoder {
                 *self.trace.arms.entry(format!("{kind}{}:{}:{}", p.steps, p.top_k, p.verify_tokens)).or_default() += 1;
                 self.trace.accept_lens.push(accept);
                 self.trace.sd_steps += 1;
-                self.trace.sd_seconds += secs;
+                self.trace.sd_seconds += t.elapsed().as_secs_f64();
                 Phase::Speculative
             }
             (_, drafter) => {
@@ -172,6 +192,7 @@ impl AdaptiveDecoder {
         self.trace.steps += 1;
         self.trace.seconds += secs;
         self.trace.round_seconds.push(secs);
+        self.trace.round_tokens.push(engine.counters().committed - committed0);
         Ok(phase)
     }
 

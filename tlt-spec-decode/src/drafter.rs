@@ -47,6 +47,18 @@ pub trait Drafter {
         ctxs.iter().map(|c| self.propose(c, plan)).collect()
     }
 
+    /// Brings the drafter's own state up to date with the live requests' histories (e.g. a learned drafter's KV
+    /// cache over the positions committed while it did not draft), so the next [`Drafter::propose_batch`] costs
+    /// only the drafting itself. Called by [`Engine::prepare_drafter`](crate::Engine::prepare_drafter), which a
+    /// scheduler uses to keep that one-off cost out of its measurement of a speculative round. Default: nothing.
+    ///
+    /// # Errors
+    /// As [`Drafter::propose`].
+    fn prepare(&mut self, ctxs: &[DraftContext<'_>]) -> Result<()> {
+        let _ = ctxs;
+        Ok(())
+    }
+
     /// A request joins the batch: called once per request, before its first [`Drafter::observe`] or
     /// [`Drafter::propose`], with its history at that point (usually just the prompt). Default: ignored.
     fn admit(&mut self, ctx: &DraftContext<'_>) {
@@ -123,6 +135,9 @@ impl Drafter for DrafterSet<'_> {
     }
     fn propose_batch(&mut self, ctxs: &[DraftContext<'_>], plan: &Plan) -> Result<Vec<DraftTree>> {
         self.members[self.active].propose_batch(ctxs, plan)
+    }
+    fn prepare(&mut self, ctxs: &[DraftContext<'_>]) -> Result<()> {
+        self.members[self.active].prepare(ctxs)
     }
     fn observe(&mut self, request: RequestId, committed: &[u32]) {
         self.members.iter_mut().for_each(|m| m.observe(request, committed));

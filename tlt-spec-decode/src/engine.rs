@@ -417,6 +417,61 @@ impl<T: Target> Engine<T> {
         }
     }
 
+    /// Lets `drafter` catch up with the live requests ([`Drafter::prepare`]) before a speculative round, so that
+    /// round's time is its drafting, verification and commit only. The time counts as drafting
+    /// ([`Counters::draft_s`]).
+    ///
+    /// # Errors
+    /// The drafter's error, or a request without the hidden states a drafter needs.
+    pub fn prepare_drafter(&mut self, drafter: &mut (dyn Drafter + '_)) -> Result<()> {
+        if self.live.is_empty() {
+            return Ok(());
+        }
+        self.admit_all(drafter);
+        let t0 = Instant::now();
+        let ctxs = self.contexts(drafter)?;
+        let r = drafter.prepare(&ctxs);
+        self.counters.draft_s += t0.elapsed().as_secs_f64();
+        r
+    }
+
+    fn admit_all(&mut self, d: &mut (dyn Drafter + '_)) {
+        for s in self.live.iter_mut().filter(|s| !s.admitted) {
+            d.admit(&DraftContext {
+                request: s.id,
+                history: &s.history,
+                prompt_len: s.prompt_len,
+                hidden: s.hidden.as_ref(),
+                group: s.group,
+            });
+            s.admitted = true;
+        }
+    }
+
+    /// Every live request's context, checking that a drafter needing hidden states has them.
+    fn contexts(&self, d: &(dyn Drafter + '_)) -> Result<Vec<DraftContext<'_>>> {
+        if d.needs_hidden() {
+            if let Some(s) = self.live.iter().find(|s| s.hidden.is_none()) {
+                return Err(Error::InvalidArgument(format!(
+                    "the drafter needs hidden states but request {} records none (Engine::record_hidden before \
+                     add_request)",
+                    s.id.0
+                )));
+            }
+        }
+        Ok(self
+            .live
+            .iter()
+            .map(|s| DraftContext {
+                request: s.id,
+                history: &s.history,
+                prompt_len: s.prompt_len,
+                hidden: s.hidden.as_ref(),
+                group: s.group,
+            })
+            .collect())
+    }
+
     /// One round, the general form of [`Engine::step`]: with a `plan`, `drafter` drafts (a plan without a
     /// drafter is ignored); without one the round is plain, but a given `drafter` still sees the round's
     /// admissions, commits and releases, so a drafter that learns from committed tokens (a group drafter) stays
@@ -429,16 +484,7 @@ impl<T: Target> Engine<T> {
             return Ok(());
         }
         if let Some(d) = drafter.as_deref_mut() {
-            for s in self.live.iter_mut().filter(|s| !s.admitted) {
-                d.admit(&DraftContext {
-                    request: s.id,
-                    history: &s.history,
-                    prompt_len: s.prompt_len,
-                    hidden: s.hidden.as_ref(),
-                    group: s.group,
-                });
-                s.admitted = true;
-            }
+            self.admit_all(d);
         }
         let plan = if drafter.is_some() { plan } else { None };
         if let Some(p) = plan {
@@ -448,26 +494,7 @@ impl<T: Target> Engine<T> {
         let t0 = Instant::now();
         let trees = match (drafter.as_deref_mut(), plan) {
             (Some(d), Some(plan)) => {
-                if d.needs_hidden() {
-                    if let Some(s) = self.live.iter().find(|s| s.hidden.is_none()) {
-                        return Err(Error::InvalidArgument(format!(
-                            "the drafter needs hidden states but request {} records none (Engine::record_hidden \
-                             before add_request)",
-                            s.id.0
-                        )));
-                    }
-                }
-                let ctxs: Vec<DraftContext<'_>> = self
-                    .live
-                    .iter()
-                    .map(|s| DraftContext {
-                        request: s.id,
-                        history: &s.history,
-                        prompt_len: s.prompt_len,
-                        hidden: s.hidden.as_ref(),
-                        group: s.group,
-                    })
-                    .collect();
+                let ctxs = self.contexts(d)?;
                 d.propose_batch(&ctxs, plan)?
             }
             _ => self.live.iter().map(|s| DraftTree::new(*s.history.last().unwrap_or(&0))).collect(),

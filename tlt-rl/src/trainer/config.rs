@@ -44,6 +44,16 @@ impl DrafterChoice {
     pub fn has_eagle(self) -> bool {
         matches!(self, Self::Hybrid | Self::Eagle2)
     }
+
+    /// Its name in configs and in the bandit's arms (`hybrid`, `eagle2`, `suffix`, `ngram`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Hybrid => "hybrid",
+            Self::Eagle2 => "eagle2",
+            Self::Suffix => "suffix",
+            Self::Ngram => "ngram",
+        }
+    }
 }
 
 /// When the online drafter trains.
@@ -73,6 +83,10 @@ pub struct SdConfig {
     pub mab: MabConfig,
     /// The drafter.
     pub drafter: DrafterChoice,
+    /// Several drafter kinds for the bandit to choose between per batch bucket (issue: "BEG-MAB arms that
+    /// include the drafter kind"); every kind sees every commit, the chosen one drafts. Non-empty, it replaces
+    /// [`Self::drafter`] and fills `mab.drafters` with the kinds' names (in this order). Default empty.
+    pub drafters: Vec<DrafterChoice>,
     /// Group drafting settings ([`DrafterChoice::Suffix`] and [`DrafterChoice::Hybrid`]).
     pub suffix: SuffixConfig,
     /// Drafter optimisation (EAGLE-2).
@@ -97,12 +111,38 @@ pub struct SdConfig {
     pub hot_vocab: usize,
 }
 
+impl SdConfig {
+    /// The drafter kinds of TLT rollouts: [`Self::drafters`], or the one [`Self::drafter`].
+    pub fn kinds(&self) -> Vec<DrafterChoice> {
+        if self.drafters.is_empty() {
+            vec![self.drafter]
+        } else {
+            self.drafters.clone()
+        }
+    }
+
+    /// Whether any kind has the online EAGLE-2 drafter.
+    pub fn has_eagle(&self) -> bool {
+        self.kinds().iter().any(|d| d.has_eagle())
+    }
+
+    /// The bandit's config: `mab` with `mab.drafters` naming [`Self::drafters`] when several kinds are set.
+    pub fn bandit(&self) -> MabConfig {
+        let mut mab = self.mab.clone();
+        if !self.drafters.is_empty() {
+            mab.drafters = self.drafters.iter().map(|d| d.name().to_string()).collect();
+        }
+        mab
+    }
+}
+
 impl Default for SdConfig {
     fn default() -> Self {
         Self {
             gate: GateConfig::default(),
             mab: MabConfig::default(),
             drafter: DrafterChoice::default(),
+            drafters: Vec::new(),
             suffix: SuffixConfig::default(),
             drafter_train: TrainConfig { schedule: LrSchedule::constant(3e-4), ..TrainConfig::default() },
             buffer: BufferConfig::default(),
@@ -261,6 +301,9 @@ impl TrainerConfig {
                  changes: set top_p = 1 or turn the correction off (tis_cap unset)",
             ));
         }
+        if let Some((i, d)) = self.sd.drafters.iter().enumerate().find(|(i, d)| self.sd.drafters[..*i].contains(d)) {
+            return Err(Error::config("sd.drafters", format!("kind {} (entry {i}) is listed twice", d.name())));
+        }
         if self.sd.publish_every == 0 {
             return Err(Error::config("sd.publish_every", "must be at least 1"));
         }
@@ -273,7 +316,7 @@ impl TrainerConfig {
         self.optim.schedule.validate()?;
         self.grpo.validate()?;
         self.sd.gate.validate()?;
-        self.sd.mab.validate()?;
+        self.sd.bandit().validate()?;
         self.sd.drafter_train.validate()?;
         self.sd.suffix.validate()?;
         self.sd.buffer.validate()?;

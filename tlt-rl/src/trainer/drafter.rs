@@ -15,10 +15,10 @@ use tlt_drafter::{
     RuntimeOptions, SaveDType, TrainableDrafter, VocabMap,
 };
 use tlt_model::Llama;
-use tlt_spec_decode::{Drafter, Finished, HybridDrafter, NgramDrafter, SuffixConfig, SuffixDrafter};
+use tlt_spec_decode::{Drafter, DrafterSet, Finished, HybridDrafter, NgramDrafter, SuffixConfig, SuffixDrafter};
 
 use super::config::{DrafterChoice, DrafterSchedule, SdConfig};
-use crate::Result;
+use crate::{Error, Result};
 
 /// The online EAGLE-2 drafter: trainer, sample buffer, weights slot and background worker.
 pub(crate) struct OnlineEagle {
@@ -29,8 +29,6 @@ pub(crate) struct OnlineEagle {
     schedule: DrafterSchedule,
     tail_batch: usize,
     publish_every: u64,
-    /// Merge its trees with group drafts ([`DrafterChoice::Hybrid`]).
-    hybrid: Option<SuffixConfig>,
     /// The worker is running (tail schedule).
     training: bool,
     /// Wall seconds the worker ran in the current rollout.
@@ -38,41 +36,35 @@ pub(crate) struct OnlineEagle {
     train_s: f64,
 }
 
-/// A rollout drafter.
-pub(crate) enum RolloutDrafter {
-    /// Model-free, per request.
-    Ngram,
-    /// Model-free, per group.
-    Suffix(SuffixConfig),
-    /// Online EAGLE-2.
-    Eagle(Box<OnlineEagle>),
+/// The drafters of TLT rollouts: one or several kinds ([`SdConfig::kinds`]), with the online EAGLE-2 drafter
+/// when a kind uses it.
+pub(crate) struct RolloutDrafter {
+    kinds: Vec<DrafterChoice>,
+    suffix: SuffixConfig,
+    eagle: Option<Box<OnlineEagle>>,
 }
 
 impl std::fmt::Debug for RolloutDrafter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Ngram => f.write_str("Ngram"),
-            Self::Suffix(_) => f.write_str("Suffix"),
-            Self::Eagle(e) => write!(f, "Eagle2(version {})", e.slot.version()),
-        }
+        f.debug_struct("RolloutDrafter")
+            .field("kinds", &self.kinds)
+            .field("eagle_version", &self.eagle.as_ref().map(|e| e.slot.version()))
+            .finish()
     }
 }
 
 impl RolloutDrafter {
-    /// A drafter for `policy` as `cfg` says.
+    /// The drafters for `policy` as `cfg` says (a fresh EAGLE-2 drafter when a kind needs one).
     pub(crate) fn new(cfg: &SdConfig, policy: &Llama) -> Result<Self> {
-        match cfg.drafter {
-            DrafterChoice::Ngram => Ok(Self::Ngram),
-            DrafterChoice::Suffix => Ok(Self::Suffix(cfg.suffix)),
-            DrafterChoice::Eagle2 | DrafterChoice::Hybrid => {
-                let dcfg = DrafterConfig::eagle2_from_target(policy.config(), false);
-                let d = Eagle2Drafter::random(dcfg, FrozenTarget::new(policy), cfg.drafter_seed)?;
-                Self::eagle(cfg, DrafterTrainer::new(d, cfg.drafter_train.clone())?, 0)
-            }
+        if !cfg.has_eagle() {
+            return Ok(Self { kinds: cfg.kinds(), suffix: cfg.suffix, eagle: None });
         }
+        let dcfg = DrafterConfig::eagle2_from_target(policy.config(), false);
+        let d = Eagle2Drafter::random(dcfg, FrozenTarget::new(policy), cfg.drafter_seed)?;
+        Self::eagle(cfg, DrafterTrainer::new(d, cfg.drafter_train.clone())?, 0)
     }
 
-    /// An EAGLE-2 drafter from its trainer, publishing from weights version `version` on.
+    /// The drafters of `cfg` with this EAGLE-2 drafter trainer, publishing from weights version `version` on.
     pub(crate) fn eagle(cfg: &SdConfig, trainer: DrafterTrainer, version: u64) -> Result<Self> {
         let slot = Arc::new(WeightsSlot::with_version(trainer.runtime(&RuntimeOptions::default())?, version));
         let trainer = Arc::new(Mutex::new(trainer));
@@ -86,7 +78,7 @@ impl RolloutDrafter {
             }
             _ => None,
         };
-        Ok(Self::Eagle(Box::new(OnlineEagle {
+        let eagle = OnlineEagle {
             trainer,
             buffer,
             slot,
@@ -94,33 +86,46 @@ impl RolloutDrafter {
             schedule: cfg.schedule,
             tail_batch: cfg.tail_batch,
             publish_every: cfg.publish_every,
-            hybrid: (cfg.drafter == DrafterChoice::Hybrid).then_some(cfg.suffix),
             training: false,
             train_since: None,
             train_s: 0.0,
-        })))
+        };
+        Ok(Self { kinds: cfg.kinds(), suffix: cfg.suffix, eagle: Some(Box::new(eagle)) })
     }
 
-    /// Whether the engine must record hidden states for this drafter.
+    /// Whether the engine must record hidden states for these drafters.
     pub(crate) fn needs_hidden(&self) -> bool {
-        matches!(self, Self::Eagle(_))
+        self.eagle.is_some()
     }
 
-    /// A fresh proposer for one rollout (per-request drafter caches live in it).
+    /// A fresh proposer for one rollout (per-request drafter state lives in it): the one kind, or a
+    /// [`DrafterSet`] of the kinds in order (the bandit's drafter index).
     pub(crate) fn proposer(&self) -> Result<Box<dyn Drafter>> {
-        Ok(match self {
-            Self::Ngram => Box::new(NgramDrafter::default()),
-            Self::Suffix(cfg) => Box::new(SuffixDrafter::new(*cfg)?),
-            Self::Eagle(e) => match e.hybrid {
-                Some(cfg) => Box::new(HybridDrafter::new(SuffixDrafter::new(cfg)?, EagleProposer::new(e.slot.clone()))),
-                None => Box::new(EagleProposer::new(e.slot.clone())),
-            },
+        let mut members = self.kinds.iter().map(|&k| self.member(k)).collect::<Result<Vec<_>>>()?;
+        if members.len() == 1 {
+            if let Some(m) = members.pop() {
+                return Ok(m);
+            }
+        }
+        Ok(Box::new(DrafterSet::new(members)?))
+    }
+
+    fn member(&self, kind: DrafterChoice) -> Result<Box<dyn Drafter>> {
+        let eagle = || -> Result<EagleProposer> {
+            let e = self.eagle.as_ref().ok_or_else(|| Error::InvalidArgument("no EAGLE drafter".into()))?;
+            Ok(EagleProposer::new(e.slot.clone()))
+        };
+        Ok(match kind {
+            DrafterChoice::Ngram => Box::new(NgramDrafter::default()),
+            DrafterChoice::Suffix => Box::new(SuffixDrafter::new(self.suffix)?),
+            DrafterChoice::Eagle2 => Box::new(eagle()?),
+            DrafterChoice::Hybrid => Box::new(HybridDrafter::new(SuffixDrafter::new(self.suffix)?, eagle()?)),
         })
     }
 
     /// A rollout starts: the buffer moves to RL step `step`.
     pub(crate) fn begin_rollout(&mut self, step: u64) {
-        if let Self::Eagle(e) = self {
+        if let Some(e) = self.eagle.as_mut() {
             e.buffer.set_step(step);
             e.train_s = 0.0;
         }
@@ -128,7 +133,7 @@ impl RolloutDrafter {
 
     /// A request finished: its tokens and hidden states become training data.
     pub(crate) fn on_finished(&self, f: &Finished, step: u64) -> Result<()> {
-        if let Self::Eagle(e) = self {
+        if let Some(e) = self.eagle.as_ref() {
             let sample = FeatureSample::from_finished(f, step)?;
             if sample.train_positions() > 0 {
                 e.buffer.push(sample)?;
@@ -139,7 +144,7 @@ impl RolloutDrafter {
 
     /// After each round: in the tail (at most `tail_batch` running) the background worker trains.
     pub(crate) fn on_round(&mut self, running: usize) {
-        if let Self::Eagle(e) = self {
+        if let Some(e) = self.eagle.as_mut() {
             if let Some(w) = &e.worker {
                 if !e.training && running <= e.tail_batch && running > 0 {
                     w.resume();
@@ -153,7 +158,7 @@ impl RolloutDrafter {
     /// The rollout ended: stop the worker (or run the fixed steps). Returns drafter training seconds of this
     /// rollout and the preemption latency of the stop (tail schedule).
     pub(crate) fn end_rollout(&mut self) -> Result<(f64, Option<Duration>)> {
-        let Self::Eagle(e) = self else { return Ok((0.0, None)) };
+        let Some(e) = self.eagle.as_mut() else { return Ok((0.0, None)) };
         let mut latency = None;
         if let (Some(w), true) = (&e.worker, e.training) {
             latency = Some(w.pause());
@@ -178,7 +183,7 @@ impl RolloutDrafter {
 
     /// The policy changed: point the drafter at its new embedding and head and publish the result.
     pub(crate) fn retarget(&self, policy: &Llama) -> Result<()> {
-        if let Self::Eagle(e) = self {
+        if let Some(e) = self.eagle.as_ref() {
             let mut t = e.trainer.lock();
             t.set_target(FrozenTarget::new(policy))?;
             e.slot.publish(t.runtime(&RuntimeOptions::default())?);
@@ -188,18 +193,12 @@ impl RolloutDrafter {
 
     /// Published weights version (0 for the n-gram drafter).
     pub(crate) fn version(&self) -> u64 {
-        match self {
-            Self::Ngram | Self::Suffix(_) => 0,
-            Self::Eagle(e) => e.slot.version(),
-        }
+        self.eagle.as_ref().map_or(0, |e| e.slot.version())
     }
 
     /// Drafter optimizer steps so far.
     pub(crate) fn steps(&self) -> u64 {
-        match self {
-            Self::Ngram | Self::Suffix(_) => 0,
-            Self::Eagle(e) => e.trainer.lock().steps_done(),
-        }
+        self.eagle.as_ref().map_or(0, |e| e.trainer.lock().steps_done())
     }
 
     /// Trains the EAGLE drafter on `samples` until `budget` is spent and publishes it (`None`, nothing done, for
@@ -212,7 +211,7 @@ impl RolloutDrafter {
         hot_vocab: usize,
         keep: &[u32],
     ) -> Result<Option<OfflineReport>> {
-        let Self::Eagle(e) = self else { return Ok(None) };
+        let Some(e) = self.eagle.as_ref() else { return Ok(None) };
         let mut t = e.trainer.lock();
         if hot_vocab > 0 {
             let vocab = t.drafter().target().vocab_size();
@@ -227,7 +226,7 @@ impl RolloutDrafter {
 
     /// Checkpoints the drafter trainer into `dir` (nothing for the n-gram drafter).
     pub(crate) fn save(&self, dir: &Path) -> Result<()> {
-        if let Self::Eagle(e) = self {
+        if let Some(e) = self.eagle.as_ref() {
             e.trainer.lock().save_checkpoint(dir)?;
         }
         Ok(())
@@ -237,7 +236,7 @@ impl RolloutDrafter {
     /// layout; EAGLE-3: the SGLang/vLLM format) to `dir`; returns its kind, or `None` (nothing written) for the
     /// model-free drafters.
     pub(crate) fn export(&self, dir: &Path, dtype: SaveDType) -> Result<Option<DrafterKind>> {
-        let Self::Eagle(e) = self else { return Ok(None) };
+        let Some(e) = self.eagle.as_ref() else { return Ok(None) };
         let t = e.trainer.lock();
         match t.drafter() {
             TrainableDrafter::Eagle2(d) => save_eagle2_serving(d, dir, dtype)?,
@@ -248,7 +247,7 @@ impl RolloutDrafter {
 
     /// Stops the background worker.
     pub(crate) fn shutdown(&mut self) -> Result<()> {
-        if let Self::Eagle(e) = self {
+        if let Some(e) = self.eagle.as_mut() {
             if let Some(w) = e.worker.take() {
                 w.shutdown()?;
             }

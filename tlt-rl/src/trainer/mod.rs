@@ -152,7 +152,7 @@ impl<E: Environment> Trainer<E> {
         let opt = AdamW::new(vars, cfg.adamw())?;
         let rollout_model = Some(snapshot(&policy)?);
         let decoder = match cfg.mode {
-            Mode::Tlt => AdaptiveDecoder::new(cfg.sd.gate.clone(), cfg.sd.mab.clone())?,
+            Mode::Tlt => AdaptiveDecoder::new(cfg.sd.gate.clone(), cfg.sd.bandit())?,
             Mode::Baseline => AdaptiveDecoder::plain()?,
         };
         Ok(Self { cfg, env, policy, opt, rollout_model, reference, decoder, drafter, step })
@@ -174,13 +174,11 @@ impl<E: Environment> Trainer<E> {
         }
         let saved = tlt_model::load_hf_dir(&dir.join(POLICY_DIR))?.model;
         let drafter = match cfg.mode {
-            Mode::Tlt => Some(match cfg.sd.drafter {
-                d if d.has_eagle() => {
-                    let t = DrafterTrainer::resume(&dir.join(DRAFTER_DIR), &saved)?;
-                    RolloutDrafter::eagle(&cfg.sd, t, state.drafter_version)?
-                }
-                _ => RolloutDrafter::new(&cfg.sd, &saved)?,
-            }),
+            Mode::Tlt if cfg.sd.has_eagle() => {
+                let t = DrafterTrainer::resume(&dir.join(DRAFTER_DIR), &saved)?;
+                Some(RolloutDrafter::eagle(&cfg.sd, t, state.drafter_version)?)
+            }
+            Mode::Tlt => Some(RolloutDrafter::new(&cfg.sd, &saved)?),
             Mode::Baseline => None,
         };
         let mut t = Self::assemble(initial, env, cfg, drafter, state.step)?;
@@ -424,6 +422,9 @@ impl<E: Environment> Trainer<E> {
             tail_share: out.trace.tail_share(self.cfg.sd.gate.threshold),
             active_requests: active.clone(),
             round_seconds: out.trace.round_seconds.clone(),
+            round_tokens: out.trace.round_tokens.clone(),
+            plain_arm_steps: out.trace.plain_arm_steps,
+            drafter_prepare_s: out.trace.prepare_seconds,
             response_lengths: lens,
             accept_lens: out.trace.accept_lens.clone(),
             ..StepMetrics::default()

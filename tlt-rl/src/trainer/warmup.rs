@@ -140,7 +140,7 @@ pub fn cache_key(policy: &Llama, prompts: &[Prompt], cfg: &TrainerConfig) -> Res
         "seed": cfg.seed,
         "warmup": { "samples_per_prompt": cfg.sd.warmup.samples_per_prompt, "max_new_tokens": cfg.sd.warmup.max_new_tokens,
                     "seconds": cfg.sd.warmup.seconds, "max_steps": cfg.sd.warmup.max_steps },
-        "drafter": cfg.sd.drafter,
+        "drafter": cfg.sd.kinds(),
         "drafter_train": cfg.sd.drafter_train,
         "drafter_seed": cfg.sd.drafter_seed,
         "hot_vocab": cfg.sd.hot_vocab,
@@ -161,7 +161,7 @@ impl<E: Environment> Trainer<E> {
     /// Generation, training or cache I/O failures.
     pub fn warm_up_drafter(&mut self, obs: &mut dyn Observer) -> Result<Option<WarmupReport>> {
         let w = self.cfg.sd.warmup.clone();
-        if self.cfg.mode != Mode::Tlt || !self.cfg.sd.drafter.has_eagle() || w.prompts == 0 || self.step != 0 {
+        if self.cfg.mode != Mode::Tlt || !self.cfg.sd.has_eagle() || w.prompts == 0 || self.step != 0 {
             return Ok(None);
         }
         obs.on_phase(0, "drafter warm-up");

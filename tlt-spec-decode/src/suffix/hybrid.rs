@@ -108,6 +108,11 @@ impl<A: Drafter, B: Drafter> Drafter for HybridDrafter<A, B> {
         ta.iter().zip(&tb).map(|(x, y)| merge_trees(x, y, plan)).collect()
     }
 
+    fn prepare(&mut self, ctxs: &[DraftContext<'_>]) -> Result<()> {
+        self.a.prepare(ctxs)?;
+        self.b.prepare(ctxs)
+    }
+
     fn observe(&mut self, request: RequestId, committed: &[u32]) {
         self.a.observe(request, committed);
         self.b.observe(request, committed);
