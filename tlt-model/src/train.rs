@@ -113,7 +113,20 @@ impl Checkpoints {
     /// # Errors
     /// [`Error::InvalidInput`] when `grads` holds no gradient for the checkpointed states (the loss did not use them),
     /// and tensor errors.
-    pub fn backward(self, model: &Llama, mut grads: GradStore) -> Result<GradStore> {
+    pub fn backward(self, model: &Llama, grads: GradStore) -> Result<GradStore> {
+        let mut acc = None;
+        self.backward_into(model, grads, &mut acc)?;
+        acc.ok_or_else(|| Error::InvalidInput("Checkpoints::backward: no gradient".into()))
+    }
+
+    /// [`Self::backward`], accumulating every gradient into `acc` as it is computed ([`accumulate_grads`]):
+    /// `grads` first (the loss's gradients above the checkpointed states), then one layer at a time, then the
+    /// embedding. Peak memory is `acc` plus one layer's gradients, where [`Self::backward`] followed by
+    /// [`accumulate_grads`] holds a second copy of every gradient.
+    ///
+    /// # Errors
+    /// As [`Self::backward`].
+    pub fn backward_into(self, model: &Llama, mut grads: GradStore, acc: &mut Option<GradStore>) -> Result<()> {
         // Gradients of leaves can carry a graph (candle builds them from the weights): detach them so each
         // surrogate's backward reaches only its own layer.
         let mut g = grads
@@ -122,6 +135,7 @@ impl Checkpoints {
                 Error::InvalidInput("Checkpoints::backward: the loss does not depend on the checkpointed states".into())
             })?
             .detach();
+        accumulate_grads(acc, grads)?;
         for (lw, x) in model.weights().layers.iter().zip(&self.inputs).rev() {
             let xin = Var::from_tensor(x)?;
             let y = self.ctx.layer(model, lw, xin.as_tensor())?;
@@ -130,11 +144,10 @@ impl Checkpoints {
                 .remove(xin.as_tensor())
                 .ok_or_else(|| Error::InvalidInput("a layer without an input gradient".into()))?
                 .detach();
-            add_grads(&mut grads, &lg)?;
+            accumulate_grads(acc, lg)?;
         }
         let e = self.ctx.embed(model, &self.ids)?;
-        add_grads(&mut grads, &(e * &g)?.sum_all()?.backward()?)?;
-        Ok(grads)
+        accumulate_grads(acc, (e * &g)?.sum_all()?.backward()?)
     }
 }
 

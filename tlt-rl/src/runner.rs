@@ -401,7 +401,7 @@ impl Comparison {
         let mut s = String::new();
         let line = |s: &mut String, name: &str, o: &RunOutcome| {
             let eval = |e: &Option<Evaluation>| {
-                e.map_or("-".to_string(), |e| format!("{:.3} (acc {:.2})", e.reward_mean, e.accuracy))
+                e.as_ref().map_or("-".to_string(), |e| format!("{:.3} (acc {:.2})", e.reward_mean, e.accuracy))
             };
             let (r, t, d) = (o.total(|m| m.rollout_s), o.total(|m| m.train_s), o.total(|m| m.drafter_s));
             let da = o.total(|m| m.drafter_after_s);
@@ -437,8 +437,8 @@ impl Comparison {
         if let (Some(b), Some(a)) = (&self.tlt.before, &self.tlt.after) {
             let (d, se) = accuracy_change(b, a);
             s.push_str(&format!(
-                "held-out accuracy (greedy, {} prompts), TLT run: {:.3} -> {:.3}, change {d:+.3} (standard error \
-                 {se:.3}: {})\n",
+                "held-out accuracy (greedy, the same {} prompts before and after), TLT run: {:.3} -> {:.3}, change \
+                 {d:+.3} (paired standard error {se:.3}: {})\n",
                 a.prompts,
                 b.accuracy,
                 a.accuracy,
@@ -473,9 +473,25 @@ impl Comparison {
     }
 }
 
-/// The change of held-out accuracy from `before` to `after` and its standard error (two independent binomial
-/// proportions: `sqrt(p1 (1 - p1) / n1 + p2 (1 - p2) / n2)`).
+/// The change of held-out accuracy from `before` to `after` and its standard error. Both evaluations answer
+/// the same prompts greedily, so the change is the mean of the per-prompt differences `d_i = after_i - before_i`
+/// (each -1, 0 or 1) and its standard error is the paired one, `sd(d) / sqrt(n)` with the sample standard
+/// deviation (McNemar's setting: only prompts whose verdict flipped contribute). Without per-prompt verdicts of
+/// equal length (older summaries) it falls back to two independent binomial proportions,
+/// `sqrt(p1 (1 - p1) / n1 + p2 (1 - p2) / n2)`.
 pub fn accuracy_change(before: &Evaluation, after: &Evaluation) -> (f64, f64) {
+    let n = before.correct.len();
+    if n >= 2 && after.correct.len() == n {
+        let d: Vec<f64> = before
+            .correct
+            .iter()
+            .zip(&after.correct)
+            .map(|(&b, &a)| f64::from(u8::from(a)) - f64::from(u8::from(b)))
+            .collect();
+        let mean = d.iter().sum::<f64>() / n as f64;
+        let var = d.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / (n - 1) as f64;
+        return (mean, (var / n as f64).sqrt());
+    }
     let var = |e: &Evaluation| e.accuracy * (1.0 - e.accuracy) / e.prompts.max(1) as f64;
     (after.accuracy - before.accuracy, (var(before) + var(after)).sqrt())
 }
@@ -519,8 +535,20 @@ mod tests {
         let o = RunOutcome { metrics: vec![m(10.0, 0.2), m(30.0, 0.6)], ..RunOutcome::default() };
         assert!((o.tail_share() - 0.5).abs() < 1e-12);
         let with_eval = RunOutcome { before: Some(e(0.25)), after: Some(e(0.5)), ..o.clone() };
+        // Paired: 8 prompts, 3 turned right, 1 turned wrong: d = (3 - 1) / 8, sample variance of
+        // {1, 1, 1, -1, 0, 0, 0, 0} around 0.25 = (3 * 0.5625 + 1.5625 + 4 * 0.0625) / 7.
+        let verdicts = |v: [u8; 8]| Evaluation {
+            prompts: 8,
+            accuracy: f64::from(v.iter().sum::<u8>()) / 8.0,
+            correct: v.iter().map(|&x| x == 1).collect(),
+            ..Evaluation::default()
+        };
+        let (d, se) = accuracy_change(&verdicts([0, 0, 0, 1, 1, 0, 1, 0]), &verdicts([1, 1, 1, 0, 1, 0, 1, 0]));
+        assert!((d - 0.25).abs() < 1e-12);
+        let var = (3.0 * 0.5625 + 1.5625 + 4.0 * 0.0625) / 7.0;
+        assert!((se - (var / 8.0f64).sqrt()).abs() < 1e-12, "{se}");
         let report = Comparison::new(with_eval, o).report();
-        assert!(report.contains("0.250 -> 0.500, change +0.250 (standard error 0.083: larger"), "{report}");
+        assert!(report.contains("0.250 -> 0.500, change +0.250 (paired standard error 0.083: larger"), "{report}");
         assert!(report.contains("50% of the baseline's rollout time"), "{report}");
     }
 }

@@ -184,32 +184,27 @@ impl AdamW {
             self.params.iter().enumerate().filter_map(|(i, (_, v))| grads.get(v.as_tensor()).map(|g| (i, g))).collect();
         let mut sq = 0.0;
         for (_, g) in &present {
-            for x in host_f64(g)? {
-                sq += x * x;
-            }
+            add_sq(g, &mut sq)?;
         }
         let before = sq.sqrt();
         let coef = clip_coef(before, max_grad_norm);
         let mut sq_after = 0.0;
         for (i, g) in present {
-            let mut g = host_f64(g)?;
-            if coef < 1.0 {
-                g.iter_mut().for_each(|x| *x *= coef);
-            }
-            for x in &g {
-                sq_after += x * x;
-            }
-            self.update(i, &g, lr)?;
+            self.update(i, g, coef, lr, &mut sq_after)?;
         }
         Ok(GradNorm { before, after: if coef < 1.0 { sq_after.sqrt() } else { before } })
     }
 
-    /// Applies an update from an explicit host gradient (already clipped) to parameter `i`.
-    fn update(&mut self, i: usize, g: &[f64], lr: f64) -> Result<()> {
+    /// Applies the update from gradient `g` scaled by `coef` (clipping) to parameter `i`, adding the squares of
+    /// the scaled gradient to `sq` (in element order, as one running sum over all parameters). The arithmetic is f64 element by element whatever the parameter's dtype;
+    /// f32 parameters and gradients are read and written as f32 (exactly the values an f64 round trip would
+    /// give), so the host copies of the largest parameter (the embedding) cost 4 bytes per weight, not 8.
+    fn update(&mut self, i: usize, g: &Tensor, coef: f64, lr: f64, sq: &mut f64) -> Result<()> {
         let (name, var) = &self.params[i];
         let st = &mut self.state[i];
-        if g.len() != st.exp_avg.len() {
-            return Err(Error::InvalidInput(format!("gradient of `{name}` has {} elements", g.len())));
+        let n = st.exp_avg.len();
+        if g.elem_count() != n {
+            return Err(Error::InvalidInput(format!("gradient of `{name}` has {} elements", g.elem_count())));
         }
         let AdamWParams { beta1, beta2, eps, weight_decay } = self.hp;
         st.steps += 1;
@@ -218,17 +213,48 @@ impl AdamW {
         let bc2_sqrt = (1.0 - beta2.powi(t)).sqrt();
         let step_size = lr / bc1;
         let decay = 1.0 - lr * weight_decay;
-        let mut p = host_f64(var.as_tensor())?;
-        for (k, gk) in g.iter().enumerate() {
+        let mut step = |k: usize, gk: f64, p: f64| -> f64 {
+            let gk = if coef < 1.0 { gk * coef } else { gk };
+            *sq += gk * gk;
             let m = (beta1 * f64::from(st.exp_avg[k]) + (1.0 - beta1) * gk) as f32;
             let v = (beta2 * f64::from(st.exp_avg_sq[k]) + (1.0 - beta2) * gk * gk) as f32;
             st.exp_avg[k] = m;
             st.exp_avg_sq[k] = v;
             let denom = f64::from(v).sqrt() / bc2_sqrt + eps;
-            p[k] = p[k] * decay - step_size * f64::from(m) / denom;
-        }
-        let new = Tensor::from_vec(p, var.shape(), var.device())?.to_dtype(var.dtype())?;
+            p * decay - step_size * f64::from(m) / denom
+        };
+        let new = if var.dtype() == DType::F32 && g.dtype() == DType::F32 {
+            let gs = g.flatten_all()?.to_vec1::<f32>()?;
+            let ps = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+            let out: Vec<f32> = gs
+                .iter()
+                .zip(&ps)
+                .enumerate()
+                .map(|(k, (&gk, &p))| step(k, f64::from(gk), f64::from(p)) as f32)
+                .collect();
+            Tensor::from_vec(out, var.shape(), var.device())?
+        } else {
+            let gs = host_f64(g)?;
+            let ps = host_f64(var.as_tensor())?;
+            let out: Vec<f64> = gs.iter().zip(&ps).enumerate().map(|(k, (&gk, &p))| step(k, gk, p)).collect();
+            Tensor::from_vec(out, var.shape(), var.device())?.to_dtype(var.dtype())?
+        };
         var.set(&new)?;
         Ok(())
     }
+}
+
+/// Adds `x²` of every element of `t` to `sq`, in f64 and in element order (f32 read as f32, other dtypes
+/// through f64).
+fn add_sq(t: &Tensor, sq: &mut f64) -> Result<()> {
+    if t.dtype() == DType::F32 {
+        for x in t.flatten_all()?.to_vec1::<f32>()? {
+            *sq += f64::from(x) * f64::from(x);
+        }
+    } else {
+        for x in host_f64(t)? {
+            *sq += x * x;
+        }
+    }
+    Ok(())
 }

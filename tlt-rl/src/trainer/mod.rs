@@ -56,7 +56,7 @@ use rollout::{run_rollout, spec_params, RolloutJob};
 use update::{policy_update, TrainSeq, UpdateContext};
 
 /// Greedy evaluation of the current policy.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Evaluation {
     /// Prompts evaluated.
     pub prompts: usize,
@@ -70,6 +70,10 @@ pub struct Evaluation {
     pub mean_len: f64,
     /// Wall seconds.
     pub seconds: f64,
+    /// Whether each prompt was answered correctly, in prompt order (for paired comparisons of two evaluations
+    /// on the same prompts).
+    #[serde(default)]
+    pub correct: Vec<bool>,
 }
 
 /// Everything one [`Trainer::step`] produced.
@@ -266,6 +270,7 @@ impl<E: Environment> Trainer<E> {
             let score = self.env.score(&prompts[s.group], &s.tokens)?;
             e.reward_mean += score.reward;
             e.accuracy += f64::from(u8::from(score.correct));
+            e.correct.push(score.correct);
             e.format_rate += f64::from(u8::from(score.formatted));
             e.mean_len += s.tokens.len() as f64;
         }

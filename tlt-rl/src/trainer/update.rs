@@ -206,11 +206,12 @@ fn mini_batch_step(
         let (loss, s) = policy_loss(&inputs, &norm, ctx.grpo)?;
         stats.merge(&s);
         let loss_grads = loss.to_dtype(DType::F32)?.backward()?;
-        let mut grads = head.backward(&loss_grads, ctx.policy)?;
-        if let Some(ck) = ck {
-            grads = ck.backward(ctx.policy, grads)?;
+        let grads = head.backward(&loss_grads, ctx.policy)?;
+        match ck {
+            // Layer by layer into the accumulated gradients: no second full set of gradients at any time.
+            Some(ck) => ck.backward_into(ctx.policy, grads, &mut acc)?,
+            None => accumulate_grads(&mut acc, grads)?,
         }
-        accumulate_grads(&mut acc, grads)?;
         micros += 1;
     }
     let Some(grads) = acc else { return Ok(None) };
