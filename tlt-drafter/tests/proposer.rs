@@ -293,3 +293,43 @@ fn weights_published_by_a_concurrent_trainer_are_picked_up_one_version_per_round
     assert_eq!(by_version.iter().map(|v| v.1).sum::<u64>(), rounds, "every round used exactly one version");
     assert!(by_version.len() > 3, "several versions were used: {by_version:?}");
 }
+
+/// `Engine::prepare_drafter` (the catch-up on positions committed in plain rounds, done outside a speculative
+/// round's timing) changes nothing the drafter proposes: the same rounds with and without it draft and commit the
+/// same tokens (a catch-up that fed a position twice, or skipped one, would change the drafter's cache and its trees).
+#[test]
+fn preparing_the_drafter_changes_no_draft() {
+    let target = target("llama", 12);
+    let prompts = tokens(3, 6, 7);
+    let plan = Plan { steps: 3, top_k: 2, verify_tokens: 6 };
+    let run = |prepare: bool| {
+        let rt = DraftRuntime::eagle2(&eagle2(&target, 4), &F32).unwrap();
+        let mut p = EagleProposer::fixed(rt);
+        let params = SpecParams { stop_token_ids: Some(vec![]), ..SpecParams::greedy(16) };
+        let mut e = Engine::new(&target, params).unwrap();
+        e.record_hidden(true);
+        for q in &prompts {
+            e.add_request(q).unwrap();
+        }
+        let mut drafted = Vec::new();
+        for round in 0..6 {
+            if round % 2 == 0 {
+                e.round(Some(&mut p), None).unwrap(); // plain: the drafter falls behind
+                continue;
+            }
+            if prepare {
+                e.prepare_drafter(&mut p).unwrap();
+            }
+            let before = e.counters().drafted;
+            e.round(Some(&mut p), Some(&plan)).unwrap();
+            drafted.push(e.counters().drafted - before);
+        }
+        e.run_to_completion(None, &plan).unwrap();
+        let mut f = e.take_finished();
+        f.sort_by_key(|f| f.id);
+        (drafted, f.into_iter().map(|f| f.tokens).collect::<Vec<_>>())
+    };
+    let (with, without) = (run(true), run(false));
+    assert!(with.0.iter().all(|&d| d > 0), "every speculative round drafted: {:?}", with.0);
+    assert_eq!(with, without);
+}
