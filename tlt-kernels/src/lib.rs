@@ -44,7 +44,9 @@ pub use error::{Error, Result};
 pub use gemm::{default_threads, gemm, gemm_with, GemmConfig, MatRef, Matrix, WeightDType, WeightsRef};
 pub use isa::Isa;
 pub use rng::{SeededRng, SplitMix64};
-pub use sampling::{argmax, categorical, log_softmax, probs, sample, token_logprob, SamplingParams};
+pub use sampling::{
+    argmax, categorical, log_softmax, probs, sample, token_logprob, token_logprob_pmax, SamplingParams,
+};
 
 /// The README's examples, compiled and run as doc tests.
 #[cfg(doctest)]

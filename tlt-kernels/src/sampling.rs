@@ -232,6 +232,16 @@ pub fn log_softmax(logits: &[f32]) -> Result<Vec<f32>> {
 /// [`Error::InvalidArgument`] for a `token` out of range, a negative or non-finite temperature, or the rows
 /// [`log_softmax`] rejects.
 pub fn token_logprob(logits: &[f32], token: usize, temperature: f32) -> Result<f32> {
+    Ok(token_logprob_pmax(logits, token, temperature)?.0)
+}
+
+/// [`token_logprob`] together with the largest probability of the same distribution, `p_max = 1 / Σ_j
+/// exp((x_j - max) / T)` (one pass: the normaliser is computed anyway). `p_max` is what a point-mass draft of the
+/// argmax is accepted with, the quantity behind the argmax-chain ceiling of speculative decoding.
+///
+/// # Errors
+/// As [`token_logprob`].
+pub fn token_logprob_pmax(logits: &[f32], token: usize, temperature: f32) -> Result<(f32, f32)> {
     if !(temperature.is_finite() && temperature >= 0.0) {
         return Err(invalid(format!("temperature must be finite and >= 0, got {temperature}")));
     }
@@ -248,7 +258,7 @@ pub fn token_logprob(logits: &[f32], token: usize, temperature: f32) -> Result<f
         }
         total += sum_f64(&buf[..c.len()]);
     }
-    Ok((((z - mx) * inv_t) as f64 - total.ln()) as f32)
+    Ok(((((z - mx) * inv_t) as f64 - total.ln()) as f32, (1.0 / total) as f32))
 }
 
 /// Draws a token from the (not necessarily normalised) distribution `probs` by inverse CDF with the uniform

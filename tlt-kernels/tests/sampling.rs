@@ -4,7 +4,10 @@
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
-use tlt_kernels::{argmax, categorical, log_softmax, probs, sample, token_logprob, Error, SamplingParams, SeededRng};
+use tlt_kernels::{
+    argmax, categorical, log_softmax, probs, sample, token_logprob, token_logprob_pmax, Error, SamplingParams,
+    SeededRng,
+};
 
 fn is_invalid<T: std::fmt::Debug>(r: tlt_kernels::Result<T>) -> bool {
     matches!(r, Err(Error::InvalidArgument(_)))
@@ -125,9 +128,13 @@ fn token_logprob_matches_the_temperature_softmax() {
     let row: Vec<f32> = (0..49_152).map(|_| (rng.uniform() * 20.0 - 10.0) as f32).collect();
     for t in [0.0f32, 0.5, 0.7, 1.0, 1.3] {
         let want = softmax64(&row, if t == 0.0 { 1.0 } else { f64::from(t) });
+        let p_max = want.iter().copied().fold(0.0, f64::max);
         for tok in [0usize, 17, 49_151] {
             let got = f64::from(token_logprob(&row, tok, t).unwrap());
             assert!((got - want[tok].ln()).abs() < 1e-5, "T={t} token {tok}: {got} vs {}", want[tok].ln());
+            let (lp, pm) = token_logprob_pmax(&row, tok, t).unwrap();
+            assert_eq!(f64::from(lp), got);
+            assert!((f64::from(pm) - p_max).abs() < 1e-6 * p_max.max(1e-3), "T={t}: p_max {pm} vs {p_max}");
         }
     }
     assert!(is_invalid(token_logprob(&logits, 3, 1.0)));

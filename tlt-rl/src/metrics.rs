@@ -141,6 +141,10 @@ pub struct StepMetrics {
     /// Speculative rounds of this rollout that the bandit ran with its plain arm.
     #[serde(default)]
     pub plain_arm_steps: u64,
+    /// Speculative request-rounds, their committed tokens and the argmax-chain ceiling of the same rounds
+    /// ([`SdCeiling`](crate::trainer::SdCeiling)).
+    #[serde(default)]
+    pub sd_ceiling: crate::trainer::SdCeiling,
     /// Seconds the drafter caught up before speculative rounds (inside `rollout_s`).
     #[serde(default, deserialize_with = "f64_or_nan")]
     pub drafter_prepare_s: f64,

@@ -451,6 +451,24 @@ impl Comparison {
             100.0 * self.baseline.tail_share(),
             100.0 * self.tlt.tail_share(),
         ));
+        let mut ceil = crate::trainer::SdCeiling::default();
+        for m in &self.tlt.metrics {
+            ceil.merge(&m.sd_ceiling);
+        }
+        if ceil.rounds > 0 {
+            let c = |i| ceil.ceiling(i);
+            s.push_str(&format!(
+                "drafters: {:.2} tokens per verify step over {} speculative request-rounds; the argmax-chain \
+                 ceiling of the same rounds is {:.2} at depth 4 ({:.0}% of it reached; {:.2} at depth 2, {:.2} at \
+                 depth 6)\n",
+                ceil.tokens_per_step(),
+                ceil.rounds,
+                c(1),
+                100.0 * ceil.tokens_per_step() / c(1).max(1e-9),
+                c(0),
+                c(2),
+            ));
+        }
         let sd = self.tlt.metrics.iter().map(|m| m.sd_on_fraction).sum::<f64>() / self.tlt.metrics.len().max(1) as f64;
         let lens: Vec<f64> = self.tlt.metrics.iter().flat_map(|m| m.accept_lens.iter().copied()).collect();
         let acc = lens.iter().sum::<f64>() / lens.len().max(1) as f64;

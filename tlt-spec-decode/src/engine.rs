@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use tlt_kernels::{token_logprob, SeededRng};
+use tlt_kernels::{token_logprob_pmax, SeededRng};
 
 use crate::stop::StopStrings;
 use crate::{
@@ -47,6 +47,12 @@ pub struct Finished {
     /// temperature (1 for greedy decoding) and without top-k/top-p: the distribution a trainer recomputes, so
     /// truncated importance sampling compares like with like at any temperature.
     pub logprobs: Vec<f32>,
+    /// `p_max[i]`: the largest probability of the distribution `tokens[i]` was drawn from (same temperature as
+    /// `logprobs`, no top-k/top-p): what a point-mass draft of the argmax there is accepted with.
+    pub p_max: Vec<f32>,
+    /// Each speculative round of this request (its tree held at least one draft), in order: the index into
+    /// `tokens` of the first token the round committed, and how many it committed.
+    pub sd_rounds: Vec<(u32, u32)>,
     /// When recording was on ([`Engine::record_hidden`]): the target's features at every position fed, prompt
     /// included: `prompt.len() + tokens.len() - 1` rows, row `t` predicting token `t + 1` of prompt + tokens
     /// (EAGLE's pairing). [`Finished::token_hidden`] picks the row that predicted a generated token.
@@ -115,6 +121,8 @@ struct Live {
     /// Most tokens this request generates.
     max_new_tokens: usize,
     logprobs: Vec<f32>,
+    p_max: Vec<f32>,
+    sd_rounds: Vec<(u32, u32)>,
     /// Features of every fed position (`history.len() - 1` rows) when recording.
     hidden: Option<HiddenStates>,
     /// The request's sampling stream: position `i`'s coin is `stream.fork(i)` ([`Coins`]).
@@ -397,6 +405,8 @@ impl<T: Target> Engine<T> {
             history: prompt.to_vec(),
             max_new_tokens,
             logprobs: Vec::new(),
+            p_max: Vec::new(),
+            sd_rounds: Vec::new(),
             hidden,
             stream: SeededRng::new(self.params.seed).fork(id.0 as u64),
         });
@@ -551,9 +561,12 @@ impl<T: Target> Engine<T> {
             self.counters.committed += committed.len() as u64;
             let mut reason = None;
             let mut kept = 0;
+            let round_start = (s.history.len() - s.prompt_len) as u32;
             for (k, &tok) in committed.iter().enumerate() {
                 let row = out.logits_row(i, acc.path[k])?;
-                s.logprobs.push(token_logprob(row, tok as usize, self.params.sampling.temperature)?);
+                let (lp, pm) = token_logprob_pmax(row, tok as usize, self.params.sampling.temperature)?;
+                s.logprobs.push(lp);
+                s.p_max.push(pm);
                 if let Some(h) = s.hidden.as_mut() {
                     let row = out.hidden_row(i, acc.path[k]).ok_or_else(|| {
                         Error::Target("the target returned no hidden states for a recording request".into())
@@ -579,6 +592,9 @@ impl<T: Target> Engine<T> {
                     break;
                 }
             }
+            if tree.len() > 1 {
+                s.sd_rounds.push((round_start, kept as u32));
+            }
             if let Some(d) = drafter.as_deref_mut() {
                 d.observe(s.id, &committed[..kept]);
             }
@@ -601,6 +617,8 @@ impl<T: Target> Engine<T> {
                     p
                 },
                 logprobs: s.logprobs,
+                p_max: s.p_max,
+                sd_rounds: s.sd_rounds,
                 hidden: s.hidden,
                 reason,
             });

@@ -148,3 +148,72 @@ fn drafters_that_need_hidden_states_get_every_position_or_a_clear_error() {
     engine.run_to_completion(Some(&mut d), &Plan::chain(2)).unwrap();
     assert_eq!(d.seen, 2 * 4);
 }
+
+/// Every committed token carries the largest probability of the distribution it was drawn from (checked against a
+/// plain forward of the final sequence at the same temperature), and the speculative rounds are listed with the
+/// tokens they committed: their sum is the tokens committed in rounds that drafted, and plain rounds add none.
+#[test]
+fn committed_tokens_carry_p_max_and_speculative_rounds_are_listed() {
+    let m = model();
+    let prompts = vec![vec![1u32, 2, 3], vec![4, 5]];
+    let n = 20;
+    let refs: Vec<Vec<u32>> = prompts.iter().map(|p| greedy_reference(&m, p, n, &[])).collect();
+    let t = 0.8f32;
+    let params = SpecParams {
+        sampling: tlt_kernels::SamplingParams { temperature: t, top_k: None, top_p: None },
+        stop_token_ids: Some(vec![]),
+        max_new_tokens: n,
+        seed: 5,
+        ..SpecParams::default()
+    };
+    let mut e = Engine::new(&m, params).unwrap();
+    for p in &prompts {
+        e.add_request(p).unwrap();
+    }
+    // Drafts every round: the continuation greedy decoding took where the history matches it, else token 7s.
+    struct Always(Vec<Vec<u32>>);
+    impl Drafter for Always {
+        fn propose(&mut self, ctx: &DraftContext<'_>, plan: &Plan) -> Result<DraftTree> {
+            let done = ctx.history.len() - ctx.prompt_len;
+            let r = &self.0[ctx.request.0];
+            let mut t = DraftTree::new(*ctx.history.last().unwrap());
+            let mut at = 0;
+            for k in 0..plan.steps {
+                let tok = if ctx.history[ctx.prompt_len..] == r[..done.min(r.len())] {
+                    r.get(done + k).copied().unwrap_or(7)
+                } else {
+                    7
+                };
+                at = t.push_child(at, tok, 0.0)?;
+            }
+            Ok(t)
+        }
+    }
+    let mut d = Always(refs.clone());
+    let plan = Plan::chain(3);
+    e.step(None, &plan).unwrap(); // one plain round: not listed
+    e.run_to_completion(Some(&mut d), &plan).unwrap();
+    let mut fin = e.take_finished();
+    fin.sort_by_key(|f| f.id);
+    for f in &fin {
+        assert_eq!(f.p_max.len(), f.tokens.len());
+        let seq: Vec<u32> = [f.prompt.clone(), f.tokens.clone()].concat();
+        let mut cache = m.new_cache();
+        let s = cache.add_sequence();
+        let input = SeqInput { seq: s, tokens: &seq, tree: None, logits: LogitsFor::All };
+        let logits = m.forward(&mut cache, &[input], &[]).unwrap().logits.to_vec2::<f32>().unwrap();
+        for (i, &pm) in f.p_max.iter().enumerate() {
+            let sp = tlt_kernels::SamplingParams { temperature: t, top_k: None, top_p: None };
+            let p = tlt_kernels::probs(&logits[f.prompt.len() - 1 + i], &sp).unwrap();
+            let want = p.iter().copied().fold(0.0f32, f32::max);
+            assert!((pm - want).abs() < 1e-4, "token {i}: p_max {pm} vs {want}");
+            assert!(pm > 0.0 && pm <= 1.0 + 1e-6);
+        }
+        assert!(!f.sd_rounds.is_empty(), "the drafter drafted");
+        assert_eq!(f.sd_rounds[0].0, 1, "the first token came from the plain round");
+        let in_sd: u32 = f.sd_rounds.iter().map(|&(_, c)| c).sum();
+        // Every round after the first drafted (the oracle always proposes), so they committed the rest.
+        assert_eq!(in_sd as usize, f.tokens.len() - 1);
+        assert!(f.sd_rounds.windows(2).all(|w| w[1].0 == w[0].0 + w[0].1), "contiguous rounds");
+    }
+}

@@ -122,6 +122,9 @@ pub struct RunStats {
     pub index_cost_frac: f64,
     /// Adaptive run: arms chosen (`kind/steps:top_k:verify` -> rounds).
     pub arms: std::collections::BTreeMap<String, u64>,
+    /// Tokens per speculative request-round and the argmax-chain ceiling of the very same rounds at depth 2, 4, 6
+    /// (`tlt_rl::trainer::SdCeiling`: `p_max` read along the committed tokens).
+    pub sd_ceiling: tlt_rl::trainer::SdCeiling,
     /// Engine seconds: drafting, target forwards, acceptance, commits (the engine's counters).
     pub draft_s: f64,
     /// See [`RunStats::draft_s`].
@@ -255,6 +258,10 @@ fn rollout(
     let c = *engine.counters();
     let mut f = engine.take_finished();
     f.sort_by_key(|f| f.id);
+    let mut sd_ceiling = tlt_rl::trainer::SdCeiling::default();
+    for x in &f {
+        sd_ceiling.add(&x.p_max, &x.sd_rounds);
+    }
     let tokens: u64 = f.iter().map(|f| f.tokens.len() as u64).sum();
     let samples = f.into_iter().map(|f| (f.prompt.len(), [f.prompt, f.tokens].concat())).collect();
     let stats = RunStats {
@@ -272,6 +279,7 @@ fn rollout(
         index_s: 0.0,
         index_cost_frac: 0.0,
         arms,
+        sd_ceiling,
         draft_s: c.draft_s,
         forward_s: c.forward_s,
         verify_s: c.verify_s,
@@ -547,6 +555,20 @@ fn markdown(r: &GroupReport) -> String {
             let cells: Vec<String> =
                 run.buckets.iter().map(|b| format!("{:.2}, {:.0}", b.tokens_per_step(), b.tokens_per_s())).collect();
             s += &format!("| {} | {} |\n", run.drafter, cells.join(" | "));
+        }
+        s += "\nSpeculative rounds against the argmax-chain ceiling of the same rounds (depth 2 / 4 / 6):\n\n";
+        for run in t.runs.iter().filter(|r| r.sd_ceiling.rounds > 0) {
+            let c = &run.sd_ceiling;
+            s += &format!(
+                "- {}: {:.2} tokens per step over {} request-rounds; ceiling {:.2} / {:.2} / {:.2} ({:.0}% of depth 4)\n",
+                run.drafter,
+                c.tokens_per_step(),
+                c.rounds,
+                c.ceiling(0),
+                c.ceiling(1),
+                c.ceiling(2),
+                100.0 * c.tokens_per_step() / c.ceiling(1).max(1e-9)
+            );
         }
         s += "\nEngine seconds (draft / target forward / acceptance / commit):\n\n";
         for run in &t.runs {

@@ -43,7 +43,7 @@ pub use export::{
     make_readable, serve_commands, serve_instructions, tokenizer_config, ExportConfig, Exported, EXPORT_DRAFTER_DIR,
     EXPORT_POLICY_DIR, SERVE_FILE,
 };
-pub use rollout::{Observer, Quiet, RolloutOutput, Sample};
+pub use rollout::{Observer, Quiet, RolloutOutput, Sample, SdCeiling, CEILING_DEPTHS};
 pub use update::UpdateStats;
 pub use warmup::{cache_key, WarmupConfig, WarmupReport, WARMUP_DATA_BASE};
 
@@ -430,6 +430,7 @@ impl<E: Environment> Trainer<E> {
             round_tokens: out.trace.round_tokens.clone(),
             plain_arm_steps: out.trace.plain_arm_steps,
             drafter_prepare_s: out.trace.prepare_seconds,
+            sd_ceiling: out.sd_ceiling,
             response_lengths: lens,
             accept_lens: out.trace.accept_lens.clone(),
             ..StepMetrics::default()
