@@ -487,6 +487,20 @@ impl Comparison {
             self.amdahl_bound,
             self.e2e_speedup,
         ));
+        // The chain of bounds behind those figures: SD runs only in the gate's tail phase, so even a free tail
+        // caps the rollout speed-up, and the rollout's share caps the step's.
+        let tail = self.baseline.tail_share();
+        let free_tail = 1.0 / (1.0 - tail).max(1e-9);
+        s.push_str(&format!(
+            "Bounds: speculation runs only while at most the gate's threshold of requests run, {:.0}% of the \
+             baseline's rollout, so even a free tail phase allows a rollout speed-up of at most 1 / (1 - {:.2}) = \
+             {:.2}x, and so at most {:.2}x end to end; an infinitely fast rollout would allow 1 / (1 - R) = {:.2}x\n",
+            100.0 * tail,
+            tail,
+            free_tail,
+            amdahl(self.rollout_share, free_tail),
+            1.0 / (1.0 - self.rollout_share).max(1e-9),
+        ));
         s
     }
 }
@@ -568,5 +582,6 @@ mod tests {
         let report = Comparison::new(with_eval, o).report();
         assert!(report.contains("0.250 -> 0.500, change +0.250 (paired standard error 0.083: larger"), "{report}");
         assert!(report.contains("50% of the baseline's rollout time"), "{report}");
+        assert!(report.contains("a rollout speed-up of at most 1 / (1 - 0.50) = 2.00x"), "{report}");
     }
 }
