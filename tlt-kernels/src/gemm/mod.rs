@@ -6,6 +6,7 @@ mod matrix;
 
 use std::ops::Range;
 
+use crate::error::check_len;
 use crate::simd::{Scalar, Simd};
 use crate::{Error, Isa, Result};
 use format::{Bf16, Format, F16, F32, Q4_0, Q4_1, Q8_0};
@@ -81,14 +82,6 @@ pub fn gemm_with(
         }
     }
     Ok(())
-}
-
-fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(Error::ShapeMismatch { what, expected, got })
-    }
 }
 
 /// Raw pointers shared with worker threads.

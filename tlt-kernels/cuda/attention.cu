@@ -1,0 +1,163 @@
+// Attention-side kernels of the CUDA rollout path: RoPE fused with the KV-cache write, and softmax attention of
+// tree nodes (speculative verification), a causal chunk (prefill) or one token (decode) over a sequence's cache.
+//
+// Layouts (bf16 as bits, row-major):
+//   q, out:             [B, n_max, n_heads, hd]   (rope_kv_write: [rows, n_heads, hd])
+//   k, v (new rows):    [rows, n_kv, hd]
+//   k_cache, v_cache:   one layer, [slots, max_len, n_kv, hd]
+// Everything that changes between steps (positions, lengths, node counts, masks) is read from device buffers, so a
+// captured CUDA graph replays with new values.
+
+// Rotates q in place and k on its way into the cache at per-row positions (rotate-half convention of HF Llama and
+// Qwen2: pairs (i, i + hd/2)), and writes v beside it. Row r belongs to cache slot row_slot[r] (negative: a padded
+// row, only q is rotated), has RoPE position row_pos[r] and lands at cache position row_dst[r].
+// inv_freq: [hd/2] f64. Grid: rows blocks; any block size.
+extern "C" __global__ void rope_kv_write_bf16(
+    bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* k_cache, bf16_t* v_cache,
+    const int* row_slot, const int* row_pos, const int* row_dst, const double* inv_freq,
+    int rows, int n_heads, int n_kv, int hd, int max_len)
+{
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const int half = hd / 2;
+    const int slot = row_slot[r];
+    const int dst = row_dst[r];
+    const bool write = slot >= 0 && dst >= 0 && dst < max_len;
+    const double pos = (double)row_pos[r];
+    for (int idx = threadIdx.x; idx < (n_heads + n_kv) * half; idx += blockDim.x) {
+        const int h = idx / half;
+        const int i = idx - h * half;
+        double sd, cd;
+        sincos(pos * inv_freq[i], &sd, &cd);
+        const float s = (float)sd, c = (float)cd;
+        if (h < n_heads) {
+            bf16_t* x = q + ((size_t)r * n_heads + h) * hd;
+            const float x0 = tlt_bf2f(x[i]), x1 = tlt_bf2f(x[i + half]);
+            x[i] = tlt_f2bf(x0 * c - x1 * s);
+            x[i + half] = tlt_f2bf(x1 * c + x0 * s);
+        } else if (write) {
+            const int kh = h - n_heads;
+            const size_t src = ((size_t)r * n_kv + kh) * hd;
+            const size_t out = (((size_t)slot * max_len + dst) * n_kv + kh) * hd;
+            const float x0 = tlt_bf2f(k[src + i]), x1 = tlt_bf2f(k[src + i + half]);
+            k_cache[out + i] = tlt_f2bf(x0 * c - x1 * s);
+            k_cache[out + i + half] = tlt_f2bf(x1 * c + x0 * s);
+            v_cache[out + i] = v[src + i];
+            v_cache[out + i + half] = v[src + i + half];
+        }
+    }
+}
+
+#define ATT_TILE 32
+#define ATT_THREADS 128
+#define ATT_MAX_GROUP 8
+#define ATT_MAX_HD 128
+#define ATT_PER_THREAD (ATT_MAX_GROUP * ATT_MAX_HD / ATT_THREADS)
+
+// Softmax attention of node i of sequence b over the committed prefix (cache positions 0 .. prefix_len[b]) and over
+// the sequence's new nodes (node j at cache position prefix_len[b] + j, already written by rope_kv_write_bf16).
+// Node i sees node j when bit j of anc[b * n_max + i] is set (j is i or an ancestor of i; n_max <= 64); with
+// anc == null the nodes are a causal chunk (node i sees nodes 0..i; any n_max). seq_slot[b]: the cache slot of
+// sequence b; n_nodes[b] <= n_max: its nodes (blocks past it return at once). scale: 1/sqrt(hd), applied to q.
+// One block handles one KV head's query group (n_heads / n_kv <= 8, hd <= 128) for one node, with an online
+// softmax over tiles of 32 keys staged in shared memory.
+// Grid: (n_kv, n_max, B); block: ATT_THREADS.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) tree_attention_bf16(
+    const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache, bf16_t* out,
+    const int* seq_slot, const int* prefix_len, const int* n_nodes, const u64_t* anc,
+    int n_max, int n_heads, int n_kv, int hd, int max_len, float scale)
+{
+    const int kvh = blockIdx.x, i = blockIdx.y, b = blockIdx.z;
+    const int nn = n_nodes[b];
+    if (i >= nn) return;
+    const int group = n_heads / n_kv;
+    const int slot = seq_slot[b];
+    const int prefix = prefix_len[b];
+    const int total = prefix + (anc ? nn : i + 1);
+    const u64_t mask = anc ? anc[(size_t)b * n_max + i] : 0ull;
+
+    __shared__ float sq[ATT_MAX_GROUP][ATT_MAX_HD];
+    __shared__ float sk[ATT_TILE][ATT_MAX_HD + 1];
+    __shared__ float sv[ATT_TILE][ATT_MAX_HD];
+    __shared__ float sp[ATT_MAX_GROUP][ATT_TILE];
+    __shared__ float s_max[ATT_MAX_GROUP], s_sum[ATT_MAX_GROUP], s_corr[ATT_MAX_GROUP];
+
+    const int tid = threadIdx.x;
+    const size_t qoff = (((size_t)b * n_max + i) * n_heads + (size_t)kvh * group) * hd;
+    for (int e = tid; e < group * hd; e += ATT_THREADS) sq[e / hd][e % hd] = tlt_bf2f(q[qoff + e]) * scale;
+    if (tid < group) { s_max[tid] = TLT_NEG_INF; s_sum[tid] = 0.f; }
+
+    float acc[ATT_PER_THREAD];
+#pragma unroll
+    for (int a = 0; a < ATT_PER_THREAD; a++) acc[a] = 0.f;
+
+    const size_t row = (size_t)n_kv * hd;
+    const size_t base = (size_t)slot * max_len * row + (size_t)kvh * hd;
+    for (int t0 = 0; t0 < total; t0 += ATT_TILE) {
+        __syncthreads();
+        for (int e = tid; e < ATT_TILE * hd; e += ATT_THREADS) {
+            const int j = e / hd, d = e - j * hd;
+            const int t = t0 + j;
+            float kx = 0.f, vx = 0.f;
+            if (t < total) {
+                kx = tlt_bf2f(k_cache[base + (size_t)t * row + d]);
+                vx = tlt_bf2f(v_cache[base + (size_t)t * row + d]);
+            }
+            sk[j][d] = kx;
+            sv[j][d] = vx;
+        }
+        __syncthreads();
+        for (int p = tid; p < group * ATT_TILE; p += ATT_THREADS) {
+            const int g = p / ATT_TILE, j = p - g * ATT_TILE;
+            const int t = t0 + j;
+            const bool visible = t < total && (t < prefix || anc == 0 || ((mask >> (t - prefix)) & 1ull));
+            float s = TLT_NEG_INF;
+            if (visible) {
+                float dot = 0.f;
+                for (int d = 0; d < hd; d++) dot += sq[g][d] * sk[j][d];
+                s = dot;
+            }
+            sp[g][j] = s;
+        }
+        __syncthreads();
+        if (tid < group) {
+            const float old = s_max[tid];
+            float mx = old;
+            for (int j = 0; j < ATT_TILE; j++) mx = fmaxf(mx, sp[tid][j]);
+            float corr = 1.f, sum = 0.f;
+            if (mx != TLT_NEG_INF) {
+                corr = expf(old - mx);
+                for (int j = 0; j < ATT_TILE; j++) {
+                    const float e = sp[tid][j] == TLT_NEG_INF ? 0.f : expf(sp[tid][j] - mx);
+                    sp[tid][j] = e;
+                    sum += e;
+                }
+            } else {
+                for (int j = 0; j < ATT_TILE; j++) sp[tid][j] = 0.f;
+            }
+            s_sum[tid] = s_sum[tid] * corr + sum;
+            s_max[tid] = mx;
+            s_corr[tid] = corr;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int a = 0; a < ATT_PER_THREAD; a++) {
+            const int e = tid + a * ATT_THREADS;
+            if (e < group * hd) {
+                const int g = e / hd, d = e - g * hd;
+                float o = acc[a] * s_corr[g];
+                for (int j = 0; j < ATT_TILE; j++) o += sp[g][j] * sv[j][d];
+                acc[a] = o;
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < ATT_PER_THREAD; a++) {
+        const int e = tid + a * ATT_THREADS;
+        if (e < group * hd) {
+            const float l = s_sum[e / hd];
+            out[qoff + e] = tlt_f2bf(l > 0.f ? acc[a] / l : 0.f);
+        }
+    }
+}

@@ -1,0 +1,41 @@
+// Shared by every kernel file of tlt-kernels (prepended by `tlt_kernels::cuda::KernelSource::full_source`).
+// NVRTC bundles no standard headers: no includes here, bf16 is handled as its bit pattern.
+
+typedef unsigned short bf16_t;
+typedef unsigned long long u64_t;
+
+#define TLT_NEG_INF (__int_as_float(0xff800000))
+
+// bf16 bits -> f32 (exact).
+__device__ __forceinline__ float tlt_bf2f(bf16_t x) { return __uint_as_float(((unsigned)x) << 16); }
+
+// f32 -> bf16 bits, rounded to nearest even (NaN stays NaN).
+__device__ __forceinline__ bf16_t tlt_f2bf(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float tlt_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double tlt_warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The larger of two (value, index) pairs; ties go to the smaller index (as tlt_kernels::argmax on the CPU).
+__device__ __forceinline__ void tlt_argmax_merge(float& v, int& i, float v2, int i2) {
+    if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }
+}
+
+__device__ __forceinline__ void tlt_warp_argmax(float& v, int& i) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+        int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+        tlt_argmax_merge(v, i, v2, i2);
+    }
+}
