@@ -105,12 +105,12 @@ mod gpu {
         Some((k, s))
     }
 
-    fn bf(v: &[f32]) -> Vec<u16> {
-        v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect()
+    fn bf(v: &[f32]) -> Vec<bf16> {
+        v.iter().map(|&x| bf16::from_f32(x)).collect()
     }
 
-    fn unbf(v: &[u16]) -> Vec<f32> {
-        v.iter().map(|&x| bf16::from_bits(x).to_f32()).collect()
+    fn unbf(v: &[bf16]) -> Vec<f32> {
+        v.iter().map(|&x| x.to_f32()).collect()
     }
 
     fn randn(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
@@ -137,8 +137,8 @@ mod gpu {
         let keys = unbf(&bf(&randn(&mut rng, (prefix + n) * row)));
         let vals = unbf(&bf(&randn(&mut rng, (prefix + n) * row)));
         let q = unbf(&bf(&randn(&mut rng, n * 9 * 64)));
-        let mut k_host = vec![0u16; cache.len()];
-        let mut v_host = vec![0u16; cache.len()];
+        let mut k_host = vec![bf16::ZERO; cache.len()];
+        let mut v_host = vec![bf16::ZERO; cache.len()];
         let (layer, slot) = (1usize, 1usize);
         let base = layer * cache.layer_len() + slot * cache.max_len * row;
         k_host[base..base + prefix * row].copy_from_slice(&bf(&keys[..prefix * row]));
@@ -158,7 +158,7 @@ mod gpu {
         let anc = up(&s, &ancestor_masks(&parents).unwrap());
         let (seq_slot, seq_prefix, seq_n) = (up(&s, &[slot as i32]), up(&s, &[prefix as i32]), up(&s, &[n as i32]));
         let seq = SeqMeta { slot: &seq_slot, prefix_len: &seq_prefix, n_nodes: &seq_n };
-        let mut out = up(&s, &vec![0u16; n * 9 * 64]);
+        let mut out = up(&s, &vec![bf16::ZERO; n * 9 * 64]);
         kern.tree_attention(&s, cache, layer, tree, &q_dev, &kc, &vc, &mut out, seq, Some(&anc)).unwrap();
         let got = unbf(&s.clone_dtoh(&out).unwrap());
         // CPU: node 0 is the root, fed as a new row whose parent is the last committed token.

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
+use half::bf16;
 
 use super::shapes::{CacheDims, TreeDims};
 use super::{compile, SOURCES};
@@ -16,15 +17,15 @@ pub fn driver_available() -> bool {
     std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false)
 }
 
-fn drv(op: &'static str) -> impl Fn(DriverError) -> Error {
+pub(super) fn drv(op: &'static str) -> impl Fn(DriverError) -> Error {
     move |e| Error::Cuda { op, message: e.to_string() }
 }
 
-fn dim(what: &'static str, v: usize) -> Result<u32> {
+pub(super) fn dim(what: &'static str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} = {v} does not fit a launch dimension")))
 }
 
-fn int(what: &'static str, v: usize) -> Result<i32> {
+pub(super) fn int(what: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} = {v} does not fit an i32 kernel argument")))
 }
 
@@ -99,7 +100,7 @@ impl CudaKernels {
         self.arch
     }
 
-    fn function(&self, name: &'static str) -> Result<&CudaFunction> {
+    pub(super) fn function(&self, name: &'static str) -> Result<&CudaFunction> {
         self.functions
             .iter()
             .find(|(n, _)| *n == name)
@@ -123,11 +124,11 @@ impl CudaKernels {
         cache: CacheDims,
         layer: usize,
         rows: usize,
-        q: &mut CudaSlice<u16>,
-        k: &CudaSlice<u16>,
-        v: &CudaSlice<u16>,
-        k_cache: &mut CudaSlice<u16>,
-        v_cache: &mut CudaSlice<u16>,
+        q: &mut CudaSlice<bf16>,
+        k: &CudaSlice<bf16>,
+        v: &CudaSlice<bf16>,
+        k_cache: &mut CudaSlice<bf16>,
+        v_cache: &mut CudaSlice<bf16>,
         meta: RowMeta<'_>,
         inv_freq: &CudaSlice<f64>,
     ) -> Result<()> {
@@ -178,10 +179,10 @@ impl CudaKernels {
         cache: CacheDims,
         layer: usize,
         tree: TreeDims,
-        q: &CudaSlice<u16>,
-        k_cache: &CudaSlice<u16>,
-        v_cache: &CudaSlice<u16>,
-        out: &mut CudaSlice<u16>,
+        q: &CudaSlice<bf16>,
+        k_cache: &CudaSlice<bf16>,
+        v_cache: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
         seq: SeqMeta<'_>,
         anc: Option<&CudaSlice<u64>>,
     ) -> Result<()> {
@@ -244,8 +245,8 @@ impl CudaKernels {
         cache: CacheDims,
         batch: usize,
         max_path: usize,
-        k_cache: &mut CudaSlice<u16>,
-        v_cache: &mut CudaSlice<u16>,
+        k_cache: &mut CudaSlice<bf16>,
+        v_cache: &mut CudaSlice<bf16>,
         seq: SeqMeta<'_>,
         path: &CudaSlice<i32>,
         n_acc: &CudaSlice<i32>,
@@ -289,8 +290,8 @@ impl CudaKernels {
         tree: TreeDims,
         max_path: usize,
         width: usize,
-        src: &CudaSlice<u16>,
-        dst: &mut CudaSlice<u16>,
+        src: &CudaSlice<bf16>,
+        dst: &mut CudaSlice<bf16>,
         path: &CudaSlice<i32>,
         n_acc: &CudaSlice<i32>,
     ) -> Result<()> {

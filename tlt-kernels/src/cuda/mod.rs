@@ -10,11 +10,15 @@
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod layer;
+#[cfg(feature = "cuda")]
 mod nvrtc;
 mod shapes;
 
 #[cfg(feature = "cuda")]
 pub use device::{driver_available, CudaKernels, RowMeta, SeqMeta};
+#[cfg(feature = "cuda")]
+pub use layer::{gemm_bf16, GemmOut};
 #[cfg(feature = "cuda")]
 pub use nvrtc::{compile, nvrtc_available, Compiled};
 pub use shapes::{ancestor_masks, check_device_attn, CacheDims, TreeDims, MAX_GROUP, MAX_HEAD_DIM, MAX_TREE_NODES};
@@ -47,6 +51,11 @@ pub const SOURCES: &[KernelSource] = &[
         file: "attention.cu",
         text: include_str!("../../cuda/attention.cu"),
         kernels: &["rope_kv_write_bf16", "tree_attention_bf16"],
+    },
+    KernelSource {
+        file: "layer.cu",
+        text: include_str!("../../cuda/layer.cu"),
+        kernels: &["embed_rows_bf16", "rms_norm_bf16", "add_bf16_to_f32", "silu_mul_bf16", "bias_add_bf16"],
     },
     KernelSource {
         file: "kv.cu",

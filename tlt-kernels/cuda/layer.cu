@@ -1,0 +1,65 @@
+// The element-wise and row-wise pieces of a Llama/Qwen2 decoder layer around the cuBLAS GEMMs. The residual
+// stream stays in f32 (x), the GEMM inputs and outputs are bf16.
+
+#define ROW_THREADS 256
+
+// x[r, :] = table[tokens[r], :] (bf16 -> f32). Grid: rows blocks.
+extern "C" __global__ void embed_rows_bf16(const bf16_t* table, const int* tokens, float* x, int rows, int width)
+{
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const bf16_t* src = table + (size_t)tokens[r] * width;
+    float* dst = x + (size_t)r * width;
+    for (int e = threadIdx.x; e < width; e += blockDim.x) dst[e] = tlt_bf2f(src[e]);
+}
+
+// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w (f32 in, bf16 out). Grid: rows blocks; block: ROW_THREADS.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) rms_norm_bf16(
+    const float* x, const bf16_t* w, bf16_t* out, int rows, int width, float eps)
+{
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (size_t)r * width;
+    float ss = 0.f;
+    for (int e = threadIdx.x; e < width; e += ROW_THREADS) ss += xr[e] * xr[e];
+    ss = tlt_warp_sum(ss);
+    __shared__ float part[ROW_THREADS / 32];
+    __shared__ float inv;
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.f;
+        for (int i = 0; i < ROW_THREADS / 32; i++) t += part[i];
+        inv = rsqrtf(t / (float)width + eps);
+    }
+    __syncthreads();
+    bf16_t* o = out + (size_t)r * width;
+    for (int e = threadIdx.x; e < width; e += ROW_THREADS) o[e] = tlt_f2bf(xr[e] * inv * tlt_bf2f(w[e]));
+}
+
+// x[i] += y[i] (f32 += bf16): the residual adds. Grid-stride.
+extern "C" __global__ void add_bf16_to_f32(float* x, const bf16_t* y, unsigned long long n)
+{
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        x[i] += tlt_bf2f(y[i]);
+}
+
+// gate[i] = silu(gate[i]) * up[i] (bf16, f32 math). Grid-stride.
+extern "C" __global__ void silu_mul_bf16(bf16_t* gate, const bf16_t* up, unsigned long long n)
+{
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const float g = tlt_bf2f(gate[i]);
+        gate[i] = tlt_f2bf(g / (1.f + expf(-g)) * tlt_bf2f(up[i]));
+    }
+}
+
+// y[r, c] += b[c] (bf16): the q/k/v biases of Qwen2. Grid-stride over rows * cols.
+extern "C" __global__ void bias_add_bf16(bf16_t* y, const bf16_t* b, int rows, int cols)
+{
+    const unsigned long long n = (unsigned long long)rows * cols;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        y[i] = tlt_f2bf(tlt_bf2f(y[i]) + tlt_bf2f(b[i % cols]));
+}
