@@ -36,6 +36,8 @@
 
 mod cache;
 mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 mod gguf;
 mod gguf_check;

@@ -194,7 +194,8 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         }
         // The CUDA code is behind features the workspace build leaves off: lint it too.
         let mut clippy_cuda = cargo();
-        clippy_cuda.args(["clippy", "-p", "tlt-kernels", "-p", "tlt-cudagraph", "--all-targets", "--features"]);
+        clippy_cuda.args(["clippy", "-p", "tlt-kernels", "-p", "tlt-cudagraph", "-p", "tlt-model", "--all-targets"]);
+        clippy_cuda.arg("--features");
         clippy_cuda.args([CUDA_FEATURES, "--", "-D", "warnings"]);
         let code = run(clippy_cuda)?;
         if !code.success() {
@@ -271,7 +272,8 @@ fn cuda_tests(gpu: bool) -> Result<ExitCode> {
         std::env::var_os("LD_LIBRARY_PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default(),
     );
     let mut cuda = cargo();
-    cuda.args(["test", "--release", "-p", "tlt-kernels", "-p", "tlt-cudagraph", "--features", CUDA_FEATURES])
+    cuda.args(["test", "--release", "-p", "tlt-kernels", "-p", "tlt-cudagraph", "-p", "tlt-model"])
+        .args(["--features", CUDA_FEATURES])
         .args(["--test", "cuda", "--lib", "--", "--nocapture"])
         .env("LD_LIBRARY_PATH", std::env::join_paths(lib_path)?)
         .env("TLT_REQUIRE_NVRTC", "1");
@@ -282,7 +284,7 @@ fn cuda_tests(gpu: bool) -> Result<ExitCode> {
 }
 
 /// The features that turn the CUDA code on, for the packages that have it.
-const CUDA_FEATURES: &str = "tlt-kernels/cuda,tlt-cudagraph/cuda";
+const CUDA_FEATURES: &str = "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda";
 
 fn demo(steps: Option<u64>, config: Option<&Path>) -> Result<ExitCode> {
     let gguf = assets::fetch_assets()?;

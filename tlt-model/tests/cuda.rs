@@ -1,0 +1,125 @@
+//! The CUDA decoder against the CPU decoder (`--features cuda`). Without a driver: construction is an error, not a
+//! panic. With one (`cargo xtask test-cuda --gpu` sets `TLT_REQUIRE_GPU=1`): prefill, batched decode, tree
+//! verification and commit give the CPU's logits within bf16 tolerance and the same top-1 token.
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
+
+use tlt_kernels::cuda::driver_available;
+use tlt_model::cuda::{CudaLlama, DeviceSeq};
+use tlt_model::{KvCache, Llama, LlamaConfig, LogitsFor, SeqId, SeqInput};
+
+fn tiny(model_type: &str) -> Llama {
+    let mut cfg = LlamaConfig::tiny(96, 64, 3);
+    cfg.model_type = model_type.into();
+    cfg.intermediate_size = 128;
+    Llama::random(cfg, 5).unwrap()
+}
+
+fn gpu_or_skip(test: &str) -> bool {
+    if driver_available() {
+        return true;
+    }
+    assert!(std::env::var("TLT_REQUIRE_GPU").map_or(true, |v| v != "1"), "TLT_REQUIRE_GPU=1 but no CUDA driver");
+    eprintln!("SKIP {test}: no CUDA driver (run `cargo xtask test-cuda --gpu` on a GPU machine)");
+    false
+}
+
+#[test]
+fn without_a_driver_construction_is_an_error() {
+    if driver_available() {
+        eprintln!("SKIP without_a_driver_construction_is_an_error: a CUDA driver is present");
+        return;
+    }
+    let err = CudaLlama::new(&tiny("llama"), 0, 2, 64).unwrap_err();
+    assert!(err.to_string().contains("CUDA is unavailable"), "{err}");
+}
+
+/// Compares device rows (`[n_max]` rows of sequence `b` in a `[batch * n_max, vocab]` buffer) with CPU rows.
+fn compare(what: &str, gpu: &[f32], b: usize, n_max: usize, cpu: &[Vec<f32>], stats: &mut (usize, usize, f32)) {
+    let vocab = cpu[0].len();
+    for (j, want) in cpu.iter().enumerate() {
+        let got = &gpu[(b * n_max + j) * vocab..(b * n_max + j + 1) * vocab];
+        let diff = got.iter().zip(want).map(|(a, c)| (a - c).abs()).fold(0f32, f32::max);
+        stats.2 = stats.2.max(diff);
+        let top = |r: &[f32]| r.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map(|(i, _)| i).unwrap();
+        stats.0 += 1;
+        stats.1 += usize::from(top(got) == top(want));
+        assert!(diff < 0.15, "{what} row {j}: max |gpu - cpu| = {diff}");
+    }
+}
+
+fn cpu_rows(
+    model: &Llama,
+    cache: &mut KvCache,
+    seq: SeqId,
+    tokens: &[u32],
+    tree: Option<&[Option<usize>]>,
+) -> Vec<Vec<f32>> {
+    let input = SeqInput { seq, tokens, tree, logits: LogitsFor::All };
+    model.forward(cache, &[input], &[]).unwrap().logits.to_vec2::<f32>().unwrap()
+}
+
+fn parity(model_type: &str) {
+    let model = tiny(model_type);
+    let mut gpu = CudaLlama::new(&model, 0, 3, 128).unwrap();
+    let mut cache = model.new_cache();
+    let (a, b) = (cache.add_sequence(), cache.add_sequence());
+    let (pa, pb): (Vec<u32>, Vec<u32>) =
+        ((0..23).map(|i| (i * 7 + 3) % 96).collect(), (0..9).map(|i| (i * 5 + 1) % 96).collect());
+    let mut stats = (0usize, 0usize, 0f32);
+    // Prefill both (slots 2 and 0), one batch.
+    let out = gpu
+        .forward(&[
+            DeviceSeq { slot: 2, prefix_len: 0, tokens: &pa, parents: None },
+            DeviceSeq { slot: 0, prefix_len: 0, tokens: &pb, parents: None },
+        ])
+        .unwrap();
+    let host = gpu.to_host(&out).unwrap();
+    compare("prefill a", &host, 0, out.n_max, &cpu_rows(&model, &mut cache, a, &pa, None), &mut stats);
+    compare("prefill b", &host, 1, out.n_max, &cpu_rows(&model, &mut cache, b, &pb, None), &mut stats);
+    let (mut la, mut lb) = (pa.len(), pb.len());
+    // Three batched decode steps.
+    for step in 0..3u32 {
+        let (ta, tb) = ([(step * 11 + 4) % 96], [(step * 13 + 2) % 96]);
+        let out = gpu
+            .forward(&[
+                DeviceSeq { slot: 2, prefix_len: la, tokens: &ta, parents: None },
+                DeviceSeq { slot: 0, prefix_len: lb, tokens: &tb, parents: None },
+            ])
+            .unwrap();
+        let host = gpu.to_host(&out).unwrap();
+        compare("decode a", &host, 0, 1, &cpu_rows(&model, &mut cache, a, &ta, None), &mut stats);
+        compare("decode b", &host, 1, 1, &cpu_rows(&model, &mut cache, b, &tb, None), &mut stats);
+        la += 1;
+        lb += 1;
+    }
+    // A tree on sequence a: root 0 -> {1, 2}, 1 -> 3; accept 0, 1, 3 and decode after it.
+    let (tree, parents) = ([9u32, 17, 33, 41], [-1i32, 0, 0, 1]);
+    let out = gpu.forward(&[DeviceSeq { slot: 2, prefix_len: la, tokens: &tree, parents: Some(&parents) }]).unwrap();
+    let cpu_parents = [None, Some(0), Some(0), Some(1)];
+    let want = cpu_rows(&model, &mut cache, a, &tree, Some(&cpu_parents));
+    compare("tree a", &gpu.to_host(&out).unwrap(), 0, 4, &want, &mut stats);
+    gpu.commit(&[(2, la)], &[vec![0, 1, 3]]).unwrap();
+    cache.commit(a, &[0, 1, 3]).unwrap();
+    la += 3;
+    let t = [55u32];
+    let out = gpu.forward(&[DeviceSeq { slot: 2, prefix_len: la, tokens: &t, parents: None }]).unwrap();
+    compare("after commit", &gpu.to_host(&out).unwrap(), 0, 1, &cpu_rows(&model, &mut cache, a, &t, None), &mut stats);
+    let agreement = stats.1 as f64 / stats.0 as f64;
+    println!("{model_type}: {} rows, top-1 agreement {agreement:.3}, max |gpu - cpu| {:.4}", stats.0, stats.2);
+    assert!(agreement >= 0.95, "top-1 agreement {agreement} (bf16 weights and activations against f32)");
+}
+
+#[test]
+fn llama_logits_match_the_cpu_decoder() {
+    if gpu_or_skip("llama_logits_match_the_cpu_decoder") {
+        parity("llama");
+    }
+}
+
+#[test]
+fn qwen2_logits_match_the_cpu_decoder() {
+    if gpu_or_skip("qwen2_logits_match_the_cpu_decoder") {
+        parity("qwen2");
+    }
+}
