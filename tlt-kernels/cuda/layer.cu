@@ -63,3 +63,18 @@ extern "C" __global__ void bias_add_bf16(bf16_t* y, const bf16_t* b, int rows, i
          i += (unsigned long long)gridDim.x * blockDim.x)
         y[i] = tlt_f2bf(tlt_bf2f(y[i]) + tlt_bf2f(b[i % cols]));
 }
+
+// out[i] = lo + (hi - lo) * u_i with u_i a SplitMix64 hash of (seed, i): seeded synthetic weights generated on the
+// device (no upload). Grid-stride.
+extern "C" __global__ void fill_uniform_bf16(bf16_t* out, unsigned long long n, unsigned long long seed, float lo, float hi)
+{
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        unsigned long long z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        const float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+        out[i] = tlt_f2bf(lo + (hi - lo) * u);
+    }
+}

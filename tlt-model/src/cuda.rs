@@ -16,7 +16,6 @@ use tlt_kernels::AttnShape;
 
 use crate::config::LlamaConfig;
 use crate::model::Llama;
-use crate::weights::Linear;
 use crate::{Error, Result};
 
 fn cuda_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
@@ -43,6 +42,18 @@ struct DevLayer {
     gate: DevLinear,
     up: DevLinear,
     down: DevLinear,
+}
+
+/// Which weight a constructor asks its source for.
+#[derive(Debug, Clone, Copy)]
+enum Weight {
+    Embed,
+    Head,
+    Norm,
+    InNorm(usize),
+    PostNorm(usize),
+    /// Layer, projection (q, k, v, o, gate, up, down), bias?
+    Proj(usize, usize, bool),
 }
 
 /// One sequence's new tokens in a device forward.
@@ -185,7 +196,82 @@ impl CudaLlama {
     /// [`tlt_kernels::Error::CudaUnavailable`] (as [`Error::Kernel`]) without a driver or NVRTC, never a panic;
     /// [`Error::InvalidInput`] for heads the device attention does not handle or a zero-sized cache.
     pub fn new(model: &Llama, ordinal: usize, slots: usize, max_len: usize) -> Result<Self> {
-        let cfg = model.config().clone();
+        let w = model.weights();
+        Self::build(model.config().clone(), ordinal, slots, max_len, |stream, _, which| {
+            let t = match which {
+                Weight::Embed => &w.embed_tokens,
+                Weight::Head => match &w.lm_head {
+                    Some(h) => h,
+                    None => return Ok(None),
+                },
+                Weight::Norm => &w.norm,
+                Weight::InNorm(l) => &w.layers[l].input_layernorm,
+                Weight::PostNorm(l) => &w.layers[l].post_attention_layernorm,
+                Weight::Proj(l, p, bias) => {
+                    let lin = w.layers[l].proj.all()[p];
+                    match (bias, &lin.bias) {
+                        (false, _) => &lin.weight,
+                        (true, Some(b)) => b,
+                        (true, None) => return Ok(None),
+                    }
+                }
+            };
+            let v: Vec<bf16> = t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(bf16::from_f32).collect();
+            Ok(Some(stream.clone_htod(&v).map_err(cuda_err("upload"))?))
+        })
+    }
+
+    /// A model of `cfg`'s shapes with seeded uniform weights generated on the device (nothing uploaded): for speed
+    /// measurements of architectures whose weights cannot be shipped (norms 1, matrices in `±1/sqrt(fan_in)`,
+    /// embeddings in `±0.05`). Biases exist where the architecture has them.
+    ///
+    /// # Errors
+    /// As [`CudaLlama::new`], and [`Error::InvalidConfig`] for an invalid `cfg`.
+    pub fn synthetic(cfg: LlamaConfig, seed: u64, ordinal: usize, slots: usize, max_len: usize) -> Result<Self> {
+        cfg.validate()?;
+        let qkv_bias = cfg.architecture()?.qkv_bias();
+        let (h, i, q, kv, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.vocab_size);
+        let tied = cfg.tie_word_embeddings;
+        Self::build(cfg, ordinal, slots, max_len, |stream, kernels, which| {
+            // (elements, fan-in scale; 0 = constant 1); projections in Projections::all order.
+            let (len, scale) = match which {
+                Weight::Embed => (v * h, 0.05),
+                Weight::Head if tied => return Ok(None),
+                Weight::Head => (v * h, 1.0 / (h as f32).sqrt()),
+                Weight::Norm | Weight::InNorm(_) | Weight::PostNorm(_) => (h, 0.0),
+                Weight::Proj(_, p, bias) => {
+                    let (out, inp) = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)][p];
+                    match bias {
+                        false => (out * inp, 1.0 / (inp as f32).sqrt()),
+                        true if qkv_bias && p < 3 => (out, 0.02),
+                        true => return Ok(None),
+                    }
+                }
+            };
+            let mut buf = stream.alloc_zeros::<bf16>(len).map_err(cuda_err("alloc"))?;
+            let salt = match which {
+                Weight::Embed => 1,
+                Weight::Head => 2,
+                Weight::Norm => 3,
+                Weight::InNorm(l) => 16 + l as u64 * 64,
+                Weight::PostNorm(l) => 17 + l as u64 * 64,
+                Weight::Proj(l, p, bias) => 18 + l as u64 * 64 + p as u64 * 2 + u64::from(bias),
+            };
+            let (lo, hi) = if scale == 0.0 { (1.0, 1.0) } else { (-scale, scale) };
+            kernels.fill_uniform(stream, &mut buf, seed.wrapping_mul(0x9e37_79b9).wrapping_add(salt << 20), lo, hi)?;
+            Ok(Some(buf))
+        })
+    }
+
+    /// The common construction: `source` yields every weight on the device (`None`: absent, e.g. a tied head or a
+    /// bias the architecture does not have).
+    fn build(
+        cfg: LlamaConfig,
+        ordinal: usize,
+        slots: usize,
+        max_len: usize,
+        mut source: impl FnMut(&Arc<CudaStream>, &CudaKernels, Weight) -> Result<Option<CudaSlice<bf16>>>,
+    ) -> Result<Self> {
         let attn = AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
         let cache = CacheDims { layers: cfg.num_hidden_layers, slots, max_len, attn };
         cache.check()?;
@@ -193,37 +279,55 @@ impl CudaLlama {
         let stream = kernels.context().default_stream();
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| Error::Kernel(tlt_kernels::Error::Cuda { op: "cublasCreate", message: format!("{e:?}") }))?;
-        let up = |t: &candle_core::Tensor| -> Result<CudaSlice<bf16>> {
-            let v: Vec<bf16> = t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(bf16::from_f32).collect();
-            stream.clone_htod(&v).map_err(cuda_err("upload"))
+        let mut get = |w: Weight| source(&stream, &kernels, w);
+        let need = |w: Weight, got: Option<CudaSlice<bf16>>| {
+            got.ok_or_else(|| Error::InvalidInput(format!("weight {w:?} is missing")))
         };
-        let lin = |l: &Linear| -> Result<DevLinear> {
-            let (out, inp) = l.weight.dims2()?;
-            Ok(DevLinear { w: up(&l.weight)?, b: l.bias.as_ref().map(&up).transpose()?, out, inp })
-        };
-        let w = model.weights();
-        let mut layers = Vec::with_capacity(w.layers.len());
-        for l in &w.layers {
-            let p = &l.proj;
+        let (h, i, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
+        let shapes = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)];
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let mut lin = Vec::with_capacity(7);
+            for (p, &(out, inp)) in shapes.iter().enumerate() {
+                let w = need(Weight::Proj(l, p, false), get(Weight::Proj(l, p, false))?)?;
+                let b = get(Weight::Proj(l, p, true))?;
+                lin.push(DevLinear { w, b, out, inp });
+            }
+            let mut it = lin.into_iter();
+            let mut next = || it.next().ok_or_else(|| Error::InvalidInput("projection missing".into()));
             layers.push(DevLayer {
-                in_norm: up(&l.input_layernorm)?,
-                post_norm: up(&l.post_attention_layernorm)?,
-                q: lin(&p.q_proj)?,
-                k: lin(&p.k_proj)?,
-                v: lin(&p.v_proj)?,
-                o: lin(&p.o_proj)?,
-                gate: lin(&p.gate_proj)?,
-                up: lin(&p.up_proj)?,
-                down: lin(&p.down_proj)?,
+                in_norm: need(Weight::InNorm(l), get(Weight::InNorm(l))?)?,
+                post_norm: need(Weight::PostNorm(l), get(Weight::PostNorm(l))?)?,
+                q: next()?,
+                k: next()?,
+                v: next()?,
+                o: next()?,
+                gate: next()?,
+                up: next()?,
+                down: next()?,
             });
         }
-        let embed = up(&w.embed_tokens)?;
-        let head = w.lm_head.as_ref().map(&up).transpose()?;
-        let norm = up(&w.norm)?;
-        let inv_freq = stream.clone_htod(model.inv_freq()).map_err(cuda_err("upload"))?;
+        let embed = need(Weight::Embed, get(Weight::Embed)?)?;
+        let norm = need(Weight::Norm, get(Weight::Norm)?)?;
+        let head = get(Weight::Head)?;
+        let inv_freq = stream.clone_htod(&cfg.rope_inv_freq()).map_err(cuda_err("upload"))?;
         let k_cache = stream.alloc_zeros::<bf16>(cache.len()).map_err(cuda_err("alloc k cache"))?;
         let v_cache = stream.alloc_zeros::<bf16>(cache.len()).map_err(cuda_err("alloc v cache"))?;
         Ok(Self { cfg, kernels, stream, blas, embed, head, norm, layers, inv_freq, cache, k_cache, v_cache })
+    }
+
+    /// Bytes of weights one forward streams (every linear, the LM head, the norms), for bandwidth figures.
+    pub fn weight_bytes(&self) -> usize {
+        let lin = |l: &DevLinear| l.w.len() + l.b.as_ref().map_or(0, CudaSlice::len);
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].into_iter().map(lin).sum::<usize>()
+                    + 2 * l.in_norm.len()
+            })
+            .sum();
+        2 * (layers + self.head.as_ref().unwrap_or(&self.embed).len() + self.norm.len())
     }
 
     /// The configuration.

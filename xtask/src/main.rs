@@ -28,6 +28,7 @@ mod drafter_data;
 mod drift;
 mod export_check;
 mod fuzz;
+mod gpu_bundle;
 mod graph;
 mod report;
 mod sysinfo;
@@ -81,6 +82,9 @@ enum Cmd {
         #[arg(long)]
         gpu: bool,
     },
+    /// Build the CUDA tests and `gpu-bench` here, stripped, with `run.sh` for a GPU machine without Rust
+    /// (`target/gpu-bundle`; see `xtask/src/gpu_bundle.rs`).
+    GpuBundle,
     /// Fetch assets, then the main job: GRPO on SmolLM2-135M-Instruct with TLT rollouts and the baseline with
     /// the same seeds (steps interleaved), and a report (reward before/after, step-time split, TLT speedup). Output in `target/demo`.
     Demo {
@@ -284,7 +288,7 @@ fn cuda_tests(gpu: bool) -> Result<ExitCode> {
 }
 
 /// The features that turn the CUDA code on, for the packages that have it.
-const CUDA_FEATURES: &str = "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda";
+pub(crate) const CUDA_FEATURES: &str = "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda";
 
 fn demo(steps: Option<u64>, config: Option<&Path>) -> Result<ExitCode> {
     let gguf = assets::fetch_assets()?;
@@ -346,6 +350,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),
         Cmd::TestCuda { gpu } => cuda_tests(gpu),
+        Cmd::GpuBundle => {
+            println!("{}", gpu_bundle::build(&workspace_root(), cargo)?.display());
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Fuzz { target, minutes, seed, hang_s } => {
             let gguf = assets::fetch_assets()?;
             let summary = fuzz::run(target, minutes, seed, hang_s, &gguf)?;

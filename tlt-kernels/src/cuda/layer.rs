@@ -115,6 +115,30 @@ impl CudaKernels {
         // SAFETY: arguments match the signature; buffers checked.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch bias_add_bf16"))
     }
+
+    /// Fills `out` with seeded uniform values in `[lo, hi)` (a hash of the seed and the index: the same on every
+    /// device), for synthetic weights generated where they are used.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a non-finite or empty range, [`Error::Cuda`] when the launch fails.
+    pub fn fill_uniform(
+        &self,
+        stream: &CudaStream,
+        out: &mut CudaSlice<bf16>,
+        seed: u64,
+        lo: f32,
+        hi: f32,
+    ) -> Result<()> {
+        if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
+            return Err(Error::InvalidArgument(format!("uniform range [{lo}, {hi})")));
+        }
+        let n = out.len() as u64;
+        let cfg = stride_cfg(out.len());
+        let mut b = stream.launch_builder(self.function("fill_uniform_bf16")?);
+        b.arg(out).arg(&n).arg(&seed).arg(&lo).arg(&hi);
+        // SAFETY: arguments match the signature; the kernel writes exactly n elements.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch fill_uniform_bf16"))
+    }
 }
 
 /// Output element types of [`gemm_bf16`].

@@ -55,7 +55,14 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "layer.cu",
         text: include_str!("../../cuda/layer.cu"),
-        kernels: &["embed_rows_bf16", "rms_norm_bf16", "add_bf16_to_f32", "silu_mul_bf16", "bias_add_bf16"],
+        kernels: &[
+            "embed_rows_bf16",
+            "rms_norm_bf16",
+            "add_bf16_to_f32",
+            "silu_mul_bf16",
+            "bias_add_bf16",
+            "fill_uniform_bf16",
+        ],
     },
     KernelSource {
         file: "kv.cu",

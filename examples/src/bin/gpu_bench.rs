@@ -1,0 +1,156 @@
+//! `gpu-bench`: batched decode and verify-k of a real architecture's shapes on a CUDA device, with synthetic bf16
+//! weights generated on the device, against the device's measured copy bandwidth (build with `--features cuda`).
+//! Eager launches (no CUDA graphs yet). Prints a markdown table and writes JSON.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use tlt_model::cuda::{CudaLlama, DeviceSeq};
+use tlt_model::LlamaConfig;
+
+#[derive(Parser, Debug)]
+#[command(about = "Decode and verify-k timings of an architecture on a CUDA device (synthetic bf16 weights)")]
+struct Args {
+    /// smollm2-135m, qwen2.5-1.5b, qwen2.5-7b or llama3-8b.
+    #[arg(long, default_value = "smollm2-135m")]
+    arch: String,
+    /// `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// Batch sizes of the decode sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128,256")]
+    batches: Vec<usize>,
+    /// Committed tokens per sequence before the timed steps.
+    #[arg(long, default_value_t = 512)]
+    context: usize,
+    /// Timed steps per measurement (the median is reported).
+    #[arg(long, default_value_t = 30)]
+    steps: usize,
+    /// Verify widths measured at batch 1 (tokens per verify forward).
+    #[arg(long, value_delimiter = ',', default_value = "2,4,6,8")]
+    verify: Vec<usize>,
+    /// JSON output.
+    #[arg(long, default_value = "target/bench/gpu-decode.json")]
+    out: std::path::PathBuf,
+}
+
+/// Published shapes of the architectures the issue names (config.json of each model).
+fn config(arch: &str) -> Result<LlamaConfig> {
+    // (model_type, hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta)
+    let (mt, h, i, l, nh, kv, v, tied, theta) = match arch {
+        "smollm2-135m" => ("llama", 576, 1536, 30, 9, 3, 49_152, true, 100_000.0),
+        "qwen2.5-1.5b" => ("qwen2", 1536, 8960, 28, 12, 2, 151_936, true, 1_000_000.0),
+        "qwen2.5-7b" => ("qwen2", 3584, 18_944, 28, 28, 4, 152_064, false, 1_000_000.0),
+        "llama3-8b" => ("llama", 4096, 14_336, 32, 32, 8, 128_256, false, 500_000.0),
+        other => bail!("unknown architecture {other}"),
+    };
+    let mut c = LlamaConfig::tiny(v, h, l);
+    c.model_type = mt.into();
+    c.intermediate_size = i;
+    c.num_attention_heads = nh;
+    c.num_key_value_heads = Some(kv);
+    c.tie_word_embeddings = tied;
+    c.rope_theta = theta;
+    c.max_position_embeddings = 32_768;
+    c.rms_norm_eps = 1e-6;
+    Ok(c)
+}
+
+fn ordinal(device: &str) -> Result<usize> {
+    match device.split_once(':') {
+        None if device == "cuda" => Ok(0),
+        Some(("cuda", n)) => n.parse().context("device ordinal"),
+        _ => bail!("--device must be cuda or cuda:N, got {device}"),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median seconds of `steps` forwards of `n` tokens for each of `batch` sequences at `context`.
+fn time_forward(m: &mut CudaLlama, batch: usize, n: usize, context: usize, steps: usize) -> Result<f64> {
+    let tokens: Vec<u32> = (0..n as u32).map(|t| 100 + t).collect();
+    let seqs: Vec<DeviceSeq> =
+        (0..batch).map(|slot| DeviceSeq { slot, prefix_len: context, tokens: &tokens, parents: None }).collect();
+    let mut times = Vec::with_capacity(steps);
+    for step in 0..steps + 3 {
+        let t0 = Instant::now();
+        let out = m.forward(&seqs)?;
+        m.stream().synchronize().context("synchronize")?;
+        drop(out);
+        if step >= 3 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(times))
+}
+
+/// Device-to-device copy bandwidth (read + write bytes per second) over a 1 GiB buffer.
+fn copy_bandwidth(m: &CudaLlama) -> Result<f64> {
+    let n = 1usize << 29; // u16 elements: 1 GiB
+    let s = m.stream();
+    let src = s.alloc_zeros::<u16>(n).context("alloc")?;
+    let mut dst = s.alloc_zeros::<u16>(n).context("alloc")?;
+    let mut times = Vec::new();
+    for rep in 0..12 {
+        let t0 = Instant::now();
+        s.memcpy_dtod(&src, &mut dst).context("memcpy")?;
+        s.synchronize().context("synchronize")?;
+        if rep >= 2 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(2.0 * (n * 2) as f64 / median(times))
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    let a = Args::parse();
+    let cfg = config(&a.arch)?;
+    let max_batch = a.batches.iter().copied().max().unwrap_or(1);
+    let max_len = a.context + a.verify.iter().copied().max().unwrap_or(1) + 8;
+    let mut m = CudaLlama::synthetic(cfg.clone(), 42, ordinal(&a.device)?, max_batch, max_len)?;
+    let copy = copy_bandwidth(&m)?;
+    let weights = m.weight_bytes() as f64;
+    let kv_row = (cfg.kv_dim() * 2 * 2 * cfg.num_hidden_layers) as f64; // K and V, bf16, every layer
+    println!(
+        "{} on {}: weights {:.2} GB, copy bandwidth {:.0} GB/s, context {}",
+        a.arch,
+        a.device,
+        weights / 1e9,
+        copy / 1e9,
+        a.context
+    );
+    println!("| batch | step ms | tok/s | GB/s (weights + KV) | of copy bw |\n|---:|---:|---:|---:|---:|");
+    let mut decode = Vec::new();
+    for &b in &a.batches {
+        let t = time_forward(&mut m, b, 1, a.context, a.steps)?;
+        let bytes = weights + b as f64 * a.context as f64 * kv_row;
+        let bw = bytes / t;
+        println!("| {b} | {:.3} | {:.0} | {:.0} | {:.2} |", t * 1e3, b as f64 / t, bw / 1e9, bw / copy);
+        decode.push(serde_json::json!({"batch": b, "step_s": t, "tokens_per_s": b as f64 / t, "bytes": bytes, "bandwidth": bw, "of_copy": bw / copy}));
+    }
+    let t1 = time_forward(&mut m, 1, 1, a.context, a.steps)?;
+    println!("\n| verify k (batch 1) | ms | verify / decode-1 | oracle SD at tau = k (k x decode / verify) |\n|---:|---:|---:|---:|");
+    let mut verify = Vec::new();
+    for &k in &a.verify {
+        let t = time_forward(&mut m, 1, k, a.context, a.steps)?;
+        println!("| {k} | {:.3} | {:.3} | {:.2}x |", t * 1e3, t / t1, k as f64 * t1 / t);
+        verify.push(
+            serde_json::json!({"k": k, "step_s": t, "over_decode": t / t1, "oracle_sd_speedup": k as f64 * t1 / t}),
+        );
+    }
+    let json = serde_json::json!({
+        "arch": a.arch, "device": a.device, "context": a.context, "steps": a.steps, "graphs": false,
+        "weight_bytes": weights, "copy_bandwidth": copy, "decode": decode, "decode_1_s": t1, "verify": verify,
+    });
+    if let Some(dir) = a.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&a.out, serde_json::to_string_pretty(&json)?)?;
+    println!("\nJSON: {}", a.out.display());
+    Ok(())
+}

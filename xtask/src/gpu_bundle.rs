@@ -1,0 +1,98 @@
+//! `cargo xtask gpu-bundle`: the CUDA tests and the GPU benchmark built here (no toolkit needed), stripped, with a
+//! script that runs them on a GPU machine that has a driver and NVRTC/cuBLAS 13 but no Rust toolchain (the lent H100:
+//! PyTorch cu130's `nvidia-*` wheels or the CUDA toolkit provide the libraries). Send `target/gpu-bundle` there and
+//! run `gpu-bundle/run.sh`; results land in `$OUT` (or `gpu-bundle/out`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context, Result};
+use tracing::{info, warn};
+
+/// What `run.sh` does on the GPU machine.
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# The CUDA tests (TLT_REQUIRE_GPU=1: a missing driver fails them) and the decode benchmark, on a GPU machine with no
+# Rust toolchain. Libraries: NVRTC 13 and cuBLAS 13 from the Python environment's nvidia-* wheels or the toolkit.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$here/out}
+mkdir -p "$out"
+libs=$(python3 - <<'PY' 2>/dev/null
+import glob, os, site
+dirs = set()
+for base in site.getsitepackages() + [site.getusersitepackages()]:
+    for name in ("libnvrtc.so.13", "libcublas.so.13", "libcublasLt.so.13"):
+        for so in glob.glob(os.path.join(base, "nvidia", "**", name), recursive=True):
+            dirs.add(os.path.dirname(so))
+print(":".join(sorted(dirs)))
+PY
+)
+export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export TLT_REQUIRE_GPU=1 TLT_REQUIRE_NVRTC=1 RUST_BACKTRACE=1
+{ nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; ldconfig -p | grep -E 'libcuda.so|nvrtc|cublas'; } > "$out/env.txt" 2>&1
+status=0
+for t in "$here"/bin/test-*; do
+    echo "== $(basename "$t")"
+    "$t" --nocapture --test-threads=1 > "$out/$(basename "$t").log" 2>&1 || { status=1; echo "FAILED (see $out/$(basename "$t").log)"; }
+    grep -E "^test |test result" "$out/$(basename "$t").log"
+done
+for arch in ${ARCHS:-smollm2-135m llama3-8b}; do
+    echo "== gpu-bench $arch"
+    "$here/bin/gpu-bench" --arch "$arch" --out "$out/decode-$arch.json" > "$out/decode-$arch.md" 2>&1 || status=1
+    cat "$out/decode-$arch.md"
+done
+exit $status
+"#;
+
+/// Builds, strips and packs the bundle into `<workspace>/target/gpu-bundle`; returns its directory.
+pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
+    let dir = root.join("target").join("gpu-bundle");
+    let _ = std::fs::remove_dir_all(&dir);
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin)?;
+    // Test executables, found from cargo's JSON messages.
+    let mut tests = cargo();
+    tests
+        .args(["test", "--release", "--no-run", "--message-format=json", "--features", crate::CUDA_FEATURES])
+        .args(["-p", "tlt-kernels", "-p", "tlt-model", "-p", "tlt-cudagraph", "--test", "cuda"])
+        .stderr(Stdio::inherit());
+    let out = tests.output().context("cargo test --no-run")?;
+    if !out.status.success() {
+        bail!("building the CUDA test executables failed");
+    }
+    let mut copied = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let (Some(exe), Some(pkg)) = (msg["executable"].as_str(), msg["package_id"].as_str()) else { continue };
+        let name = ["tlt-kernels", "tlt-model", "tlt-cudagraph"].into_iter().find(|p| pkg.contains(p)).unwrap_or("x");
+        copied.push((PathBuf::from(exe), bin.join(format!("test-{name}"))));
+    }
+    if copied.len() != 3 {
+        bail!("expected 3 CUDA test executables, found {}", copied.len());
+    }
+    let status = cargo()
+        .args(["build", "--release", "-p", "tlt-examples", "--features", "cuda", "--bin", "gpu-bench"])
+        .status()
+        .context("cargo build gpu-bench")?;
+    if !status.success() {
+        bail!("building gpu-bench failed");
+    }
+    copied.push((root.join("target/release/gpu-bench"), bin.join("gpu-bench")));
+    for (from, to) in &copied {
+        let stripped = Command::new("strip").arg("-o").arg(to).arg(from).status().is_ok_and(|s| s.success());
+        if !stripped {
+            warn!(file = %from.display(), "strip is unavailable or failed: copying the binary with its debug info");
+            std::fs::copy(from, to)?;
+        }
+    }
+    let run = dir.join("run.sh");
+    std::fs::write(&run, RUN_SH)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let bytes: u64 = copied.iter().filter_map(|(_, to)| std::fs::metadata(to).ok()).map(|m| m.len()).sum();
+    info!(dir = %dir.display(), mb = bytes / 1_000_000, "GPU bundle ready: send it and run gpu-bundle/run.sh");
+    Ok(dir)
+}
