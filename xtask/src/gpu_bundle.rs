@@ -41,6 +41,12 @@ for arch in ${ARCHS:-smollm2-135m llama3-8b}; do
     "$here/bin/gpu-bench" --arch "$arch" --out "$out/decode-$arch.json" > "$out/decode-$arch.md" 2>&1 || status=1
     cat "$out/decode-$arch.md"
 done
+# The peer: HF transformers + PyTorch on the same GPU (eager generate, static cache + torch.compile).
+for arch in ${HF_ARCHS:-smollm2-135m}; do
+    echo "== transformers $arch"
+    python3 "$here/hf_decode_bench.py" --arch "$arch" --batches "${HF_BATCHES:-1,64}" --out "$out/hf-$arch.json" > "$out/hf-$arch.md" 2>&1 || status=1
+    cat "$out/hf-$arch.md"
+done
 exit $status
 "#;
 
@@ -85,6 +91,7 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
             std::fs::copy(from, to)?;
         }
     }
+    std::fs::copy(root.join("scripts/hf_decode_bench.py"), dir.join("hf_decode_bench.py"))?;
     let run = dir.join("run.sh");
     std::fs::write(&run, RUN_SH)?;
     #[cfg(unix)]
