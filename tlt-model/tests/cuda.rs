@@ -74,7 +74,7 @@ fn parity(model_type: &str) {
             DeviceSeq { slot: 0, prefix_len: 0, tokens: &pb, parents: None },
         ])
         .unwrap();
-    let host = gpu.to_host(&out).unwrap();
+    let host = gpu.logits_to_host(&out).unwrap();
     compare("prefill a", &host, 0, out.n_max, &cpu_rows(&model, &mut cache, a, &pa, None), &mut stats);
     compare("prefill b", &host, 1, out.n_max, &cpu_rows(&model, &mut cache, b, &pb, None), &mut stats);
     let (mut la, mut lb) = (pa.len(), pb.len());
@@ -87,7 +87,7 @@ fn parity(model_type: &str) {
                 DeviceSeq { slot: 0, prefix_len: lb, tokens: &tb, parents: None },
             ])
             .unwrap();
-        let host = gpu.to_host(&out).unwrap();
+        let host = gpu.logits_to_host(&out).unwrap();
         compare("decode a", &host, 0, 1, &cpu_rows(&model, &mut cache, a, &ta, None), &mut stats);
         compare("decode b", &host, 1, 1, &cpu_rows(&model, &mut cache, b, &tb, None), &mut stats);
         la += 1;
@@ -98,13 +98,20 @@ fn parity(model_type: &str) {
     let out = gpu.forward(&[DeviceSeq { slot: 2, prefix_len: la, tokens: &tree, parents: Some(&parents) }]).unwrap();
     let cpu_parents = [None, Some(0), Some(0), Some(1)];
     let want = cpu_rows(&model, &mut cache, a, &tree, Some(&cpu_parents));
-    compare("tree a", &gpu.to_host(&out).unwrap(), 0, 4, &want, &mut stats);
+    compare("tree a", &gpu.logits_to_host(&out).unwrap(), 0, 4, &want, &mut stats);
     gpu.commit(&[(2, la)], &[vec![0, 1, 3]]).unwrap();
     cache.commit(a, &[0, 1, 3]).unwrap();
     la += 3;
     let t = [55u32];
     let out = gpu.forward(&[DeviceSeq { slot: 2, prefix_len: la, tokens: &t, parents: None }]).unwrap();
-    compare("after commit", &gpu.to_host(&out).unwrap(), 0, 1, &cpu_rows(&model, &mut cache, a, &t, None), &mut stats);
+    compare(
+        "after commit",
+        &gpu.logits_to_host(&out).unwrap(),
+        0,
+        1,
+        &cpu_rows(&model, &mut cache, a, &t, None),
+        &mut stats,
+    );
     let agreement = stats.1 as f64 / stats.0 as f64;
     println!("{model_type}: {} rows, top-1 agreement {agreement:.3}, max |gpu - cpu| {:.4}", stats.0, stats.2);
     assert!(agreement >= 0.95, "top-1 agreement {agreement} (bf16 weights and activations against f32)");
@@ -122,4 +129,55 @@ fn qwen2_logits_match_the_cpu_decoder() {
     if gpu_or_skip("qwen2_logits_match_the_cpu_decoder") {
         parity("qwen2");
     }
+}
+
+/// Decode and tree steps through CUDA graphs give exactly the eager logits, capture once per shape and replay after.
+#[test]
+fn graph_replay_equals_eager() {
+    if !gpu_or_skip("graph_replay_equals_eager") {
+        return;
+    }
+    let model = tiny("llama");
+    let (mut eager, mut graphs) =
+        (CudaLlama::new(&model, 0, 3, 128).unwrap(), CudaLlama::new(&model, 0, 3, 128).unwrap());
+    graphs.enable_graphs(4, 1 << 30);
+    let prompt: Vec<u32> = (0..17).map(|i| (i * 3 + 1) % 96).collect();
+    let mut modes = Vec::new();
+    let mut step = |seqs: &[DeviceSeq], check: bool| {
+        let (a, b) = (eager.forward(seqs).unwrap(), graphs.forward(seqs).unwrap());
+        modes.push(b.mode);
+        let (x, y) = (eager.logits_to_host(&a).unwrap(), graphs.logits_to_host(&b).unwrap());
+        if check {
+            let vocab = a.vocab;
+            for (i, s) in seqs.iter().enumerate() {
+                for j in 0..s.tokens.len() {
+                    let (ra, rb) = ((i * a.n_max + j) * vocab, (i * b.n_max + j) * vocab);
+                    assert_eq!(&x[ra..ra + vocab], &y[rb..rb + vocab], "sequence {i} row {j}");
+                }
+            }
+        }
+    };
+    step(&[DeviceSeq { slot: 0, prefix_len: 0, tokens: &prompt, parents: None }], true);
+    step(&[DeviceSeq { slot: 1, prefix_len: 0, tokens: &prompt[..5], parents: None }], true);
+    let (mut l0, mut l1) = (prompt.len(), 5);
+    for t in 0..4u32 {
+        let (a, b) = ([t + 7], [t + 9]);
+        let seqs = [
+            DeviceSeq { slot: 0, prefix_len: l0, tokens: &a, parents: None },
+            DeviceSeq { slot: 1, prefix_len: l1, tokens: &b, parents: None },
+        ];
+        step(&seqs, true);
+        l0 += 1;
+        l1 += 1;
+    }
+    // The same tree twice: captured, then replayed.
+    let parents = [-1, 0, 0, 1];
+    for _ in 0..2 {
+        let seqs = [DeviceSeq { slot: 0, prefix_len: l0, tokens: &[5, 6, 7, 8], parents: Some(&parents) }];
+        step(&seqs, true);
+    }
+    use tlt_model::cuda::StepMode::{Captured, Eager, Replayed};
+    assert_eq!(modes, vec![Eager, Eager, Captured, Replayed, Replayed, Replayed, Captured, Replayed]);
+    let stats = graphs.graph_stats().unwrap();
+    assert_eq!((stats.captures, stats.graphs), (2, 2), "{stats:?}");
 }

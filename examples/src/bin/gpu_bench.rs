@@ -1,6 +1,7 @@
 //! `gpu-bench`: batched decode and verify-k of a real architecture's shapes on a CUDA device, with synthetic bf16
 //! weights generated on the device, against the device's measured copy bandwidth (build with `--features cuda`).
-//! Eager launches (no CUDA graphs yet). Prints a markdown table and writes JSON.
+//! Each decode batch runs eagerly and then through CUDA graphs (captured on first use, replayed after). Prints
+//! markdown tables and writes JSON.
 
 use std::time::Instant;
 
@@ -70,17 +71,19 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Median seconds of `steps` forwards of `n` tokens for each of `batch` sequences at `context`.
+/// Median seconds of `steps` forwards of `n` tokens for each of `batch` sequences at `context` (a decode step for
+/// `n == 1`, else the verification of an `n`-node draft chain, as speculative decoding runs it).
 fn time_forward(m: &mut CudaLlama, batch: usize, n: usize, context: usize, steps: usize) -> Result<f64> {
     let tokens: Vec<u32> = (0..n as u32).map(|t| 100 + t).collect();
+    let chain: Vec<i32> = (0..n as i32).map(|i| i - 1).collect();
+    let parents = (n > 1).then_some(chain.as_slice());
     let seqs: Vec<DeviceSeq> =
-        (0..batch).map(|slot| DeviceSeq { slot, prefix_len: context, tokens: &tokens, parents: None }).collect();
+        (0..batch).map(|slot| DeviceSeq { slot, prefix_len: context, tokens: &tokens, parents }).collect();
     let mut times = Vec::with_capacity(steps);
     for step in 0..steps + 3 {
         let t0 = Instant::now();
-        let out = m.forward(&seqs)?;
+        m.forward(&seqs)?;
         m.stream().synchronize().context("synchronize")?;
-        drop(out);
         if step >= 3 {
             times.push(t0.elapsed().as_secs_f64());
         }
@@ -126,15 +129,22 @@ fn main() -> Result<()> {
     );
     println!("| batch | step ms | tok/s | GB/s (weights + KV) | of copy bw |\n|---:|---:|---:|---:|---:|");
     let mut decode = Vec::new();
-    for &b in &a.batches {
-        let t = time_forward(&mut m, b, 1, a.context, a.steps)?;
-        let bytes = weights + b as f64 * a.context as f64 * kv_row;
-        let bw = bytes / t;
-        println!("| {b} | {:.3} | {:.0} | {:.0} | {:.2} |", t * 1e3, b as f64 / t, bw / 1e9, bw / copy);
-        decode.push(serde_json::json!({"batch": b, "step_s": t, "tokens_per_s": b as f64 / t, "bytes": bytes, "bandwidth": bw, "of_copy": bw / copy}));
+    for graphs in [false, true] {
+        if graphs {
+            m.enable_graphs(max_batch, 8 << 30);
+            println!("\nwith CUDA graphs:\n| batch | step ms | tok/s | GB/s (weights + KV) | of copy bw |\n|---:|---:|---:|---:|---:|");
+        }
+        for &b in &a.batches {
+            let t = time_forward(&mut m, b, 1, a.context, a.steps)?;
+            let bytes = weights + b as f64 * a.context as f64 * kv_row;
+            let bw = bytes / t;
+            println!("| {b} | {:.3} | {:.0} | {:.0} | {:.2} |", t * 1e3, b as f64 / t, bw / 1e9, bw / copy);
+            decode.push(serde_json::json!({"graphs": graphs, "batch": b, "step_s": t, "tokens_per_s": b as f64 / t, "bytes": bytes, "bandwidth": bw, "of_copy": bw / copy}));
+        }
     }
+    println!("\ngraph pool: {:?}", m.graph_stats());
     let t1 = time_forward(&mut m, 1, 1, a.context, a.steps)?;
-    println!("\n| verify k (batch 1) | ms | verify / decode-1 | oracle SD at tau = k (k x decode / verify) |\n|---:|---:|---:|---:|");
+    println!("\nwith CUDA graphs:\n| verify k (batch 1) | ms | verify / decode-1 | oracle SD at tau = k (k x decode / verify) |\n|---:|---:|---:|---:|");
     let mut verify = Vec::new();
     for &k in &a.verify {
         let t = time_forward(&mut m, 1, k, a.context, a.steps)?;
@@ -144,7 +154,7 @@ fn main() -> Result<()> {
         );
     }
     let json = serde_json::json!({
-        "arch": a.arch, "device": a.device, "context": a.context, "steps": a.steps, "graphs": false,
+        "arch": a.arch, "device": a.device, "context": a.context, "steps": a.steps,
         "weight_bytes": weights, "copy_bandwidth": copy, "decode": decode, "decode_1_s": t1, "verify": verify,
     });
     if let Some(dir) = a.out.parent() {

@@ -6,19 +6,27 @@
 //! [`CudaLlama`] is made from a loaded [`Llama`], so every format the CPU path reads (HF safetensors, GGUF) runs here.
 //! The layer loop mirrors [`Llama::forward`]'s op for op; the residual stream is kept in f32.
 
+mod layout;
+mod step;
+
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
-use tlt_kernels::cuda::{ancestor_masks, gemm_bf16, CacheDims, CudaKernels, RowMeta, SeqMeta, TreeDims};
+use tlt_cudagraph::{BucketPolicy, GraphKey, GraphPool, PoolStats};
+use tlt_kernels::cuda::{CacheDims, CudaKernels, SeqMeta};
 use tlt_kernels::AttnShape;
 
+use self::layout::layout;
+pub use self::layout::DeviceSeq;
+use self::step::{Model, StepBuffers};
 use crate::config::LlamaConfig;
 use crate::model::Llama;
 use crate::{Error, Result};
 
-fn cuda_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+pub(crate) fn cuda_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Kernel(tlt_kernels::Error::Cuda { op, message: e.to_string() })
 }
 
@@ -56,136 +64,73 @@ enum Weight {
     Proj(usize, usize, bool),
 }
 
-/// One sequence's new tokens in a device forward.
-#[derive(Debug, Clone, Copy)]
-pub struct DeviceSeq<'a> {
-    /// Its cache slot (`< slots`).
-    pub slot: usize,
-    /// Its committed positions; the new tokens' K/V go to `prefix_len..prefix_len + tokens.len()`.
-    pub prefix_len: usize,
-    /// The new tokens.
-    pub tokens: &'a [u32],
-    /// `None`: a causal append (prefill chunk, decode). `Some(parents)`: a draft tree whose node 0 is the root
-    /// (`parents[0] < 0`) and whose other nodes' parents precede them (at most 64 nodes). Node `i` sits at position
-    /// `prefix_len + depth(i)`.
-    pub parents: Option<&'a [i32]>,
+/// The weights on the device.
+#[derive(Debug)]
+pub(crate) struct DevWeights {
+    embed: CudaSlice<bf16>,
+    head: Option<CudaSlice<bf16>>,
+    norm: CudaSlice<bf16>,
+    layers: Vec<DevLayer>,
+    inv_freq: CudaSlice<f64>,
 }
 
-/// The logits of a device forward: `[batch * n_max, vocab]` f32 on the device; node `j` of sequence `b` is row
-/// `b * n_max + j` (rows past a sequence's tokens are padding).
-#[derive(Debug)]
-pub struct DeviceLogits {
-    /// The logits.
-    pub logits: CudaSlice<f32>,
-    /// Sequences.
+/// How a forward ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepMode {
+    /// Launch by launch.
+    Eager,
+    /// Launched eagerly, then captured into a CUDA graph for its shape.
+    Captured,
+    /// A captured graph replayed.
+    Replayed,
+}
+
+/// What a forward produced: its logits live in the model's buffers for `(batch, n_max)` until the next forward of
+/// that shape ([`CudaLlama::logits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepOutput {
+    /// Sequences (after padding to a graph bucket: rows of padded sequences are garbage).
     pub batch: usize,
-    /// Rows per sequence.
+    /// Rows per sequence: node `j` of sequence `b` is row `b * n_max + j`.
     pub n_max: usize,
     /// Vocabulary size.
     pub vocab: usize,
+    /// How it ran.
+    pub mode: StepMode,
+    /// Whether the shape was a tree (its buffers are keyed by that too).
+    tree: bool,
+}
+
+/// CUDA graphs of decode and verify shapes.
+struct Graphs {
+    policy: BucketPolicy,
+    pool: GraphPool<CudaGraph>,
+}
+
+impl std::fmt::Debug for Graphs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Graphs").field("policy", &self.policy).field("stats", self.pool.stats()).finish()
+    }
 }
 
 /// A Llama-family decoder resident on one CUDA device, with a KV cache of `slots` sequences of `max_len` positions.
+///
+/// Decode steps (one token per sequence) and tree verifications keep their buffers per shape, so with
+/// [`CudaLlama::enable_graphs`] each such shape is captured once into a CUDA graph (batches padded to the bucket
+/// ladder) and replayed after; prefill chunks always run eagerly on transient buffers.
 #[derive(Debug)]
 pub struct CudaLlama {
     cfg: LlamaConfig,
     kernels: CudaKernels,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    embed: CudaSlice<bf16>,
-    head: Option<CudaSlice<bf16>>,
-    norm: CudaSlice<bf16>,
-    layers: Vec<DevLayer>,
-    inv_freq: CudaSlice<f64>,
+    w: DevWeights,
     cache: CacheDims,
     k_cache: CudaSlice<bf16>,
     v_cache: CudaSlice<bf16>,
-}
-
-/// The host-side layout of one forward: padded tokens and the device metadata, validated.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct StepLayout {
-    pub(crate) n_max: usize,
-    pub(crate) tokens: Vec<i32>,
-    pub(crate) row_slot: Vec<i32>,
-    pub(crate) row_pos: Vec<i32>,
-    pub(crate) row_dst: Vec<i32>,
-    pub(crate) seq_slot: Vec<i32>,
-    pub(crate) seq_prefix: Vec<i32>,
-    pub(crate) seq_nodes: Vec<i32>,
-    /// Ancestor masks `[batch * n_max]` when any sequence is a tree (causal ones get chain masks).
-    pub(crate) anc: Option<Vec<u64>>,
-}
-
-/// Lays out and checks a batch: slots in range and distinct, tokens in the vocabulary, positions within `max_len`.
-pub(crate) fn layout(seqs: &[DeviceSeq<'_>], vocab: usize, slots: usize, max_len: usize) -> Result<StepLayout> {
-    let bad = |m: String| Err(Error::InvalidInput(m));
-    if seqs.is_empty() {
-        return bad("a device forward needs at least one sequence".into());
-    }
-    let n_max = seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
-    let any_tree = seqs.iter().any(|s| s.parents.is_some());
-    let rows = seqs.len() * n_max;
-    let mut l = StepLayout {
-        n_max,
-        tokens: vec![0; rows],
-        row_slot: vec![-1; rows],
-        row_pos: vec![0; rows],
-        row_dst: vec![0; rows],
-        seq_slot: Vec::with_capacity(seqs.len()),
-        seq_prefix: Vec::with_capacity(seqs.len()),
-        seq_nodes: Vec::with_capacity(seqs.len()),
-        anc: any_tree.then(|| vec![0u64; rows]),
-    };
-    for (b, s) in seqs.iter().enumerate() {
-        let n = s.tokens.len();
-        if n == 0 {
-            return bad(format!("sequence {b} has no tokens"));
-        }
-        if s.slot >= slots || seqs[..b].iter().any(|o| o.slot == s.slot) {
-            return bad(format!("sequence {b}: slot {} is out of range ({slots}) or used twice", s.slot));
-        }
-        if s.prefix_len + n > max_len {
-            return bad(format!("sequence {b}: {} + {n} positions exceed the cache's {max_len}", s.prefix_len));
-        }
-        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
-            return bad(format!("sequence {b}: token id {t} >= vocab size {vocab}"));
-        }
-        let depth: Vec<usize> = match s.parents {
-            None => (0..n).collect(),
-            Some(p) => {
-                if p.len() != n {
-                    return bad(format!("sequence {b}: {} parents for {n} tokens", p.len()));
-                }
-                let masks = ancestor_masks(p)?;
-                if let Some(anc) = l.anc.as_mut() {
-                    anc[b * n_max..b * n_max + n].copy_from_slice(&masks);
-                }
-                masks.iter().map(|m| m.count_ones() as usize - 1).collect()
-            }
-        };
-        if s.parents.is_none() {
-            if let Some(anc) = l.anc.as_mut() {
-                if n > tlt_kernels::cuda::MAX_TREE_NODES {
-                    return bad(format!("sequence {b}: a causal chunk of {n} tokens cannot share a batch with trees"));
-                }
-                for j in 0..n {
-                    anc[b * n_max + j] = if j == 63 { u64::MAX } else { (1u64 << (j + 1)) - 1 };
-                }
-            }
-        }
-        for (j, (&tok, &d)) in s.tokens.iter().zip(&depth).enumerate() {
-            let r = b * n_max + j;
-            l.tokens[r] = tok as i32;
-            l.row_slot[r] = s.slot as i32;
-            l.row_pos[r] = (s.prefix_len + d) as i32;
-            l.row_dst[r] = (s.prefix_len + j) as i32;
-        }
-        l.seq_slot.push(s.slot as i32);
-        l.seq_prefix.push(s.prefix_len as i32);
-        l.seq_nodes.push(n as i32);
-    }
-    Ok(l)
+    steps: HashMap<(usize, usize, bool), StepBuffers>,
+    transient: Option<StepBuffers>,
+    graphs: Option<Graphs>,
 }
 
 impl CudaLlama {
@@ -276,7 +221,11 @@ impl CudaLlama {
         let cache = CacheDims { layers: cfg.num_hidden_layers, slots, max_len, attn };
         cache.check()?;
         let kernels = CudaKernels::new(ordinal)?;
-        let stream = kernels.context().default_stream();
+        // SAFETY: every buffer of this model is used on its one stream only, so stream order alone keeps it
+        // correct, and graph capture cannot tolerate cudarc's cross-stream events.
+        unsafe { kernels.context().disable_event_tracking() };
+        // Not the legacy default stream, which cannot be captured.
+        let stream = kernels.context().new_stream().map_err(cuda_err("new_stream"))?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| Error::Kernel(tlt_kernels::Error::Cuda { op: "cublasCreate", message: format!("{e:?}") }))?;
         let mut get = |w: Weight| source(&stream, &kernels, w);
@@ -313,13 +262,27 @@ impl CudaLlama {
         let inv_freq = stream.clone_htod(&cfg.rope_inv_freq()).map_err(cuda_err("upload"))?;
         let k_cache = stream.alloc_zeros::<bf16>(cache.len()).map_err(cuda_err("alloc k cache"))?;
         let v_cache = stream.alloc_zeros::<bf16>(cache.len()).map_err(cuda_err("alloc v cache"))?;
-        Ok(Self { cfg, kernels, stream, blas, embed, head, norm, layers, inv_freq, cache, k_cache, v_cache })
+        let w = DevWeights { embed, head, norm, layers, inv_freq };
+        Ok(Self {
+            cfg,
+            kernels,
+            stream,
+            blas,
+            w,
+            cache,
+            k_cache,
+            v_cache,
+            steps: HashMap::new(),
+            transient: None,
+            graphs: None,
+        })
     }
 
     /// Bytes of weights one forward streams (every linear, the LM head, the norms), for bandwidth figures.
     pub fn weight_bytes(&self) -> usize {
         let lin = |l: &DevLinear| l.w.len() + l.b.as_ref().map_or(0, CudaSlice::len);
-        let layers: usize = self
+        let w = &self.w;
+        let layers: usize = w
             .layers
             .iter()
             .map(|l| {
@@ -327,7 +290,7 @@ impl CudaLlama {
                     + 2 * l.in_norm.len()
             })
             .sum();
-        2 * (layers + self.head.as_ref().unwrap_or(&self.embed).len() + self.norm.len())
+        2 * (layers + w.head.as_ref().unwrap_or(&w.embed).len() + w.norm.len())
     }
 
     /// The configuration.
@@ -350,82 +313,109 @@ impl CudaLlama {
         self.cache
     }
 
-    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
-        self.stream.alloc_zeros::<T>(n.max(1)).map_err(cuda_err("alloc"))
-    }
-
     fn upload<T: DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
         self.stream.clone_htod(v).map_err(cuda_err("upload"))
     }
 
-    fn linear(&self, rows: usize, x: &CudaSlice<bf16>, l: &DevLinear) -> Result<CudaSlice<bf16>> {
-        let mut y = self.zeros::<bf16>(rows * l.out)?;
-        gemm_bf16(&self.blas, &self.stream, rows, l.out, l.inp, x, &l.w, &mut y)?;
-        if let Some(b) = &l.b {
-            self.kernels.bias_add(&self.stream, rows, &mut y, b)?;
-        }
-        Ok(y)
+    /// Turns on CUDA graphs for decode and verify shapes: batches up to `max_batch` pad to SGLang's bucket ladder,
+    /// and graphs live under `budget` bytes (least recently used evicted; the shapes' buffers count).
+    pub fn enable_graphs(&mut self, max_batch: usize, budget: u64) {
+        self.graphs = Some(Graphs { policy: BucketPolicy::ladder(max_batch.max(1)), pool: GraphPool::new(budget) });
+    }
+
+    /// The graph pool's counters, when graphs are on.
+    pub fn graph_stats(&self) -> Option<&PoolStats> {
+        self.graphs.as_ref().map(|g| g.pool.stats())
     }
 
     /// One forward over `seqs`: writes their new tokens' K/V into the cache (tree nodes stay behind the prefix
-    /// until [`CudaLlama::commit`] moves the accepted ones) and returns the logits of every new token.
+    /// until [`CudaLlama::commit`] moves the accepted ones) and computes the logits of every new token
+    /// ([`CudaLlama::logits`]).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad batch (see [`DeviceSeq`]), [`Error::Kernel`] when a launch fails.
-    pub fn forward(&mut self, seqs: &[DeviceSeq<'_>]) -> Result<DeviceLogits> {
-        let cfg = &self.cfg;
-        let l = layout(seqs, cfg.vocab_size, self.cache.slots, self.cache.max_len)?;
-        let (batch, n_max) = (seqs.len(), l.n_max);
-        let rows = batch * n_max;
-        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps as f32);
-        let s = self.stream.clone();
-        let k = &self.kernels;
-        let tokens = self.upload(&l.tokens)?;
-        let (row_slot, row_pos, row_dst) =
-            (self.upload(&l.row_slot)?, self.upload(&l.row_pos)?, self.upload(&l.row_dst)?);
-        let (seq_slot, seq_prefix, seq_nodes) =
-            (self.upload(&l.seq_slot)?, self.upload(&l.seq_prefix)?, self.upload(&l.seq_nodes)?);
-        let anc = l.anc.as_deref().map(|a| self.upload(a)).transpose()?;
-        let tree = TreeDims { batch, n_max };
-        let mut x = self.zeros::<f32>(rows * h)?;
-        k.embed_rows(&s, rows, h, &self.embed, &tokens, &mut x)?;
-        let mut xn = self.zeros::<bf16>(rows * h)?;
-        let mut attn = self.zeros::<bf16>(rows * cfg.q_dim())?;
-        for (li, lw) in self.layers.iter().enumerate() {
-            k.rms_norm(&s, rows, h, eps, &x, &lw.in_norm, &mut xn)?;
-            let mut q = self.linear(rows, &xn, &lw.q)?;
-            let kk = self.linear(rows, &xn, &lw.k)?;
-            let v = self.linear(rows, &xn, &lw.v)?;
-            let meta = RowMeta { slot: &row_slot, pos: &row_pos, dst: &row_dst };
-            k.rope_kv_write(
-                &s,
-                self.cache,
-                li,
-                rows,
-                &mut q,
-                &kk,
-                &v,
-                &mut self.k_cache,
-                &mut self.v_cache,
-                meta,
-                &self.inv_freq,
-            )?;
-            let seq = SeqMeta { slot: &seq_slot, prefix_len: &seq_prefix, n_nodes: &seq_nodes };
-            k.tree_attention(&s, self.cache, li, tree, &q, &self.k_cache, &self.v_cache, &mut attn, seq, anc.as_ref())?;
-            let o = self.linear(rows, &attn, &lw.o)?;
-            k.add_to_residual(&s, &mut x, &o)?;
-            k.rms_norm(&s, rows, h, eps, &x, &lw.post_norm, &mut xn)?;
-            let mut gate = self.linear(rows, &xn, &lw.gate)?;
-            let up = self.linear(rows, &xn, &lw.up)?;
-            k.silu_mul(&s, &mut gate, &up)?;
-            let down = self.linear(rows, &gate, &lw.down)?;
-            k.add_to_residual(&s, &mut x, &down)?;
+    /// [`Error::InvalidInput`] for a bad batch (see [`DeviceSeq`]), [`Error::Kernel`] when a launch, a capture or
+    /// a graph launch fails.
+    pub fn forward(&mut self, seqs: &[DeviceSeq<'_>]) -> Result<StepOutput> {
+        let l = layout(seqs, self.cfg.vocab_size, self.cache.slots, self.cache.max_len)?;
+        let (tree, n_max) = (l.anc.is_some(), l.n_max);
+        let reusable = tree || n_max == 1;
+        let graph_batch = self.graphs.as_ref().filter(|_| reusable).and_then(|g| g.policy.pad(seqs.len()));
+        let batch = graph_batch.unwrap_or(seqs.len());
+        let shape = (batch, n_max, tree);
+        let mut bufs = match (reusable, self.steps.remove(&shape), self.transient.take()) {
+            (true, Some(b), _) => b,
+            (false, _, Some(b)) if (b.batch, b.n_max) == (batch, n_max) => b,
+            _ => StepBuffers::new(&self.stream, &self.cfg, batch, n_max, tree)?,
+        };
+        let ran = self.run(&mut bufs, &l, graph_batch.map(|_| shape));
+        if reusable {
+            self.steps.insert(shape, bufs);
+        } else {
+            self.transient = Some(bufs);
         }
-        k.rms_norm(&s, rows, h, eps, &x, &self.norm, &mut xn)?;
-        let mut logits = self.zeros::<f32>(rows * cfg.vocab_size)?;
-        let head = self.head.as_ref().unwrap_or(&self.embed);
-        gemm_bf16(&self.blas, &s, rows, cfg.vocab_size, h, &xn, head, &mut logits)?;
-        Ok(DeviceLogits { logits, batch, n_max, vocab: cfg.vocab_size })
+        let mode = ran?;
+        Ok(StepOutput { batch, n_max, vocab: self.cfg.vocab_size, mode, tree })
+    }
+
+    fn run(
+        &mut self,
+        bufs: &mut StepBuffers,
+        l: &layout::StepLayout,
+        shape: Option<(usize, usize, bool)>,
+    ) -> Result<StepMode> {
+        bufs.write(&self.stream, l)?;
+        let key = shape.map(|(b, n, tree)| if tree { GraphKey::verify(b, n) } else { GraphKey::decode(b) });
+        if let (Some(key), Some(g)) = (key, self.graphs.as_mut()) {
+            if let Some(graph) = g.pool.get(&key) {
+                graph.launch().map_err(cuda_err("graph launch"))?;
+                return Ok(StepMode::Replayed);
+            }
+        }
+        let model = Model {
+            cfg: &self.cfg,
+            kernels: &self.kernels,
+            blas: &self.blas,
+            stream: &self.stream,
+            cache: self.cache,
+            w: &self.w,
+        };
+        model.record(bufs, &mut self.k_cache, &mut self.v_cache)?;
+        let (Some(key), Some(g)) = (key, self.graphs.as_mut()) else { return Ok(StepMode::Eager) };
+        // The eager run above produced this step's results (and warmed cuBLAS up); capture the same launches.
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cuda_err("begin_capture"))?;
+        let recorded = model.record(bufs, &mut self.k_cache, &mut self.v_cache);
+        let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        recorded?;
+        let Some(graph) = ended.map_err(cuda_err("end_capture"))? else { return Ok(StepMode::Eager) };
+        graph.upload().map_err(cuda_err("graph upload"))?;
+        // A graph larger than the whole budget is simply not kept: the shape keeps running eagerly.
+        Ok(match g.pool.insert(key, graph, bufs.bytes()) {
+            Ok(_) => StepMode::Captured,
+            Err(_) => StepMode::Eager,
+        })
+    }
+
+    /// The logits of `out` (`[batch * n_max, vocab]` f32), valid until the next forward of the same shape.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when no forward of that shape has run.
+    pub fn logits(&self, out: &StepOutput) -> Result<&CudaSlice<f32>> {
+        let shape = (out.batch, out.n_max, out.tree);
+        self.steps
+            .get(&shape)
+            .or(self.transient.as_ref().filter(|b| (b.batch, b.n_max) == (out.batch, out.n_max)))
+            .map(|b| &b.logits)
+            .ok_or_else(|| Error::InvalidInput(format!("no logits of shape {shape:?}")))
+    }
+
+    /// Copies the logits of `out` to the host (`[batch * n_max, vocab]`).
+    ///
+    /// # Errors
+    /// As [`CudaLlama::logits`], and [`Error::Kernel`] when the copy fails.
+    pub fn logits_to_host(&self, out: &StepOutput) -> Result<Vec<f32>> {
+        self.stream.clone_dtoh(self.logits(out)?).map_err(cuda_err("download"))
     }
 
     /// Moves each sequence's accepted tree nodes (`paths[b]`: node indices from the root, increasing) to the
@@ -470,53 +460,5 @@ impl CudaLlama {
             &n_acc,
         )?;
         Ok(())
-    }
-
-    /// Copies logits to the host (`[batch * n_max, vocab]`).
-    ///
-    /// # Errors
-    /// [`Error::Kernel`] when the copy fails.
-    pub fn to_host(&self, logits: &DeviceLogits) -> Result<Vec<f32>> {
-        self.stream.clone_dtoh(&logits.logits).map_err(cuda_err("download"))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn layout_pads_rows_and_places_tree_nodes_by_depth() {
-        let (a, t) = ([5u32, 6, 7], [1u32, 2, 3, 4]);
-        let parents = [-1, 0, 0, 1];
-        let seqs = [
-            DeviceSeq { slot: 2, prefix_len: 10, tokens: &a, parents: None },
-            DeviceSeq { slot: 0, prefix_len: 4, tokens: &t, parents: Some(&parents) },
-        ];
-        let l = layout(&seqs, 100, 3, 64).unwrap();
-        assert_eq!(l.n_max, 4);
-        assert_eq!(l.tokens, vec![5, 6, 7, 0, 1, 2, 3, 4]);
-        assert_eq!(l.row_slot, vec![2, 2, 2, -1, 0, 0, 0, 0]);
-        assert_eq!(l.row_pos, vec![10, 11, 12, 0, 4, 5, 5, 6]);
-        assert_eq!(l.row_dst, vec![10, 11, 12, 0, 4, 5, 6, 7]);
-        assert_eq!((l.seq_slot, l.seq_prefix, l.seq_nodes), (vec![2, 0], vec![10, 4], vec![3, 4]));
-        assert_eq!(l.anc.unwrap(), vec![0b1, 0b11, 0b111, 0, 0b1, 0b11, 0b101, 0b1011]);
-    }
-
-    #[test]
-    fn layout_rejects_bad_batches() {
-        let t = [1u32, 2];
-        let ok = DeviceSeq { slot: 0, prefix_len: 0, tokens: &t, parents: None };
-        assert!(layout(&[], 10, 1, 8).is_err());
-        assert!(layout(&[DeviceSeq { slot: 1, ..ok }], 10, 1, 8).is_err(), "slot out of range");
-        assert!(layout(&[ok, ok], 10, 2, 8).is_err(), "slot twice");
-        assert!(layout(&[DeviceSeq { prefix_len: 7, ..ok }], 10, 1, 8).is_err(), "past max_len");
-        assert!(layout(&[DeviceSeq { tokens: &[10], ..ok }], 10, 1, 8).is_err(), "token id");
-        assert!(layout(&[DeviceSeq { parents: Some(&[-1]), ..ok }], 10, 1, 8).is_err(), "parents length");
-        assert!(layout(&[DeviceSeq { parents: Some(&[0, 0]), ..ok }], 10, 1, 8).is_err(), "root with a parent");
-        let long = vec![1u32; 65];
-        let tree = DeviceSeq { slot: 1, prefix_len: 0, tokens: &t, parents: Some(&[-1, 0]) };
-        assert!(layout(&[DeviceSeq { tokens: &long, ..ok }, tree], 10, 2, 128).is_err(), "long chunk beside a tree");
-        assert!(layout(&[DeviceSeq { tokens: &long, ..ok }], 10, 2, 128).is_ok(), "a long causal chunk alone");
     }
 }

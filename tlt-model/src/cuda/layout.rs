@@ -1,0 +1,146 @@
+//! The host side of a device forward: the batch's padded layout and the metadata the kernels read, validated.
+
+use tlt_kernels::cuda::ancestor_masks;
+
+use crate::{Error, Result};
+
+/// One sequence's new tokens in a device forward.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceSeq<'a> {
+    /// Its cache slot (`< slots`).
+    pub slot: usize,
+    /// Its committed positions; the new tokens' K/V go to `prefix_len..prefix_len + tokens.len()`.
+    pub prefix_len: usize,
+    /// The new tokens.
+    pub tokens: &'a [u32],
+    /// `None`: a causal append (prefill chunk, decode). `Some(parents)`: a draft tree whose node 0 is the root
+    /// (`parents[0] < 0`) and whose other nodes' parents precede them (at most 64 nodes). Node `i` sits at position
+    /// `prefix_len + depth(i)`.
+    pub parents: Option<&'a [i32]>,
+}
+
+/// The host-side layout of one forward: padded tokens and the device metadata, validated.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct StepLayout {
+    pub(crate) n_max: usize,
+    pub(crate) tokens: Vec<i32>,
+    pub(crate) row_slot: Vec<i32>,
+    pub(crate) row_pos: Vec<i32>,
+    pub(crate) row_dst: Vec<i32>,
+    pub(crate) seq_slot: Vec<i32>,
+    pub(crate) seq_prefix: Vec<i32>,
+    pub(crate) seq_nodes: Vec<i32>,
+    /// Ancestor masks `[batch * n_max]` when any sequence is a tree (causal ones get chain masks).
+    pub(crate) anc: Option<Vec<u64>>,
+}
+
+/// Lays out and checks a batch: slots in range and distinct, tokens in the vocabulary, positions within `max_len`.
+pub(crate) fn layout(seqs: &[DeviceSeq<'_>], vocab: usize, slots: usize, max_len: usize) -> Result<StepLayout> {
+    let bad = |m: String| Err(Error::InvalidInput(m));
+    if seqs.is_empty() {
+        return bad("a device forward needs at least one sequence".into());
+    }
+    let n_max = seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+    let any_tree = seqs.iter().any(|s| s.parents.is_some());
+    let rows = seqs.len() * n_max;
+    let mut l = StepLayout {
+        n_max,
+        tokens: vec![0; rows],
+        row_slot: vec![-1; rows],
+        row_pos: vec![0; rows],
+        row_dst: vec![0; rows],
+        seq_slot: Vec::with_capacity(seqs.len()),
+        seq_prefix: Vec::with_capacity(seqs.len()),
+        seq_nodes: Vec::with_capacity(seqs.len()),
+        anc: any_tree.then(|| vec![0u64; rows]),
+    };
+    for (b, s) in seqs.iter().enumerate() {
+        let n = s.tokens.len();
+        if n == 0 {
+            return bad(format!("sequence {b} has no tokens"));
+        }
+        if s.slot >= slots || seqs[..b].iter().any(|o| o.slot == s.slot) {
+            return bad(format!("sequence {b}: slot {} is out of range ({slots}) or used twice", s.slot));
+        }
+        if s.prefix_len + n > max_len {
+            return bad(format!("sequence {b}: {} + {n} positions exceed the cache's {max_len}", s.prefix_len));
+        }
+        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return bad(format!("sequence {b}: token id {t} >= vocab size {vocab}"));
+        }
+        let depth: Vec<usize> = match s.parents {
+            None => (0..n).collect(),
+            Some(p) => {
+                if p.len() != n {
+                    return bad(format!("sequence {b}: {} parents for {n} tokens", p.len()));
+                }
+                let masks = ancestor_masks(p)?;
+                if let Some(anc) = l.anc.as_mut() {
+                    anc[b * n_max..b * n_max + n].copy_from_slice(&masks);
+                }
+                masks.iter().map(|m| m.count_ones() as usize - 1).collect()
+            }
+        };
+        if s.parents.is_none() {
+            if let Some(anc) = l.anc.as_mut() {
+                if n > tlt_kernels::cuda::MAX_TREE_NODES {
+                    return bad(format!("sequence {b}: a causal chunk of {n} tokens cannot share a batch with trees"));
+                }
+                for j in 0..n {
+                    anc[b * n_max + j] = if j == 63 { u64::MAX } else { (1u64 << (j + 1)) - 1 };
+                }
+            }
+        }
+        for (j, (&tok, &d)) in s.tokens.iter().zip(&depth).enumerate() {
+            let r = b * n_max + j;
+            l.tokens[r] = tok as i32;
+            l.row_slot[r] = s.slot as i32;
+            l.row_pos[r] = (s.prefix_len + d) as i32;
+            l.row_dst[r] = (s.prefix_len + j) as i32;
+        }
+        l.seq_slot.push(s.slot as i32);
+        l.seq_prefix.push(s.prefix_len as i32);
+        l.seq_nodes.push(n as i32);
+    }
+    Ok(l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_pads_rows_and_places_tree_nodes_by_depth() {
+        let (a, t) = ([5u32, 6, 7], [1u32, 2, 3, 4]);
+        let parents = [-1, 0, 0, 1];
+        let seqs = [
+            DeviceSeq { slot: 2, prefix_len: 10, tokens: &a, parents: None },
+            DeviceSeq { slot: 0, prefix_len: 4, tokens: &t, parents: Some(&parents) },
+        ];
+        let l = layout(&seqs, 100, 3, 64).unwrap();
+        assert_eq!(l.n_max, 4);
+        assert_eq!(l.tokens, vec![5, 6, 7, 0, 1, 2, 3, 4]);
+        assert_eq!(l.row_slot, vec![2, 2, 2, -1, 0, 0, 0, 0]);
+        assert_eq!(l.row_pos, vec![10, 11, 12, 0, 4, 5, 5, 6]);
+        assert_eq!(l.row_dst, vec![10, 11, 12, 0, 4, 5, 6, 7]);
+        assert_eq!((l.seq_slot, l.seq_prefix, l.seq_nodes), (vec![2, 0], vec![10, 4], vec![3, 4]));
+        assert_eq!(l.anc.unwrap(), vec![0b1, 0b11, 0b111, 0, 0b1, 0b11, 0b101, 0b1011]);
+    }
+
+    #[test]
+    fn layout_rejects_bad_batches() {
+        let t = [1u32, 2];
+        let ok = DeviceSeq { slot: 0, prefix_len: 0, tokens: &t, parents: None };
+        assert!(layout(&[], 10, 1, 8).is_err());
+        assert!(layout(&[DeviceSeq { slot: 1, ..ok }], 10, 1, 8).is_err(), "slot out of range");
+        assert!(layout(&[ok, ok], 10, 2, 8).is_err(), "slot twice");
+        assert!(layout(&[DeviceSeq { prefix_len: 7, ..ok }], 10, 1, 8).is_err(), "past max_len");
+        assert!(layout(&[DeviceSeq { tokens: &[10], ..ok }], 10, 1, 8).is_err(), "token id");
+        assert!(layout(&[DeviceSeq { parents: Some(&[-1]), ..ok }], 10, 1, 8).is_err(), "parents length");
+        assert!(layout(&[DeviceSeq { parents: Some(&[0, 0]), ..ok }], 10, 1, 8).is_err(), "root with a parent");
+        let long = vec![1u32; 65];
+        let tree = DeviceSeq { slot: 1, prefix_len: 0, tokens: &t, parents: Some(&[-1, 0]) };
+        assert!(layout(&[DeviceSeq { tokens: &long, ..ok }, tree], 10, 2, 128).is_err(), "long chunk beside a tree");
+        assert!(layout(&[DeviceSeq { tokens: &long, ..ok }], 10, 2, 128).is_ok(), "a long causal chunk alone");
+    }
+}
