@@ -181,3 +181,31 @@ fn graph_replay_equals_eager() {
     let stats = graphs.graph_stats().unwrap();
     assert_eq!((stats.captures, stats.graphs), (2, 2), "{stats:?}");
 }
+
+/// 1,000 graph-replayed decode steps (batch 2) leave the device's free memory where the first ten left it.
+#[test]
+fn no_memory_growth_over_1000_steps() {
+    if !gpu_or_skip("no_memory_growth_over_1000_steps") {
+        return;
+    }
+    let model = tiny("llama");
+    let mut gpu = CudaLlama::new(&model, 0, 2, 1100).unwrap();
+    gpu.enable_graphs(2, 1 << 30);
+    let mut free_after_warmup = 0;
+    for step in 0..1010usize {
+        let (a, b) = ([(step % 90) as u32], [(step % 80) as u32]);
+        gpu.forward(&[
+            DeviceSeq { slot: 0, prefix_len: step, tokens: &a, parents: None },
+            DeviceSeq { slot: 1, prefix_len: step, tokens: &b, parents: None },
+        ])
+        .unwrap();
+        if step == 9 {
+            gpu.stream().synchronize().unwrap();
+            free_after_warmup = cudarc::driver::result::mem_get_info().unwrap().0;
+        }
+    }
+    gpu.stream().synchronize().unwrap();
+    let free = cudarc::driver::result::mem_get_info().unwrap().0;
+    assert!(free + (1 << 20) >= free_after_warmup, "free memory fell from {free_after_warmup} to {free} bytes");
+    assert_eq!(gpu.graph_stats().unwrap().captures, 1);
+}
