@@ -24,6 +24,7 @@ pub use self::layout::DeviceSeq;
 use self::step::{Model, StepBuffers};
 use crate::config::LlamaConfig;
 use crate::model::Llama;
+use crate::weights::{ProjectionShape, Projections};
 use crate::{Error, Result};
 
 pub(crate) fn cuda_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
@@ -50,6 +51,12 @@ struct DevLayer {
     gate: DevLinear,
     up: DevLinear,
     down: DevLinear,
+}
+
+/// The seven projections of a block of `cfg`, in [`Projections`] field order (the CPU model's shapes).
+fn proj_shapes(cfg: &LlamaConfig) -> Result<[ProjectionShape; 7]> {
+    let (h, i, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
+    Ok(Projections::shapes(h, q, kv, i, h, cfg.architecture()?.qkv_bias()))
 }
 
 /// Which weight a constructor asks its source for.
@@ -174,21 +181,21 @@ impl CudaLlama {
     /// As [`CudaLlama::new`], and [`Error::InvalidConfig`] for an invalid `cfg`.
     pub fn synthetic(cfg: LlamaConfig, seed: u64, ordinal: usize, slots: usize, max_len: usize) -> Result<Self> {
         cfg.validate()?;
-        let qkv_bias = cfg.architecture()?.qkv_bias();
-        let (h, i, q, kv, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.vocab_size);
+        let shapes = proj_shapes(&cfg)?;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let tied = cfg.tie_word_embeddings;
         Self::build(cfg, ordinal, slots, max_len, |stream, kernels, which| {
-            // (elements, fan-in scale; 0 = constant 1); projections in Projections::all order.
+            // (elements, fan-in scale; 0 = constant 1).
             let (len, scale) = match which {
                 Weight::Embed => (v * h, 0.05),
                 Weight::Head if tied => return Ok(None),
                 Weight::Head => (v * h, 1.0 / (h as f32).sqrt()),
                 Weight::Norm | Weight::InNorm(_) | Weight::PostNorm(_) => (h, 0.0),
                 Weight::Proj(_, p, bias) => {
-                    let (out, inp) = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)][p];
+                    let sh = shapes[p];
                     match bias {
-                        false => (out * inp, 1.0 / (inp as f32).sqrt()),
-                        true if qkv_bias && p < 3 => (out, 0.02),
+                        false => (sh.out * sh.inp, 1.0 / (sh.inp as f32).sqrt()),
+                        true if sh.bias => (sh.out, 0.02),
                         true => return Ok(None),
                     }
                 }
@@ -232,28 +239,28 @@ impl CudaLlama {
         let need = |w: Weight, got: Option<CudaSlice<bf16>>| {
             got.ok_or_else(|| Error::InvalidInput(format!("weight {w:?} is missing")))
         };
-        let (h, i, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
-        let shapes = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)];
+        let shapes = proj_shapes(&cfg)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let mut lin = Vec::with_capacity(7);
-            for (p, &(out, inp)) in shapes.iter().enumerate() {
+            for (p, sh) in shapes.iter().enumerate() {
                 let w = need(Weight::Proj(l, p, false), get(Weight::Proj(l, p, false))?)?;
                 let b = get(Weight::Proj(l, p, true))?;
-                lin.push(DevLinear { w, b, out, inp });
+                lin.push(DevLinear { w, b, out: sh.out, inp: sh.inp });
             }
-            let mut it = lin.into_iter();
-            let mut next = || it.next().ok_or_else(|| Error::InvalidInput("projection missing".into()));
+            let Ok([q, k, v, o, gate, up, down]) = <[DevLinear; 7]>::try_from(lin) else {
+                return Err(Error::InvalidInput("a decoder block has seven projections".into()));
+            };
             layers.push(DevLayer {
                 in_norm: need(Weight::InNorm(l), get(Weight::InNorm(l))?)?,
                 post_norm: need(Weight::PostNorm(l), get(Weight::PostNorm(l))?)?,
-                q: next()?,
-                k: next()?,
-                v: next()?,
-                o: next()?,
-                gate: next()?,
-                up: next()?,
-                down: next()?,
+                q,
+                k,
+                v,
+                o,
+                gate,
+                up,
+                down,
             });
         }
         let embed = need(Weight::Embed, get(Weight::Embed)?)?;
