@@ -87,14 +87,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
 
 // The walk over each sequence's draft tree. Node 0 is the root (the last committed token, fed again); parent[c] <
 // c for every other node (topological order); draft_tok[c] is node c's drafted token; target_tok / target_lp come
-// from sample_rows_f32 over the tree's rows. From the root, the walk moves to the first child whose drafted token is
+// from sample_rows_f32 over the tree's rows (target_pm: each row's largest probability). From the root, the walk moves to the first child whose drafted token is
 // the target's token at the current node, and stops where none is.
 // Out per sequence: path[b][0 .. n_acc) the nodes walked (path[0] = 0), and tokens / logprobs[b][0 .. n_acc) the
-// committed tokens: the accepted drafts, then the target's token after the last accepted node. All arrays
-// [B, n_max]. One thread per sequence.
+// committed tokens: the accepted drafts, then the target's token after the last accepted node, and pmax[b] the
+// largest probability of the distribution each was drawn from. All arrays [B, n_max]. One thread per sequence.
 extern "C" __global__ void tree_accept(
-    const int* parent, const int* draft_tok, const int* target_tok, const float* target_lp, const int* n_nodes,
-    int* path, int* n_acc, int* tokens, float* logprobs, int B, int n_max)
+    const int* parent, const int* draft_tok, const int* target_tok, const float* target_lp, const float* target_pm,
+    const int* n_nodes, int* path, int* n_acc, int* tokens, float* logprobs, float* pmax, int B, int n_max)
 {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= B) return;
@@ -106,6 +106,7 @@ extern "C" __global__ void tree_accept(
         const int want = target_tok[o + cur];
         tokens[o + len - 1] = want;
         logprobs[o + len - 1] = target_lp[o + cur];
+        pmax[o + len - 1] = target_pm[o + cur];
         int next = -1;
         for (int c = cur + 1; c < nn; c++) {
             if (parent[o + c] == cur && draft_tok[o + c] == want) { next = c; break; }

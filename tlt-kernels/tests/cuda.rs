@@ -91,7 +91,9 @@ mod gpu {
     use cudarc::driver::{CudaSlice, CudaStream};
     use half::bf16;
     use std::sync::Arc;
-    use tlt_kernels::cuda::{ancestor_masks, driver_available, CacheDims, CudaKernels, RowMeta, SeqMeta, TreeDims};
+    use tlt_kernels::cuda::{
+        ancestor_masks, driver_available, AcceptIn, AcceptOut, CacheDims, CudaKernels, RowMeta, SeqMeta, TreeDims,
+    };
     use tlt_kernels::{argmax, token_logprob_pmax, tree_attention, AttnShape, SamplingParams, SplitMix64, Visibility};
 
     fn gpu_or_skip(test: &str) -> Option<(CudaKernels, Arc<CudaStream>)> {
@@ -209,16 +211,25 @@ mod gpu {
         let draft = up(&s, &[0i32, 5, 7, 9, 9]);
         let target = up(&s, &[7i32, 1, 9, 1, 3]);
         let target_lp = up(&s, &[-0.5f32, -1.0, -0.25, -1.0, -2.0]);
+        let target_pm = up(&s, &[0.5f32, 0.6, 0.7, 0.8, 0.9]);
         let nn = up(&s, &[5i32]);
-        let (mut path, mut n_acc, mut toks, mut lps) =
-            (up(&s, &[0i32; 5]), up(&s, &[0i32]), up(&s, &[0i32; 5]), up(&s, &[0f32; 5]));
-        kern.tree_accept(
-            &s, tree, &parent, &draft, &target, &target_lp, &nn, &mut path, &mut n_acc, &mut toks, &mut lps,
-        )
-        .unwrap();
+        let (mut path, mut n_acc, mut toks, mut lps, mut pms) =
+            (up(&s, &[0i32; 5]), up(&s, &[0i32]), up(&s, &[0i32; 5]), up(&s, &[0f32; 5]), up(&s, &[0f32; 5]));
+        let input = AcceptIn {
+            parent: &parent,
+            draft_tok: &draft,
+            target_tok: &target,
+            target_lp: &target_lp,
+            target_pmax: &target_pm,
+            n_nodes: &nn,
+        };
+        let out =
+            AcceptOut { path: &mut path, n_acc: &mut n_acc, tokens: &mut toks, logprobs: &mut lps, pmax: &mut pms };
+        kern.tree_accept(&s, tree, input, out).unwrap();
         assert_eq!(s.clone_dtoh(&n_acc).unwrap(), vec![3]);
         assert_eq!(&s.clone_dtoh(&path).unwrap()[..3], &[0, 2, 4]);
         assert_eq!(&s.clone_dtoh(&toks).unwrap()[..3], &[7, 9, 3]);
         assert_eq!(&s.clone_dtoh(&lps).unwrap()[..3], &[-0.5, -0.25, -2.0]);
+        assert_eq!(&s.clone_dtoh(&pms).unwrap()[..3], &[0.5, 0.7, 0.9]);
     }
 }

@@ -2,12 +2,12 @@
 
 use std::time::Instant;
 
-use tlt_kernels::{token_logprob_pmax, SeededRng};
+use tlt_kernels::SeededRng;
 
 use crate::stop::StopStrings;
 use crate::{
     Coins, DraftContext, DraftTree, Drafter, Error, ExactVerifier, HiddenStates, Plan, Result, SeqHandle, SpecParams,
-    Target, TargetInput, TokenDecoder, Verifier,
+    Target, TargetInput, TokenDecoder, Verified, Verifier, VerifySpec,
 };
 
 /// Identifies a request of an [`Engine`] (dense, in order of [`Engine::add_request`]).
@@ -175,6 +175,8 @@ pub struct Engine<T: Target> {
     stop_strings: StopStrings,
     decoder: Option<Box<dyn TokenDecoder>>,
     verifier: Box<dyn Verifier>,
+    /// Whether to let the target verify where its logits live ([`Target::forward_verify`]).
+    verify_on_target: bool,
     record_hidden: bool,
     next_id: usize,
     next_group: u64,
@@ -201,6 +203,7 @@ impl<T: Target> Engine<T> {
             stop_strings,
             decoder: None,
             verifier: Box::new(ExactVerifier),
+            verify_on_target: true,
             record_hidden: false,
             next_id: 0,
             next_group: 0,
@@ -211,10 +214,19 @@ impl<T: Target> Engine<T> {
     }
 
     /// Replaces the acceptance rule (default [`ExactVerifier`], lossless). Any other rule changes the output
-    /// distribution; use it knowingly.
+    /// distribution; use it knowingly. Rounds then verify on the host ([`Engine::verify_on_target`] is turned off).
     pub fn with_verifier(mut self, verifier: Box<dyn Verifier>) -> Self {
         self.verifier = verifier;
+        self.verify_on_target = false;
         self
+    }
+
+    /// Whether rounds let the target verify where its logits live ([`Target::forward_verify`], on by default; only
+    /// with the default [`ExactVerifier`], whose rule the target must apply). Off, or for a target that declines,
+    /// the target returns every node's logits and the engine verifies on the host; the committed tokens are the
+    /// same either way (up to rounding in the target's arithmetic).
+    pub fn verify_on_target(&mut self, on: bool) {
+        self.verify_on_target = on;
     }
 
     /// Sets the token decoder that stop strings ([`SpecParams::stop`]) are matched with.
@@ -535,24 +547,45 @@ impl<T: Target> Engine<T> {
             .map(|(i, s)| TargetInput { seq: s.handle, tokens: &tokens[i], tree: Some(&parents[i]), logits: true })
             .collect();
         let want_hidden = self.live.iter().any(|s| s.hidden.is_some());
-        let out = self.target.forward(&mut self.state, &inputs, want_hidden)?;
-        let t2 = Instant::now();
-        self.counters.forward_s += (t2 - t1).as_secs_f64();
-
-        // Verify.
-        let mut accepted = Vec::with_capacity(trees.len());
-        for (i, (s, tree)) in self.live.iter_mut().zip(&trees).enumerate() {
-            let rows: Vec<&[f32]> = (0..tree.len()).map(|r| out.logits_row(i, r)).collect::<Result<_>>()?;
-            let coins = Coins::new(s.stream.clone(), (s.history.len() - s.prompt_len) as u64);
-            accepted.push(self.verifier.verify(tree, &rows, &self.params.sampling, &coins)?);
-        }
+        let coins: Vec<Coins> =
+            self.live.iter().map(|s| Coins::new(s.stream.clone(), (s.history.len() - s.prompt_len) as u64)).collect();
+        let params = self.params.sampling;
+        let on_target = if self.verify_on_target {
+            let spec = VerifySpec { params: &params, coins: &coins };
+            self.target.forward_verify(&mut self.state, &inputs, want_hidden, spec)?
+        } else {
+            None
+        };
+        let verified = match on_target {
+            Some(v) => {
+                if v.len() != trees.len() {
+                    return Err(Error::ShapeMismatch { what: "verified inputs", expected: trees.len(), got: v.len() });
+                }
+                let vocab = self.target.vocab_size();
+                for (v, tree) in v.iter().zip(&trees) {
+                    v.check(tree, vocab, want_hidden)?;
+                }
+                self.counters.forward_s += t1.elapsed().as_secs_f64();
+                v
+            }
+            None => {
+                let out = self.target.forward(&mut self.state, &inputs, want_hidden)?;
+                let t2 = Instant::now();
+                self.counters.forward_s += (t2 - t1).as_secs_f64();
+                let v = (trees.iter().zip(&coins).enumerate())
+                    .map(|(i, (tree, c))| Verified::on_host(self.verifier.as_ref(), tree, &out, i, &params, c))
+                    .collect::<Result<Vec<_>>>()?;
+                self.counters.verify_s += t2.elapsed().as_secs_f64();
+                v
+            }
+        };
         let t3 = Instant::now();
-        self.counters.verify_s += (t3 - t2).as_secs_f64();
 
         // Commit.
         self.counters.rounds += 1;
         let mut done = Vec::new();
-        for (i, (s, (tree, acc))) in self.live.iter_mut().zip(trees.iter().zip(&accepted)).enumerate() {
+        for (i, (s, (tree, v))) in self.live.iter_mut().zip(trees.iter().zip(&verified)).enumerate() {
+            let acc = &v.accepted;
             self.target.commit(&mut self.state, s.handle, &acc.path)?;
             self.counters.seq_rounds += 1;
             self.counters.drafted += (tree.len() - 1) as u64;
@@ -563,15 +596,13 @@ impl<T: Target> Engine<T> {
             let mut kept = 0;
             let round_start = (s.history.len() - s.prompt_len) as u32;
             for (k, &tok) in committed.iter().enumerate() {
-                let row = out.logits_row(i, acc.path[k])?;
-                let (lp, pm) = token_logprob_pmax(row, tok as usize, self.params.sampling.temperature)?;
-                s.logprobs.push(lp);
-                s.p_max.push(pm);
+                s.logprobs.push(v.logprobs[k]);
+                s.p_max.push(v.p_max[k]);
                 if let Some(h) = s.hidden.as_mut() {
-                    let row = out.hidden_row(i, acc.path[k]).ok_or_else(|| {
+                    let row = v.hidden_row(k).ok_or_else(|| {
                         Error::Target("the target returned no hidden states for a recording request".into())
                     })?;
-                    append_hidden(h, out.hidden_size, row)?;
+                    append_hidden(h, v.hidden_size, row)?;
                 }
                 s.history.push(tok);
                 kept += 1;

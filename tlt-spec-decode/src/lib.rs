@@ -74,7 +74,7 @@ pub use stop::TokenDecoder;
 pub use suffix::{
     merge_trees, Calibration, HybridDrafter, Occurrence, StateId, SuffixConfig, SuffixDrafter, SuffixIndex, SuffixStats,
 };
-pub use target::{SeqHandle, Target, TargetInput, TargetOutput};
+pub use target::{SeqHandle, Target, TargetInput, TargetOutput, Verified, VerifySpec};
 pub use tlt_kernels::{SamplingParams, SeededRng};
 pub use toy::ToyTarget;
 pub use tree::{Beam, DraftTree, Node};

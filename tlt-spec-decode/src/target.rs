@@ -2,7 +2,9 @@
 
 use std::ops::Range;
 
-use crate::{Error, Result};
+use tlt_kernels::{token_logprob_pmax, SamplingParams};
+
+use crate::{Accepted, Coins, DraftTree, Error, Result, Verifier};
 
 /// Handle of one sequence inside a [`Target`]'s state (for `tlt_model`, the `SeqId` index).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -72,6 +74,115 @@ impl TargetOutput {
     }
 }
 
+/// What the [`Engine`](crate::Engine) asks of a target that verifies on its side ([`Target::forward_verify`]): the
+/// lossless coupled rule of [`verify_coupled`](crate::verify_coupled) with these sampling parameters, and per input
+/// the coins of its round.
+#[derive(Debug, Clone, Copy)]
+pub struct VerifySpec<'a> {
+    /// Temperature, top-k, top-p.
+    pub params: &'a SamplingParams,
+    /// The coins of each input's round, in input order.
+    pub coins: &'a [Coins],
+}
+
+/// One input's verification: the accepted root path and the committed tokens' log-probs, largest probabilities and
+/// (when asked) hidden rows, which is all that needs to leave the device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verified {
+    /// The accepted path and the token after it.
+    pub accepted: Accepted,
+    /// Log-probability of each committed token (`accepted.path.len()` of them), as in
+    /// [`Finished::logprobs`](crate::Finished::logprobs).
+    pub logprobs: Vec<f32>,
+    /// Largest probability of the distribution each committed token was drawn from.
+    pub p_max: Vec<f32>,
+    /// Width of a hidden row (0 when none were asked for).
+    pub hidden_size: usize,
+    /// `[path.len(), hidden_size]`: the hidden row of each accepted node, when asked for.
+    pub hidden: Option<Vec<f32>>,
+}
+
+impl Verified {
+    /// Verifies input `input` of a forward's output on the host with `verifier`: the engine's path for targets
+    /// that return logits, and the reference for targets that verify on their side.
+    ///
+    /// # Errors
+    /// As the verifier, and [`Error::ShapeMismatch`] for an output without the rows `tree` needs.
+    pub fn on_host(
+        verifier: &dyn Verifier,
+        tree: &DraftTree,
+        out: &TargetOutput,
+        input: usize,
+        params: &SamplingParams,
+        coins: &Coins,
+    ) -> Result<Self> {
+        let rows: Vec<&[f32]> = (0..tree.len()).map(|r| out.logits_row(input, r)).collect::<Result<_>>()?;
+        let accepted = verifier.verify(tree, &rows, params, coins)?;
+        let committed = accepted.committed_tokens(tree)?;
+        let (mut logprobs, mut p_max) = (Vec::with_capacity(committed.len()), Vec::with_capacity(committed.len()));
+        for (&node, &tok) in accepted.path.iter().zip(&committed) {
+            let (lp, pm) = token_logprob_pmax(rows[node], tok as usize, params.temperature)?;
+            logprobs.push(lp);
+            p_max.push(pm);
+        }
+        let hidden = match out.hidden {
+            Some(_) => Some(
+                accepted
+                    .path
+                    .iter()
+                    .map(|&node| out.hidden_row(input, node).map(<[f32]>::to_vec))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or(Error::ShapeMismatch {
+                        what: "target hidden rows",
+                        expected: tree.len(),
+                        got: out.hidden_rows.get(input).map_or(0, |r| r.len()),
+                    })?
+                    .concat(),
+            ),
+            None => None,
+        };
+        Ok(Self { accepted, logprobs, p_max, hidden_size: if hidden.is_some() { out.hidden_size } else { 0 }, hidden })
+    }
+
+    /// Hidden row of the `k`-th accepted node, if hidden states were returned.
+    pub fn hidden_row(&self, k: usize) -> Option<&[f32]> {
+        self.hidden.as_ref()?.get(k * self.hidden_size..(k + 1) * self.hidden_size)
+    }
+
+    /// Checks a target's answer for `tree`: a root path of it, one log-prob and largest probability per committed
+    /// token, a token in the vocabulary, hidden rows when `hidden`.
+    ///
+    /// # Errors
+    /// [`Error::Target`] naming what is wrong.
+    pub fn check(&self, tree: &DraftTree, vocab: usize, hidden: bool) -> Result<()> {
+        let bad = |m: String| Err(Error::Target(format!("target-side verification: {m}")));
+        let path = &self.accepted.path;
+        if path.first() != Some(&0) {
+            return bad(format!("path {path:?} does not start at the root"));
+        }
+        for w in path.windows(2) {
+            if tree.node(w[1])?.parent != Some(w[0]) {
+                return bad(format!("path {path:?} is not a root path of the tree"));
+            }
+        }
+        if self.logprobs.len() != path.len() || self.p_max.len() != path.len() {
+            return bad(format!(
+                "{} log-probs, {} p_max for {} tokens",
+                self.logprobs.len(),
+                self.p_max.len(),
+                path.len()
+            ));
+        }
+        if self.accepted.next_token as usize >= vocab {
+            return bad(format!("token {} outside the vocabulary of {vocab}", self.accepted.next_token));
+        }
+        if hidden && (0..path.len()).any(|k| self.hidden_row(k).is_none_or(|r| r.len() != self.hidden_size)) {
+            return bad("missing hidden rows".into());
+        }
+        Ok(())
+    }
+}
+
 /// A target model driven by the [`Engine`](crate::Engine): batched forward over token trees with tentative
 /// cache entries, and commit of an accepted root path. Weights are read-only (`&self`); all per-sequence state
 /// lives in [`Target::State`] (the KV cache).
@@ -116,6 +227,25 @@ pub trait Target {
         let _ = (state, seq);
         Ok(None)
     }
+    /// One batched forward of draft trees (every input has `tree` and `logits`) **and** their verification where
+    /// the logits live, so that only [`Verified`] results cross back (a GPU target keeps the `[nodes, vocab]`
+    /// logits on the device). The tentative nodes stay pending until [`Target::commit`], as after
+    /// [`Target::forward`]. `Ok(None)` (the default) when the target does not verify on its side, or not with
+    /// `spec.params`: it must then leave `state` untouched, and the engine calls [`Target::forward`] and verifies
+    /// on the host.
+    ///
+    /// # Errors
+    /// As [`Target::forward`].
+    fn forward_verify(
+        &self,
+        state: &mut Self::State,
+        inputs: &[TargetInput<'_>],
+        hidden: bool,
+        spec: VerifySpec<'_>,
+    ) -> Result<Option<Vec<Verified>>> {
+        let _ = (state, inputs, hidden, spec);
+        Ok(None)
+    }
     /// Keeps the tentative tree nodes `path` (a root path) of `seq` and drops the others.
     ///
     /// # Errors
@@ -151,6 +281,15 @@ impl<T: Target + ?Sized> Target for &T {
     }
     fn commit(&self, state: &mut Self::State, seq: SeqHandle, path: &[usize]) -> Result<()> {
         (**self).commit(state, seq, path)
+    }
+    fn forward_verify(
+        &self,
+        state: &mut Self::State,
+        inputs: &[TargetInput<'_>],
+        hidden: bool,
+        spec: VerifySpec<'_>,
+    ) -> Result<Option<Vec<Verified>>> {
+        (**self).forward_verify(state, inputs, hidden, spec)
     }
     fn fork(&self, state: &mut Self::State, seq: SeqHandle) -> Result<Option<SeqHandle>> {
         (**self).fork(state, seq)

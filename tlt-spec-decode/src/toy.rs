@@ -3,7 +3,9 @@
 //! truncate, fork) at the cost of a hash per logit, so the engine, the scheduler and their tests and examples run
 //! without a model, a tensor library or weights.
 
-use crate::{Error, Result, SeqHandle, Target, TargetInput, TargetOutput};
+use tlt_kernels::{argmax, categorical, probs, token_logprob_pmax};
+
+use crate::{Accepted, Error, Result, SeqHandle, Target, TargetInput, TargetOutput, Verified, VerifySpec};
 
 /// A deterministic toy language model over a small vocabulary: the logits after a context depend only on its
 /// last two tokens (and the seed). Cheap, exact and reproducible; for tests, examples and overhead benchmarks.
@@ -32,6 +34,7 @@ pub struct ToyTarget {
     seed: u64,
     hidden_size: usize,
     eos: Vec<u32>,
+    verifies: bool,
 }
 
 /// One sequence of a [`ToyTarget`]'s state.
@@ -79,12 +82,20 @@ impl ToyTarget {
     /// A toy model over `vocab` tokens (at least 2; smaller values are raised to 2), no end-of-sequence token,
     /// 8-wide hidden rows.
     pub fn new(vocab: usize, seed: u64) -> Self {
-        Self { vocab: vocab.max(2), seed, hidden_size: 8, eos: Vec::new() }
+        Self { vocab: vocab.max(2), seed, hidden_size: 8, eos: Vec::new(), verifies: false }
     }
 
     /// The same model with `eos` as its end-of-sequence tokens.
     pub fn with_eos(mut self, eos: Vec<u32>) -> Self {
         self.eos = eos;
+        self
+    }
+
+    /// The same model verifying on its side ([`Target::forward_verify`]) when there is no top-k/top-p: the walk of
+    /// [`verify_coupled`](crate::verify_coupled) written again from contexts rather than logits rows, the way a GPU
+    /// target runs it on the device, so engine tests can compare the two paths.
+    pub fn verifying_on_target(mut self) -> Self {
+        self.verifies = true;
         self
     }
 
@@ -224,6 +235,62 @@ impl Target for ToyTarget {
             }
         }
         Ok(out)
+    }
+
+    fn forward_verify(
+        &self,
+        state: &mut ToyState,
+        inputs: &[TargetInput<'_>],
+        hidden: bool,
+        spec: VerifySpec<'_>,
+    ) -> Result<Option<Vec<Verified>>> {
+        let p = spec.params;
+        if !self.verifies || p.top_k.is_some() || p.top_p.is_some() {
+            return Ok(None);
+        }
+        if spec.coins.len() != inputs.len() {
+            return Err(Error::ShapeMismatch { what: "coins", expected: inputs.len(), got: spec.coins.len() });
+        }
+        // Validates the batch and leaves each tree pending, as a forward does.
+        self.forward(state, inputs, false)?;
+        let mut out = Vec::with_capacity(inputs.len());
+        for (input, coins) in inputs.iter().zip(spec.coins) {
+            let parents = input.tree.ok_or_else(|| Error::Target("target-side verification needs trees".into()))?;
+            let seq = state.sequence(input.seq).ok_or_else(|| Error::Target("sequence vanished".into()))?;
+            let mut ctx: Vec<u32> = seq.tokens.iter().copied().chain([input.tokens[0]]).collect();
+            let (mut path, mut cur) = (vec![0], 0);
+            let (mut logprobs, mut p_max, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+            loop {
+                let logits = self.logits(&ctx);
+                let tok = if p.temperature == 0.0 {
+                    argmax(&logits)?
+                } else {
+                    categorical(&probs(&logits, p)?, coins.uniform(path.len() - 1))?
+                };
+                let (lp, pm) = token_logprob_pmax(&logits, tok, p.temperature)?;
+                logprobs.push(lp);
+                p_max.push(pm);
+                if hidden {
+                    rows.extend(self.hidden(&ctx));
+                }
+                let child =
+                    (cur + 1..input.tokens.len()).find(|&c| parents[c] == Some(cur) && input.tokens[c] as usize == tok);
+                match child {
+                    Some(c) => {
+                        path.push(c);
+                        ctx.push(input.tokens[c]);
+                        cur = c;
+                    }
+                    None => {
+                        let accepted = Accepted { path, next_token: tok as u32 };
+                        let hidden_size = if hidden { self.hidden_size } else { 0 };
+                        out.push(Verified { accepted, logprobs, p_max, hidden_size, hidden: hidden.then_some(rows) });
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(Some(out))
     }
 
     fn fork(&self, state: &mut ToyState, seq: SeqHandle) -> Result<Option<SeqHandle>> {

@@ -53,6 +53,42 @@ pub struct RowMeta<'a> {
     pub dst: &'a CudaSlice<i32>,
 }
 
+/// What [`CudaKernels::tree_accept`] reads: the trees (`[batch, n_max]` parents, node 0's negative, and drafted
+/// tokens), the target's token, log-prob and largest probability at every node (from [`CudaKernels::sample_rows`]),
+/// and each tree's node count (`[batch]`).
+#[derive(Debug, Clone, Copy)]
+pub struct AcceptIn<'a> {
+    /// Parent of every node (node 0: negative).
+    pub parent: &'a CudaSlice<i32>,
+    /// Drafted token of every node.
+    pub draft_tok: &'a CudaSlice<i32>,
+    /// The target's token at every node.
+    pub target_tok: &'a CudaSlice<i32>,
+    /// Its log-probability.
+    pub target_lp: &'a CudaSlice<f32>,
+    /// The largest probability of the node's distribution.
+    pub target_pmax: &'a CudaSlice<f32>,
+    /// Nodes of each tree.
+    pub n_nodes: &'a CudaSlice<i32>,
+}
+
+/// What [`CudaKernels::tree_accept`] writes: per sequence the accepted nodes from the root (`path[b][..n_acc[b]]`,
+/// `path[b][0] = 0`) and the committed tokens with their log-probs and the largest probability of the distribution
+/// each was drawn from (`[batch, n_max]`, first `n_acc[b]` valid).
+#[derive(Debug)]
+pub struct AcceptOut<'a> {
+    /// Accepted nodes.
+    pub path: &'a mut CudaSlice<i32>,
+    /// Accepted nodes per sequence (`[batch]`), root included.
+    pub n_acc: &'a mut CudaSlice<i32>,
+    /// Committed tokens.
+    pub tokens: &'a mut CudaSlice<i32>,
+    /// Their log-probabilities.
+    pub logprobs: &'a mut CudaSlice<f32>,
+    /// The largest probability at each committed position.
+    pub pmax: &'a mut CudaSlice<f32>,
+}
+
 /// Our kernels compiled for one device (NVRTC, at its compute capability) and loaded there.
 #[derive(Debug)]
 pub struct CudaKernels {
@@ -369,42 +405,29 @@ impl CudaKernels {
     }
 
     /// Walks each sequence's draft tree with the target's tokens (from [`CudaKernels::sample_rows`] over the tree's
-    /// rows): `path` / `n_acc` get the accepted nodes from the root, `tokens` / `logprobs` the committed tokens (the
-    /// accepted drafts, then the target's token after them). Every array is `[batch, n_max]` except `n_nodes` and
-    /// `n_acc` (`[batch]`); node 0 is the root and every other node's parent precedes it.
+    /// rows) and writes the accepted path and committed tokens ([`AcceptOut`]). Every array is `[batch, n_max]`
+    /// except `n_nodes` and `n_acc` (`[batch]`); node 0 is the root and every other node's parent precedes it.
     ///
     /// # Errors
     /// As [`CudaKernels::rope_kv_write`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn tree_accept(
-        &self,
-        stream: &CudaStream,
-        tree: TreeDims,
-        parent: &CudaSlice<i32>,
-        draft_tok: &CudaSlice<i32>,
-        target_tok: &CudaSlice<i32>,
-        target_lp: &CudaSlice<f32>,
-        n_nodes: &CudaSlice<i32>,
-        path: &mut CudaSlice<i32>,
-        n_acc: &mut CudaSlice<i32>,
-        tokens: &mut CudaSlice<i32>,
-        logprobs: &mut CudaSlice<f32>,
-    ) -> Result<()> {
+    pub fn tree_accept(&self, stream: &CudaStream, tree: TreeDims, i: AcceptIn<'_>, o: AcceptOut<'_>) -> Result<()> {
         tree.check(false)?;
         let n = tree.nodes();
         for (what, len) in [
-            ("parent", parent.len()),
-            ("draft tokens", draft_tok.len()),
-            ("target tokens", target_tok.len()),
-            ("target log-probs", target_lp.len()),
-            ("path", path.len()),
-            ("committed tokens", tokens.len()),
-            ("committed log-probs", logprobs.len()),
+            ("parent", i.parent.len()),
+            ("draft tokens", i.draft_tok.len()),
+            ("target tokens", i.target_tok.len()),
+            ("target log-probs", i.target_lp.len()),
+            ("target p_max", i.target_pmax.len()),
+            ("path", o.path.len()),
+            ("committed tokens", o.tokens.len()),
+            ("committed log-probs", o.logprobs.len()),
+            ("committed p_max", o.pmax.len()),
         ] {
             check_len(what, n, len)?;
         }
-        check_len("n_nodes", tree.batch, n_nodes.len())?;
-        check_len("n_acc", tree.batch, n_acc.len())?;
+        check_len("n_nodes", tree.batch, i.n_nodes.len())?;
+        check_len("n_acc", tree.batch, o.n_acc.len())?;
         let (batch, n_max) = (int("batch", tree.batch)?, int("n_max", tree.n_max)?);
         let cfg = LaunchConfig {
             grid_dim: (dim("batch", tree.batch.div_ceil(128))?, 1, 1),
@@ -413,8 +436,8 @@ impl CudaKernels {
         };
         let f = self.function("tree_accept")?;
         let mut b = stream.launch_builder(f);
-        b.arg(parent).arg(draft_tok).arg(target_tok).arg(target_lp).arg(n_nodes);
-        b.arg(path).arg(n_acc).arg(tokens).arg(logprobs).arg(&batch).arg(&n_max);
+        b.arg(i.parent).arg(i.draft_tok).arg(i.target_tok).arg(i.target_lp).arg(i.target_pmax).arg(i.n_nodes);
+        b.arg(o.path).arg(o.n_acc).arg(o.tokens).arg(o.logprobs).arg(o.pmax).arg(&batch).arg(&n_max);
         // SAFETY: arguments match the signature; buffers checked; the kernel clamps n_nodes to n_max.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch tree_accept"))
     }

@@ -404,17 +404,60 @@ impl CudaLlama {
         })
     }
 
+    fn buffers(&self, out: &StepOutput) -> Result<&StepBuffers> {
+        let shape = (out.batch, out.n_max, out.tree);
+        self.steps
+            .get(&shape)
+            .or(self.transient.as_ref().filter(|b| (b.batch, b.n_max) == (out.batch, out.n_max)))
+            .ok_or_else(|| Error::InvalidInput(format!("no buffers of shape {shape:?}")))
+    }
+
     /// The logits of `out` (`[batch * n_max, vocab]` f32), valid until the next forward of the same shape.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] when no forward of that shape has run.
     pub fn logits(&self, out: &StepOutput) -> Result<&CudaSlice<f32>> {
-        let shape = (out.batch, out.n_max, out.tree);
-        self.steps
-            .get(&shape)
-            .or(self.transient.as_ref().filter(|b| (b.batch, b.n_max) == (out.batch, out.n_max)))
-            .map(|b| &b.logits)
-            .ok_or_else(|| Error::InvalidInput(format!("no logits of shape {shape:?}")))
+        self.buffers(out).map(|b| &b.logits)
+    }
+
+    /// The final-norm hidden states of `out` (`[batch * n_max, hidden_size]` bf16, the LM head's input), valid until
+    /// the next forward of the same shape.
+    ///
+    /// # Errors
+    /// As [`CudaLlama::logits`].
+    pub fn hidden(&self, out: &StepOutput) -> Result<&CudaSlice<bf16>> {
+        self.buffers(out).map(|b| &b.xn)
+    }
+
+    /// Copies the first `len` committed positions of slot `src` to slot `dst` in every layer (a prompt prefilled once
+    /// and shared by a group's samples).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for slots out of range, equal slots or `len > max_len`; [`Error::Kernel`] when a copy
+    /// fails.
+    pub fn fork_slot(&mut self, src: usize, dst: usize, len: usize) -> Result<()> {
+        let c = self.cache;
+        if src >= c.slots || dst >= c.slots || src == dst || len > c.max_len {
+            return Err(Error::InvalidInput(format!(
+                "fork of {len} positions from slot {src} to {dst} (cache of {} slots x {})",
+                c.slots, c.max_len
+            )));
+        }
+        let (span, n) = (c.max_len * c.row(), len * c.row());
+        for layer in 0..c.layers {
+            let (a, b) = (layer * c.layer_len() + src * span, layer * c.layer_len() + dst * span);
+            for cache in [&mut self.k_cache, &mut self.v_cache] {
+                // The two ranges are disjoint: split the buffer between them.
+                let (mut lo, mut hi) = cache.split_at_mut(a.max(b));
+                let (from, mut to) = if a < b {
+                    (lo.slice(a..a + n), hi.slice_mut(0..n))
+                } else {
+                    (hi.slice(0..n), lo.slice_mut(b..b + n))
+                };
+                self.stream.memcpy_dtod(&from, &mut to).map_err(cuda_err("fork copy"))?;
+            }
+        }
+        Ok(())
     }
 
     /// Copies the logits of `out` to the host (`[batch * n_max, vocab]`).

@@ -28,7 +28,7 @@ pub(crate) struct StepBuffers {
     seq_nodes: CudaSlice<i32>,
     anc: Option<CudaSlice<u64>>,
     x: CudaSlice<f32>,
-    xn: CudaSlice<bf16>,
+    pub(crate) xn: CudaSlice<bf16>,
     q: CudaSlice<bf16>,
     k: CudaSlice<bf16>,
     v: CudaSlice<bf16>,
