@@ -43,6 +43,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod drafter;
 mod engine;
 mod error;

@@ -257,6 +257,16 @@ impl Coins {
         self.stream.fork(self.position + depth as u64).uniform()
     }
 
+    /// The request's stream.
+    pub fn stream(&self) -> &SeededRng {
+        &self.stream
+    }
+
+    /// The output position of the round's root.
+    pub fn position(&self) -> u64 {
+        self.position
+    }
+
     /// A sequential generator for this round (for verifiers that draw a variable number of coins).
     pub fn sequential(&self) -> SeededRng {
         self.stream.fork(self.position).fork(u64::MAX)

@@ -1,0 +1,537 @@
+//! [`Target`] on a CUDA device (feature `cuda`): `tlt_model::cuda::CudaLlama` driven by the engine, with
+//! verification on the device ([`Target::forward_verify`]): the target's token at every tree node is drawn there
+//! (`sample_rows`, the coupled rule of [`verify_coupled`](crate::verify_coupled)), the trees are walked there
+//! (`tree_accept`), and only the accepted paths, the committed tokens' log-probs and largest probabilities, and the
+//! accepted nodes' hidden rows (when recording) cross to the host. **Compiled and CPU-tested for its host-side
+//! checks; not yet run on a GPU.**
+//!
+//! The KV cache's slots belong to the device model and are lent to [`CudaState`]s (one per engine), which give them
+//! back when sequences are removed or the state is dropped. Commits are deferred and applied as one launch before
+//! the state's next forward.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use half::bf16;
+use tlt_kernels::cuda::{AcceptIn, AcceptOut, TreeDims, MAX_TREE_NODES};
+use tlt_model::cuda::{CudaLlama, DeviceSeq, StepOutput};
+use tlt_model::Llama;
+
+use crate::{Accepted, Error, Result, SeqHandle, Target, TargetInput, TargetOutput, Verified, VerifySpec};
+
+fn dev_err(e: impl std::fmt::Display) -> Error {
+    Error::Target(e.to_string())
+}
+
+fn drv_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Target(format!("CUDA {op}: {e}"))
+}
+
+/// Device buffers of the verification of one `(batch, n_max)` shape, reused across rounds.
+#[derive(Debug)]
+struct VerifyBuffers {
+    coins: CudaSlice<f64>,
+    target_tok: CudaSlice<i32>,
+    target_lp: CudaSlice<f32>,
+    target_pm: CudaSlice<f32>,
+    parent: CudaSlice<i32>,
+    draft_tok: CudaSlice<i32>,
+    n_nodes: CudaSlice<i32>,
+    path: CudaSlice<i32>,
+    n_acc: CudaSlice<i32>,
+    tokens: CudaSlice<i32>,
+    logprobs: CudaSlice<f32>,
+    pmax: CudaSlice<f32>,
+    hidden: CudaSlice<bf16>,
+}
+
+fn zeros<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
+    s.alloc_zeros::<T>(n.max(1)).map_err(drv_err("alloc"))
+}
+
+impl VerifyBuffers {
+    fn new(s: &Arc<CudaStream>, batch: usize, n_max: usize, hidden: usize) -> Result<Self> {
+        let n = batch * n_max;
+        Ok(Self {
+            coins: zeros(s, n)?,
+            target_tok: zeros(s, n)?,
+            target_lp: zeros(s, n)?,
+            target_pm: zeros(s, n)?,
+            parent: zeros(s, n)?,
+            draft_tok: zeros(s, n)?,
+            n_nodes: zeros(s, batch)?,
+            path: zeros(s, n)?,
+            n_acc: zeros(s, batch)?,
+            tokens: zeros(s, n)?,
+            logprobs: zeros(s, n)?,
+            pmax: zeros(s, n)?,
+            hidden: zeros(s, n * hidden)?,
+        })
+    }
+}
+
+/// The device model and its per-shape verification buffers, used by one forward at a time.
+#[derive(Debug)]
+struct Device {
+    model: CudaLlama,
+    verify: HashMap<(usize, usize), VerifyBuffers>,
+}
+
+/// Which of the cache's slots are lent out.
+type SlotPool = Arc<Mutex<Vec<bool>>>;
+
+fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
+    m.lock().map_err(|_| Error::Target("a CUDA target's lock was poisoned by a panic".into()))
+}
+
+/// A [`Target`] on a CUDA device: [`CudaLlama`] with device-side verification.
+#[derive(Debug)]
+pub struct CudaTarget {
+    device: Mutex<Device>,
+    slots: SlotPool,
+    vocab: usize,
+    hidden_size: usize,
+    max_len: usize,
+    eos: Vec<u32>,
+}
+
+/// One sequence of a [`CudaState`].
+#[derive(Debug, Clone)]
+struct CudaSeq {
+    slot: Option<usize>,
+    /// Positions in the cache (committed and fed).
+    len: usize,
+    /// The pending tree's parents (node 0: `None`).
+    pending: Option<Vec<Option<usize>>>,
+}
+
+/// The engine-side state of a [`CudaTarget`]: its sequences, the slots they hold and the commits not yet applied.
+#[derive(Debug)]
+pub struct CudaState {
+    slots: SlotPool,
+    seqs: Vec<Option<CudaSeq>>,
+    /// `(slot, prefix, path)` of commits to apply before the next forward.
+    commits: Vec<(usize, usize, Vec<i32>)>,
+}
+
+impl Drop for CudaState {
+    fn drop(&mut self) {
+        if let Ok(mut used) = self.slots.lock() {
+            for s in self.seqs.iter().flatten() {
+                if let Some(slot) = s.slot {
+                    used[slot] = false;
+                }
+            }
+        }
+    }
+}
+
+impl CudaState {
+    fn get_mut(&mut self, seq: SeqHandle) -> Result<&mut CudaSeq> {
+        self.seqs
+            .get_mut(seq.0)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| Error::Target(format!("unknown sequence {}", seq.0)))
+    }
+
+    /// Lends a free slot to `seq` if it has none.
+    fn ensure_slot(&mut self, seq: SeqHandle) -> Result<usize> {
+        if let Some(slot) = self.get_mut(seq)?.slot {
+            return Ok(slot);
+        }
+        let slot = {
+            let mut used = lock(&self.slots)?;
+            let free = used.iter().position(|u| !u).ok_or_else(|| {
+                Error::Target(format!("all {} KV-cache slots of the CUDA target are in use", used.len()))
+            })?;
+            used[free] = true;
+            free
+        };
+        self.get_mut(seq)?.slot = Some(slot);
+        Ok(slot)
+    }
+
+    /// Applies the deferred commits in one launch.
+    fn flush(&mut self, model: &mut CudaLlama) -> Result<()> {
+        if self.commits.is_empty() {
+            return Ok(());
+        }
+        let commits = std::mem::take(&mut self.commits);
+        let seqs: Vec<(usize, usize)> = commits.iter().map(|c| (c.0, c.1)).collect();
+        let paths: Vec<Vec<i32>> = commits.into_iter().map(|c| c.2).collect();
+        model.commit(&seqs, &paths).map_err(dev_err)
+    }
+}
+
+impl CudaTarget {
+    /// `model`'s weights on device `ordinal` as bf16, a KV cache of `slots` sequences of `max_len` positions, and CUDA
+    /// graphs for decode and verify shapes up to `slots` sequences (within `graph_budget` bytes; 0: no graphs).
+    ///
+    /// # Errors
+    /// [`Error::Target`] without a CUDA driver or NVRTC (never a panic), or for a model the device kernels do not
+    /// handle.
+    pub fn new(model: &Llama, ordinal: usize, slots: usize, max_len: usize, graph_budget: u64) -> Result<Self> {
+        let mut m = CudaLlama::new(model, ordinal, slots, max_len).map_err(dev_err)?;
+        if graph_budget > 0 {
+            m.enable_graphs(slots, graph_budget);
+        }
+        Ok(Self::from_model(m))
+    }
+
+    /// A target over a device model already built (e.g. [`CudaLlama::synthetic`]).
+    pub fn from_model(model: CudaLlama) -> Self {
+        let cfg = model.config();
+        let (vocab, hidden_size, eos) = (cfg.vocab_size, cfg.hidden_size, cfg.eos_ids());
+        let dims = model.cache_dims();
+        Self {
+            device: Mutex::new(Device { model, verify: HashMap::new() }),
+            slots: Arc::new(Mutex::new(vec![false; dims.slots])),
+            vocab,
+            hidden_size,
+            max_len: dims.max_len,
+            eos,
+        }
+    }
+
+    /// Runs `f` on the device model (graph statistics, weight bytes, the stream).
+    ///
+    /// # Errors
+    /// If the lock was poisoned.
+    pub fn with_model<R>(&self, f: impl FnOnce(&CudaLlama) -> R) -> Result<R> {
+        Ok(f(&lock(&self.device)?.model))
+    }
+
+    /// Checks a batch before anything changes.
+    fn check(&self, state: &CudaState, inputs: &[TargetInput<'_>]) -> Result<()> {
+        let mut seen = std::collections::HashSet::new();
+        for input in inputs {
+            let i = input.seq.0;
+            let seq = state
+                .seqs
+                .get(i)
+                .and_then(Option::as_ref)
+                .ok_or_else(|| Error::Target(format!("unknown sequence {i}")))?;
+            if !seen.insert(i) {
+                return Err(Error::Target(format!("sequence {i} appears twice in one forward")));
+            }
+            if seq.pending.is_some() {
+                return Err(Error::Target(format!("sequence {i} has a pending tree")));
+            }
+            if input.tokens.is_empty() {
+                return Err(Error::Target(format!("sequence {i}: no new tokens")));
+            }
+            if let Some(&t) = input.tokens.iter().find(|&&t| t as usize >= self.vocab) {
+                return Err(Error::Target(format!("token {t} is outside the vocabulary of size {}", self.vocab)));
+            }
+            if seq.len + input.tokens.len() > self.max_len {
+                return Err(Error::Target(format!(
+                    "sequence {i}: {} + {} positions exceed the cache's {}",
+                    seq.len,
+                    input.tokens.len(),
+                    self.max_len
+                )));
+            }
+            if let Some(parents) = input.tree {
+                let ok = parents.len() == input.tokens.len()
+                    && parents.len() <= MAX_TREE_NODES
+                    && parents.first() == Some(&None)
+                    && parents.iter().enumerate().skip(1).all(|(n, p)| p.is_some_and(|p| p < n));
+                if !ok {
+                    return Err(Error::InvalidTree(format!("sequence {i}: bad parents {parents:?}")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The forward shared by [`Target::forward`] and [`Target::forward_verify`]: checks, lends slots, applies the
+    /// deferred commits, runs the device forward and records the new tokens in the state.
+    fn run(&self, dev: &mut Device, state: &mut CudaState, inputs: &[TargetInput<'_>]) -> Result<StepOutput> {
+        self.check(state, inputs)?;
+        let mut slots = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            slots.push(state.ensure_slot(input.seq)?);
+        }
+        state.flush(&mut dev.model)?;
+        let parents: Vec<Option<Vec<i32>>> =
+            inputs.iter().map(|i| i.tree.map(|p| p.iter().map(|p| p.map_or(-1, |p| p as i32)).collect())).collect();
+        let seqs: Vec<DeviceSeq<'_>> = (inputs.iter().zip(&slots).zip(&parents))
+            .map(|((input, &slot), parents)| -> Result<DeviceSeq<'_>> {
+                let prefix_len = state.seqs[input.seq.0].as_ref().map_or(0, |s| s.len);
+                Ok(DeviceSeq { slot, prefix_len, tokens: input.tokens, parents: parents.as_deref() })
+            })
+            .collect::<Result<_>>()?;
+        let out = dev.model.forward(&seqs).map_err(dev_err)?;
+        for input in inputs {
+            let seq = state.get_mut(input.seq)?;
+            match input.tree {
+                Some(p) => seq.pending = Some(p.to_vec()),
+                None => seq.len += input.tokens.len(),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Verification of `out` on the device (see the module docs).
+    fn verify_on_device(
+        &self,
+        dev: &mut Device,
+        out: &StepOutput,
+        inputs: &[TargetInput<'_>],
+        hidden: bool,
+        spec: VerifySpec<'_>,
+    ) -> Result<Vec<Verified>> {
+        let (batch, n_max) = (out.batch, out.n_max);
+        let rows = batch * n_max;
+        let stream = dev.model.stream().clone();
+        let h = self.hidden_size;
+        let bufs = match dev.verify.entry((batch, n_max)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(VerifyBuffers::new(&stream, batch, n_max, h)?),
+        };
+        // Trees and coins, padded to the device batch (padded sequences have no nodes).
+        let (mut parent, mut draft, mut n_nodes) = (vec![-1i32; rows], vec![0i32; rows], vec![0i32; batch]);
+        let mut coins = vec![0.5f64; rows];
+        for (b, input) in inputs.iter().enumerate() {
+            let parents = input.tree.ok_or_else(|| Error::Target("target-side verification needs trees".into()))?;
+            let mut depth = vec![0usize; parents.len()];
+            for (j, (&tok, p)) in input.tokens.iter().zip(parents).enumerate() {
+                parent[b * n_max + j] = p.map_or(-1, |p| p as i32);
+                draft[b * n_max + j] = tok as i32;
+                if let Some(p) = *p {
+                    depth[j] = depth[p] + 1;
+                }
+                coins[b * n_max + j] = spec.coins[b].uniform(depth[j]);
+            }
+            n_nodes[b] = parents.len() as i32;
+        }
+        let up = |v: &[i32], dst: &mut CudaSlice<i32>| stream.memcpy_htod(v, dst).map_err(drv_err("upload"));
+        up(&parent, &mut bufs.parent)?;
+        up(&draft, &mut bufs.draft_tok)?;
+        up(&n_nodes, &mut bufs.n_nodes)?;
+        let t = spec.params.temperature;
+        if t > 0.0 {
+            stream.memcpy_htod(&coins, &mut bufs.coins).map_err(drv_err("upload"))?;
+        }
+        let model = &dev.model;
+        let kernels = model.kernels();
+        let logits = model.logits(out).map_err(dev_err)?;
+        let coins_dev = (t > 0.0).then_some(&bufs.coins);
+        kernels
+            .sample_rows(
+                &stream,
+                rows,
+                self.vocab,
+                t,
+                logits,
+                coins_dev,
+                &mut bufs.target_tok,
+                &mut bufs.target_lp,
+                &mut bufs.target_pm,
+            )
+            .map_err(dev_err)?;
+        let tree = TreeDims { batch, n_max };
+        let input = AcceptIn {
+            parent: &bufs.parent,
+            draft_tok: &bufs.draft_tok,
+            target_tok: &bufs.target_tok,
+            target_lp: &bufs.target_lp,
+            target_pmax: &bufs.target_pm,
+            n_nodes: &bufs.n_nodes,
+        };
+        let accept = AcceptOut {
+            path: &mut bufs.path,
+            n_acc: &mut bufs.n_acc,
+            tokens: &mut bufs.tokens,
+            logprobs: &mut bufs.logprobs,
+            pmax: &mut bufs.pmax,
+        };
+        kernels.tree_accept(&stream, tree, input, accept).map_err(dev_err)?;
+        if hidden {
+            let src = model.hidden(out).map_err(dev_err)?;
+            kernels
+                .gather_path_rows(&stream, tree, n_max, h, src, &mut bufs.hidden, &bufs.path, &bufs.n_acc)
+                .map_err(dev_err)?;
+        }
+        let down_i = |s: &CudaSlice<i32>| stream.clone_dtoh(s).map_err(drv_err("download"));
+        let down_f = |s: &CudaSlice<f32>| stream.clone_dtoh(s).map_err(drv_err("download"));
+        let (path, n_acc, tokens) = (down_i(&bufs.path)?, down_i(&bufs.n_acc)?, down_i(&bufs.tokens)?);
+        let (logprobs, pmax) = (down_f(&bufs.logprobs)?, down_f(&bufs.pmax)?);
+        let hidden_rows =
+            if hidden { Some(stream.clone_dtoh(&bufs.hidden).map_err(drv_err("download"))?) } else { None };
+        let mut verified = Vec::with_capacity(inputs.len());
+        for (b, &acc) in n_acc.iter().enumerate().take(inputs.len()) {
+            let n = usize::try_from(acc)
+                .ok()
+                .filter(|&n| (1..=n_max).contains(&n))
+                .ok_or_else(|| Error::Target(format!("device acceptance returned {acc} nodes for sequence {b}")))?;
+            let o = b * n_max;
+            let next = tokens[o + n - 1];
+            let accepted = Accepted {
+                path: path[o..o + n].iter().map(|&p| p.max(0) as usize).collect(),
+                next_token: u32::try_from(next).map_err(|_| Error::Target(format!("device token {next}")))?,
+            };
+            let hidden = hidden_rows
+                .as_ref()
+                .map(|rows| rows[o * h..(o + n) * h].iter().map(|x| x.to_f32()).collect::<Vec<f32>>());
+            verified.push(Verified {
+                accepted,
+                logprobs: logprobs[o..o + n].to_vec(),
+                p_max: pmax[o..o + n].to_vec(),
+                hidden_size: if hidden.is_some() { h } else { 0 },
+                hidden,
+            });
+        }
+        Ok(verified)
+    }
+}
+
+impl Target for CudaTarget {
+    type State = CudaState;
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn eos_ids(&self) -> Vec<u32> {
+        self.eos.clone()
+    }
+
+    /// The cache's positions less room for the largest draft tree the device verifies.
+    fn max_context(&self) -> Option<usize> {
+        Some(self.max_len.saturating_sub(MAX_TREE_NODES).max(1))
+    }
+
+    fn new_state(&self) -> CudaState {
+        CudaState { slots: self.slots.clone(), seqs: Vec::new(), commits: Vec::new() }
+    }
+
+    /// A sequence without a slot yet: it gets one at its first forward (an error then if none is free).
+    fn new_sequence(&self, state: &mut CudaState) -> SeqHandle {
+        state.seqs.push(Some(CudaSeq { slot: None, len: 0, pending: None }));
+        SeqHandle(state.seqs.len() - 1)
+    }
+
+    fn remove(&self, state: &mut CudaState, seq: SeqHandle) -> Result<()> {
+        let s = state.get_mut(seq)?.clone();
+        if let Some(slot) = s.slot {
+            state.commits.retain(|c| c.0 != slot);
+            lock(&state.slots)?[slot] = false;
+        }
+        state.seqs[seq.0] = None;
+        Ok(())
+    }
+
+    fn truncate(&self, state: &mut CudaState, seq: SeqHandle, len: usize) -> Result<()> {
+        let s = state.get_mut(seq)?;
+        if len > s.len {
+            return Err(Error::Target(format!("sequence {} has {} positions, cannot keep {len}", seq.0, s.len)));
+        }
+        s.len = len;
+        s.pending = None;
+        Ok(())
+    }
+
+    fn forward(&self, state: &mut CudaState, inputs: &[TargetInput<'_>], hidden: bool) -> Result<TargetOutput> {
+        let mut dev = lock(&self.device)?;
+        let out = self.run(&mut dev, state, inputs)?;
+        let mut res = TargetOutput { vocab: self.vocab, ..TargetOutput::default() };
+        let n_max = out.n_max;
+        let stream = dev.model.stream().clone();
+        if inputs.iter().any(|i| i.logits) {
+            let all = dev.model.logits_to_host(&out).map_err(dev_err)?;
+            let mut row = 0;
+            for (b, input) in inputs.iter().enumerate() {
+                if input.logits {
+                    let n = input.tokens.len();
+                    res.logits.extend_from_slice(&all[b * n_max * self.vocab..(b * n_max + n) * self.vocab]);
+                    res.logit_rows.push(row..row + n);
+                    row += n;
+                } else {
+                    res.logit_rows.push(row..row);
+                }
+            }
+        } else {
+            res.logit_rows = vec![0..0; inputs.len()];
+        }
+        if hidden {
+            let h = self.hidden_size;
+            let all = stream.clone_dtoh(dev.model.hidden(&out).map_err(dev_err)?).map_err(drv_err("download"))?;
+            let mut rows = Vec::new();
+            let mut row = 0;
+            for (b, input) in inputs.iter().enumerate() {
+                let n = input.tokens.len();
+                rows.extend(all[b * n_max * h..(b * n_max + n) * h].iter().map(|x| x.to_f32()));
+                res.hidden_rows.push(row..row + n);
+                row += n;
+            }
+            res.hidden_size = h;
+            res.hidden = Some(rows);
+        }
+        Ok(res)
+    }
+
+    /// Verifies on the device unless top-k or top-p is asked for (not implemented there: `Ok(None)`, the state
+    /// untouched, and the engine verifies on the host).
+    fn forward_verify(
+        &self,
+        state: &mut CudaState,
+        inputs: &[TargetInput<'_>],
+        hidden: bool,
+        spec: VerifySpec<'_>,
+    ) -> Result<Option<Vec<Verified>>> {
+        if spec.params.top_k.is_some() || spec.params.top_p.is_some() {
+            return Ok(None);
+        }
+        if spec.coins.len() != inputs.len() {
+            return Err(Error::ShapeMismatch { what: "coins", expected: inputs.len(), got: spec.coins.len() });
+        }
+        if let Some(i) = inputs.iter().position(|i| i.tree.is_none() || !i.logits) {
+            return Err(Error::Target(format!("input {i}: target-side verification needs a tree with logits")));
+        }
+        let mut dev = lock(&self.device)?;
+        let out = self.run(&mut dev, state, inputs)?;
+        self.verify_on_device(&mut dev, &out, inputs, hidden, spec).map(Some)
+    }
+
+    fn fork(&self, state: &mut CudaState, seq: SeqHandle) -> Result<Option<SeqHandle>> {
+        let s = state.get_mut(seq)?.clone();
+        if s.pending.is_some() {
+            return Err(Error::Target(format!("sequence {} has a pending tree", seq.0)));
+        }
+        let Some(src) = s.slot else {
+            // Nothing cached yet: an empty sequence is the copy.
+            return Ok(Some(self.new_sequence(state)));
+        };
+        let handle = self.new_sequence(state);
+        let dst = state.ensure_slot(handle)?;
+        let mut dev = lock(&self.device)?;
+        state.flush(&mut dev.model)?;
+        dev.model.fork_slot(src, dst, s.len).map_err(dev_err)?;
+        state.get_mut(handle)?.len = s.len;
+        Ok(Some(handle))
+    }
+
+    fn commit(&self, state: &mut CudaState, seq: SeqHandle, path: &[usize]) -> Result<()> {
+        let s = state.get_mut(seq)?;
+        let parents =
+            s.pending.as_ref().ok_or_else(|| Error::Target(format!("sequence {} has no pending tree", seq.0)))?;
+        let root_path = path.first() == Some(&0)
+            && path.windows(2).all(|w| parents.get(w[1]) == Some(&Some(w[0])))
+            && path.iter().all(|&n| n < parents.len());
+        if !root_path {
+            return Err(Error::InvalidTree(format!("sequence {}: {path:?} is not a root path", seq.0)));
+        }
+        let slot = s.slot.ok_or_else(|| Error::Target(format!("sequence {} has no slot", seq.0)))?;
+        let prefix = s.len;
+        s.len += path.len();
+        s.pending = None;
+        // Node i was written at position prefix + i: a path of nodes 0, 1, 2, ... is already in place (every plain
+        // round, and a chain accepted in full).
+        if path.iter().enumerate().any(|(k, &n)| k != n) {
+            state.commits.push((slot, prefix, path.iter().map(|&p| p as i32).collect()));
+        }
+        Ok(())
+    }
+}

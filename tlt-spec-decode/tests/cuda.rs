@@ -1,0 +1,284 @@
+//! The engine on a CUDA target (`--features cuda`). Without a driver: construction is an error, not a panic. With one
+//! (`cargo xtask test-cuda --gpu` sets `TLT_REQUIRE_GPU=1`):
+//! - greedy speculative decoding on the GPU commits exactly the tokens of GPU plain decoding;
+//! - verification on the device equals verification of the same logits on the host;
+//! - the device sampler passes a chi-square test, and a biased coin stream fails it;
+//! - sampled speculative decoding with device tree acceptance gives the joint law of two tokens that the device
+//!   target's own logits define (chi-square), and a biased variant (coins reused across positions) fails it.
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
+
+mod common;
+
+use common::{chi_square, chi_square_p_value};
+use tlt_kernels::cuda::driver_available;
+use tlt_model::{Llama, LlamaConfig};
+use tlt_spec_decode::cuda::{CudaState, CudaTarget};
+use tlt_spec_decode::{
+    Coins, DraftContext, DraftTree, Drafter, Engine, Finished, NgramDrafter, Plan, Result, SamplingParams, SeqHandle,
+    SpecParams, Target, TargetInput, TargetOutput, Verified, VerifySpec,
+};
+
+fn tiny(vocab: usize) -> Llama {
+    let mut cfg = LlamaConfig::tiny(vocab, 64, 2);
+    cfg.intermediate_size = 128;
+    Llama::random(cfg, 9).unwrap()
+}
+
+fn gpu_or_skip(test: &str) -> bool {
+    if driver_available() {
+        return true;
+    }
+    assert!(std::env::var("TLT_REQUIRE_GPU").map_or(true, |v| v != "1"), "TLT_REQUIRE_GPU=1 but no CUDA driver");
+    eprintln!("SKIP {test}: no CUDA driver (run `cargo xtask test-cuda --gpu` on a GPU machine)");
+    false
+}
+
+#[test]
+fn without_a_driver_construction_is_an_error() {
+    if driver_available() {
+        eprintln!("SKIP without_a_driver_construction_is_an_error: a CUDA driver is present");
+        return;
+    }
+    let err = CudaTarget::new(&tiny(32), 0, 4, 256, 0).unwrap_err();
+    assert!(err.to_string().contains("CUDA is unavailable"), "{err}");
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    (0..8u32).map(|i| (0..12).map(|j| (i * 7 + j * (j % 3 + 1)) % 20).chain([i % 5, 1, 2, 1, 2]).collect()).collect()
+}
+
+fn run(target: &CudaTarget, params: SpecParams, drafter: Option<&mut dyn Drafter>, on_device: bool) -> Vec<Finished> {
+    let mut engine = Engine::new(target, params).unwrap();
+    engine.verify_on_target(on_device);
+    for p in prompts() {
+        engine.add_request(&p).unwrap();
+    }
+    engine.run_to_completion(drafter, &Plan { steps: 4, top_k: 2, verify_tokens: 12 }).unwrap();
+    let mut f = engine.take_finished();
+    f.sort_by_key(|f| f.id);
+    f
+}
+
+#[test]
+fn greedy_sd_on_the_gpu_equals_gpu_plain_decoding() {
+    if !gpu_or_skip("greedy_sd_on_the_gpu_equals_gpu_plain_decoding") {
+        return;
+    }
+    let target = CudaTarget::new(&tiny(96), 0, 8, 512, 1 << 30).unwrap();
+    let params = SpecParams::greedy(96);
+    let plain = run(&target, params.clone(), None, true);
+    let mut ngram = NgramDrafter::default();
+    let engine_sd = run(&target, params.clone(), Some(&mut ngram), true);
+    for (a, b) in plain.iter().zip(&engine_sd) {
+        let first = a.tokens.iter().zip(&b.tokens).position(|(x, y)| x != y);
+        assert_eq!(a.tokens, b.tokens, "request {:?}: first difference at {first:?}", a.id);
+    }
+    // Host verification of the device's logits commits the same tokens.
+    let mut ngram = NgramDrafter::default();
+    let host = run(&target, params, Some(&mut ngram), false);
+    assert_eq!(
+        host.iter().map(|f| &f.tokens).collect::<Vec<_>>(),
+        engine_sd.iter().map(|f| &f.tokens).collect::<Vec<_>>()
+    );
+    for (h, d) in host.iter().zip(&engine_sd) {
+        let lp = h.logprobs.iter().zip(&d.logprobs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(lp < 1e-3, "request {:?}: log-probs differ by {lp}", h.id);
+    }
+}
+
+#[test]
+fn device_verification_equals_host_verification_when_sampling() {
+    if !gpu_or_skip("device_verification_equals_host_verification_when_sampling") {
+        return;
+    }
+    let target = CudaTarget::new(&tiny(96), 0, 8, 512, 1 << 30).unwrap();
+    let params = SpecParams { sampling: SamplingParams::default(), seed: 3, ..SpecParams::greedy(64) };
+    let (mut a, mut b) = (NgramDrafter::default(), NgramDrafter::default());
+    let dev = run(&target, params.clone(), Some(&mut a), true);
+    let host = run(&target, params, Some(&mut b), false);
+    // A coin within float noise of a CDF step may pick a neighbour (the device sums in another order); that may
+    // happen once in a while, never often.
+    let same = dev.iter().zip(&host).filter(|(d, h)| d.tokens == h.tokens).count();
+    assert!(same + 1 >= dev.len(), "only {same} of {} requests equal", dev.len());
+}
+
+/// Same tokens, row after row: the device sampler's histogram on one logits row against softmax, with uniform
+/// coins (passes) and squared coins (the negative control, fails).
+#[test]
+fn device_sampler_chi_square_with_a_biased_control() {
+    use tlt_kernels::cuda::CudaKernels;
+    if !gpu_or_skip("device_sampler_chi_square_with_a_biased_control") {
+        return;
+    }
+    let kern = CudaKernels::new(0).unwrap();
+    let s = kern.context().default_stream();
+    let (vocab, rows) = (16usize, 20_000usize);
+    let row: Vec<f32> = (0..vocab).map(|i| ((i * 7) % 11) as f32 * 0.3).collect();
+    let logits: Vec<f32> = (0..rows).flat_map(|_| row.iter().copied()).collect();
+    let params = SamplingParams { temperature: 0.8, ..SamplingParams::default() };
+    let p: Vec<f64> = tlt_kernels::probs(&row, &params).unwrap().into_iter().map(f64::from).collect();
+    let mut rng = tlt_kernels::SplitMix64::new(5);
+    for (biased, name) in [(false, "uniform coins"), (true, "squared coins")] {
+        let coins: Vec<f64> = (0..rows)
+            .map(|_| {
+                let u = rng.next_f64();
+                if biased {
+                    u * u
+                } else {
+                    u
+                }
+            })
+            .collect();
+        let (l, c) = (s.clone_htod(&logits).unwrap(), s.clone_htod(&coins).unwrap());
+        let (mut tok, mut lp, mut pm) = (
+            s.alloc_zeros::<i32>(rows).unwrap(),
+            s.alloc_zeros::<f32>(rows).unwrap(),
+            s.alloc_zeros::<f32>(rows).unwrap(),
+        );
+        kern.sample_rows(&s, rows, vocab, 0.8, &l, Some(&c), &mut tok, &mut lp, &mut pm).unwrap();
+        let mut counts = vec![0u64; vocab];
+        for t in s.clone_dtoh(&tok).unwrap() {
+            counts[t as usize] += 1;
+        }
+        let (stat, df) = chi_square(&counts, &p);
+        let pv = chi_square_p_value(stat, df);
+        eprintln!("device sampler, {name}: chi2 {stat:.1} df {df} p {pv:.3e}");
+        if biased {
+            assert!(pv < 1e-6, "{name}: the biased control passed (p = {pv})");
+        } else {
+            assert!(pv > 0.001, "{name}: chi2 {stat:.1} on {df} df, p = {pv:.2e}");
+        }
+    }
+}
+
+/// A fixed tree, a function of the context only (so point-mass verification stays lossless): the root gets children
+/// 0, 1 and 2, node 1 gets child 1, node 0 gets child 3.
+#[derive(Debug)]
+struct FixedTree;
+
+impl Drafter for FixedTree {
+    fn propose(&mut self, ctx: &DraftContext<'_>, _plan: &Plan) -> Result<DraftTree> {
+        let mut t = DraftTree::new(*ctx.history.last().unwrap());
+        let a = t.push_child(0, 0, 0.0)?;
+        let b = t.push_child(0, 1, 0.0)?;
+        t.push_child(0, 2, 0.0)?;
+        t.push_child(b, 1, 0.0)?;
+        t.push_child(a, 3, 0.0)?;
+        Ok(t)
+    }
+}
+
+/// The biased control: the wrapped target verifies every round with the coins of output position 0, so tokens of
+/// later positions reuse earlier coins.
+struct ReusedCoins<'a>(&'a CudaTarget);
+
+impl Target for ReusedCoins<'_> {
+    type State = CudaState;
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn eos_ids(&self) -> Vec<u32> {
+        Vec::new()
+    }
+    fn new_state(&self) -> CudaState {
+        self.0.new_state()
+    }
+    fn new_sequence(&self, state: &mut CudaState) -> SeqHandle {
+        self.0.new_sequence(state)
+    }
+    fn remove(&self, state: &mut CudaState, seq: SeqHandle) -> Result<()> {
+        self.0.remove(state, seq)
+    }
+    fn truncate(&self, state: &mut CudaState, seq: SeqHandle, len: usize) -> Result<()> {
+        self.0.truncate(state, seq, len)
+    }
+    fn forward(&self, state: &mut CudaState, inputs: &[TargetInput<'_>], hidden: bool) -> Result<TargetOutput> {
+        self.0.forward(state, inputs, hidden)
+    }
+    fn forward_verify(
+        &self,
+        state: &mut CudaState,
+        inputs: &[TargetInput<'_>],
+        hidden: bool,
+        spec: VerifySpec<'_>,
+    ) -> Result<Option<Vec<Verified>>> {
+        let stuck: Vec<Coins> = spec.coins.iter().map(|c| Coins::new(c.stream().clone(), 0)).collect();
+        self.0.forward_verify(state, inputs, hidden, VerifySpec { params: spec.params, coins: &stuck })
+    }
+    fn commit(&self, state: &mut CudaState, seq: SeqHandle, path: &[usize]) -> Result<()> {
+        self.0.commit(state, seq, path)
+    }
+}
+
+/// The joint law of the first two generated tokens under the device target's own logits (host softmax of the rows
+/// a tree forward returns): `p[t1 * vocab + t2]`.
+fn exact_two(target: &CudaTarget, prompt: &[u32], params: &SamplingParams) -> Vec<f64> {
+    let vocab = target.vocab_size();
+    let mut st = target.new_state();
+    let s = target.new_sequence(&mut st);
+    target
+        .forward(
+            &mut st,
+            &[TargetInput { seq: s, tokens: &prompt[..prompt.len() - 1], tree: None, logits: false }],
+            false,
+        )
+        .unwrap();
+    // One tree: the root, then every token as its child: row 0 is p(t1), row 1 + t1 is p(t2 | t1).
+    let tokens: Vec<u32> = std::iter::once(*prompt.last().unwrap()).chain(0..vocab as u32).collect();
+    let parents: Vec<Option<usize>> = std::iter::once(None).chain((0..vocab).map(|_| Some(0))).collect();
+    let out = target
+        .forward(&mut st, &[TargetInput { seq: s, tokens: &tokens, tree: Some(&parents), logits: true }], false)
+        .unwrap();
+    let p1 = tlt_kernels::probs(out.logits_row(0, 0).unwrap(), params).unwrap();
+    let mut joint = vec![0f64; vocab * vocab];
+    for t1 in 0..vocab {
+        let p2 = tlt_kernels::probs(out.logits_row(0, 1 + t1).unwrap(), params).unwrap();
+        for t2 in 0..vocab {
+            joint[t1 * vocab + t2] = f64::from(p1[t1]) * f64::from(p2[t2]);
+        }
+    }
+    joint
+}
+
+fn sample_two<T: Target>(target: T, prompt: &[u32], params: &SamplingParams, n: usize, seed: u64) -> Vec<u64> {
+    let vocab = target.vocab_size();
+    let sp = SpecParams { sampling: *params, seed, stop_token_ids: Some(Vec::new()), ..SpecParams::greedy(2) };
+    let mut engine = Engine::new(target, sp).unwrap();
+    let mut counts = vec![0u64; vocab * vocab];
+    let mut drafter = FixedTree;
+    let mut left = n;
+    while left > 0 {
+        let batch = left.min(32);
+        for _ in 0..batch {
+            engine.add_request(prompt).unwrap();
+        }
+        engine.run_to_completion(Some(&mut drafter), &Plan { steps: 2, top_k: 3, verify_tokens: 6 }).unwrap();
+        for f in engine.take_finished() {
+            counts[f.tokens[0] as usize * vocab + f.tokens[1] as usize] += 1;
+        }
+        left -= batch;
+    }
+    counts
+}
+
+#[test]
+fn device_tree_acceptance_is_lossless_and_a_biased_variant_is_caught() {
+    if !gpu_or_skip("device_tree_acceptance_is_lossless_and_a_biased_variant_is_caught") {
+        return;
+    }
+    // Vocabulary 6, so the 36 cells are well populated by 6,000 samples.
+    let target = CudaTarget::new(&tiny(6), 0, 32, 128, 1 << 28).unwrap();
+    let prompt = [1u32, 4, 2, 5];
+    let params = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+    let exact = exact_two(&target, &prompt, &params);
+    let n = 6_000;
+    let (stat, df) = chi_square(&sample_two(&target, &prompt, &params, n, 11), &exact);
+    let p = chi_square_p_value(stat, df);
+    eprintln!("device tree acceptance: chi2 {stat:.1} df {df} p {p:.4}");
+    assert!(p > 0.001, "chi2 {stat:.1} on {df} df, p = {p:.2e}");
+    let (stat, df) = chi_square(&sample_two(ReusedCoins(&target), &prompt, &params, n, 11), &exact);
+    let p = chi_square_p_value(stat, df);
+    eprintln!("reused coins (biased control): chi2 {stat:.1} df {df} p {p:.2e}");
+    assert!(p < 1e-6, "the biased control passed: chi2 {stat:.1} on {df} df, p = {p:.2e}");
+}
