@@ -60,7 +60,8 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     let mut tests = cargo();
     tests
         .args(["test", "--release", "--no-run", "--message-format=json", "--features", crate::CUDA_FEATURES])
-        .args(["-p", "tlt-kernels", "-p", "tlt-model", "-p", "tlt-cudagraph", "--test", "cuda"])
+        .args(crate::cuda_package_args())
+        .args(["--test", "cuda"])
         .stderr(Stdio::inherit());
     let out = tests.output().context("cargo test --no-run")?;
     if !out.status.success() {
@@ -70,11 +71,11 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
         let (Some(exe), Some(pkg)) = (msg["executable"].as_str(), msg["package_id"].as_str()) else { continue };
-        let name = ["tlt-kernels", "tlt-model", "tlt-cudagraph"].into_iter().find(|p| pkg.contains(p)).unwrap_or("x");
+        let name = crate::CUDA_PACKAGES.into_iter().find(|p| pkg.contains(p)).unwrap_or("x");
         copied.push((PathBuf::from(exe), bin.join(format!("test-{name}"))));
     }
-    if copied.len() != 3 {
-        bail!("expected 3 CUDA test executables, found {}", copied.len());
+    if copied.len() != crate::CUDA_PACKAGES.len() {
+        bail!("expected {} CUDA test executables, found {}", crate::CUDA_PACKAGES.len(), copied.len());
     }
     let status = cargo()
         .args(["build", "--release", "-p", "tlt-examples", "--features", "cuda", "--bin", "gpu-bench"])

@@ -64,8 +64,8 @@ enum Cmd {
     /// Lints (`cargo fmt --check`, `cargo clippy -D warnings`), then fetch assets and run all tests of the
     /// workspace (cargo nextest, or cargo test without it).
     Test {
-        /// Require a CUDA driver for the CUDA tests (`tlt-kernels` and `tlt-cudagraph` with `cuda`), which then run
-        /// the kernels and graphs on the GPU; without it they check NVRTC compiles and the no-driver errors.
+        /// Require a CUDA driver for the CUDA tests (the packages with a `cuda` feature), which then run the kernels,
+        /// graphs, model and engine on the GPU; without it they check NVRTC compiles and the no-driver errors.
         #[arg(long)]
         gpu: bool,
         /// Skip the lints (rustfmt, clippy and the dependency-graph check).
@@ -198,7 +198,7 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         }
         // The CUDA code is behind features the workspace build leaves off: lint it too.
         let mut clippy_cuda = cargo();
-        clippy_cuda.args(["clippy", "-p", "tlt-kernels", "-p", "tlt-cudagraph", "-p", "tlt-model", "--all-targets"]);
+        clippy_cuda.arg("clippy").args(cuda_package_args()).arg("--all-targets");
         clippy_cuda.arg("--features");
         clippy_cuda.args([CUDA_FEATURES, "--", "-D", "warnings"]);
         let code = run(clippy_cuda)?;
@@ -276,7 +276,8 @@ fn cuda_tests(gpu: bool) -> Result<ExitCode> {
         std::env::var_os("LD_LIBRARY_PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default(),
     );
     let mut cuda = cargo();
-    cuda.args(["test", "--release", "-p", "tlt-kernels", "-p", "tlt-cudagraph", "-p", "tlt-model"])
+    cuda.args(["test", "--release"])
+        .args(cuda_package_args())
         .args(["--features", CUDA_FEATURES])
         .args(["--test", "cuda", "--lib", "--", "--nocapture"])
         .env("LD_LIBRARY_PATH", std::env::join_paths(lib_path)?)
@@ -288,7 +289,15 @@ fn cuda_tests(gpu: bool) -> Result<ExitCode> {
 }
 
 /// The features that turn the CUDA code on, for the packages that have it.
-pub(crate) const CUDA_FEATURES: &str = "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda";
+pub(crate) const CUDA_FEATURES: &str = "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda,tlt-spec-decode/cuda";
+
+/// The packages with CUDA code (each has a `cuda` test target).
+pub(crate) const CUDA_PACKAGES: [&str; 4] = ["tlt-kernels", "tlt-cudagraph", "tlt-model", "tlt-spec-decode"];
+
+/// `-p P` for every package of [`CUDA_PACKAGES`].
+pub(crate) fn cuda_package_args() -> Vec<&'static str> {
+    CUDA_PACKAGES.iter().flat_map(|p| ["-p", p]).collect()
+}
 
 fn demo(steps: Option<u64>, config: Option<&Path>) -> Result<ExitCode> {
     let gguf = assets::fetch_assets()?;
