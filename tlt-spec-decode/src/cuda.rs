@@ -254,8 +254,12 @@ impl CudaTarget {
             slots.push(state.ensure_slot(input.seq)?);
         }
         state.flush(&mut dev.model)?;
-        let parents: Vec<Option<Vec<i32>>> =
-            inputs.iter().map(|i| i.tree.map(|p| p.iter().map(|p| p.map_or(-1, |p| p as i32)).collect())).collect();
+        // A one-node tree is a decode step on the device (its node sits where a causal append puts it), so plain
+        // rounds run the decode shapes.
+        let parents: Vec<Option<Vec<i32>>> = inputs
+            .iter()
+            .map(|i| i.tree.filter(|p| p.len() > 1).map(|p| p.iter().map(|p| p.map_or(-1, |p| p as i32)).collect()))
+            .collect();
         let seqs: Vec<DeviceSeq<'_>> = (inputs.iter().zip(&slots).zip(&parents))
             .map(|((input, &slot), parents)| -> Result<DeviceSeq<'_>> {
                 let prefix_len = state.seqs[input.seq.0].as_ref().map_or(0, |s| s.len);

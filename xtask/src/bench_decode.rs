@@ -76,6 +76,13 @@ pub struct DecodeArgs {
     /// The GGUF to load (default: the cached SmolLM2-135M-Instruct, fetched if missing).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// `cpu` (this suite), or `cuda[:N]`: the GPU suite instead (`gpu-bench` per architecture of `--gpu-archs`:
+    /// batch 1-256 decode with and without CUDA graphs against the measured copy bandwidth, verify-k, oracle SD).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Architectures of the GPU suite (synthetic bf16 weights of their published shapes).
+    #[arg(long, value_delimiter = ',', default_value = "smollm2-135m,qwen2.5-1.5b,llama3-8b")]
+    gpu_archs: Vec<String>,
 }
 
 /// Fixed English text the prompts are cut from.
@@ -269,6 +276,10 @@ pub(crate) fn summarize(runs: &[Run], batch: usize, steps: usize, bytes: u64, bw
 
 /// Runs the suite and writes `target/bench/decode.{json,md}`.
 pub fn run(args: &DecodeArgs) -> Result<()> {
+    if crate::bench_gpu::is_cuda(&args.device)? {
+        let archs: Vec<&str> = args.gpu_archs.iter().map(String::as_str).collect();
+        return crate::bench_gpu::run(&args.device, &archs, &[]);
+    }
     if args.batches.is_empty() || args.batches.contains(&0) {
         bail!("--batches must list positive batch sizes");
     }

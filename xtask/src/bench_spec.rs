@@ -46,6 +46,11 @@ pub struct SpecArgs {
     /// The GGUF to load (default: the cached SmolLM2-135M-Instruct, fetched if missing).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// `cpu` (this suite), or `cuda[:N]`: speculative decoding on the GPU instead (`gpu-bench` on the SmolLM2-135M
+    /// and Llama-3-8B shapes: verify-k over decode-1 and the engine on the device with a perfect oracle drafter at
+    /// tau = 2, 4, 6, batch 1).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn chat(user: &str) -> String {
@@ -294,6 +299,9 @@ impl Config {
 
 /// Runs the suite and writes `target/bench/spec.{json,md}`.
 pub fn run(args: &SpecArgs) -> Result<()> {
+    if crate::bench_gpu::is_cuda(&args.device)? {
+        return crate::bench_gpu::run(&args.device, &["smollm2-135m", "llama3-8b"], &["--batches", "1"]);
+    }
     if args.batches.is_empty() || args.batches.iter().any(|&b| b == 0 || b > CHAT_PROMPTS.len()) {
         bail!("--batches must list batch sizes in 1..={}", CHAT_PROMPTS.len());
     }

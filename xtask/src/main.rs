@@ -18,6 +18,7 @@ mod bench_decode;
 mod bench_decode_md;
 mod bench_drafter;
 mod bench_e2e;
+mod bench_gpu;
 mod bench_group;
 mod bench_kernels;
 mod bench_llamacpp;
@@ -160,7 +161,7 @@ pub(crate) fn workspace_root() -> PathBuf {
 }
 
 /// The cargo that runs us (`$CARGO`), or `cargo` from `PATH`.
-fn cargo() -> Command {
+pub(crate) fn cargo() -> Command {
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     cmd.current_dir(workspace_root());
     cmd

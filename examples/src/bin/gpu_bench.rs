@@ -1,14 +1,18 @@
 //! `gpu-bench`: batched decode and verify-k of a real architecture's shapes on a CUDA device, with synthetic bf16
 //! weights generated on the device, against the device's measured copy bandwidth (build with `--features cuda`).
-//! Each decode batch runs eagerly and then through CUDA graphs (captured on first use, replayed after). Prints
-//! markdown tables and writes JSON.
+//! Each decode batch runs eagerly and then through CUDA graphs (captured on first use, replayed after); then the
+//! engine on the device (`CudaTarget`, verification on the device) decodes one request plainly and with a perfect
+//! oracle drafter at several tokens per round. Prints markdown tables and writes JSON.
 
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use tlt_kernels::cuda::MAX_TREE_NODES;
 use tlt_model::cuda::{CudaLlama, DeviceSeq};
 use tlt_model::LlamaConfig;
+use tlt_spec_decode::cuda::CudaTarget;
+use tlt_spec_decode::{Corruption, Counters, Drafter, Engine, OracleDrafter, Plan, RequestId, SpecParams};
 
 #[derive(Parser, Debug)]
 #[command(about = "Decode and verify-k timings of an architecture on a CUDA device (synthetic bf16 weights)")]
@@ -31,6 +35,13 @@ struct Args {
     /// Verify widths measured at batch 1 (tokens per verify forward).
     #[arg(long, value_delimiter = ',', default_value = "2,4,6,8")]
     verify: Vec<usize>,
+    /// Mean tokens per round of the measured oracle speculative decoding at batch 1 (a perfect oracle drafting
+    /// `tau - 1` tokens per round, verified on the device through the engine).
+    #[arg(long, value_delimiter = ',', default_value = "2,4,6")]
+    tau: Vec<usize>,
+    /// Tokens generated per oracle run.
+    #[arg(long, default_value_t = 256)]
+    sd_tokens: usize,
     /// JSON output.
     #[arg(long, default_value = "target/bench/gpu-decode.json")]
     out: std::path::PathBuf,
@@ -110,12 +121,82 @@ fn copy_bandwidth(m: &CudaLlama) -> Result<f64> {
     Ok(2.0 * (n * 2) as f64 / median(times))
 }
 
+/// Wall seconds of the decode phase (prefill excluded) of one greedy request through the engine on `target`, and
+/// its tokens and counters.
+fn engine_run(
+    target: &CudaTarget,
+    prompt: &[u32],
+    n: usize,
+    drafter: Option<(&mut OracleDrafter, Plan)>,
+) -> Result<(f64, Vec<u32>, Counters)> {
+    let params = SpecParams { stop_token_ids: Some(Vec::new()), ..SpecParams::greedy(n) };
+    let mut engine = Engine::new(target, params)?;
+    let id = engine.add_request(prompt)?;
+    let t0 = Instant::now();
+    match drafter {
+        Some((d, plan)) => {
+            engine.run_to_completion(Some(d as &mut dyn Drafter), &plan)?;
+        }
+        None => engine.run_to_completion(None, &Plan::chain(1))?,
+    }
+    let secs = t0.elapsed().as_secs_f64() - engine.counters().prefill_s;
+    let f = engine.take_finished().into_iter().find(|f| f.id == id).context("the request did not finish")?;
+    Ok((secs, f.tokens, *engine.counters()))
+}
+
+/// Measured oracle speculative decoding at batch 1: plain decoding through the engine (device sampling, graphs),
+/// then a perfect oracle drafting `tau - 1` tokens of the plain run's continuation per round; speed-up over plain
+/// and whether the tokens are identical (greedy SD is lossless).
+fn oracle_sd(target: &CudaTarget, cfg: &LlamaConfig, a: &Args) -> Result<Vec<serde_json::Value>> {
+    let prompt: Vec<u32> = (0..a.context as u32).map(|i| (i * 7919 + 13) % cfg.vocab_size as u32).collect();
+    let mut plain = Vec::new();
+    let mut reference = Vec::new();
+    for _ in 0..3 {
+        let (t, toks, _) = engine_run(target, &prompt, a.sd_tokens, None)?;
+        plain.push(t);
+        reference = toks;
+    }
+    let plain = median(plain);
+    println!(
+        "\nengine on the device, batch 1, {} tokens after a {}-token prompt (decode phase):",
+        a.sd_tokens, a.context
+    );
+    println!("| drafter | tokens/round | ms/token | speed-up over plain | identical |\n|---|---:|---:|---:|---|");
+    println!("| none (plain) | 1.00 | {:.3} | 1.00x | - |", plain * 1e3 / a.sd_tokens as f64);
+    let mut rows = vec![serde_json::json!({"tau": 1, "decode_s": plain, "speedup": 1.0})];
+    for &tau in &a.tau {
+        let steps = tau.saturating_sub(1).max(1);
+        let plan = Plan { steps, top_k: 1, verify_tokens: steps + 1 };
+        let mut times = Vec::new();
+        let mut last = None;
+        for _ in 0..3 {
+            let mut oracle = OracleDrafter::new(cfg.vocab_size, Corruption::Rate { rate: 0.0, seed: 0 }, false)?;
+            oracle.insert(RequestId(0), prompt.len(), reference.clone());
+            let (t, toks, c) = engine_run(target, &prompt, a.sd_tokens, Some((&mut oracle, plan)))?;
+            times.push(t);
+            last = Some((toks, c));
+        }
+        let (toks, c) = last.context("no run")?;
+        let t = median(times);
+        let same = toks == reference;
+        println!(
+            "| oracle, {} drafts | {:.2} | {:.3} | {:.2}x | {same} |",
+            steps,
+            c.mean_accept_len(),
+            t * 1e3 / a.sd_tokens as f64,
+            plain / t
+        );
+        rows.push(serde_json::json!({"tau": tau, "tokens_per_round": c.mean_accept_len(), "decode_s": t, "speedup": plain / t, "identical_to_plain": same}));
+    }
+    Ok(rows)
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     let a = Args::parse();
     let cfg = config(&a.arch)?;
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
-    let max_len = a.context + a.verify.iter().copied().max().unwrap_or(1) + 8;
+    let max_len = a.context + a.verify.iter().copied().max().unwrap_or(1) + a.sd_tokens + MAX_TREE_NODES + 8;
     let mut m = CudaLlama::synthetic(cfg.clone(), 42, ordinal(&a.device)?, max_batch, max_len)?;
     let copy = copy_bandwidth(&m)?;
     let weights = m.weight_bytes() as f64;
@@ -154,9 +235,13 @@ fn main() -> Result<()> {
             serde_json::json!({"k": k, "step_s": t, "over_decode": t / t1, "oracle_sd_speedup": k as f64 * t1 / t}),
         );
     }
+    let target = CudaTarget::from_model(m);
+    let oracle = oracle_sd(&target, &cfg, &a)?;
+    println!("\ngraph pool after the engine runs: {:?}", target.with_model(|m| m.graph_stats().cloned())?);
     let json = serde_json::json!({
         "arch": a.arch, "device": a.device, "context": a.context, "steps": a.steps,
         "weight_bytes": weights, "copy_bandwidth": copy, "decode": decode, "decode_1_s": t1, "verify": verify,
+        "oracle_sd": oracle,
     });
     if let Some(dir) = a.out.parent() {
         std::fs::create_dir_all(dir)?;
