@@ -38,6 +38,7 @@ mod cache;
 mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod device;
 mod error;
 mod gguf;
 mod gguf_check;
@@ -54,6 +55,7 @@ mod weights;
 
 pub use cache::{KvCache, SeqId};
 pub use config::{Architecture, EosTokens, LlamaConfig, RopeScaling};
+pub use device::Device;
 pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, load_gguf, load_gguf_with, unpermute_rows, GgufFile, GgufWeights};
 pub use hf::{atomic_write, load_hf_dir, save_hf_dir, write_dir_atomic};

@@ -209,3 +209,29 @@ fn no_memory_growth_over_1000_steps() {
     assert!(free + (1 << 20) >= free_after_warmup, "free memory fell from {free_after_warmup} to {free} bytes");
     assert_eq!(gpu.graph_stats().unwrap().captures, 1);
 }
+
+/// A trainer's weight sync: the weights of another model of the same configuration copied in place give that
+/// model's logits, with graphs captured before the copy still replaying.
+#[test]
+fn update_weights_in_place_gives_the_new_models_logits() {
+    if !gpu_or_skip("update_weights_in_place_gives_the_new_models_logits") {
+        return;
+    }
+    let (a, b) = (tiny("llama"), Llama::random(tiny("llama").config().clone(), 6).unwrap());
+    let mut gpu = CudaLlama::new(&a, 0, 1, 64).unwrap();
+    gpu.enable_graphs(1, 1 << 30);
+    let mut fresh = CudaLlama::new(&b, 0, 1, 64).unwrap();
+    let prompt = [3u32, 1, 4, 1, 5];
+    let step = |m: &mut CudaLlama| {
+        m.forward(&[DeviceSeq { slot: 0, prefix_len: 0, tokens: &prompt, parents: None }]).unwrap();
+        let out = m.forward(&[DeviceSeq { slot: 0, prefix_len: prompt.len(), tokens: &[9], parents: None }]).unwrap();
+        m.logits_to_host(&out).unwrap()
+    };
+    let before = step(&mut gpu);
+    gpu.update_weights(&b).unwrap();
+    let (after, want) = (step(&mut gpu), step(&mut fresh));
+    assert_eq!(after, want, "the updated model differs from one built from the new weights");
+    assert_ne!(before, after, "the update changed nothing");
+    let other = Llama::random(tiny("qwen2").config().clone(), 1).unwrap();
+    assert!(gpu.update_weights(&other).is_err(), "another configuration must be refused");
+}

@@ -372,6 +372,16 @@ fn bad_configs_and_checkpoints_are_clear_errors() {
     assert!(e.to_string().contains("not_a_key"), "{e}");
     let cfg = TrainerConfig::from_toml(&TrainerConfig::default().to_toml().unwrap()).unwrap();
     assert_eq!(cfg, TrainerConfig::default());
+    // The rollout device: parsed, written back, and a bad name is an error naming it.
+    let cfg = TrainerConfig::from_toml("device = \"cuda:1\"\n").unwrap();
+    assert_eq!(cfg.device, tlt_model::Device::Cuda(1));
+    assert_eq!(TrainerConfig::from_toml(&cfg.to_toml().unwrap()).unwrap(), cfg);
+    let e = TrainerConfig::from_toml("device = \"gpu\"\n").unwrap_err();
+    assert!(e.to_string().contains("gpu"), "{e}");
+    if !cfg!(feature = "cuda") {
+        let e = Trainer::new(tiny_model(1), CountEnv::new(), cfg).unwrap_err();
+        assert!(e.to_string().contains("no CUDA"), "{e}");
+    }
     let missing = std::env::temp_dir().join("tlt-rl-no-such-checkpoint");
     let e = Trainer::resume(&missing, tiny_model(1), CountEnv::new(), TrainerConfig::default()).unwrap_err();
     assert!(matches!(e, Error::Checkpoint { .. }), "{e}");

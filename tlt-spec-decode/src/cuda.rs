@@ -194,6 +194,21 @@ impl CudaTarget {
         }
     }
 
+    /// Copies `model`'s weights (same configuration) into the device buffers in place ([`CudaLlama::update_weights`]):
+    /// a trainer's weight sync after each policy update; graphs stay valid. Sequences of existing states keep their
+    /// cache entries, computed with the old weights.
+    ///
+    /// # Errors
+    /// [`Error::Target`] for another configuration or a failed copy.
+    pub fn update_weights(&self, model: &Llama) -> Result<()> {
+        lock(&self.device)?.model.update_weights(model).map_err(dev_err)
+    }
+
+    /// Sequences the KV cache holds at once, and positions per sequence.
+    pub fn capacity(&self) -> (usize, usize) {
+        (lock(&self.slots).map_or(0, |s| s.len()), self.max_len)
+    }
+
     /// Runs `f` on the device model (graph statistics, weight bytes, the stream).
     ///
     /// # Errors

@@ -11,12 +11,7 @@ use tracing::info;
 
 /// Whether `device` names a CUDA device (`cuda` or `cuda:N`); an error for anything but those and `cpu`.
 pub fn is_cuda(device: &str) -> Result<bool> {
-    match device.split_once(':') {
-        None if device == "cpu" => Ok(false),
-        None if device == "cuda" => Ok(true),
-        Some(("cuda", n)) if n.parse::<usize>().is_ok() => Ok(true),
-        _ => bail!("--device must be cpu, cuda or cuda:N, got {device:?}"),
-    }
+    device.parse::<tlt_model::Device>().map(tlt_model::Device::is_cuda).map_err(anyhow::Error::msg)
 }
 
 /// Runs `gpu-bench` on `device` for each of `archs`, with `extra` arguments.

@@ -200,8 +200,8 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         // The CUDA code is behind features the workspace build leaves off: lint it too.
         let mut clippy_cuda = cargo();
         clippy_cuda.arg("clippy").args(cuda_package_args()).arg("--all-targets");
-        clippy_cuda.arg("--features");
-        clippy_cuda.args([CUDA_FEATURES, "--", "-D", "warnings"]);
+        clippy_cuda.args(["-p", "tlt-examples", "--features"]);
+        clippy_cuda.args([&format!("{CUDA_FEATURES},tlt-examples/cuda"), "--", "-D", "warnings"]);
         let code = run(clippy_cuda)?;
         if !code.success() {
             return Ok(exit_code(code));
@@ -290,10 +290,11 @@ fn cuda_tests(gpu: bool) -> Result<ExitCode> {
 }
 
 /// The features that turn the CUDA code on, for the packages that have it.
-pub(crate) const CUDA_FEATURES: &str = "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda,tlt-spec-decode/cuda";
+pub(crate) const CUDA_FEATURES: &str =
+    "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda,tlt-spec-decode/cuda,tlt-rl/cuda";
 
 /// The packages with CUDA code (each has a `cuda` test target).
-pub(crate) const CUDA_PACKAGES: [&str; 4] = ["tlt-kernels", "tlt-cudagraph", "tlt-model", "tlt-spec-decode"];
+pub(crate) const CUDA_PACKAGES: [&str; 5] = ["tlt-kernels", "tlt-cudagraph", "tlt-model", "tlt-spec-decode", "tlt-rl"];
 
 /// `-p P` for every package of [`CUDA_PACKAGES`].
 pub(crate) fn cuda_package_args() -> Vec<&'static str> {

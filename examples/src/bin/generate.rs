@@ -69,7 +69,7 @@ struct Args {
     /// `--ngram` verified on the device (EAGLE drafters need hidden-state taps the CUDA target does not return yet).
     /// The CUDA path has not yet run on a GPU.
     #[arg(long, default_value = "cpu")]
-    device: tlt_examples::DeviceSpec,
+    device: tlt_model::Device,
 }
 
 /// Parses `steps:top_k:verify_tokens`.
@@ -111,14 +111,14 @@ fn speculative(args: &Args, model: &tlt_model::Llama, tokenizer: &tokenizers::To
     let params = SpecParams { sampling, max_new_tokens: args.max_new_tokens, seed: args.seed, ..SpecParams::default() };
     let eagle = args.drafter.is_some();
     match args.device {
-        tlt_examples::DeviceSpec::Cpu => {
+        tlt_model::Device::Cpu => {
             // Both EAGLE kinds read their features from these taps (three aux layers, then the final norm).
             let taps = Tap::eagle3(model.config().num_hidden_layers);
             let engine = Engine::new(TappedLlama { model, taps: &taps }, params)?;
             drive(engine, eagle, drafter.as_mut(), &plan, model, tokenizer, prompt)
         }
         #[cfg(feature = "cuda")]
-        tlt_examples::DeviceSpec::Cuda(n) => {
+        tlt_model::Device::Cuda(n) => {
             if eagle {
                 bail!("EAGLE drafters read hidden-state taps the CUDA target does not return yet: use --ngram on cuda");
             }
@@ -128,7 +128,7 @@ fn speculative(args: &Args, model: &tlt_model::Llama, tokenizer: &tokenizers::To
             drive(Engine::new(target, params)?, false, drafter.as_mut(), &plan, model, tokenizer, prompt)
         }
         #[cfg(not(feature = "cuda"))]
-        tlt_examples::DeviceSpec::Cuda(_) => {
+        tlt_model::Device::Cuda(_) => {
             bail!("this binary was built without CUDA: rebuild with `--features cuda` (tlt-examples)")
         }
     }
@@ -186,21 +186,21 @@ enum Backend<'a> {
 }
 
 impl<'a> Backend<'a> {
-    fn new(device: tlt_examples::DeviceSpec, model: &'a tlt_model::Llama, max_len: usize) -> Result<Self> {
+    fn new(device: tlt_model::Device, model: &'a tlt_model::Llama, max_len: usize) -> Result<Self> {
         match device {
-            tlt_examples::DeviceSpec::Cpu => {
+            tlt_model::Device::Cpu => {
                 let mut cache = model.new_cache();
                 let seq = cache.add_sequence();
                 Ok(Self::Cpu { model, cache, seq })
             }
             #[cfg(feature = "cuda")]
-            tlt_examples::DeviceSpec::Cuda(n) => {
+            tlt_model::Device::Cuda(n) => {
                 let mut gpu = tlt_model::cuda::CudaLlama::new(model, n, 1, max_len)?;
                 gpu.enable_graphs(1, 1 << 30);
                 Ok(Self::Cuda { model: Box::new(gpu), len: 0 })
             }
             #[cfg(not(feature = "cuda"))]
-            tlt_examples::DeviceSpec::Cuda(_) => {
+            tlt_model::Device::Cuda(_) => {
                 let _ = max_len;
                 bail!("this binary was built without CUDA: rebuild with `--features cuda` (tlt-examples)")
             }

@@ -70,9 +70,9 @@ fn config(arch: &str) -> Result<LlamaConfig> {
 }
 
 fn ordinal(device: &str) -> Result<usize> {
-    match device.parse::<tlt_examples::DeviceSpec>().map_err(anyhow::Error::msg)? {
-        tlt_examples::DeviceSpec::Cuda(n) => Ok(n),
-        tlt_examples::DeviceSpec::Cpu => {
+    match device.parse::<tlt_model::Device>().map_err(anyhow::Error::msg)? {
+        tlt_model::Device::Cuda(n) => Ok(n),
+        tlt_model::Device::Cpu => {
             bail!("gpu-bench runs on CUDA only (`cargo xtask bench decode` is the CPU suite)")
         }
     }

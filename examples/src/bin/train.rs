@@ -60,6 +60,10 @@ struct Args {
     /// Override the number of RL steps.
     #[arg(long)]
     steps: Option<u64>,
+    /// Where rollouts run (config: `[trainer] device`): `cpu`, or `cuda[:N]` in a build with `--features cuda`
+    /// (the engine on the GPU; drafters and the update on the CPU; not yet run on a GPU).
+    #[arg(long)]
+    device: Option<tlt_model::Device>,
     /// Continue from `<out>/<mode>/checkpoint` when it exists.
     #[arg(long)]
     resume: bool,
@@ -133,6 +137,9 @@ fn load_config(args: &Args) -> Result<RunConfig> {
         None => DEMO_CONFIG.to_string(),
     };
     let mut cfg = RunConfig::from_toml(&text)?;
+    if let Some(device) = args.device {
+        cfg.trainer.device = device;
+    }
     if let Some(steps) = args.steps {
         cfg.trainer.steps = steps;
     }

@@ -81,6 +81,63 @@ pub(crate) struct DevWeights {
     inv_freq: CudaSlice<f64>,
 }
 
+/// `model`'s weight `which` as bf16 on the host (`None`: absent, e.g. a tied head or a bias the architecture does
+/// not have).
+fn llama_weight(model: &Llama, which: Weight) -> Result<Option<Vec<bf16>>> {
+    let w = model.weights();
+    let t = match which {
+        Weight::Embed => &w.embed_tokens,
+        Weight::Head => match &w.lm_head {
+            Some(h) => h,
+            None => return Ok(None),
+        },
+        Weight::Norm => &w.norm,
+        Weight::InNorm(l) => &w.layers[l].input_layernorm,
+        Weight::PostNorm(l) => &w.layers[l].post_attention_layernorm,
+        Weight::Proj(l, p, bias) => {
+            let lin = w.layers[l].proj.all()[p];
+            match (bias, &lin.bias) {
+                (false, _) => &lin.weight,
+                (true, Some(b)) => b,
+                (true, None) => return Ok(None),
+            }
+        }
+    };
+    Ok(Some(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(bf16::from_f32).collect()))
+}
+
+impl DevWeights {
+    /// The device buffer of weight `which`, if this model has it.
+    fn slot_mut(&mut self, which: Weight) -> Option<&mut CudaSlice<bf16>> {
+        match which {
+            Weight::Embed => Some(&mut self.embed),
+            Weight::Head => self.head.as_mut(),
+            Weight::Norm => Some(&mut self.norm),
+            Weight::InNorm(l) => Some(&mut self.layers.get_mut(l)?.in_norm),
+            Weight::PostNorm(l) => Some(&mut self.layers.get_mut(l)?.post_norm),
+            Weight::Proj(l, p, bias) => {
+                let layer = self.layers.get_mut(l)?;
+                let lin = [
+                    &mut layer.q,
+                    &mut layer.k,
+                    &mut layer.v,
+                    &mut layer.o,
+                    &mut layer.gate,
+                    &mut layer.up,
+                    &mut layer.down,
+                ]
+                .into_iter()
+                .nth(p)?;
+                if bias {
+                    lin.b.as_mut()
+                } else {
+                    Some(&mut lin.w)
+                }
+            }
+        }
+    }
+}
+
 /// How a forward ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepMode {
@@ -148,29 +205,44 @@ impl CudaLlama {
     /// [`tlt_kernels::Error::CudaUnavailable`] (as [`Error::Kernel`]) without a driver or NVRTC, never a panic;
     /// [`Error::InvalidInput`] for heads the device attention does not handle or a zero-sized cache.
     pub fn new(model: &Llama, ordinal: usize, slots: usize, max_len: usize) -> Result<Self> {
-        let w = model.weights();
         Self::build(model.config().clone(), ordinal, slots, max_len, |stream, _, which| {
-            let t = match which {
-                Weight::Embed => &w.embed_tokens,
-                Weight::Head => match &w.lm_head {
-                    Some(h) => h,
-                    None => return Ok(None),
-                },
-                Weight::Norm => &w.norm,
-                Weight::InNorm(l) => &w.layers[l].input_layernorm,
-                Weight::PostNorm(l) => &w.layers[l].post_attention_layernorm,
-                Weight::Proj(l, p, bias) => {
-                    let lin = w.layers[l].proj.all()[p];
-                    match (bias, &lin.bias) {
-                        (false, _) => &lin.weight,
-                        (true, Some(b)) => b,
-                        (true, None) => return Ok(None),
-                    }
-                }
-            };
-            let v: Vec<bf16> = t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(bf16::from_f32).collect();
-            Ok(Some(stream.clone_htod(&v).map_err(cuda_err("upload"))?))
+            llama_weight(model, which)?.map(|v| stream.clone_htod(&v).map_err(cuda_err("upload"))).transpose()
         })
+    }
+
+    /// Copies `model`'s weights (same configuration) into this model's device buffers, in place: captured CUDA
+    /// graphs stay valid, and the KV cache is kept (the caller decides whether its entries are still meaningful).
+    /// What a trainer does after each policy update.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a model of another configuration or a weight this model lacks (or has and
+    /// `model` lacks); [`Error::Kernel`] when a copy fails.
+    pub fn update_weights(&mut self, model: &Llama) -> Result<()> {
+        if model.config() != &self.cfg {
+            return Err(Error::InvalidInput("update_weights needs a model of the same configuration".into()));
+        }
+        let mut which = vec![Weight::Embed, Weight::Head, Weight::Norm];
+        for l in 0..self.cfg.num_hidden_layers {
+            which.extend([Weight::InNorm(l), Weight::PostNorm(l)]);
+            which.extend((0..7).flat_map(|p| [Weight::Proj(l, p, false), Weight::Proj(l, p, true)]));
+        }
+        for w in which {
+            let host = llama_weight(model, w)?;
+            match (self.w.slot_mut(w), host) {
+                (Some(dst), Some(v)) if dst.len() == v.len() => {
+                    self.stream.memcpy_htod(&v, dst).map_err(cuda_err("upload"))?;
+                }
+                (None, None) => {}
+                (dst, v) => {
+                    return Err(Error::InvalidInput(format!(
+                        "weight {w:?}: {} on the device, {} given",
+                        dst.map_or(0, |d| d.len()),
+                        v.map_or(0, |v| v.len())
+                    )))
+                }
+            }
+        }
+        Ok(())
     }
 
     /// A model of `cfg`'s shapes with seeded uniform weights generated on the device (nothing uploaded): for speed

@@ -10,6 +10,7 @@ use super::warmup::WarmupConfig;
 use crate::grpo::GrpoConfig;
 use crate::{Error, Result};
 use tlt_model::optim::LrSchedule;
+use tlt_model::Device;
 
 /// How rollouts decode.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -226,6 +227,9 @@ pub struct TrainerConfig {
     pub activation_checkpointing: bool,
     /// Speculative decoding in TLT mode.
     pub sd: SdConfig,
+    /// Where rollouts run: `"cpu"` (default) or `"cuda"` / `"cuda:N"` (a build with tlt-rl's `cuda` feature; the
+    /// drafters and the update stay on the CPU; not yet run on a GPU).
+    pub device: Device,
 }
 
 impl Default for TrainerConfig {
@@ -246,6 +250,7 @@ impl Default for TrainerConfig {
             ppo_epochs: 1,
             activation_checkpointing: true,
             sd: SdConfig::default(),
+            device: Device::Cpu,
         }
     }
 }

@@ -18,6 +18,7 @@
 
 mod checkpoint;
 mod config;
+mod device;
 mod drafter;
 mod env;
 mod export;
@@ -51,8 +52,9 @@ use crate::grpo::group_advantages;
 use crate::metrics::{mean_std, percentile, StepMetrics};
 use crate::task::{Score, Split};
 use crate::{Error, Result};
+use device::RolloutDevice;
 use drafter::RolloutDrafter;
-use rollout::{run_rollout, spec_params, RolloutJob};
+use rollout::{spec_params, RolloutJob};
 use update::{policy_update, TrainSeq, UpdateContext};
 
 /// Greedy evaluation of the current policy.
@@ -99,6 +101,8 @@ pub struct Trainer<E: Environment> {
     reference: Option<Llama>,
     decoder: AdaptiveDecoder,
     drafter: Option<RolloutDrafter>,
+    /// Where rollouts run.
+    rollouts: RolloutDevice,
     step: u64,
 }
 
@@ -159,7 +163,8 @@ impl<E: Environment> Trainer<E> {
             Mode::Tlt => AdaptiveDecoder::new(cfg.sd.gate.clone(), cfg.sd.bandit())?,
             Mode::Baseline => AdaptiveDecoder::plain()?,
         };
-        Ok(Self { cfg, env, policy, opt, rollout_model, reference, decoder, drafter, step })
+        let rollouts = RolloutDevice::new(cfg.device)?;
+        Ok(Self { cfg, env, policy, opt, rollout_model, reference, decoder, drafter, rollouts, step })
     }
 
     /// Resumes the run checkpointed in `dir`. `initial` is the run's starting policy (the KL reference; its
@@ -169,7 +174,8 @@ impl<E: Environment> Trainer<E> {
     /// [`Error::Checkpoint`] if the checkpoint is incomplete or belongs to another run.
     pub fn resume(dir: &Path, initial: Llama, env: E, cfg: TrainerConfig) -> Result<Self> {
         let state = TrainerState::read(dir)?;
-        let mismatch = TrainerConfig { steps: cfg.steps, ..state.config.clone() } != cfg;
+        // The step count and the rollout device may change on resume.
+        let mismatch = TrainerConfig { steps: cfg.steps, device: cfg.device, ..state.config.clone() } != cfg;
         if mismatch {
             return Err(Error::Checkpoint {
                 path: dir.into(),
@@ -256,15 +262,8 @@ impl<E: Environment> Trainer<E> {
         let prompts = indices.map(|i| self.env.prompt(Split::Eval, i)).collect::<Result<Vec<_>>>()?;
         let params = spec_params(0.0, 1.0, max_new_tokens, 0);
         let mut plain = AdaptiveDecoder::plain()?;
-        let job = RolloutJob {
-            model: self.rollout_model()?,
-            prompts: &prompts,
-            group_size: 1,
-            params,
-            rl_step: self.step,
-            record_features: false,
-        };
-        let out = run_rollout(job, &mut plain, None, &mut Quiet)?;
+        let job = RolloutJob { prompts: &prompts, group_size: 1, params, rl_step: self.step, record_features: false };
+        let out = self.rollouts.rollout(self.rollout_model()?, job, &mut plain, None, &mut Quiet)?;
         let mut e = Evaluation { prompts: prompts.len(), ..Evaluation::default() };
         for s in &out.samples {
             let score = self.env.score(&prompts[s.group], &s.tokens)?;
@@ -298,15 +297,9 @@ impl<E: Environment> Trainer<E> {
         let params =
             spec_params(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, step_seed(self.cfg.seed, step));
         let drafter = if self.cfg.mode == Mode::Tlt { self.drafter.as_mut() } else { None };
-        let job = RolloutJob {
-            model: inference_copy(&self.rollout_model)?,
-            prompts: &prompts,
-            group_size: g,
-            params,
-            rl_step: step,
-            record_features: false,
-        };
-        let out = run_rollout(job, &mut self.decoder, drafter, obs)?;
+        let job = RolloutJob { prompts: &prompts, group_size: g, params, rl_step: step, record_features: false };
+        let model = inference_copy(&self.rollout_model)?;
+        let out = self.rollouts.rollout(model, job, &mut self.decoder, drafter, obs)?;
 
         obs.on_phase(step, "reward");
         let t_reward = Instant::now();

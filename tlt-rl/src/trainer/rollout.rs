@@ -5,9 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tlt_drafter::online::FeatureSample;
-use tlt_model::Llama;
 use tlt_scheduler::{AdaptiveDecoder, DecodeTrace};
-use tlt_spec_decode::{Counters, Engine, FinishReason, Finished, SamplingParams, SpecParams};
+use tlt_spec_decode::{Counters, Engine, FinishReason, Finished, SamplingParams, SpecParams, Target};
 
 use super::drafter::RolloutDrafter;
 use super::env::Prompt;
@@ -132,10 +131,9 @@ pub(crate) fn spec_params(temperature: f64, top_p: f64, max_new_tokens: usize, s
     SpecParams { sampling, max_new_tokens, seed, ..SpecParams::default() }
 }
 
-/// What one rollout decodes: `group_size` samples of every prompt with `model`, engine settings `params`, during
-/// RL step `rl_step`.
+/// What one rollout decodes: `group_size` samples of every prompt, engine settings `params`, during RL step
+/// `rl_step`.
 pub(crate) struct RolloutJob<'a> {
-    pub model: &'a Llama,
     pub prompts: &'a [Prompt],
     pub group_size: usize,
     pub params: SpecParams,
@@ -144,16 +142,18 @@ pub(crate) struct RolloutJob<'a> {
     pub record_features: bool,
 }
 
-/// Runs `job` with `decoder` (and `drafter` in TLT mode).
-pub(crate) fn run_rollout(
+/// Runs `job` on `target` (the policy's inference copy: on the CPU, or a `CudaTarget`) with `decoder` (and `drafter`
+/// in TLT mode).
+pub(crate) fn run_rollout<T: Target>(
+    target: T,
     job: RolloutJob,
     decoder: &mut AdaptiveDecoder,
     mut drafter: Option<&mut RolloutDrafter>,
     obs: &mut dyn Observer,
 ) -> Result<RolloutOutput> {
-    let RolloutJob { model, prompts, group_size, params, rl_step, record_features } = job;
+    let RolloutJob { prompts, group_size, params, rl_step, record_features } = job;
     let t0 = Instant::now();
-    let mut engine = Engine::new(model, params)?;
+    let mut engine = Engine::new(target, params)?;
     engine.record_hidden(record_features || drafter.as_ref().is_some_and(|d| d.needs_hidden()));
     let mut features = Vec::new();
     // One engine group per prompt: its prompt is prefilled once and forked to the siblings, and group drafters

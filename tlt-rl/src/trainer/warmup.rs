@@ -16,7 +16,7 @@ use tlt_scheduler::AdaptiveDecoder;
 use super::config::{Mode, TrainerConfig};
 use super::drafter::RolloutDrafter;
 use super::env::{Environment, Prompt};
-use super::rollout::{run_rollout, spec_params, Observer, RolloutJob};
+use super::rollout::{spec_params, Observer, RolloutJob};
 use super::Trainer;
 use crate::task::Split;
 use crate::{Error, Result};
@@ -186,14 +186,13 @@ impl<E: Environment> Trainer<E> {
         let seed = SplitMix64::new(self.cfg.seed).fork(WARMUP_DATA_BASE).next_u64();
         let params = spec_params(self.cfg.temperature, self.cfg.top_p, w.max_new_tokens, seed);
         let job = RolloutJob {
-            model: self.rollout_model()?,
             prompts: &prompts,
             group_size: w.samples_per_prompt,
             params,
             rl_step: 0,
             record_features: true,
         };
-        let out = run_rollout(job, &mut AdaptiveDecoder::plain()?, None, obs)?;
+        let out = self.rollouts.rollout(self.rollout_model()?, job, &mut AdaptiveDecoder::plain()?, None, obs)?;
         let tokens = out.samples.iter().map(|s| s.tokens.len()).sum();
         let budget = match w.max_steps {
             Some(n) => Budget::Steps(n),
