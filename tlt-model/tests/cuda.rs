@@ -235,3 +235,38 @@ fn update_weights_in_place_gives_the_new_models_logits() {
     let other = Llama::random(tiny("qwen2").config().clone(), 1).unwrap();
     assert!(gpu.update_weights(&other).is_err(), "another configuration must be refused");
 }
+
+/// EAGLE-3's taps (three layers' input residual streams and the final norm) on the device against the CPU's, side
+/// by side in tap order, for a prefill and a draft tree.
+#[test]
+fn taps_match_the_cpu_decoder() {
+    if !gpu_or_skip("taps_match_the_cpu_decoder") {
+        return;
+    }
+    use tlt_model::Tap;
+    let model = tiny("llama");
+    let taps = Tap::eagle3(model.config().num_hidden_layers);
+    let mut gpu = CudaLlama::new(&model, 0, 1, 64).unwrap();
+    gpu.set_taps(&taps).unwrap();
+    assert!(gpu.set_taps(&[Tap::LayerInput(99)]).is_err());
+    gpu.set_taps(&taps).unwrap();
+    let mut cache = model.new_cache();
+    let seq = cache.add_sequence();
+    let prompt = [5u32, 9, 2, 7, 7, 1];
+    let out = gpu.forward(&[DeviceSeq { slot: 0, prefix_len: 0, tokens: &prompt, parents: None }]).unwrap();
+    let got = gpu.hidden_to_host(&out).unwrap();
+    let input = SeqInput { seq, tokens: &prompt, tree: None, logits: LogitsFor::None };
+    let cpu = model.forward(&mut cache, &[input], &taps).unwrap();
+    let h = model.config().hidden_size;
+    let width = taps.len() * h;
+    assert_eq!(got.len(), prompt.len() * width);
+    for (j, t) in cpu.taps.iter().enumerate() {
+        let want = t.to_vec2::<f32>().unwrap();
+        for (r, row) in want.iter().enumerate() {
+            let g = &got[r * width + j * h..r * width + (j + 1) * h];
+            let scale = row.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
+            let diff = g.iter().zip(row).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(diff / scale < 0.05, "tap {j} ({:?}) row {r}: max |gpu - cpu| {diff} of {scale}", taps[j]);
+        }
+    }
+}

