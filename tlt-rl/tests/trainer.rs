@@ -298,6 +298,35 @@ fn sampled_tlt_commits_the_baselines_tokens_and_weights() {
     }
 }
 
+/// Continuous batching: with at most 3 samples running (of 32) the rollout admits the rest as others finish, and
+/// since each sample's coins depend only on its id and position, it commits exactly the tokens of the rollout that
+/// runs all 32 at once, in both modes; the running batch never exceeds the limit.
+#[test]
+fn continuous_batching_commits_the_same_tokens_within_the_limit() {
+    let run = |mode: Mode, max_running: usize| {
+        let mut cfg = base_config(mode);
+        cfg.rollout.max_running = max_running;
+        let mut t = Trainer::new(tiny_model(6), CountEnv::new(), cfg).unwrap();
+        let r = t.step(&mut Quiet).unwrap();
+        let tokens: Vec<Vec<u32>> = r.samples.into_iter().map(|(s, _, _)| s.tokens).collect();
+        (tokens, r.metrics)
+    };
+    for mode in [Mode::Baseline, Mode::Tlt] {
+        let (all, m_all) = run(mode, 512);
+        let (few, m_few) = run(mode, 3);
+        assert_eq!(all, few, "{mode:?}: completions differ");
+        assert_eq!(few.len(), 32);
+        // Fewer running samples: more, smaller rounds.
+        assert!(m_few.round_tokens.len() > m_all.round_tokens.len(), "{mode:?}: no more rounds with 3 running");
+        if mode == Mode::Baseline {
+            // Plain rounds commit one token per running sample: never more than 3.
+            assert!(m_few.round_tokens.iter().all(|&t| t <= 3), "{mode:?}: {:?}", m_few.round_tokens);
+        }
+    }
+    let e = TrainerConfig::from_toml("[rollout]\nmax_running = 0\n").unwrap_err();
+    assert!(e.to_string().contains("max_running"), "{e}");
+}
+
 #[test]
 fn a_run_killed_mid_step_resumes_bit_for_bit() {
     let dir = std::env::temp_dir().join(format!("tlt-rl-resume-{}", std::process::id()));

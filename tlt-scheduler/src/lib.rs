@@ -51,6 +51,7 @@ pub mod bucket;
 mod error;
 pub mod gate;
 pub mod mab;
+pub mod queue;
 pub mod rollout;
 pub mod sim;
 
@@ -58,6 +59,7 @@ pub use adaptive::{AdaptiveDecoder, DecodeTrace};
 pub use error::{Error, Result};
 pub use gate::{GateConfig, GateDecision, Phase, SdGate};
 pub use mab::{step_reward, BegMab, Choice, ChoiceReason, MabConfig, MabStatistic};
+pub use queue::{AdmissionLimits, AdmissionQueue};
 pub use rollout::{
     FinishReason, Finished, GroupId, RequestId, RequestOutcome, Rollout, RolloutConfig, RolloutStats, Step, StepOutcome,
 };

@@ -25,7 +25,7 @@
 //! assert_eq!(stats.committed_tokens, 20);
 //! ```
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 use tlt_spec_decode::Plan;
@@ -33,6 +33,7 @@ use tlt_spec_decode::Plan;
 use crate::error::{invalid, Error, Result};
 use crate::gate::{GateConfig, Phase, SdGate};
 use crate::mab::{step_reward, BegMab, Choice, MabConfig};
+use crate::queue::{AdmissionLimits, AdmissionQueue};
 
 /// [`Rollout`] settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -57,6 +58,11 @@ impl Default for RolloutConfig {
 }
 
 impl RolloutConfig {
+    /// The admission limits.
+    pub fn limits(&self) -> AdmissionLimits {
+        AdmissionLimits { max_running: self.max_running, step_token_budget: self.step_token_budget }
+    }
+
     /// Checks the limits and the nested configs.
     ///
     /// # Errors
@@ -184,7 +190,6 @@ pub struct RolloutStats {
 #[derive(Debug, Clone)]
 struct Req {
     group: GroupId,
-    prompt_tokens: usize,
     max_new_tokens: usize,
     generated: usize,
     submitted_step: u64,
@@ -198,7 +203,7 @@ pub struct Rollout {
     gate: SdGate,
     mab: BegMab,
     reqs: HashMap<RequestId, Req>,
-    waiting: VecDeque<RequestId>,
+    waiting: AdmissionQueue<RequestId>,
     running: Vec<RequestId>,
     pending: Option<Step>,
     finished: Vec<Finished>,
@@ -219,9 +224,9 @@ impl Rollout {
         Ok(Self {
             gate: SdGate::new(cfg.gate.clone())?,
             mab: BegMab::new(cfg.mab.clone())?,
+            waiting: AdmissionQueue::new(cfg.limits())?,
             cfg,
             reqs: HashMap::new(),
-            waiting: VecDeque::new(),
             running: Vec::new(),
             pending: None,
             finished: Vec::new(),
@@ -256,25 +261,16 @@ impl Rollout {
         }
         let group = GroupId(self.next_group);
         self.next_group += 1;
-        let ids: Vec<RequestId> = (0..samples)
-            .map(|_| {
-                let id = RequestId(self.next_id);
-                self.next_id += 1;
-                self.reqs.insert(
-                    id,
-                    Req {
-                        group,
-                        prompt_tokens,
-                        max_new_tokens,
-                        generated: 0,
-                        submitted_step: self.stats.steps,
-                        admitted_step: None,
-                    },
-                );
-                self.waiting.push_back(id);
-                id
-            })
-            .collect();
+        let mut ids = Vec::with_capacity(samples);
+        for _ in 0..samples {
+            let id = RequestId(self.next_id);
+            self.next_id += 1;
+            self.waiting.submit(id, prompt_tokens)?;
+            let submitted_step = self.stats.steps;
+            let req = Req { group, max_new_tokens, generated: 0, submitted_step, admitted_step: None };
+            self.reqs.insert(id, req);
+            ids.push(id);
+        }
         self.groups_open.insert(group, samples);
         Ok((group, ids))
     }
@@ -291,7 +287,7 @@ impl Rollout {
         if !self.reqs.contains_key(&id) {
             return Ok(false);
         }
-        self.waiting.retain(|&w| w != id);
+        self.waiting.remove(id);
         self.running.retain(|&r| r != id);
         self.finish(id, FinishReason::Cancelled, self.stats.steps);
         Ok(true)
@@ -305,20 +301,12 @@ impl Rollout {
         if self.pending.is_some() {
             return Err(Error::Protocol("next_step before the pending step was completed"));
         }
-        let mut admitted = Vec::new();
-        let mut tokens = self.running.len();
-        while let Some(&id) = self.waiting.front() {
-            let prompt = self.reqs[&id].prompt_tokens;
-            if self.running.len() >= self.cfg.max_running || tokens + prompt > self.cfg.step_token_budget {
-                break;
-            }
-            self.waiting.pop_front();
-            tokens += prompt;
+        let admitted = self.waiting.admit(self.running.len());
+        for &id in &admitted {
             if let Some(r) = self.reqs.get_mut(&id) {
                 r.admitted_step = Some(self.stats.steps);
             }
             self.running.push(id);
-            admitted.push(id);
         }
         if self.running.is_empty() {
             return Ok(None);

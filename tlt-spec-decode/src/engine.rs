@@ -348,29 +348,62 @@ impl<T: Target> Engine<T> {
     /// # Errors
     /// As [`Engine::add_request_with_limit`], and [`Error::InvalidArgument`] for `n == 0`.
     pub fn add_group(&mut self, prompt: &[u32], n: usize, max_new_tokens: usize) -> Result<(GroupId, Vec<RequestId>)> {
+        let group = GroupId(self.next_group);
+        let ids = self.add_to_group(group, prompt, n, max_new_tokens)?;
+        Ok((group, ids))
+    }
+
+    /// Adds `n` requests answering `prompt` to `group` (a new one, or one with live members, as continuous batching
+    /// admits a group's samples over several rounds). The prompt is prefilled at most once: the state of a live
+    /// member with the same prompt is forked and rolled back to the prompt when the target can fork
+    /// ([`Target::fork`], [`Target::truncate`]); otherwise the first new request is prefilled and forked to the rest.
+    /// Returns the new requests (consecutive ids). Group ids from [`Engine::add_group`] count from 0 and are never
+    /// reused by it afterwards.
+    ///
+    /// # Errors
+    /// As [`Engine::add_request_with_limit`], and [`Error::InvalidArgument`] for `n == 0`.
+    pub fn add_to_group(
+        &mut self,
+        group: GroupId,
+        prompt: &[u32],
+        n: usize,
+        max_new_tokens: usize,
+    ) -> Result<Vec<RequestId>> {
         if n == 0 {
             return Err(Error::InvalidArgument("a group needs at least one request".into()));
         }
-        let group = GroupId(self.next_group);
-        self.next_group += 1;
-        let first = self.add_request_in_group(prompt, max_new_tokens, Some(group))?;
-        let mut ids = vec![first];
-        for _ in 1..n {
+        self.check_request(prompt, max_new_tokens)?;
+        self.next_group = self.next_group.max(group.0.saturating_add(1));
+        let mut ids = Vec::with_capacity(n);
+        for _ in 0..n {
             let t0 = Instant::now();
-            let (src, hidden) = match self.live.iter().find(|s| s.id == first) {
-                Some(s) => (s.handle, s.hidden.clone()),
-                None => return Err(Error::InvalidArgument("the group's first request is not live".into())),
+            // A live member with this prompt: its state holds the prompt's first `len - 1` tokens.
+            let src = self
+                .live
+                .iter()
+                .find(|s| s.group == Some(group) && s.history.starts_with(prompt) && s.prompt_len == prompt.len());
+            let Some((handle, hidden)) = src.map(|s| (s.handle, s.hidden.clone())) else {
+                ids.push(self.add_request_in_group(prompt, max_new_tokens, Some(group))?);
+                continue;
             };
-            match self.target.fork(&mut self.state, src)? {
-                Some(handle) => {
+            match self.target.fork(&mut self.state, handle)? {
+                Some(forked) => {
+                    if let Err(e) = self.target.truncate(&mut self.state, forked, prompt.len() - 1) {
+                        let _ = self.target.remove(&mut self.state, forked);
+                        return Err(e);
+                    }
+                    let hidden = hidden.map(|mut h| {
+                        h.truncate(prompt.len() - 1);
+                        h
+                    });
                     self.counters.prefill_s += t0.elapsed().as_secs_f64();
                     self.counters.prefill_forks += 1;
-                    ids.push(self.push_live(handle, Some(group), prompt, max_new_tokens, hidden));
+                    ids.push(self.push_live(forked, Some(group), prompt, max_new_tokens, hidden));
                 }
                 None => ids.push(self.add_request_in_group(prompt, max_new_tokens, Some(group))?),
             }
         }
-        Ok((group, ids))
+        Ok(ids)
     }
 
     fn check_request(&self, prompt: &[u32], max_new_tokens: usize) -> Result<()> {

@@ -39,6 +39,11 @@ impl HiddenStates {
         self.data.len().checked_div(self.width).unwrap_or(0)
     }
 
+    /// Keeps the first `rows` rows.
+    pub fn truncate(&mut self, rows: usize) {
+        self.data.truncate(rows * self.width);
+    }
+
     /// Whether there are no rows.
     pub fn is_empty(&self) -> bool {
         self.data.is_empty()

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use tlt_drafter::online::BufferConfig;
 use tlt_drafter::TrainConfig;
-use tlt_scheduler::{GateConfig, MabConfig};
+use tlt_scheduler::{AdmissionLimits, GateConfig, MabConfig};
 use tlt_spec_decode::SuffixConfig;
 
 use super::warmup::WarmupConfig;
@@ -227,6 +227,10 @@ pub struct TrainerConfig {
     pub activation_checkpointing: bool,
     /// Speculative decoding in TLT mode.
     pub sd: SdConfig,
+    /// Continuous batching of rollouts (`[rollout]`): at most `max_running` samples decode at once, and the prompts
+    /// admitted in one round plus one token per running sample fit `step_token_budget`; the rest wait in one FIFO
+    /// queue (group-major) and enter as others finish. Defaults 512 / 16384 (fastrl's `max_running_requests`).
+    pub rollout: AdmissionLimits,
     /// Where rollouts run: `"cpu"` (default) or `"cuda"` / `"cuda:N"` (a build with tlt-rl's `cuda` feature; the
     /// drafters and the update stay on the CPU; not yet run on a GPU).
     pub device: Device,
@@ -250,6 +254,7 @@ impl Default for TrainerConfig {
             ppo_epochs: 1,
             activation_checkpointing: true,
             sd: SdConfig::default(),
+            rollout: AdmissionLimits::default(),
             device: Device::Cpu,
         }
     }
@@ -320,6 +325,7 @@ impl TrainerConfig {
         }
         self.optim.schedule.validate()?;
         self.grpo.validate()?;
+        self.rollout.validate().map_err(|e| Error::config("rollout", e.to_string()))?;
         self.sd.gate.validate()?;
         self.sd.bandit().validate()?;
         self.sd.drafter_train.validate()?;

@@ -262,7 +262,14 @@ impl<E: Environment> Trainer<E> {
         let prompts = indices.map(|i| self.env.prompt(Split::Eval, i)).collect::<Result<Vec<_>>>()?;
         let params = spec_params(0.0, 1.0, max_new_tokens, 0);
         let mut plain = AdaptiveDecoder::plain()?;
-        let job = RolloutJob { prompts: &prompts, group_size: 1, params, rl_step: self.step, record_features: false };
+        let job = RolloutJob {
+            limits: self.cfg.rollout,
+            prompts: &prompts,
+            group_size: 1,
+            params,
+            rl_step: self.step,
+            record_features: false,
+        };
         let out = self.rollouts.rollout(self.rollout_model()?, job, &mut plain, None, &mut Quiet)?;
         let mut e = Evaluation { prompts: prompts.len(), ..Evaluation::default() };
         for s in &out.samples {
@@ -297,7 +304,14 @@ impl<E: Environment> Trainer<E> {
         let params =
             spec_params(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, step_seed(self.cfg.seed, step));
         let drafter = if self.cfg.mode == Mode::Tlt { self.drafter.as_mut() } else { None };
-        let job = RolloutJob { prompts: &prompts, group_size: g, params, rl_step: step, record_features: false };
+        let job = RolloutJob {
+            limits: self.cfg.rollout,
+            prompts: &prompts,
+            group_size: g,
+            params,
+            rl_step: step,
+            record_features: false,
+        };
         let model = inference_copy(&self.rollout_model)?;
         let out = self.rollouts.rollout(model, job, &mut self.decoder, drafter, obs)?;
 

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tlt_drafter::online::FeatureSample;
-use tlt_scheduler::{AdaptiveDecoder, DecodeTrace};
-use tlt_spec_decode::{Counters, Engine, FinishReason, Finished, SamplingParams, SpecParams, Target};
+use tlt_scheduler::{AdaptiveDecoder, AdmissionLimits, AdmissionQueue, DecodeTrace};
+use tlt_spec_decode::{Counters, Engine, FinishReason, Finished, GroupId, SamplingParams, SpecParams, Target};
 
 use super::drafter::RolloutDrafter;
 use super::env::Prompt;
@@ -132,8 +132,9 @@ pub(crate) fn spec_params(temperature: f64, top_p: f64, max_new_tokens: usize, s
 }
 
 /// What one rollout decodes: `group_size` samples of every prompt, engine settings `params`, during RL step
-/// `rl_step`.
+/// `rl_step`, admitted into the running batch within `limits` (continuous batching).
 pub(crate) struct RolloutJob<'a> {
+    pub limits: AdmissionLimits,
     pub prompts: &'a [Prompt],
     pub group_size: usize,
     pub params: SpecParams,
@@ -151,23 +152,36 @@ pub(crate) fn run_rollout<T: Target>(
     mut drafter: Option<&mut RolloutDrafter>,
     obs: &mut dyn Observer,
 ) -> Result<RolloutOutput> {
-    let RolloutJob { prompts, group_size, params, rl_step, record_features } = job;
+    let RolloutJob { limits, prompts, group_size, params, rl_step, record_features } = job;
     let t0 = Instant::now();
     let mut engine = Engine::new(target, params)?;
     engine.record_hidden(record_features || drafter.as_ref().is_some_and(|d| d.needs_hidden()));
     let mut features = Vec::new();
-    // One engine group per prompt: its prompt is prefilled once and forked to the siblings, and group drafters
-    // draft from the siblings' tokens.
-    let mut owner = Vec::new();
-    let max_new = engine.params().max_new_tokens;
+    // Every sample waits in one FIFO queue (group-major) and enters the running batch when it fits. One engine
+    // group per prompt: its prompt is prefilled once and forked to the siblings, and group drafters draft from the
+    // siblings' tokens. Engine ids follow admission order, which is submission order: id = sample index.
+    let mut queue = AdmissionQueue::new(limits).map_err(|e| Error::config("rollout limits", e.to_string()))?;
     for (g, p) in prompts.iter().enumerate() {
-        let (_, ids) = engine.add_group(&p.ids, group_size, max_new)?;
-        if ids.first().is_some_and(|id| id.0 != owner.len()) {
-            return Err(Error::InvalidArgument("engine request ids are not dense".into()));
+        for _ in 0..group_size {
+            queue.submit(g, p.ids.len()).map_err(|e| Error::config("rollout limits", e.to_string()))?;
         }
-        owner.extend(std::iter::repeat_n(g, ids.len()));
     }
-    let total = owner.len();
+    let total = prompts.len() * group_size;
+    let max_new = engine.params().max_new_tokens;
+    let mut owner: Vec<usize> = Vec::with_capacity(total);
+    let mut admit = |engine: &mut Engine<T>, owner: &mut Vec<usize>| -> Result<()> {
+        let admitted = queue.admit(engine.num_live());
+        for run in admitted.chunk_by(|a, b| a == b) {
+            let g = run[0];
+            let ids = engine.add_to_group(GroupId(g as u64), &prompts[g].ids, run.len(), max_new)?;
+            if ids.first().is_some_and(|id| id.0 != owner.len()) {
+                return Err(Error::InvalidArgument("engine request ids are not dense".into()));
+            }
+            owner.extend(std::iter::repeat_n(g, ids.len()));
+        }
+        Ok(())
+    };
+    admit(&mut engine, &mut owner)?;
     let mut proposer = drafter.as_ref().map(|d| d.proposer()).transpose()?;
     if let Some(d) = drafter.as_deref_mut() {
         d.begin_rollout(rl_step);
@@ -198,6 +212,7 @@ pub(crate) fn run_rollout<T: Target>(
             d.on_round(engine.num_live());
         }
         obs.on_round(engine.num_live(), finished, total, tokens);
+        admit(&mut engine, &mut owner)?;
     }
     let seconds = t0.elapsed().as_secs_f64();
     let (drafter_s, preempt_latency) = match drafter {

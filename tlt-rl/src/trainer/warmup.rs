@@ -186,6 +186,7 @@ impl<E: Environment> Trainer<E> {
         let seed = SplitMix64::new(self.cfg.seed).fork(WARMUP_DATA_BASE).next_u64();
         let params = spec_params(self.cfg.temperature, self.cfg.top_p, w.max_new_tokens, seed);
         let job = RolloutJob {
+            limits: self.cfg.rollout,
             prompts: &prompts,
             group_size: w.samples_per_prompt,
             params,
