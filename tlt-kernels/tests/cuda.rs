@@ -91,15 +91,11 @@ mod gpu {
     use cudarc::driver::{CudaSlice, CudaStream};
     use half::bf16;
     use std::sync::Arc;
-    use tlt_kernels::cuda::{
-        ancestor_masks, driver_available, AcceptIn, AcceptOut, CacheDims, CudaKernels, RowMeta, SeqMeta, TreeDims,
-    };
+    use tlt_kernels::cuda::{ancestor_masks, AcceptIn, AcceptOut, CacheDims, CudaKernels, RowMeta, SeqMeta, TreeDims};
     use tlt_kernels::{argmax, token_logprob_pmax, tree_attention, AttnShape, SamplingParams, SplitMix64, Visibility};
 
     fn gpu_or_skip(test: &str) -> Option<(CudaKernels, Arc<CudaStream>)> {
-        if !driver_available() {
-            assert!(!super::required("TLT_REQUIRE_GPU"), "TLT_REQUIRE_GPU=1 but no CUDA driver can be loaded");
-            eprintln!("SKIP {test}: no CUDA driver (run `cargo xtask test --gpu` on a GPU machine)");
+        if !tlt_kernels::cuda::gpu_or_skip(test).unwrap() {
             return None;
         }
         let k = CudaKernels::new(0).unwrap_or_else(|e| panic!("{e}"));

@@ -16,12 +16,7 @@ fn tiny(model_type: &str) -> Llama {
 }
 
 fn gpu_or_skip(test: &str) -> bool {
-    if driver_available() {
-        return true;
-    }
-    assert!(std::env::var("TLT_REQUIRE_GPU").map_or(true, |v| v != "1"), "TLT_REQUIRE_GPU=1 but no CUDA driver");
-    eprintln!("SKIP {test}: no CUDA driver (run `cargo xtask test-cuda --gpu` on a GPU machine)");
-    false
+    tlt_kernels::cuda::gpu_or_skip(test).unwrap()
 }
 
 #[test]

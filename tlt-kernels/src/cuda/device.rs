@@ -17,6 +17,23 @@ pub fn driver_available() -> bool {
     std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false)
 }
 
+/// For GPU test suites: `Ok(true)` when a CUDA driver can be loaded; otherwise prints why `test` is skipped and
+/// returns `Ok(false)`, unless `TLT_REQUIRE_GPU=1` (set by `cargo xtask test-cuda --gpu`) makes a missing driver an
+/// error.
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] when a GPU is required and no driver loads.
+pub fn gpu_or_skip(test: &str) -> Result<bool> {
+    if driver_available() {
+        return Ok(true);
+    }
+    if std::env::var("TLT_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        return Err(Error::CudaUnavailable(format!("TLT_REQUIRE_GPU=1 but no CUDA driver loads (test {test})")));
+    }
+    eprintln!("SKIP {test}: no CUDA driver (run `cargo xtask test-cuda --gpu` on a GPU machine)");
+    Ok(false)
+}
+
 pub(super) fn drv(op: &'static str) -> impl Fn(DriverError) -> Error {
     move |e| Error::Cuda { op, message: e.to_string() }
 }

@@ -16,7 +16,7 @@ mod nvrtc;
 mod shapes;
 
 #[cfg(feature = "cuda")]
-pub use device::{driver_available, AcceptIn, AcceptOut, CudaKernels, RowMeta, SeqMeta};
+pub use device::{driver_available, gpu_or_skip, AcceptIn, AcceptOut, CudaKernels, RowMeta, SeqMeta};
 #[cfg(feature = "cuda")]
 pub use layer::{gemm_bf16, GemmOut};
 #[cfg(feature = "cuda")]
