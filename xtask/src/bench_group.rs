@@ -57,6 +57,11 @@ pub struct GroupArgs {
     /// runs, and the hybrid as a drafter kind of the adaptive run.
     #[arg(long)]
     eagle: Option<std::path::PathBuf>,
+    /// Plain and adaptive rollouts run this many times each, alternating (plain, adaptive, plain, ...) after the
+    /// drafter runs, so the adaptive speed-ups get medians over pairs measured side by side (this VM's run-to-run
+    /// spread is ~10%). 1: the single pair of the table.
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
 }
 
 /// Running-batch buckets the rounds are split by (inclusive upper bounds).
@@ -148,6 +153,9 @@ pub struct TempReport {
     pub length_p50_p90_max: [usize; 3],
     /// The runs, plain first.
     pub runs: Vec<RunStats>,
+    /// With `--repeats`: each (plain, adaptive) pair's speed-up over the whole rollout and over the <= 4-running
+    /// phase, the table's pair first.
+    pub adaptive_pairs: Vec<(f64, f64)>,
 }
 
 /// The whole report.
@@ -454,6 +462,19 @@ pub fn run(args: &GroupArgs) -> Result<()> {
         let warm = SpecParams { seed: args.seed + 2_000, ..params.clone() };
         rollout(&model, &prompts, g, &warm, "warm", How::Adaptive(&mut set, &mut decoder))?;
         runs.push(rollout(&model, &prompts, g, &params, "adaptive", How::Adaptive(&mut set, &mut decoder))?.0);
+        // Interleaved repeats: the pair's speed-ups, whole rollout and <= 4 running (raw throughput).
+        let pair = |p: &RunStats, a: &RunStats| {
+            let tail = tail_throughput(p);
+            let whole = (a.tokens as f64 / a.seconds) / (p.tokens as f64 / p.seconds);
+            (whole, if tail > 0.0 { tail_throughput(a) / tail } else { 0.0 })
+        };
+        let mut adaptive_pairs = runs.last().map(|a| vec![pair(&plain, a)]).unwrap_or_default();
+        for _ in 1..args.repeats.max(1) {
+            let p = rollout(&model, &prompts, g, &params, "none", How::Plain)?.0;
+            let a = rollout(&model, &prompts, g, &params, "adaptive", How::Adaptive(&mut set, &mut decoder))?.0;
+            adaptive_pairs.push(pair(&p, &a));
+            info!(temperature, pair = ?adaptive_pairs.last(), "repeat");
+        }
 
         let plain_tput = plain.tokens as f64 / plain.seconds;
         let plain_tail = tail_throughput(&plain);
@@ -483,7 +504,7 @@ pub fn run(args: &GroupArgs) -> Result<()> {
             );
         }
         runs.insert(0, plain);
-        temps.push(TempReport { temperature, ceiling, mean_p_max, length_p50_p90_max: length, runs });
+        temps.push(TempReport { temperature, ceiling, mean_p_max, length_p50_p90_max: length, runs, adaptive_pairs });
     }
     let report = GroupReport {
         header: Header::new("group", 1, timestamp, machine),
@@ -548,6 +569,19 @@ fn markdown(r: &GroupReport) -> String {
                 run.speedup_tail_matched,
                 100.0 * run.index_cost_frac,
                 run.seconds
+            );
+        }
+        if t.adaptive_pairs.len() > 1 {
+            let (w, tl): (Vec<f64>, Vec<f64>) = t.adaptive_pairs.iter().copied().unzip();
+            let show = |v: &[f64]| v.iter().map(|x| format!("{x:.2}x")).collect::<Vec<_>>().join(", ");
+            s += &format!(
+                "\nAdaptive vs plain over {} interleaved pairs: whole rollout median {:.2}x ({}); <= 4 running median \
+                 {:.2}x ({}).\n",
+                w.len(),
+                crate::report::median(&w),
+                show(&w),
+                crate::report::median(&tl),
+                show(&tl)
             );
         }
         s += "\nBy running batch (tokens/step, tok/s):\n\n| drafter | 1 | 2-4 | 5-8 | 9+ |\n|---|---|---|---|---|\n";
