@@ -564,10 +564,7 @@ impl Target for CudaTarget {
         let s = state.get_mut(seq)?;
         let parents =
             s.pending.as_ref().ok_or_else(|| Error::Target(format!("sequence {} has no pending tree", seq.0)))?;
-        let root_path = path.first() == Some(&0)
-            && path.windows(2).all(|w| parents.get(w[1]) == Some(&Some(w[0])))
-            && path.iter().all(|&n| n < parents.len());
-        if !root_path {
+        if !crate::tree::is_root_path_of(parents, path) {
             return Err(Error::InvalidTree(format!("sequence {}: {path:?} is not a root path", seq.0)));
         }
         let slot = s.slot.ok_or_else(|| Error::Target(format!("sequence {} has no slot", seq.0)))?;

@@ -126,19 +126,17 @@ impl Verified {
             p_max.push(pm);
         }
         let hidden = match out.hidden {
-            Some(_) => Some(
-                accepted
-                    .path
-                    .iter()
-                    .map(|&node| out.hidden_row(input, node).map(<[f32]>::to_vec))
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or(Error::ShapeMismatch {
+            Some(_) => {
+                let mut rows = Vec::with_capacity(accepted.path.len() * out.hidden_size);
+                for &node in &accepted.path {
+                    rows.extend_from_slice(out.hidden_row(input, node).ok_or(Error::ShapeMismatch {
                         what: "target hidden rows",
                         expected: tree.len(),
                         got: out.hidden_rows.get(input).map_or(0, |r| r.len()),
-                    })?
-                    .concat(),
-            ),
+                    })?);
+                }
+                Some(rows)
+            }
             None => None,
         };
         Ok(Self { accepted, logprobs, p_max, hidden_size: if hidden.is_some() { out.hidden_size } else { 0 }, hidden })
@@ -157,13 +155,8 @@ impl Verified {
     pub fn check(&self, tree: &DraftTree, vocab: usize, hidden: bool) -> Result<()> {
         let bad = |m: String| Err(Error::Target(format!("target-side verification: {m}")));
         let path = &self.accepted.path;
-        if path.first() != Some(&0) {
-            return bad(format!("path {path:?} does not start at the root"));
-        }
-        for w in path.windows(2) {
-            if tree.node(w[1])?.parent != Some(w[0]) {
-                return bad(format!("path {path:?} is not a root path of the tree"));
-            }
+        if !tree.is_root_path(path) {
+            return bad(format!("path {path:?} is not a root path of the tree"));
         }
         if self.logprobs.len() != path.len() || self.p_max.len() != path.len() {
             return bad(format!(

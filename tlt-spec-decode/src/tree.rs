@@ -352,6 +352,13 @@ impl DraftTree {
     }
 }
 
+/// Whether `path` is a root path of the tree whose parents are `parents` ([`DraftTree::parents`] form, as targets
+/// receive it in [`TargetInput::tree`](crate::TargetInput::tree)): it starts at node 0 and each node is a child of
+/// the previous one.
+pub(crate) fn is_root_path_of(parents: &[Option<usize>], path: &[usize]) -> bool {
+    path.first() == Some(&0) && !parents.is_empty() && path.windows(2).all(|w| parents.get(w[1]) == Some(&Some(w[0])))
+}
+
 /// Root-to-`i` path through `parent` links (`i` must be in range).
 fn path_of(nodes: &[Node], i: usize) -> Vec<usize> {
     let mut path = vec![i];

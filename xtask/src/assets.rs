@@ -233,6 +233,16 @@ const NVRTC_WHEEL_SHA256: &str = "ad9b6d2ead2435f11cbb6868809d2adeeee302e9bb94bc
 /// The libraries NVRTC needs at run time, inside the wheel.
 const NVRTC_MEMBERS: [&str; 2] = ["nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cu13/lib/libnvrtc-builtins.so.13.0"];
 
+/// `LD_LIBRARY_PATH` with the pinned NVRTC wheel's libraries first (fetched if missing): what the CUDA tests and
+/// `gpu-bench` load NVRTC from.
+pub fn nvrtc_library_path() -> Result<std::ffi::OsString> {
+    let mut dirs = vec![fetch_nvrtc()?];
+    dirs.extend(
+        std::env::var_os("LD_LIBRARY_PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default(),
+    );
+    Ok(std::env::join_paths(dirs)?)
+}
+
 /// Makes sure NVRTC's libraries are in `<cache>/nvrtc-13.0.88/lib` (from the pinned wheel, whose SHA-256 is
 /// checked) and returns that directory, for `LD_LIBRARY_PATH`. Idempotent: a marker file records a complete
 /// extraction.

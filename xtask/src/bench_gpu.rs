@@ -16,7 +16,7 @@ pub fn is_cuda(device: &str) -> Result<bool> {
 
 /// Runs `gpu-bench` on `device` for each of `archs`, with `extra` arguments.
 pub fn run(device: &str, archs: &[&str], extra: &[&str]) -> Result<()> {
-    let nvrtc = crate::assets::fetch_nvrtc()?;
+    let lib_path = crate::assets::nvrtc_library_path()?;
     let status = crate::cargo()
         .args(["build", "--release", "-p", "tlt-examples", "--features", "cuda", "--bin", "gpu-bench"])
         .status()
@@ -25,10 +25,6 @@ pub fn run(device: &str, archs: &[&str], extra: &[&str]) -> Result<()> {
         bail!("building gpu-bench failed");
     }
     let root = crate::workspace_root();
-    let mut lib_path = vec![nvrtc];
-    lib_path.extend(
-        std::env::var_os("LD_LIBRARY_PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default(),
-    );
     let out_dir = root.join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
     for arch in archs {
@@ -38,7 +34,7 @@ pub fn run(device: &str, archs: &[&str], extra: &[&str]) -> Result<()> {
             .args(["--arch", arch, "--device", device, "--out"])
             .arg(&json)
             .args(extra)
-            .env("LD_LIBRARY_PATH", std::env::join_paths(&lib_path)?)
+            .env("LD_LIBRARY_PATH", &lib_path)
             .output()
             .context("running gpu-bench")?;
         let text = String::from_utf8_lossy(&out.stdout);

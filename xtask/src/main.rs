@@ -271,17 +271,13 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
 /// spills, and every CUDA entry point errors without a driver; with `gpu` the same tests require a driver and check
 /// the kernels and graphs on it.
 fn cuda_tests(gpu: bool) -> Result<ExitCode> {
-    let nvrtc = assets::fetch_nvrtc()?;
-    let mut lib_path = vec![nvrtc];
-    lib_path.extend(
-        std::env::var_os("LD_LIBRARY_PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default(),
-    );
+    let lib_path = assets::nvrtc_library_path()?;
     let mut cuda = cargo();
     cuda.args(["test", "--release"])
         .args(cuda_package_args())
         .args(["--features", CUDA_FEATURES])
         .args(["--test", "cuda", "--lib", "--", "--nocapture"])
-        .env("LD_LIBRARY_PATH", std::env::join_paths(lib_path)?)
+        .env("LD_LIBRARY_PATH", lib_path)
         .env("TLT_REQUIRE_NVRTC", "1");
     if gpu {
         cuda.env("TLT_REQUIRE_GPU", "1");
