@@ -320,6 +320,43 @@ fn remembered_answers_seed_the_next_group() {
 }
 
 #[test]
+fn length_aware_budgets_shrink_trees_of_requests_expected_to_end() {
+    // Siblings 0 and 1 answered "5 6 7 8 9 5 6 7 8 9" (10 tokens) and finished; sibling 2 has committed "5 6 7"
+    // (3 tokens): the known answers end 7 tokens later, so with a horizon of 32 it is expected to end soon and
+    // gets half the plan; without DAS it gets the whole plan. Sibling 3, at 12 tokens, is past every known answer.
+    fn tree_len(das_horizon: usize, committed: &[u32]) -> usize {
+        let cfg = SuffixConfig { min_match: 1, min_prob: 0.0, das_horizon, ..SuffixConfig::default() };
+        let mut d = SuffixDrafter::new(cfg).unwrap();
+        let prompt = [1u32, 2];
+        let ctx = |r: usize, h| DraftContext {
+            request: RequestId(r),
+            history: h,
+            prompt_len: 2,
+            hidden: None,
+            group: Some(GroupId(0)),
+        };
+        let answer = [5u32, 6, 7, 8, 9, 5, 6, 7, 8, 9];
+        for r in 0..3 {
+            d.admit(&ctx(r, &prompt));
+        }
+        for r in 0..2 {
+            d.observe(RequestId(r), &answer);
+            d.release(RequestId(r));
+        }
+        d.observe(RequestId(2), committed);
+        let history: Vec<u32> = prompt.iter().chain(committed).copied().collect();
+        let plan = Plan { steps: 6, top_k: 1, verify_tokens: 7 };
+        d.propose(&ctx(2, &history), &plan).unwrap().len()
+    }
+    let short = [5, 6, 7];
+    assert!(tree_len(0, &short) > 4, "without DAS the match drafts more than half the plan");
+    assert_eq!(tree_len(32, &short), 4, "expected to end soon: half of 7 verify tokens");
+    let tail = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6];
+    assert!(tree_len(0, &tail) > 4);
+    assert_eq!(tree_len(32, &tail), tree_len(0, &tail), "past every known answer: the tail keeps the plan");
+}
+
+#[test]
 fn calibration_stops_drafting_what_the_target_keeps_rejecting() {
     // Every round is a new group: sibling A answered "7 8 9 6 20 7 8 9 4 21", so after "7 8 9" the draft is 6 or 4
     // (empirical probability 0.5 each); sibling B reaches "7 8 9" and the target commits 30, never the draft.

@@ -4,7 +4,8 @@
 //! For each temperature, `--prompts` problems of the trainer's arithmetic task (chat template, seeded) are answered
 //! `--group-size` times each, every prompt one engine group (prefilled once, forked to its siblings), by:
 //! plain decoding; the self n-gram drafter; the suffix drafter over the group; the suffix drafter whose index was
-//! also seeded with a previous rollout's answers to the same prompts ("history"); and the adaptive rollout (SD gate
+//! also seeded with a previous rollout's answers to the same prompts ("history"); the same with DAS's length-aware
+//! budgets (`--das-horizon`, `SuffixConfig::das_horizon`); and the adaptive rollout (SD gate
 //! and BEG-MAB choosing per batch bucket among plain, suffix+history and n-gram with the CPU plans). The fixed-plan
 //! runs speculate every round. Each round's running batch, seconds and committed tokens are recorded and split by
 //! running batch size. The ceiling: the target's own probabilities along the plain run's samples (teacher-forced),
@@ -49,6 +50,9 @@ pub struct GroupArgs {
     /// `SuffixConfig::min_accept` of the suffix drafters (0: no acceptance calibration).
     #[arg(long, default_value_t = 0.0)]
     suffix_min_accept: f32,
+    /// `SuffixConfig::das_horizon` of the `suffix+history+das` run (length-aware budgets; 0 skips that run).
+    #[arg(long, default_value_t = 32)]
+    das_horizon: usize,
     /// Seed of the task's problems and of the sampling streams.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -96,7 +100,7 @@ impl BucketStats {
 /// One rollout by one drafter.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunStats {
-    /// `none`, `ngram`, `suffix`, `suffix+history` or `adaptive`.
+    /// `none`, `ngram`, `suffix`, `suffix+history`, `suffix+history+das`, `eagle`, `hybrid` or `adaptive`.
     pub drafter: String,
     /// Wall seconds of the decode rounds (prefill excluded).
     pub seconds: f64,
@@ -437,6 +441,16 @@ pub fn run(args: &GroupArgs) -> Result<()> {
         let (mut r, _) = rollout(&model, &prompts, g, &params, "suffix+history", How::Fixed(&mut hist, plan))?;
         r.index_s = hist.stats().seconds;
         runs.push(r);
+        // The same with DAS's length-aware budgets (the history also gives the prompt's answer lengths).
+        if args.das_horizon > 0 {
+            let mut das = SuffixDrafter::new(SuffixConfig { das_horizon: args.das_horizon, ..hist_cfg })?;
+            rollout(&model, &prompts, g, &warm, "warm", How::Fixed(&mut das, plan))?;
+            das.reset_stats();
+            let (mut r, _) =
+                rollout(&model, &prompts, g, &params, "suffix+history+das", How::Fixed(&mut das, plan))?;
+            r.index_s = das.stats().seconds;
+            runs.push(r);
+        }
         // The adaptive rollout: gate + bandit over {plain, suffix+history, n-gram}; history from the runs above.
         // In training the bandit's estimates carry from one RL step's rollout to the next, so one earlier
         // adaptive rollout (another seed) warms it here, and only the rollout after it is measured.

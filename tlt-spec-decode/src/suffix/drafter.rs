@@ -35,6 +35,13 @@ pub struct SuffixConfig {
     pub history_per_prompt: usize,
     /// Prompts whose answers are remembered (oldest forgotten first). Default 4096.
     pub history_prompts: usize,
+    /// Length-aware budgets (the idea of DAS, distribution-aware speculative decoding for RL rollouts: spend the
+    /// verify budget on the requests expected to run long), in tokens; 0 turns it off (the default). When at least two answer lengths of the request's prompt are
+    /// known (finished siblings, remembered answers), a request whose expected remaining length (the median of
+    /// `L - ℓ` over the known lengths `L` above its current response length `ℓ`) is below this horizon is expected
+    /// to end soon: its tree gets half the plan's verify tokens and at most that many levels. A request past every
+    /// known length, or of a prompt with fewer known lengths, is the tail (or unknown) and keeps the whole plan.
+    pub das_horizon: usize,
 }
 
 impl Default for SuffixConfig {
@@ -47,6 +54,7 @@ impl Default for SuffixConfig {
             max_occurrences: 64,
             history_per_prompt: 0,
             history_prompts: 4096,
+            das_horizon: 0,
         }
     }
 }
@@ -101,6 +109,23 @@ enum Key {
 struct Group {
     index: SuffixIndex,
     live: usize,
+    /// Response lengths of the prompt's known answers (remembered ones and finished siblings).
+    lengths: Vec<usize>,
+}
+
+/// DAS's per-request budget (see [`SuffixConfig::das_horizon`]): `Some((verify_tokens, steps))` for a request
+/// expected to end within `horizon` tokens, `None` for one that keeps the whole plan.
+fn das_budget(known: &[usize], response_len: usize, horizon: usize, plan: &Plan) -> Option<(usize, usize)> {
+    if horizon == 0 || known.len() < 2 {
+        return None;
+    }
+    let mut rest: Vec<usize> = known.iter().filter(|&&l| l > response_len).map(|&l| l - response_len).collect();
+    if rest.is_empty() {
+        return None; // Past every known answer: the tail.
+    }
+    rest.sort_unstable();
+    let remaining = rest[(rest.len() - 1) / 2];
+    (remaining < horizon).then(|| (plan.verify_tokens.div_ceil(2).max(1), remaining.clamp(1, plan.steps)))
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -276,13 +301,15 @@ impl SuffixDrafter {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
                 let mut index = SuffixIndex::new();
+                let mut lengths = Vec::new();
                 if let Some(old) = self.history.get(&prompt_key(prompt)) {
                     for answer in old {
                         index.add_stream(answer);
+                        lengths.push(answer.len().saturating_sub(prompt.len()));
                         self.stats.appended += answer.len() as u64;
                     }
                 }
-                e.insert(Group { index, live: 0 })
+                e.insert(Group { index, live: 0, lengths })
             }
         };
         group.live += 1;
@@ -304,7 +331,11 @@ impl SuffixDrafter {
         if match_len < self.cfg.min_match {
             return Ok((tree, match_len, pending));
         }
-        let depth = ((self.cfg.match_factor * match_len as f32).ceil() as usize).clamp(1, plan.steps);
+        let stream_len = ix.stream(m.stream)?.len();
+        let response_len = stream_len.saturating_sub(m.prompt_len);
+        let (budget, steps) = das_budget(&group.lengths, response_len, self.cfg.das_horizon, plan)
+            .unwrap_or((plan.verify_tokens, plan.steps));
+        let depth = ((self.cfg.match_factor * match_len as f32).ceil() as usize).clamp(1, steps);
         let occ: Vec<Occurrence> = ix.occurrences(state, self.cfg.max_occurrences);
         if occ.is_empty() {
             return Ok((tree, match_len, pending));
@@ -337,7 +368,7 @@ impl SuffixDrafter {
         push_children(&mut heap, &trie, 0, 0);
         let mut map = vec![0usize]; // tree node -> trie node
         while let Some(c) = heap.pop() {
-            if tree.len() >= plan.verify_tokens || c.prob < self.cfg.min_prob {
+            if tree.len() >= budget || c.prob < self.cfg.min_prob {
                 break;
             }
             if self.cfg.min_accept > 0.0 && self.calibration.estimate(c.prob) < self.cfg.min_accept {
@@ -417,11 +448,34 @@ impl Drafter for SuffixDrafter {
         let Some(g) = self.groups.get_mut(&m.key) else { return };
         g.live = g.live.saturating_sub(1);
         let answer = g.index.stream(m.stream).map(<[u32]>::to_vec).unwrap_or_default();
+        g.lengths.push(answer.len().saturating_sub(m.prompt_len));
         if g.live == 0 {
             self.groups.remove(&m.key);
         }
         if answer.len() > m.prompt_len {
             self.remember(&answer[..m.prompt_len], &answer);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn das_halves_the_budget_only_of_requests_expected_to_end_soon() {
+        let plan = Plan { steps: 6, top_k: 2, verify_tokens: 12 };
+        // Known answers of 10, 20 and 200 tokens; a request at 15 tokens: the survivors end 5 and 185 tokens
+        // later, lower median 5 < 32: half the verify tokens, at most 5 levels.
+        assert_eq!(das_budget(&[10, 20, 200], 15, 32, &plan), Some((6, 5)));
+        // At 150 tokens only the 200-token answer is longer: 50 more expected, not below the horizon.
+        assert_eq!(das_budget(&[10, 20, 200], 150, 32, &plan), None);
+        // Past every known answer: the tail keeps the whole plan.
+        assert_eq!(das_budget(&[10, 20, 200], 250, 32, &plan), None);
+        // Off, or fewer than two known lengths: the whole plan.
+        assert_eq!(das_budget(&[10, 20, 200], 15, 0, &plan), None);
+        assert_eq!(das_budget(&[20], 15, 32, &plan), None);
+        // One level at least, one node at least.
+        assert_eq!(das_budget(&[16, 16], 15, 32, &Plan::chain(1)), Some((1, 1)));
     }
 }
