@@ -74,14 +74,19 @@
 //! EAGLE-2 dynamic trees for `tlt_spec_decode::Engine`.
 //!
 //! # Features
-//! None: CPU, any float dtype the target uses (tests run f32 and, for gradient checks, f64).
+//! Default: CPU, any float dtype the target uses (tests run f32 and, for gradient checks, f64).
+//! `cuda`: `cuda::CudaDrafter`, a [`DraftExecutor`] running the drafter's forward and top-k on a CUDA device
+//! (compiled and CPU-tested for its host-side checks; not yet run on a GPU).
 
 mod batch;
 pub mod checkpoint;
 mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod eagle2;
 mod eagle3;
 mod error;
+mod exec;
 mod frozen;
 mod layer;
 pub mod online;
@@ -95,10 +100,11 @@ pub use config::{default_aux_layers, DrafterConfig, DrafterKind, Eagle2LossConfi
 pub use eagle2::{Eagle2Batch, Eagle2Drafter, Eagle2Loss, Eagle2Weights};
 pub use eagle3::{Eagle3Batch, Eagle3Drafter, Eagle3Loss, Eagle3Weights, Teacher};
 pub use error::{Error, Result};
+pub use exec::{DraftExecutor, Forward, Group, HostExecutor};
 pub use frozen::FrozenTarget;
 pub use layer::DraftLayer;
 pub use propose::EagleProposer;
-pub use runtime::{DraftCache, DraftRuntime, RuntimeOptions};
+pub use runtime::{Attend, DraftCache, DraftRuntime, Row, RuntimeOptions};
 pub use train::{DrafterTrainer, StepStats, TrainConfig, TrainableDrafter};
 pub use vocab::VocabMap;
 

@@ -4,19 +4,25 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tlt_kernels::log_softmax;
 use tlt_spec_decode::{Beam, DraftContext, DraftTree, Drafter, Plan, RequestId};
 
+use crate::exec::{DraftExecutor, HostExecutor};
 use crate::online::{WeightsReader, WeightsSlot};
-use crate::runtime::{Attend, DraftCache, DraftRuntime, Row};
+use crate::runtime::{Attend, DraftRuntime, Row};
 use crate::{Error, Result};
 
 /// Per-request drafter state.
-#[derive(Debug, Default)]
-struct SeqState {
-    cache: DraftCache,
+#[derive(Debug)]
+struct SeqState<C> {
+    cache: C,
     /// Layer output at the last committed position (the root's draft distribution comes from it).
     last_out: Vec<f32>,
+}
+
+impl<C: Default> Default for SeqState<C> {
+    fn default() -> Self {
+        Self { cache: C::default(), last_out: Vec::new() }
+    }
 }
 
 /// An EAGLE drafter serving `tlt_spec_decode::Engine` rounds from versioned weights.
@@ -25,36 +31,40 @@ struct SeqState {
 /// one version; after a swap the per-request caches are rebuilt from the recorded target features). It needs
 /// the engine to record hidden states (`Engine::record_hidden`), with the target's features as the drafter
 /// was trained on: final-norm states for EAGLE-2, `TappedLlama` with `Tap::eagle3` for EAGLE-3.
+///
+/// The drafter's arithmetic runs where its [`DraftExecutor`] runs it: on the host by default ([`HostExecutor`]),
+/// or on a CUDA device ([`EagleProposer::with_executor`] and `cuda::CudaDrafter`, feature `cuda`); the tree
+/// growth above it is the same.
 #[derive(Debug)]
-pub struct EagleProposer {
+pub struct EagleProposer<E: DraftExecutor = HostExecutor> {
     reader: WeightsReader<DraftRuntime>,
-    seqs: HashMap<RequestId, SeqState>,
+    exec: E,
+    seqs: HashMap<RequestId, SeqState<E::Cache>>,
     /// Rounds proposed per weights version, in order of first use.
     rounds_by_version: Vec<(u64, u64)>,
 }
 
-fn top_k(row: &[f32], k: usize, rt: &DraftRuntime) -> Result<Vec<(u32, f32)>> {
-    let lp = log_softmax(row).map_err(tlt_model::Error::from)?;
-    let mut idx: Vec<usize> = (0..lp.len()).collect();
-    let k = k.min(idx.len());
-    if k == 0 {
-        return Ok(Vec::new());
-    }
-    idx.select_nth_unstable_by(k - 1, |&a, &b| lp[b].total_cmp(&lp[a]));
-    idx.truncate(k);
-    idx.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
-    Ok(idx.into_iter().map(|i| (rt.target_id(i), lp[i])).collect())
-}
-
 impl EagleProposer {
-    /// A proposer reading `slot`.
+    /// A proposer reading `slot`, drafting on the host.
     pub fn new(slot: Arc<WeightsSlot<DraftRuntime>>) -> Self {
-        Self { reader: WeightsReader::new(slot), seqs: HashMap::new(), rounds_by_version: Vec::new() }
+        Self::with_executor(slot, HostExecutor)
     }
 
-    /// A proposer with fixed weights (its own slot, version 0).
+    /// A proposer with fixed weights (its own slot, version 0), drafting on the host.
     pub fn fixed(runtime: DraftRuntime) -> Self {
         Self::new(Arc::new(WeightsSlot::new(runtime)))
+    }
+}
+
+impl<E: DraftExecutor> EagleProposer<E> {
+    /// A proposer reading `slot`, drafting with `exec` (e.g. on a device).
+    pub fn with_executor(slot: Arc<WeightsSlot<DraftRuntime>>, exec: E) -> Self {
+        Self { reader: WeightsReader::new(slot), exec, seqs: HashMap::new(), rounds_by_version: Vec::new() }
+    }
+
+    /// The executor.
+    pub fn executor(&self) -> &E {
+        &self.exec
     }
 
     /// The weights version the last round used.
@@ -75,6 +85,15 @@ impl EagleProposer {
         }
     }
 
+    /// Picks up newly published weights (dropping caches of the old ones) and makes them the executor's.
+    fn refresh(&mut self) -> Result<()> {
+        if self.reader.refresh() {
+            self.seqs.clear(); // Caches hold keys and values of the old weights.
+        }
+        let cur = self.reader.current();
+        self.exec.load(&cur.weights, cur.version)
+    }
+
     /// Feeds every request's newly committed positions through the drafter (one batched forward); returns, per
     /// context, whether it has a root output to draft from.
     fn catch_up(&mut self, ctxs: &[DraftContext<'_>]) -> Result<Vec<bool>> {
@@ -91,10 +110,10 @@ impl EagleProposer {
                 )));
             }
             let st = self.seqs.entry(c.request).or_default();
-            if st.cache.len > fed {
+            if E::committed(&st.cache) > fed {
                 *st = SeqState::default(); // The history went back (a new request under a reused id).
             }
-            plan.push((c.request, st.cache.len, fed));
+            plan.push((c.request, E::committed(&st.cache), fed));
         }
         let mut rows = Vec::new();
         for (c, &(_, from, to)) in ctxs.iter().zip(&plan) {
@@ -113,7 +132,7 @@ impl EagleProposer {
         }
         let h = rt.hidden_size();
         // Disjoint mutable caches of the batch, in context order.
-        let mut states: Vec<(RequestId, SeqState)> =
+        let mut states: Vec<(RequestId, SeqState<E::Cache>)> =
             plan.iter().map(|&(id, _, _)| (id, self.seqs.remove(&id).unwrap_or_default())).collect();
         let mut start = 0;
         let mut groups = Vec::new();
@@ -124,11 +143,11 @@ impl EagleProposer {
             ranges.push(r.clone());
             groups.push((&mut st.cache, r, Attend::Causal));
         }
-        let out = rt.forward(&rows, &mut groups);
+        let out = self.exec.forward(rt, &rows, &mut groups, 0).map(|f| f.out);
         drop(groups);
         let out = out?;
         for ((_, st), r) in states.iter_mut().zip(&ranges) {
-            st.cache.len += r.len();
+            E::commit(&mut st.cache, r.len());
             if !r.is_empty() {
                 st.last_out = out[(r.end - 1) * h..r.end * h].to_vec();
             }
@@ -148,7 +167,7 @@ struct NodeState {
     slot: usize,
 }
 
-impl Drafter for EagleProposer {
+impl<E: DraftExecutor> Drafter for EagleProposer<E> {
     fn needs_hidden(&self) -> bool {
         true
     }
@@ -163,9 +182,7 @@ impl Drafter for EagleProposer {
     }
 
     fn prepare(&mut self, ctxs: &[DraftContext<'_>]) -> tlt_spec_decode::Result<()> {
-        if self.reader.refresh() {
-            self.seqs.clear(); // Caches hold keys and values of the old weights.
-        }
+        self.refresh().map_err(to_sd)?;
         self.catch_up(ctxs).map(drop).map_err(to_sd)
     }
 
@@ -174,32 +191,35 @@ impl Drafter for EagleProposer {
     }
 }
 
-impl EagleProposer {
+impl<E: DraftExecutor> EagleProposer<E> {
     fn propose_all(&mut self, ctxs: &[DraftContext<'_>], plan: &Plan) -> Result<Vec<DraftTree>> {
-        if self.reader.refresh() {
-            self.seqs.clear(); // Caches hold keys and values of the old weights.
-        }
+        self.refresh()?;
         self.count_round();
         let ready = self.catch_up(ctxs)?;
         let roots: Vec<u32> = ctxs.iter().map(|c| c.history.last().copied().unwrap_or(0)).collect();
         let reader = &self.reader;
+        let exec = &mut self.exec;
         let rt = &reader.current().weights;
         let h = rt.hidden_size();
         // Per tree: committed length, root output, drafted node states, tentative parents.
-        let mut states: Vec<SeqState> = ctxs.iter().map(|c| self.seqs.remove(&c.request).unwrap_or_default()).collect();
+        let mut states: Vec<SeqState<E::Cache>> =
+            ctxs.iter().map(|c| self.seqs.remove(&c.request).unwrap_or_default()).collect();
         let mut nodes: Vec<HashMap<usize, NodeState>> = vec![HashMap::new(); ctxs.len()];
         let mut parents: Vec<Vec<Option<usize>>> = vec![Vec::new(); ctxs.len()];
         let result = DraftTree::eagle2_many(&roots, plan, |beams: &[Beam<'_>]| {
             let mut cands: Vec<Option<Vec<(u32, f32)>>> = vec![None; beams.len()];
-            // Roots: their distribution comes from the catch-up output.
-            for (i, b) in beams.iter().enumerate() {
-                if b.node == 0 {
-                    cands[i] = Some(if ready[b.tree] {
-                        let logits = rt.logits(&states[b.tree].last_out).map_err(to_sd)?;
-                        top_k(&logits, plan.top_k, rt).map_err(to_sd)?
-                    } else {
-                        Vec::new()
-                    });
+            // Roots: their distribution comes from the catch-up output (one batched head for all of them).
+            let roots: Vec<usize> = (0..beams.len()).filter(|&i| beams[i].node == 0).collect();
+            let ready_roots: Vec<usize> = roots.iter().copied().filter(|&i| ready[beams[i].tree]).collect();
+            for &i in &roots {
+                cands[i] = Some(Vec::new());
+            }
+            if !ready_roots.is_empty() {
+                let a: Vec<f32> =
+                    ready_roots.iter().flat_map(|&i| states[beams[i].tree].last_out.iter().copied()).collect();
+                let top = exec.top_k(rt, &a, plan.top_k).map_err(to_sd)?;
+                for (&i, c) in ready_roots.iter().zip(top) {
+                    cands[i] = Some(c);
                 }
             }
             // Other beams: one batched forward, grouped per tree.
@@ -225,7 +245,7 @@ impl EagleProposer {
                         Row {
                             token: *b.tokens.last().unwrap_or(&0),
                             feature: f,
-                            pos: (states[b.tree].cache.len + depth).saturating_sub(1),
+                            pos: (E::committed(&states[b.tree].cache) + depth).saturating_sub(1),
                         }
                     })
                     .collect();
@@ -247,7 +267,7 @@ impl EagleProposer {
                     start += mine.len();
                 }
                 let mut groups = Vec::new();
-                let mut rest: &mut [SeqState] = &mut states;
+                let mut rest: &mut [SeqState<E::Cache>] = &mut states;
                 let mut offset = 0;
                 for (t, r) in &spans {
                     let (_, tail) = rest.split_at_mut(t - offset);
@@ -257,22 +277,20 @@ impl EagleProposer {
                     rest = tail;
                     offset = t + 1;
                 }
-                let out = rt.forward(&rows, &mut groups).map_err(to_sd)?;
+                let fwd = exec.forward(rt, &rows, &mut groups, plan.top_k).map_err(to_sd)?;
                 drop(groups);
-                let logits = rt.logits(&out).map_err(to_sd)?;
-                let dv = rt.draft_vocab();
-                for (j, &i) in order.iter().enumerate() {
+                for ((j, &i), c) in order.iter().enumerate().zip(fwd.candidates) {
                     let b = &beams[i];
                     if let Some(n) = nodes[b.tree].get_mut(&b.node) {
-                        n.out = out[j * h..(j + 1) * h].to_vec();
+                        n.out = fwd.out[j * h..(j + 1) * h].to_vec();
                     }
-                    cands[i] = Some(top_k(&logits[j * dv..(j + 1) * dv], plan.top_k, rt).map_err(to_sd)?);
+                    cands[i] = Some(c);
                 }
             }
             Ok(cands.into_iter().map(Option::unwrap_or_default).collect())
         });
         for (c, mut st) in ctxs.iter().zip(states) {
-            rt.truncate_tentative(&mut st.cache);
+            exec.truncate_tentative(rt, &mut st.cache);
             self.seqs.insert(c.request, st);
         }
         result.map_err(|e| Error::InvalidArgument(e.to_string()))

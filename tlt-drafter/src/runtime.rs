@@ -15,6 +15,7 @@ use tlt_model::ops::{add_assign, apply_rope, rms_norm_rows, rope_table, silu_mul
 use tlt_model::Linear;
 
 use crate::config::DrafterKind;
+use crate::exec::Group;
 use crate::{DraftLayer, DrafterConfig, Eagle2Drafter, Eagle3Drafter, Error, Result};
 
 /// A linear layer packed for the inference GEMM (a copy: training may keep changing the source).
@@ -85,6 +86,32 @@ impl PackedLayer {
     }
 }
 
+/// A linear layer as host f32 (`w`: `[out, inp]`).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone)]
+pub(crate) struct ExportedLinear {
+    pub w: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+    pub out: usize,
+    pub inp: usize,
+}
+
+/// A runtime's weights as host f32 ([`DraftRuntime::export`]).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone)]
+pub(crate) struct Exported {
+    pub fc: ExportedLinear,
+    /// q, k, v, o, gate, up, down.
+    pub proj: [ExportedLinear; 7],
+    pub input_norm: Option<Vec<f32>>,
+    pub hidden_norm: Option<Vec<f32>>,
+    pub post_norm: Vec<f32>,
+    pub final_norm: Option<Vec<f32>>,
+    /// The target's embedding, `[vocab, H]`.
+    pub embed: Vec<f32>,
+    pub head: ExportedLinear,
+}
+
 /// How a runtime packs its weights.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RuntimeOptions {
@@ -135,7 +162,7 @@ pub struct DraftCache {
 
 /// What a group of rows attends to besides its cache's committed positions.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Attend<'a> {
+pub enum Attend<'a> {
     /// The rows are consecutive new positions (tentative rows are dropped first).
     Causal,
     /// The rows extend the cache's tentative tree rows: `parents` covers the tentative rows already in the cache
@@ -167,11 +194,13 @@ impl DraftCache {
 
 /// One row of a forward: the token read, the feature paired with it, its position.
 #[derive(Debug, Clone)]
-pub(crate) struct Row<'a> {
+pub struct Row<'a> {
+    /// The token read at this position.
     pub token: u32,
     /// `3 * target_hidden` (EAGLE-3 at a committed position, fused by `fc`) or `H` (EAGLE-2 input; EAGLE-3 at a
     /// drafted position, the drafter's own previous output).
     pub feature: &'a [f32],
+    /// Its position (RoPE).
     pub pos: usize,
 }
 
@@ -331,11 +360,7 @@ impl DraftRuntime {
     /// its cache's committed positions and as [`Attend`] says; their keys and values are appended to the cache
     /// (after any tentative rows [`Attend::Tree`] keeps). They become committed only if the caller raises the
     /// cache's `len`. Returns the layer outputs `[rows, H]`.
-    pub(crate) fn forward(
-        &self,
-        rows: &[Row<'_>],
-        groups: &mut [(&mut DraftCache, std::ops::Range<usize>, Attend<'_>)],
-    ) -> Result<Vec<f32>> {
+    pub(crate) fn forward(&self, rows: &[Row<'_>], groups: &mut [Group<'_, '_, DraftCache>]) -> Result<Vec<f32>> {
         let n = rows.len();
         let (x_in, mut resid) = self.inputs(rows)?;
         let l = &self.layer;
@@ -417,6 +442,39 @@ impl DraftRuntime {
             Some(w) => self.head.forward(&rms_norm_rows(a, w, self.eps), rows),
             None => self.head.forward(a, rows),
         }
+    }
+
+    /// The heads and head dimension of the drafter's attention.
+    pub fn attn_shape(&self) -> AttnShape {
+        self.shape
+    }
+
+    /// RMSNorm epsilon and RoPE inverse frequencies (`[head_dim / 2]`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn norm_eps_and_rope(&self) -> (f32, &[f64]) {
+        (self.eps, &self.inv_freq)
+    }
+
+    /// Every weight as host f32 (quantized packings dequantized), for an executor that copies them elsewhere.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn export(&self) -> Result<Exported> {
+        let lin = |p: &Packed| ExportedLinear {
+            w: p.w.to_f32(),
+            bias: p.bias.clone(),
+            out: p.w.view().n(),
+            inp: p.w.view().k(),
+        };
+        let l = &self.layer;
+        Ok(Exported {
+            fc: lin(&self.fc),
+            proj: [lin(&l.q), lin(&l.k), lin(&l.v), lin(&l.o), lin(&l.gate), lin(&l.up), lin(&l.down)],
+            input_norm: l.input_norm.clone(),
+            hidden_norm: l.hidden_norm.clone(),
+            post_norm: l.post_norm.clone(),
+            final_norm: self.final_norm.clone(),
+            embed: host_f32(&self.embed)?,
+            head: lin(&self.head),
+        })
     }
 
     /// Drops a cache's tentative rows (keys/values past its committed length).

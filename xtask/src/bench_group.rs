@@ -446,8 +446,7 @@ pub fn run(args: &GroupArgs) -> Result<()> {
             let mut das = SuffixDrafter::new(SuffixConfig { das_horizon: args.das_horizon, ..hist_cfg })?;
             rollout(&model, &prompts, g, &warm, "warm", How::Fixed(&mut das, plan))?;
             das.reset_stats();
-            let (mut r, _) =
-                rollout(&model, &prompts, g, &params, "suffix+history+das", How::Fixed(&mut das, plan))?;
+            let (mut r, _) = rollout(&model, &prompts, g, &params, "suffix+history+das", How::Fixed(&mut das, plan))?;
             r.index_s = das.stats().seconds;
             runs.push(r);
         }

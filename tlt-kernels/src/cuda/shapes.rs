@@ -10,6 +10,8 @@ pub const MAX_GROUP: usize = 8;
 pub const MAX_HEAD_DIM: usize = 128;
 /// The most nodes of a masked draft tree (one `u64` of ancestor bits per node).
 pub const MAX_TREE_NODES: usize = 64;
+/// The largest `k` of `top_k_rows_f32` (`TOPK_MAX`).
+pub const MAX_TOP_K: usize = 16;
 
 /// Checks attention heads against the CUDA kernels' limits (beyond [`AttnShape::validate`]).
 ///
@@ -164,6 +166,8 @@ mod tests {
         let att = super::super::SOURCES.iter().find(|s| s.file == "attention.cu").unwrap().text;
         assert_eq!(define(att, "ATT_MAX_GROUP"), MAX_GROUP);
         assert_eq!(define(att, "ATT_MAX_HD"), MAX_HEAD_DIM);
+        let draft = super::super::SOURCES.iter().find(|s| s.file == "draft.cu").unwrap().text;
+        assert_eq!(define(draft, "TOPK_MAX"), MAX_TOP_K);
     }
 
     #[test]

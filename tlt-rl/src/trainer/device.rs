@@ -1,7 +1,8 @@
 //! Where the trainer's rollouts run: the policy's inference copy on the CPU, or on a CUDA device (feature `cuda`)
 //! through `tlt_spec_decode::cuda::CudaTarget`, built once (sized for the step's requests and longest answer) and
-//! refreshed with the policy's weights in place before every rollout (graphs stay captured). The drafters and the
-//! update stay on the CPU. **The CUDA path has not yet run on a GPU.**
+//! refreshed with the policy's weights in place before every rollout (graphs stay captured). The EAGLE drafter's
+//! forward runs on the same device (`tlt_drafter::cuda::CudaDrafter`, shared by the rollouts' proposers); its
+//! training, the model-free drafters and the update stay on the CPU. **The CUDA path has not yet run on a GPU.**
 
 use tlt_model::{Device, Llama};
 use tlt_scheduler::AdaptiveDecoder;

@@ -36,12 +36,62 @@ pub(crate) struct OnlineEagle {
     train_s: f64,
 }
 
+/// The device executor EAGLE proposers share when rollouts run on a GPU (built once: kernels, cache).
+#[cfg(feature = "cuda")]
+type DeviceExec = Arc<Mutex<tlt_drafter::cuda::CudaDrafter>>;
+/// Without CUDA there is no device executor.
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug, Clone)]
+enum DeviceExec {}
+
+/// Where the EAGLE drafter's forward runs when rollouts run on a GPU: built at the first rollout that drafts (as
+/// the device target is), then shared by every rollout's proposers.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct DeviceDrafter {
+    ordinal: usize,
+    slots: usize,
+    max_len: usize,
+    exec: Mutex<Option<DeviceExec>>,
+}
+
+impl DeviceDrafter {
+    /// The shared executor, built on first use.
+    ///
+    /// # Errors
+    /// Without a driver (never a panic).
+    #[cfg(feature = "cuda")]
+    fn exec(&self) -> Result<DeviceExec> {
+        use tlt_drafter::cuda::{CudaDraftOptions, CudaDrafter};
+        let mut slot = self.exec.lock();
+        if let Some(e) = slot.as_ref() {
+            return Ok(e.clone());
+        }
+        let opts = CudaDraftOptions { ordinal: self.ordinal, slots: self.slots, max_len: self.max_len };
+        let e: DeviceExec = Arc::new(Mutex::new(CudaDrafter::new(opts)?));
+        *slot = Some(e.clone());
+        Ok(e)
+    }
+
+    /// A build without CUDA has no device executor.
+    ///
+    /// # Errors
+    /// Always.
+    #[cfg(not(feature = "cuda"))]
+    fn exec(&self) -> Result<DeviceExec> {
+        Err(Error::config(
+            "device",
+            format!("cuda:{}: this build has no CUDA (enable tlt-rl's `cuda` feature)", self.ordinal),
+        ))
+    }
+}
+
 /// The drafters of TLT rollouts: one or several kinds ([`SdConfig::kinds`]), with the online EAGLE-2 drafter
-/// when a kind uses it.
+/// when a kind uses it; its forward runs on the rollout's device.
 pub(crate) struct RolloutDrafter {
     kinds: Vec<DrafterChoice>,
     suffix: SuffixConfig,
     eagle: Option<Box<OnlineEagle>>,
+    device: Option<DeviceDrafter>,
 }
 
 impl std::fmt::Debug for RolloutDrafter {
@@ -57,7 +107,7 @@ impl RolloutDrafter {
     /// The drafters for `policy` as `cfg` says (a fresh EAGLE-2 drafter when a kind needs one).
     pub(crate) fn new(cfg: &SdConfig, policy: &Llama) -> Result<Self> {
         if !cfg.has_eagle() {
-            return Ok(Self { kinds: cfg.kinds(), suffix: cfg.suffix, eagle: None });
+            return Ok(Self { kinds: cfg.kinds(), suffix: cfg.suffix, eagle: None, device: None });
         }
         let dcfg = DrafterConfig::eagle2_from_target(policy.config(), false);
         let d = Eagle2Drafter::random(dcfg, FrozenTarget::new(policy), cfg.drafter_seed)?;
@@ -90,7 +140,15 @@ impl RolloutDrafter {
             train_since: None,
             train_s: 0.0,
         };
-        Ok(Self { kinds: cfg.kinds(), suffix: cfg.suffix, eagle: Some(Box::new(eagle)) })
+        Ok(Self { kinds: cfg.kinds(), suffix: cfg.suffix, eagle: Some(Box::new(eagle)), device: None })
+    }
+
+    /// Runs the EAGLE drafter's forward on CUDA device `ordinal` (the rollouts' device) for up to `slots` running
+    /// requests of up to `max_len` positions, from the first rollout on; a no-op without an EAGLE kind.
+    pub(crate) fn draft_on_device(&mut self, ordinal: usize, slots: usize, max_len: usize) {
+        if self.eagle.is_some() {
+            self.device = Some(DeviceDrafter { ordinal, slots, max_len, exec: Mutex::new(None) });
+        }
     }
 
     /// Whether the engine must record hidden states for these drafters.
@@ -111,10 +169,25 @@ impl RolloutDrafter {
     }
 
     fn member(&self, kind: DrafterChoice) -> Result<Box<dyn Drafter>> {
-        let eagle = || -> Result<EagleProposer> {
+        let slot = || -> Result<Arc<WeightsSlot<DraftRuntime>>> {
             let e = self.eagle.as_ref().ok_or_else(|| Error::InvalidArgument("no EAGLE drafter".into()))?;
-            Ok(EagleProposer::new(e.slot.clone()))
+            Ok(e.slot.clone())
         };
+        if let (Some(d), DrafterChoice::Eagle2 | DrafterChoice::Hybrid) = (&self.device, kind) {
+            let dev = d.exec()?;
+            #[cfg(feature = "cuda")]
+            {
+                let eagle = EagleProposer::with_executor(slot()?, dev);
+                return Ok(if kind == DrafterChoice::Hybrid {
+                    Box::new(HybridDrafter::new(SuffixDrafter::new(self.suffix)?, eagle))
+                } else {
+                    Box::new(eagle)
+                });
+            }
+            #[cfg(not(feature = "cuda"))]
+            match dev {}
+        }
+        let eagle = || -> Result<EagleProposer> { Ok(EagleProposer::new(slot()?)) };
         Ok(match kind {
             DrafterChoice::Ngram => Box::new(NgramDrafter::default()),
             DrafterChoice::Suffix => Box::new(SuffixDrafter::new(self.suffix)?),

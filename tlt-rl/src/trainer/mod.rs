@@ -54,6 +54,10 @@ use crate::task::{Score, Split};
 use crate::{Error, Result};
 use device::RolloutDevice;
 use drafter::RolloutDrafter;
+
+/// Prompt positions the device drafter's cache reserves per request (beyond the answer and a draft tree); a longer
+/// prompt is a clear error of the drafter's forward.
+const PROMPT_ROOM: usize = 1024;
 use rollout::{spec_params, RolloutJob};
 use update::{policy_update, TrainSeq, UpdateContext};
 
@@ -164,6 +168,13 @@ impl<E: Environment> Trainer<E> {
             Mode::Baseline => AdaptiveDecoder::plain()?,
         };
         let rollouts = RolloutDevice::new(cfg.device)?;
+        let mut drafter = drafter;
+        if let (tlt_model::Device::Cuda(ordinal), Some(d)) = (cfg.device, drafter.as_mut()) {
+            // Room for the running requests, a prompt, the answer and the largest draft tree.
+            let slots = cfg.rollout.max_running.min(cfg.prompts_per_step * cfg.group_size).max(1);
+            let max_len = PROMPT_ROOM + cfg.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES;
+            d.draft_on_device(ordinal, slots, max_len);
+        }
         Ok(Self { cfg, env, policy, opt, rollout_model, reference, decoder, drafter, rollouts, step })
     }
 

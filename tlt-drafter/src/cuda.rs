@@ -1,0 +1,619 @@
+//! The drafter on a CUDA device (feature `cuda`): [`CudaDrafter`] is a [`DraftExecutor`] that keeps the drafter's
+//! weights (bf16), its one layer's KV cache (bf16, one slot per sequence) and the target's embedding on the device,
+//! runs the GEMMs with cuBLAS and the rest with `tlt_kernels::cuda`'s NVRTC kernels, and picks each row's top-k
+//! draft tokens there: per level only the layer outputs (`[rows, H]` f32, the features of the next level) and
+//! `k` candidates per row cross to the host, never the draft vocabulary's logits. **Compiled and CPU-tested for its
+//! host-side checks; not yet run on a GPU.**
+//!
+//! The tree growth above it is [`EagleProposer`](crate::EagleProposer)'s, unchanged: a level's rows attend to the
+//! sequence's committed positions and to their ancestors among the tentative rows of earlier levels, which stay in
+//! the cache right after the committed positions (the device tree attention sees them as the level's first nodes;
+//! their queries are padding and their outputs are dropped).
+//!
+//! Limits: at most [`MAX_TREE_NODES`] tentative rows per sequence and top-k at most [`MAX_TOP_K`]; a forward's rows
+//! share one feature width (the proposer never mixes them: committed positions in a catch-up, drafted ones in a
+//! level). The target's features arrive from the host (the engine's recorded hidden states) and are uploaded.
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use half::bf16;
+use tlt_kernels::cuda::{
+    gemm_bf16, CacheDims, CudaKernels, RowMeta, RowSource, SeqMeta, TreeDims, MAX_TOP_K, MAX_TREE_NODES,
+};
+
+use crate::config::DrafterKind;
+use crate::exec::{DraftExecutor, Forward, Group};
+use crate::runtime::{Attend, DraftRuntime, ExportedLinear, Row};
+use crate::{Error, Result};
+
+fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Model(tlt_model::Error::Kernel(tlt_kernels::Error::Cuda { op, message: e.to_string() }))
+}
+
+fn kern(e: tlt_kernels::Error) -> Error {
+    Error::Model(tlt_model::Error::Kernel(e))
+}
+
+/// Where a [`CudaDrafter`] runs and how many sequences its cache holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaDraftOptions {
+    /// CUDA device ordinal.
+    pub ordinal: usize,
+    /// Sequences drafted for at once (cache slots).
+    pub slots: usize,
+    /// Positions per sequence, tentative tree rows included.
+    pub max_len: usize,
+}
+
+impl Default for CudaDraftOptions {
+    fn default() -> Self {
+        Self { ordinal: 0, slots: 256, max_len: 4096 + MAX_TREE_NODES }
+    }
+}
+
+/// A cache slot lent to one sequence, given back to its drafter when dropped.
+#[derive(Debug)]
+struct SlotLease {
+    slot: usize,
+    free: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Drop for SlotLease {
+    fn drop(&mut self) {
+        if let Ok(mut free) = self.free.lock() {
+            free.push(self.slot);
+        }
+    }
+}
+
+/// A sequence's drafter cache on the device: a slot of the [`CudaDrafter`]'s cache (taken at its first forward,
+/// given back when dropped), its committed positions and the tentative rows after them.
+#[derive(Debug, Default)]
+pub struct DeviceDraftCache {
+    lease: Option<SlotLease>,
+    len: usize,
+    tentative: usize,
+}
+
+#[derive(Debug)]
+struct DevLinear {
+    w: CudaSlice<bf16>,
+    b: Option<CudaSlice<bf16>>,
+    out: usize,
+    inp: usize,
+}
+
+#[derive(Debug)]
+struct DevWeights {
+    version: u64,
+    kind: DrafterKind,
+    hidden: usize,
+    eps: f32,
+    fc: DevLinear,
+    /// q, k, v, o, gate, up, down.
+    proj: [DevLinear; 7],
+    input_norm: Option<CudaSlice<bf16>>,
+    hidden_norm: Option<CudaSlice<bf16>>,
+    post_norm: CudaSlice<bf16>,
+    final_norm: Option<CudaSlice<bf16>>,
+    embed: CudaSlice<bf16>,
+    head: DevLinear,
+    inv_freq: CudaSlice<f64>,
+}
+
+/// The drafter's cache: keys and values of its one layer.
+#[derive(Debug)]
+struct DevCache {
+    dims: CacheDims,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+}
+
+/// A [`DraftExecutor`] on a CUDA device. Build it once ([`CudaDrafter::new`]) and hand it to
+/// [`EagleProposer::with_executor`](crate::EagleProposer::with_executor); the weights are uploaded at the first
+/// round and again whenever the proposer's slot publishes a new version.
+#[derive(Debug)]
+pub struct CudaDrafter {
+    opts: CudaDraftOptions,
+    kernels: CudaKernels,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    free: Arc<Mutex<Vec<usize>>>,
+    w: Option<DevWeights>,
+    cache: Option<DevCache>,
+}
+
+/// Where a forward's row `j` sits in the padded `[batch, n_max]` layout, per group.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Layout {
+    n_max: usize,
+    tokens: Vec<i32>,
+    row_slot: Vec<i32>,
+    row_pos: Vec<i32>,
+    row_dst: Vec<i32>,
+    seq_slot: Vec<i32>,
+    seq_prefix: Vec<i32>,
+    seq_nodes: Vec<i32>,
+    anc: Option<Vec<u64>>,
+    /// Padded row of every input row.
+    row_of: Vec<usize>,
+}
+
+/// One group as [`layout`] reads it: slot, committed length, tentative rows kept, rows, parents of a tree.
+#[derive(Debug, Clone)]
+struct GroupPlan<'p> {
+    slot: usize,
+    len: usize,
+    prior: usize,
+    rows: Range<usize>,
+    parents: Option<&'p [Option<usize>]>,
+}
+
+fn i32_of(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} = {v} exceeds i32")))
+}
+
+/// Lays a forward out for the device kernels: group `b`'s node `i` is padded row `b * n_max + i`; its first
+/// `prior` nodes are the tentative rows already in the cache (no query of theirs is used, nothing is written for
+/// them), then its new rows, written at cache position `len + i`. Masks: a tree node sees its ancestors (and
+/// itself); a causal group's rows see the rows before them.
+fn layout(rows: &[Row<'_>], groups: &[GroupPlan<'_>], max_len: usize) -> Result<Layout> {
+    let n_max = groups.iter().map(|g| g.prior + g.rows.len()).max().unwrap_or(0);
+    if groups.is_empty() || n_max == 0 {
+        return Err(Error::InvalidArgument("a device draft forward needs rows".into()));
+    }
+    let tree = groups.iter().any(|g| g.parents.is_some());
+    if tree && n_max > MAX_TREE_NODES {
+        return Err(Error::InvalidArgument(format!(
+            "{n_max} tree rows for one sequence; the device drafter handles at most {MAX_TREE_NODES}"
+        )));
+    }
+    let total = groups.len() * n_max;
+    let mut l = Layout {
+        n_max,
+        tokens: vec![0; total],
+        row_slot: vec![-1; total],
+        row_pos: vec![0; total],
+        row_dst: vec![0; total],
+        anc: tree.then(|| vec![0; total]),
+        row_of: vec![usize::MAX; rows.len()],
+        ..Layout::default()
+    };
+    for (b, g) in groups.iter().enumerate() {
+        let nodes = g.prior + g.rows.len();
+        if g.len + nodes > max_len {
+            return Err(Error::InvalidArgument(format!(
+                "{} committed + {nodes} draft rows exceed the device drafter's {max_len} positions",
+                g.len
+            )));
+        }
+        if g.rows.end > rows.len() {
+            return Err(Error::batch("groups", format!("rows {:?} of {}", g.rows, rows.len())));
+        }
+        l.seq_slot.push(i32_of("slot", g.slot)?);
+        l.seq_prefix.push(i32_of("prefix", g.len)?);
+        l.seq_nodes.push(i32_of("nodes", nodes)?);
+        if let Some(anc) = l.anc.as_mut() {
+            let masks = &mut anc[b * n_max..b * n_max + nodes];
+            for i in 0..nodes {
+                let parent = match g.parents {
+                    Some(p) => *p.get(i).ok_or_else(|| Error::batch("tree", "fewer parents than rows"))?,
+                    None => i.checked_sub(1),
+                };
+                let up = match parent {
+                    Some(p) if p < i => masks[p],
+                    Some(p) => return Err(Error::batch("tree", format!("row {i}: parent {p} must precede it"))),
+                    None => 0,
+                };
+                masks[i] = up | (1u64 << i);
+            }
+        }
+        for (k, j) in g.rows.clone().enumerate() {
+            let r = b * n_max + g.prior + k;
+            l.tokens[r] = i32::try_from(rows[j].token).map_err(|_| Error::batch("token", "id exceeds i32"))?;
+            l.row_slot[r] = i32_of("slot", g.slot)?;
+            l.row_pos[r] = i32_of("position", rows[j].pos)?;
+            l.row_dst[r] = i32_of("position", g.len + g.prior + k)?;
+            l.row_of[j] = r;
+        }
+    }
+    if l.row_of.contains(&usize::MAX) {
+        return Err(Error::batch("groups", "every row must belong to exactly one group"));
+    }
+    Ok(l)
+}
+
+impl CudaDrafter {
+    /// Opens device `opts.ordinal` and compiles the kernels there.
+    ///
+    /// # Errors
+    /// Without a CUDA driver or NVRTC library an error, never a panic; [`Error::InvalidArgument`] for zero slots
+    /// or positions.
+    pub fn new(opts: CudaDraftOptions) -> Result<Self> {
+        if opts.slots == 0 || opts.max_len == 0 {
+            return Err(Error::InvalidArgument(format!("device drafter needs slots and positions: {opts:?}")));
+        }
+        let kernels = CudaKernels::new(opts.ordinal).map_err(kern)?;
+        let stream = kernels.context().new_stream().map_err(drv("new_stream"))?;
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| kern(tlt_kernels::Error::Cuda { op: "cublasCreate", message: format!("{e:?}") }))?;
+        let free = Arc::new(Mutex::new((0..opts.slots).rev().collect()));
+        Ok(Self { opts, kernels, stream, blas, free, w: None, cache: None })
+    }
+
+    /// Cache slots not lent to a sequence.
+    pub fn free_slots(&self) -> usize {
+        self.free.lock().map_or(0, |f| f.len())
+    }
+
+    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros::<T>(n.max(1)).map_err(drv("alloc"))
+    }
+
+    fn upload_bf16(&self, v: &[f32]) -> Result<CudaSlice<bf16>> {
+        let h: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+        self.stream.clone_htod(&h).map_err(drv("upload"))
+    }
+
+    fn linear(&self, l: &ExportedLinear) -> Result<DevLinear> {
+        let b = l.bias.as_deref().map(|b| self.upload_bf16(b)).transpose()?;
+        Ok(DevLinear { w: self.upload_bf16(&l.w)?, b, out: l.out, inp: l.inp })
+    }
+
+    /// `y = x · wᵀ (+ b)` for `rows` rows, bf16 out.
+    fn apply(&self, lin: &DevLinear, rows: usize, x: &CudaSlice<bf16>) -> Result<CudaSlice<bf16>> {
+        let mut y = self.zeros::<bf16>(rows * lin.out)?;
+        gemm_bf16(&self.blas, &self.stream, rows, lin.out, lin.inp, x, &lin.w, &mut y).map_err(kern)?;
+        if let Some(b) = &lin.b {
+            self.kernels.bias_add(&self.stream, rows, &mut y, b).map_err(kern)?;
+        }
+        Ok(y)
+    }
+
+    fn weights(&self) -> Result<&DevWeights> {
+        self.w.as_ref().ok_or_else(|| Error::InvalidArgument("the device drafter has no weights loaded".into()))
+    }
+
+    /// `[rows, H]` f32 from a zeroed buffer plus `x` (bf16): the residual stream's start.
+    fn residual_from(&self, x: &CudaSlice<bf16>) -> Result<CudaSlice<f32>> {
+        let mut r = self.zeros::<f32>(x.len())?;
+        self.kernels.add_to_residual(&self.stream, &mut r, x).map_err(kern)?;
+        Ok(r)
+    }
+
+    /// The layer outputs `resid` (`[rows, H]` f32 on the device) through the final norm (EAGLE-3) and the draft
+    /// head, then each row's top `k`: `(draft ids, log-probs)`, `[rows, k]` each, on the host.
+    fn head_top_k(&self, rows: usize, resid: &CudaSlice<f32>, k: usize) -> Result<(Vec<i32>, Vec<f32>)> {
+        let w = self.weights()?;
+        let h = w.hidden;
+        let mut x = self.zeros::<bf16>(rows * h)?;
+        match &w.final_norm {
+            Some(n) => self.kernels.rms_norm(&self.stream, rows, h, w.eps, resid, n, &mut x),
+            None => self.kernels.concat_rows(&self.stream, rows, RowSource::F32(resid, h), None, &mut x),
+        }
+        .map_err(kern)?;
+        let dv = w.head.out;
+        let mut logits = self.zeros::<f32>(rows * dv)?;
+        gemm_bf16(&self.blas, &self.stream, rows, dv, h, &x, &w.head.w, &mut logits).map_err(kern)?;
+        let (mut idx, mut lp) = (self.zeros::<i32>(rows * k)?, self.zeros::<f32>(rows * k)?);
+        self.kernels.top_k_rows(&self.stream, rows, dv, k, &logits, &mut idx, &mut lp).map_err(kern)?;
+        let idx = self.stream.clone_dtoh(&idx).map_err(drv("download"))?;
+        let lp = self.stream.clone_dtoh(&lp).map_err(drv("download"))?;
+        Ok((idx, lp))
+    }
+
+    /// The candidates of rows `which` (padded row indices) from a `[rows, k]` top-k.
+    fn candidates(rt: &DraftRuntime, idx: &[i32], lp: &[f32], k: usize, which: &[usize]) -> Vec<Vec<(u32, f32)>> {
+        which
+            .iter()
+            .map(|&r| {
+                (r * k..(r + 1) * k).map(|e| (rt.target_id(usize::try_from(idx[e]).unwrap_or(0)), lp[e])).collect()
+            })
+            .collect()
+    }
+
+    fn clamp_k(&self, rt: &DraftRuntime, k: usize) -> Result<usize> {
+        let k = k.min(rt.draft_vocab());
+        if k > MAX_TOP_K {
+            return Err(Error::InvalidArgument(format!("top-{k} drafting; the device drafter handles {MAX_TOP_K}")));
+        }
+        Ok(k)
+    }
+
+    /// The layer input (`[R, qkv_in]` bf16) and the residual stream (`[R, H]` f32) of the padded rows.
+    fn inputs(
+        &self,
+        rows: &[Row<'_>],
+        l: &Layout,
+        tokens: &CudaSlice<i32>,
+    ) -> Result<(CudaSlice<bf16>, CudaSlice<f32>)> {
+        let w = self.weights()?;
+        let (h, total) = (w.hidden, l.tokens.len());
+        let fw = rows.first().map_or(h, |r| r.feature.len());
+        if let Some(r) = rows.iter().find(|r| r.feature.len() != fw) {
+            return Err(Error::batch("feature", format!("widths {fw} and {} in one device forward", r.feature.len())));
+        }
+        let mut feat = vec![0f32; total * fw];
+        for (r, &p) in rows.iter().zip(&l.row_of) {
+            feat[p * fw..(p + 1) * fw].copy_from_slice(r.feature);
+        }
+        let feat = self.stream.clone_htod(&feat).map_err(drv("upload"))?;
+        let mut emb = self.zeros::<f32>(total * h)?;
+        self.kernels.embed_rows(&self.stream, total, h, &w.embed, tokens, &mut emb).map_err(kern)?;
+        match w.kind {
+            DrafterKind::Eagle2 => {
+                if fw != h || w.fc.inp != 2 * h {
+                    return Err(Error::batch("feature", format!("width {fw}, EAGLE-2 reads {h}")));
+                }
+                let mut cat = self.zeros::<bf16>(total * 2 * h)?;
+                let (a, b) = (RowSource::F32(&emb, h), RowSource::F32(&feat, h));
+                self.kernels.concat_rows(&self.stream, total, a, Some(b), &mut cat).map_err(kern)?;
+                let x = self.apply(&w.fc, total, &cat)?;
+                let resid = self.residual_from(&x)?;
+                Ok((x, resid))
+            }
+            DrafterKind::Eagle3 => {
+                let resid = if fw == w.fc.inp {
+                    let mut f16 = self.zeros::<bf16>(total * fw)?;
+                    self.kernels
+                        .concat_rows(&self.stream, total, RowSource::F32(&feat, fw), None, &mut f16)
+                        .map_err(kern)?;
+                    self.residual_from(&self.apply(&w.fc, total, &f16)?)?
+                } else if fw == h {
+                    feat
+                } else {
+                    return Err(Error::batch("feature", format!("width {fw}, EAGLE-3 reads {} or {h}", w.fc.inp)));
+                };
+                let (Some(inorm), Some(hnorm)) = (&w.input_norm, &w.hidden_norm) else {
+                    return Err(Error::config("midlayer", "no input/hidden norm", "EAGLE-3 needs both"));
+                };
+                let (mut en, mut gn) = (self.zeros::<bf16>(total * h)?, self.zeros::<bf16>(total * h)?);
+                self.kernels.rms_norm(&self.stream, total, h, w.eps, &emb, inorm, &mut en).map_err(kern)?;
+                self.kernels.rms_norm(&self.stream, total, h, w.eps, &resid, hnorm, &mut gn).map_err(kern)?;
+                let mut x = self.zeros::<bf16>(total * 2 * h)?;
+                let (a, b) = (RowSource::Bf16(&en, h), RowSource::Bf16(&gn, h));
+                self.kernels.concat_rows(&self.stream, total, a, Some(b), &mut x).map_err(kern)?;
+                Ok((x, resid))
+            }
+        }
+    }
+
+    /// The layer over the padded rows: attention over the cache (writing the new rows' keys and values), MLP.
+    /// Returns the residual stream after the layer (`[R, H]` f32, on the device).
+    fn layer(&mut self, rows: &[Row<'_>], l: &Layout) -> Result<CudaSlice<f32>> {
+        let up_i32 = |v: &[i32]| self.stream.clone_htod(v).map_err(drv("upload"));
+        let (tokens, row_slot, row_pos, row_dst) =
+            (up_i32(&l.tokens)?, up_i32(&l.row_slot)?, up_i32(&l.row_pos)?, up_i32(&l.row_dst)?);
+        let (seq_slot, seq_prefix, seq_nodes) = (up_i32(&l.seq_slot)?, up_i32(&l.seq_prefix)?, up_i32(&l.seq_nodes)?);
+        let anc = l.anc.as_deref().map(|a| self.stream.clone_htod(a).map_err(drv("upload"))).transpose()?;
+        let (x_in, mut resid) = self.inputs(rows, l, &tokens)?;
+        let total = l.tokens.len();
+        let w = self.weights()?;
+        let (h, eps) = (w.hidden, w.eps);
+        let [q, k, v, ..] = &w.proj;
+        let (mut qx, kx, vx) =
+            (self.apply(q, total, &x_in)?, self.apply(k, total, &x_in)?, self.apply(v, total, &x_in)?);
+        let Some(c) = self.cache.as_mut() else {
+            return Err(Error::InvalidArgument("the device drafter has no cache".into()));
+        };
+        let w = self.w.as_ref().ok_or_else(|| Error::InvalidArgument("no weights".into()))?;
+        let meta = RowMeta { slot: &row_slot, pos: &row_pos, dst: &row_dst };
+        self.kernels
+            .rope_kv_write(&self.stream, c.dims, 0, total, &mut qx, &kx, &vx, &mut c.k, &mut c.v, meta, &w.inv_freq)
+            .map_err(kern)?;
+        let mut attn = self.stream.alloc_zeros::<bf16>(qx.len()).map_err(drv("alloc"))?;
+        let tree = TreeDims { batch: l.seq_slot.len(), n_max: l.n_max };
+        let seq = SeqMeta { slot: &seq_slot, prefix_len: &seq_prefix, n_nodes: &seq_nodes };
+        self.kernels
+            .tree_attention(&self.stream, c.dims, 0, tree, &qx, &c.k, &c.v, &mut attn, seq, anc.as_ref())
+            .map_err(kern)?;
+        let w = self.weights()?;
+        let [_, _, _, o, gate, up, down] = &w.proj;
+        self.kernels.add_to_residual(&self.stream, &mut resid, &self.apply(o, total, &attn)?).map_err(kern)?;
+        let mut normed = self.zeros::<bf16>(total * h)?;
+        self.kernels.rms_norm(&self.stream, total, h, eps, &resid, &w.post_norm, &mut normed).map_err(kern)?;
+        let mut g = self.apply(gate, total, &normed)?;
+        self.kernels.silu_mul(&self.stream, &mut g, &self.apply(up, total, &normed)?).map_err(kern)?;
+        self.kernels.add_to_residual(&self.stream, &mut resid, &self.apply(down, total, &g)?).map_err(kern)?;
+        Ok(resid)
+    }
+
+    /// Plans the groups (taking slots for caches that have none) and checks them against the cache.
+    fn plan<'p>(&self, groups: &mut [Group<'_, 'p, DeviceDraftCache>]) -> Result<Vec<GroupPlan<'p>>> {
+        let mut plans = Vec::with_capacity(groups.len());
+        for (cache, range, attend) in groups.iter_mut() {
+            if cache.lease.is_none() {
+                let slot = self.free.lock().ok().and_then(|mut f| f.pop()).ok_or_else(|| {
+                    Error::InvalidArgument(format!("all {} device draft slots are in use", self.opts.slots))
+                })?;
+                cache.lease = Some(SlotLease { slot, free: self.free.clone() });
+            }
+            let slot = cache.lease.as_ref().map_or(0, |l| l.slot);
+            let (prior, parents) = match *attend {
+                Attend::Causal => (0, None),
+                Attend::Tree(p) => {
+                    if p.len() != cache.tentative + range.len() {
+                        return Err(Error::batch(
+                            "tree",
+                            format!("{} parents for {} + {} rows", p.len(), cache.tentative, range.len()),
+                        ));
+                    }
+                    (cache.tentative, Some(p))
+                }
+            };
+            plans.push(GroupPlan { slot, len: cache.len, prior, rows: range.clone(), parents });
+        }
+        Ok(plans)
+    }
+}
+
+impl DraftExecutor for CudaDrafter {
+    type Cache = DeviceDraftCache;
+
+    fn load(&mut self, rt: &DraftRuntime, version: u64) -> Result<()> {
+        if self.w.as_ref().is_some_and(|w| w.version == version) {
+            return Ok(());
+        }
+        let e = rt.export()?;
+        let (eps, inv_freq) = rt.norm_eps_and_rope();
+        let up_opt = |v: &Option<Vec<f32>>| v.as_deref().map(|v| self.upload_bf16(v)).transpose();
+        let [q, k, v, o, gate, up, down] = &e.proj;
+        let w = DevWeights {
+            version,
+            kind: rt.kind(),
+            hidden: rt.hidden_size(),
+            eps,
+            fc: self.linear(&e.fc)?,
+            proj: [
+                self.linear(q)?,
+                self.linear(k)?,
+                self.linear(v)?,
+                self.linear(o)?,
+                self.linear(gate)?,
+                self.linear(up)?,
+                self.linear(down)?,
+            ],
+            input_norm: up_opt(&e.input_norm)?,
+            hidden_norm: up_opt(&e.hidden_norm)?,
+            post_norm: self.upload_bf16(&e.post_norm)?,
+            final_norm: up_opt(&e.final_norm)?,
+            embed: self.upload_bf16(&e.embed)?,
+            head: self.linear(&e.head)?,
+            inv_freq: self.stream.clone_htod(inv_freq).map_err(drv("upload"))?,
+        };
+        let dims = CacheDims { layers: 1, slots: self.opts.slots, max_len: self.opts.max_len, attn: rt.attn_shape() };
+        dims.check().map_err(kern)?;
+        if self.cache.as_ref().is_none_or(|c| c.dims != dims) {
+            let (k, v) = (self.zeros::<bf16>(dims.len())?, self.zeros::<bf16>(dims.len())?);
+            self.cache = Some(DevCache { dims, k, v });
+        }
+        self.w = Some(w);
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        rt: &DraftRuntime,
+        rows: &[Row<'_>],
+        groups: &mut [Group<'_, '_, DeviceDraftCache>],
+        top_k: usize,
+    ) -> Result<Forward> {
+        if rows.is_empty() {
+            return Ok(Forward::default());
+        }
+        let k = self.clamp_k(rt, top_k)?;
+        let plans = self.plan(groups)?;
+        let l = layout(rows, &plans, self.opts.max_len)?;
+        let resid = self.layer(rows, &l)?;
+        for ((cache, range, attend), g) in groups.iter_mut().zip(&plans) {
+            cache.tentative = match attend {
+                Attend::Causal => range.len(),
+                Attend::Tree(_) => g.prior + range.len(),
+            };
+        }
+        let h = self.weights()?.hidden;
+        let all = self.stream.clone_dtoh(&resid).map_err(drv("download"))?;
+        let mut out = Vec::with_capacity(rows.len() * h);
+        for &r in &l.row_of {
+            out.extend_from_slice(&all[r * h..(r + 1) * h]);
+        }
+        let candidates = if k > 0 {
+            let (idx, lp) = self.head_top_k(l.tokens.len(), &resid, k)?;
+            Self::candidates(rt, &idx, &lp, k, &l.row_of)
+        } else {
+            Vec::new()
+        };
+        Ok(Forward { out, candidates })
+    }
+
+    fn top_k(&mut self, rt: &DraftRuntime, a: &[f32], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        let h = self.weights()?.hidden;
+        let k = self.clamp_k(rt, k)?;
+        if !a.len().is_multiple_of(h) {
+            return Err(Error::batch("layer outputs", format!("{} values for width {h}", a.len())));
+        }
+        if a.is_empty() || k == 0 {
+            return Ok(vec![Vec::new(); a.len() / h]);
+        }
+        let rows = a.len() / h;
+        let resid = self.stream.clone_htod(a).map_err(drv("upload"))?;
+        let (idx, lp) = self.head_top_k(rows, &resid, k)?;
+        Ok(Self::candidates(rt, &idx, &lp, k, &(0..rows).collect::<Vec<_>>()))
+    }
+
+    fn committed(cache: &DeviceDraftCache) -> usize {
+        cache.len
+    }
+
+    fn commit(cache: &mut DeviceDraftCache, n: usize) {
+        cache.len += n;
+        cache.tentative = cache.tentative.saturating_sub(n);
+    }
+
+    fn truncate_tentative(&mut self, _rt: &DraftRuntime, cache: &mut DeviceDraftCache) {
+        cache.tentative = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(token: u32, pos: usize) -> Row<'static> {
+        Row { token, feature: &[], pos }
+    }
+
+    #[test]
+    fn causal_and_tree_groups_are_laid_out_with_their_tentative_rows() {
+        // Group 0: a causal catch-up of 3 rows at committed length 5 (slot 2). Group 1: a tree level of 2 new rows
+        // after 2 tentative rows (parents: row 0 and 1 on the committed prefix, row 2 under 0, row 3 under 2).
+        let rows = [row(7, 5), row(8, 6), row(9, 7), row(10, 11), row(11, 12)];
+        let parents = [None, None, Some(0), Some(2)];
+        let groups = [
+            GroupPlan { slot: 2, len: 5, prior: 0, rows: 0..3, parents: None },
+            GroupPlan { slot: 0, len: 10, prior: 2, rows: 3..5, parents: Some(&parents) },
+        ];
+        let l = layout(&rows, &groups, 64).unwrap();
+        assert_eq!(l.n_max, 4);
+        assert_eq!(l.row_of, vec![0, 1, 2, 6, 7]);
+        assert_eq!(l.tokens, vec![7, 8, 9, 0, 0, 0, 10, 11]);
+        assert_eq!(l.row_slot, vec![2, 2, 2, -1, -1, -1, 0, 0], "padding and kept rows write nothing");
+        assert_eq!(l.row_dst[..3], [5, 6, 7]);
+        assert_eq!(l.row_dst[6..], [12, 13], "new tree rows land after the 2 tentative ones");
+        assert_eq!(l.row_pos[6..], [11, 12]);
+        assert_eq!((l.seq_slot, l.seq_prefix, l.seq_nodes), (vec![2, 0], vec![5, 10], vec![3, 4]));
+        let anc = l.anc.unwrap();
+        assert_eq!(anc[..3], [0b1, 0b11, 0b111], "a causal group in a tree forward: chain masks");
+        assert_eq!(anc[4..], [0b1, 0b10, 0b101, 0b1101]);
+    }
+
+    #[test]
+    fn bad_layouts_are_errors() {
+        let rows = [row(1, 0), row(2, 1)];
+        let g = |len, rows: Range<usize>| GroupPlan { slot: 0, len, prior: 0, rows, parents: None };
+        assert!(layout(&rows, &[g(63, 0..2)], 64).is_err(), "beyond max_len");
+        assert!(layout(&rows, &[g(0, 0..1)], 64).is_err(), "a row in no group");
+        assert!(layout(&rows, &[g(0, 0..3)], 64).is_err(), "rows outside the forward");
+        let back = [None, Some(1)];
+        let tree = GroupPlan { slot: 0, len: 0, prior: 0, rows: 0..2, parents: Some(&back) };
+        assert!(layout(&rows, &[tree], 64).is_err(), "a parent after its child");
+        let many: Vec<Row<'_>> = (0..65).map(|i| row(1, i)).collect();
+        let chain: Vec<Option<usize>> = (0..65).map(|i: usize| i.checked_sub(1)).collect();
+        let big = GroupPlan { slot: 0, len: 0, prior: 0, rows: 0..65, parents: Some(&chain) };
+        assert!(layout(&many, &[big], 1024).is_err(), "more than 64 tree rows");
+        assert!(layout(&[], &[], 64).is_err());
+    }
+
+    #[test]
+    fn without_a_driver_construction_is_an_error_not_a_panic() {
+        if tlt_kernels::cuda::driver_available() {
+            return; // A GPU machine: the GPU tests cover construction.
+        }
+        let e = CudaDrafter::new(CudaDraftOptions::default()).unwrap_err();
+        assert!(e.to_string().contains("CUDA") || e.to_string().contains("driver"), "{e}");
+        assert!(CudaDrafter::new(CudaDraftOptions { slots: 0, ..CudaDraftOptions::default() }).is_err());
+    }
+}
