@@ -49,15 +49,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_rows_f32(
             for (int c = 0; c < pass; c++) taken = taken || chosen[c] == j;
             if (!taken) tlt_argmax_merge(best, arg, x[j], j);
         }
-        tlt_warp_argmax(best, arg);
-        if (lane == 0) { w_val[warp] = best; w_idx[warp] = arg; }
-        __syncthreads();
+        tlt_block_argmax(best, arg, w_val, w_idx);
         if (tid == 0) {
-            float b = w_val[0];
-            int a = w_idx[0];
-            for (int w = 1; w < TOPK_THREADS / 32; w++) tlt_argmax_merge(b, a, w_val[w], w_idx[w]);
-            chosen[pass] = a < V ? a : 0;
-            if (pass == 0) s_max = b;
+            chosen[pass] = arg < V ? arg : 0;
+            if (pass == 0) s_max = best;
         }
         __syncthreads();
     }

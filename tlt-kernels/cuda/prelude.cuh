@@ -39,3 +39,13 @@ __device__ __forceinline__ void tlt_warp_argmax(float& v, int& i) {
         tlt_argmax_merge(v, i, v2, i2);
     }
 }
+
+// Block-wide argmax of every thread's (v, i) for blocks of whole warps (ties to the smaller index): the result is
+// left in thread 0's v and i. w_val, w_idx: shared scratch, one entry per warp; the caller syncs before reusing it.
+__device__ __forceinline__ void tlt_block_argmax(float& v, int& i, float* w_val, int* w_idx) {
+    tlt_warp_argmax(v, i);
+    if ((threadIdx.x & 31) == 0) { w_val[threadIdx.x >> 5] = v; w_idx[threadIdx.x >> 5] = i; }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) tlt_argmax_merge(v, i, w_val[w], w_idx[w]);
+}

@@ -18,7 +18,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     const int r = blockIdx.x;
     if (r >= rows) return;
     const float* x = logits + (size_t)r * V;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     const int chunk = (V + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
     const int lo = min(V, tid * chunk), hi = min(V, lo + chunk);
     __shared__ float w_val[SAMPLE_THREADS / 32];
@@ -32,16 +32,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     float best = TLT_NEG_INF;
     int arg = 0x7fffffff;
     for (int j = lo; j < hi; j++) tlt_argmax_merge(best, arg, x[j], j);
-    tlt_warp_argmax(best, arg);
-    if (lane == 0) { w_val[warp] = best; w_idx[warp] = arg; }
-    __syncthreads();
-    if (tid == 0) {
-        float b = w_val[0];
-        int a = w_idx[0];
-        for (int w = 1; w < SAMPLE_THREADS / 32; w++) tlt_argmax_merge(b, a, w_val[w], w_idx[w]);
-        s_max = b;
-        s_arg = a;
-    }
+    tlt_block_argmax(best, arg, w_val, w_idx);
+    if (tid == 0) { s_max = best; s_arg = arg; }
     __syncthreads();
     const float mx = s_max;
 

@@ -100,6 +100,9 @@ pub struct DrafterArgs {
     /// Drift test: training prompts whose new-target rollouts the drafter recovers on.
     #[arg(long, default_value_t = 80)]
     drift_prompts: usize,
+    /// `cpu` (the default): this suite measures the CPU path; a CUDA device is refused with what to run instead.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
 }
 
 /// Training-data figures.

@@ -21,6 +21,10 @@ pub struct E2eArgs {
     /// Override the number of RL steps.
     #[arg(long)]
     steps: Option<u64>,
+    /// Where the rollouts run: `cpu`, or `cuda[:N]` (the `train` example built with `--features cuda`, NVRTC from
+    /// the pinned wheel; the policy update stays on the CPU until GPU training, issue 17).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 /// One step of both runs side by side.
@@ -92,8 +96,13 @@ fn row(t: &StepMetrics, b: &StepMetrics) -> StepRow {
 pub fn run(args: &E2eArgs) -> Result<()> {
     let gguf = crate::assets::fetch_assets()?;
     let out = crate::workspace_root().join("target").join("bench").join("e2e-run");
+    let cuda = crate::bench_gpu::is_cuda(&args.device)?;
     let mut cmd = crate::cargo();
-    cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "train", "--", "--mode", "compare", "--model"])
+    cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "train"]);
+    if cuda {
+        cmd.args(["--features", "cuda"]).env("LD_LIBRARY_PATH", crate::assets::nvrtc_library_path()?);
+    }
+    cmd.args(["--", "--mode", "compare", "--device", &args.device, "--model"])
         .arg(&gguf)
         .arg("--out")
         .arg(&out)

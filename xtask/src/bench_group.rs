@@ -66,6 +66,9 @@ pub struct GroupArgs {
     /// spread is ~10%). 1: the single pair of the table.
     #[arg(long, default_value_t = 1)]
     repeats: usize,
+    /// `cpu` (the default): this suite measures the CPU path; a CUDA device is refused with what to run instead.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
 }
 
 /// Running-batch buckets the rounds are split by (inclusive upper bounds).

@@ -98,6 +98,9 @@ pub struct KernelArgs {
     /// Size of the read-bandwidth probe buffer in MiB (at least 512).
     #[arg(long, default_value_t = 512)]
     probe_mib: usize,
+    /// `cpu` (the default): this suite measures the CPU path; a CUDA device is refused with what to run instead.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
 }
 
 /// One (shape, format, m) measurement.

@@ -47,6 +47,9 @@ pub struct LlamaCppArgs {
     /// The GGUF to load (default: the cached SmolLM2-135M-Instruct, fetched if missing).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// `cpu` (the default): this suite measures the CPU path; a CUDA device is refused with what to run instead.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
 }
 
 /// One weight format, both implementations.

@@ -51,6 +51,9 @@ pub struct RolloutArgs {
     /// Skip the real SmolLM2 run.
     #[arg(long)]
     skip_real: bool,
+    /// `cpu` (the default): this suite measures the CPU path; a CUDA device is refused with what to run instead.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
 }
 
 /// Least-squares line `y = a + b x`.

@@ -38,7 +38,7 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use tracing::{info, warn};
 
@@ -157,6 +157,18 @@ enum Suite {
     /// Batch-1 decode against llama.cpp's `llama-bench` (built beside the project) on the same weights
     /// (f32 and Q8_0 GGUFs written from the model's), threads and context, interleaved.
     Llamacpp(bench_llamacpp::LlamaCppArgs),
+}
+
+/// The suites that measure CPU code in this process take `--device` too, so that every suite reads the same
+/// flag; on a CUDA device they stop with what to run instead.
+fn cpu_only(suite: &str, device: &str) -> Result<()> {
+    if bench_gpu::is_cuda(device)? {
+        bail!(
+            "`bench {suite}` measures the CPU path in this process; on a GPU run `bench decode|spec --device {device}` \
+             (gpu-bench: decode, verify, oracle SD) or `bench e2e --device {device}` (trainer rollouts on the device)"
+        );
+    }
+    Ok(())
 }
 
 /// The workspace root (the parent of this crate's directory).
@@ -388,10 +400,12 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Llamacpp(args) } => {
+            cpu_only("llamacpp", &args.device)?;
             bench_llamacpp::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Group(args) } => {
+            cpu_only("group", &args.device)?;
             bench_group::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -400,10 +414,12 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Drafter(args) } => {
+            cpu_only("drafter", &args.device)?;
             bench_drafter::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Rollout(args) } => {
+            cpu_only("rollout", &args.device)?;
             bench_rollout::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -412,6 +428,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Kernels(args) } => {
+            cpu_only("kernels", &args.device)?;
             bench_kernels::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
