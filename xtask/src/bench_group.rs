@@ -163,6 +163,9 @@ pub struct TempReport {
     /// With `--repeats`: each (plain, adaptive) pair's speed-up over the whole rollout and over the <= 4-running
     /// phase, the table's pair first.
     pub adaptive_pairs: Vec<(f64, f64)>,
+    /// With `--repeats` and `--das-horizon`: per repeat pair, suffix+history seconds / suffix+history+das seconds
+    /// (both commit the same tokens: same seed, and DAS changes only the trees).
+    pub das_pairs: Vec<f64>,
 }
 
 /// The whole report.
@@ -444,7 +447,9 @@ pub fn run(args: &GroupArgs) -> Result<()> {
         let (mut r, _) = rollout(&model, &prompts, g, &params, "suffix+history", How::Fixed(&mut hist, plan))?;
         r.index_s = hist.stats().seconds;
         runs.push(r);
-        // The same with DAS's length-aware budgets (the history also gives the prompt's answer lengths).
+        // The same with DAS's length-aware budgets (the history also gives the prompt's answer lengths). With
+        // repeats, a second suffix+history drafter that saw the same rollouts is DAS's partner in the pairs below.
+        let mut das_pair = None;
         if args.das_horizon > 0 {
             let mut das = SuffixDrafter::new(SuffixConfig { das_horizon: args.das_horizon, ..hist_cfg })?;
             rollout(&model, &prompts, g, &warm, "warm", How::Fixed(&mut das, plan))?;
@@ -452,6 +457,12 @@ pub fn run(args: &GroupArgs) -> Result<()> {
             let (mut r, _) = rollout(&model, &prompts, g, &params, "suffix+history+das", How::Fixed(&mut das, plan))?;
             r.index_s = das.stats().seconds;
             runs.push(r);
+            if args.repeats > 1 {
+                let mut partner = SuffixDrafter::new(hist_cfg)?;
+                rollout(&model, &prompts, g, &warm, "warm", How::Fixed(&mut partner, plan))?;
+                rollout(&model, &prompts, g, &params, "warm", How::Fixed(&mut partner, plan))?;
+                das_pair = Some((partner, das));
+            }
         }
         // The adaptive rollout: gate + bandit over {plain, suffix+history, n-gram}; history from the runs above.
         // In training the bandit's estimates carry from one RL step's rollout to the next, so one earlier
@@ -485,11 +496,22 @@ pub fn run(args: &GroupArgs) -> Result<()> {
             (whole, if tail > 0.0 { tail_throughput(a) / tail } else { 0.0 })
         };
         let mut adaptive_pairs = runs.last().map(|a| vec![pair(&plain, a)]).unwrap_or_default();
-        for _ in 1..args.repeats.max(1) {
+        let mut das_pairs = Vec::new();
+        for k in 1..args.repeats.max(1) {
+            // Each pair samples new answers (its own seed, shared by both runs of the pair): the drafters' history
+            // then holds the previous pair's answers to these prompts, as in training it holds an earlier step's,
+            // never the very answers being measured (with one seed it would, and draft them perfectly).
+            let params = SpecParams { seed: args.seed + 10_000 * k as u64, ..params.clone() };
             let p = rollout(&model, &prompts, g, &params, "none", How::Plain)?.0;
             let a = rollout(&model, &prompts, g, &params, "adaptive", How::Adaptive(&mut set, &mut decoder))?.0;
             adaptive_pairs.push(pair(&p, &a));
             info!(temperature, pair = ?adaptive_pairs.last(), "repeat");
+            if let Some((partner, das)) = das_pair.as_mut() {
+                let h = rollout(&model, &prompts, g, &params, "suffix+history", How::Fixed(partner, plan))?.0;
+                let d = rollout(&model, &prompts, g, &params, "suffix+history+das", How::Fixed(das, plan))?.0;
+                das_pairs.push(h.seconds / d.seconds);
+                info!(temperature, das_over_history = das_pairs.last(), "repeat");
+            }
         }
 
         let plain_tput = plain.tokens as f64 / plain.seconds;
@@ -520,7 +542,15 @@ pub fn run(args: &GroupArgs) -> Result<()> {
             );
         }
         runs.insert(0, plain);
-        temps.push(TempReport { temperature, ceiling, mean_p_max, length_p50_p90_max: length, runs, adaptive_pairs });
+        temps.push(TempReport {
+            temperature,
+            ceiling,
+            mean_p_max,
+            length_p50_p90_max: length,
+            runs,
+            adaptive_pairs,
+            das_pairs,
+        });
     }
     let report = GroupReport {
         header: Header::new("group", 1, timestamp, machine),
@@ -598,6 +628,14 @@ fn markdown(r: &GroupReport) -> String {
                 show(&w),
                 crate::report::median(&tl),
                 show(&tl)
+            );
+        }
+        if !t.das_pairs.is_empty() {
+            let show = t.das_pairs.iter().map(|x| format!("{x:.2}x")).collect::<Vec<_>>().join(", ");
+            s += &format!(
+                "\nDAS over suffix+history in {} interleaved pairs (same tokens; seconds ratio): median {:.2}x ({show}).\n",
+                t.das_pairs.len(),
+                crate::report::median(&t.das_pairs)
             );
         }
         s += "\nBy running batch (tokens/step, tok/s):\n\n| drafter | 1 | 2-4 | 5-8 | 9+ |\n|---|---|---|---|---|\n";
