@@ -2,7 +2,9 @@
 //! weights generated on the device, against the device's measured copy bandwidth (build with `--features cuda`).
 //! Each decode batch runs eagerly and then through CUDA graphs (captured on first use, replayed after); then the
 //! engine on the device (`CudaTarget`, verification on the device) decodes one request plainly and with a perfect
-//! oracle drafter at several tokens per round. Prints markdown tables and writes JSON.
+//! oracle drafter at several tokens per round; last, one level of an EAGLE-2 drafter of the same shape on the device
+//! (`CudaDrafter`: a draft tree level of `--drafter-top-k` rows per sequence over a `--context` cache, with its
+//! top-k), beside the target's decode step at the same batch. Prints markdown tables and writes JSON.
 
 use std::time::Instant;
 
@@ -43,6 +45,12 @@ struct Args {
     #[arg(long, default_value_t = 256)]
     sd_tokens: usize,
     /// JSON output.
+    /// Rows per sequence of the timed EAGLE drafter level (its top-k, the draft tree's width).
+    #[arg(long, default_value_t = 4)]
+    drafter_top_k: usize,
+    /// Batches of the EAGLE drafter level (empty: skip it).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    drafter_batches: Vec<usize>,
     #[arg(long, default_value = "target/bench/gpu-decode.json")]
     out: std::path::PathBuf,
 }
@@ -191,6 +199,71 @@ fn oracle_sd(target: &CudaTarget, cfg: &LlamaConfig, a: &Args) -> Result<Vec<ser
     Ok(rows)
 }
 
+/// One EAGLE-2 draft level on the device per batch: seconds (median), beside the target's decode step.
+fn drafter_level(cfg: &LlamaConfig, a: &Args, decode: &[(usize, f64)]) -> Result<Vec<serde_json::Value>> {
+    use tlt_drafter::cuda::{CudaDraftOptions, CudaDrafter, DeviceDraftCache};
+    use tlt_drafter::{
+        Attend, DraftExecutor, DraftRuntime, DrafterConfig, Eagle2Drafter, FrozenTarget, Row, RuntimeOptions,
+    };
+    if a.drafter_batches.is_empty() {
+        return Ok(Vec::new());
+    }
+    // The target's embedding and head at this shape (one layer: the drafter reads only those).
+    let target = tlt_model::Llama::random(LlamaConfig { num_hidden_layers: 1, ..cfg.clone() }, 7)?;
+    let d = Eagle2Drafter::random(
+        DrafterConfig::eagle2_from_target(target.config(), false),
+        FrozenTarget::new(&target),
+        8,
+    )?;
+    let f32s = tlt_kernels::WeightDType::F32;
+    let rt = DraftRuntime::eagle2(&d, &RuntimeOptions { layer_dtype: f32s, head_dtype: f32s, hot_vocab: None })?;
+    let max_batch = a.drafter_batches.iter().copied().max().unwrap_or(1);
+    let opts = CudaDraftOptions { ordinal: ordinal(&a.device)?, slots: max_batch, max_len: a.context + MAX_TREE_NODES };
+    let mut exec = CudaDrafter::new(opts)?;
+    exec.load(&rt, 0)?;
+    let h = cfg.hidden_size;
+    let feature = vec![0.01f32; h];
+    let k = a.drafter_top_k.max(1);
+    println!("\nEAGLE-2 drafter on the device, one tree level of {k} rows per sequence over a {} cache:", a.context);
+    println!("| batch | level ms | target decode ms | level / decode |\n|---:|---:|---:|---:|");
+    let mut rows_out = Vec::new();
+    for &b in &a.drafter_batches {
+        let mut caches: Vec<DeviceDraftCache> = (0..b).map(|_| DeviceDraftCache::default()).collect();
+        // Fill each cache with `context` committed positions (one causal forward per sequence, untimed).
+        for c in &mut caches {
+            let rows: Vec<Row<'_>> =
+                (0..a.context).map(|t| Row { token: (t % 1000) as u32, feature: &feature, pos: t }).collect();
+            let mut g = [(&mut *c, 0..a.context, Attend::Causal)];
+            exec.forward(&rt, &rows, &mut g, 0)?;
+            CudaDrafter::commit(c, a.context);
+        }
+        let parents = vec![None; k];
+        let level: Vec<Row<'_>> =
+            (0..b * k).map(|i| Row { token: (i % 1000) as u32, feature: &feature, pos: a.context }).collect();
+        let mut times = Vec::new();
+        for _ in 0..a.steps.max(3) {
+            let start = Instant::now();
+            {
+                let mut groups: Vec<_> = caches
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, c)| (c, i * k..(i + 1) * k, Attend::Tree(&parents)))
+                    .collect();
+                exec.forward(&rt, &level, &mut groups, k)?;
+            }
+            times.push(start.elapsed().as_secs_f64());
+            for c in &mut caches {
+                exec.truncate_tentative(&rt, c);
+            }
+        }
+        let t = median(times);
+        let dec = decode.iter().find(|(bb, _)| *bb == b).map_or(f64::NAN, |&(_, s)| s);
+        println!("| {b} | {:.3} | {:.3} | {:.2} |", t * 1e3, dec * 1e3, t / dec);
+        rows_out.push(serde_json::json!({"batch": b, "rows_per_seq": k, "level_s": t, "target_decode_s": dec}));
+    }
+    Ok(rows_out)
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     let a = Args::parse();
@@ -238,10 +311,17 @@ fn main() -> Result<()> {
     let target = CudaTarget::from_model(m);
     let oracle = oracle_sd(&target, &cfg, &a)?;
     println!("\ngraph pool after the engine runs: {:?}", target.with_model(|m| m.graph_stats().cloned())?);
+    drop(target);
+    let graphs_decode: Vec<(usize, f64)> = decode
+        .iter()
+        .filter(|d| d["graphs"] == true)
+        .filter_map(|d| Some((usize::try_from(d["batch"].as_u64()?).ok()?, d["step_s"].as_f64()?)))
+        .collect();
+    let drafter = drafter_level(&cfg, &a, &graphs_decode)?;
     let json = serde_json::json!({
         "arch": a.arch, "device": a.device, "context": a.context, "steps": a.steps,
         "weight_bytes": weights, "copy_bandwidth": copy, "decode": decode, "decode_1_s": t1, "verify": verify,
-        "oracle_sd": oracle,
+        "oracle_sd": oracle, "drafter_level": drafter,
     });
     if let Some(dir) = a.out.parent() {
         std::fs::create_dir_all(dir)?;
