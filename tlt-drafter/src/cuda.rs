@@ -21,7 +21,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use tlt_kernels::cuda::{
-    gemm_bf16, CacheDims, CudaKernels, RowMeta, RowSource, SeqMeta, TreeDims, MAX_TOP_K, MAX_TREE_NODES,
+    gemm_bf16, CacheDims, CudaKernels, DeviceLinear, RowMeta, RowSource, SeqMeta, TreeDims, MAX_TOP_K, MAX_TREE_NODES,
 };
 
 use crate::config::DrafterKind;
@@ -79,28 +79,20 @@ pub struct DeviceDraftCache {
 }
 
 #[derive(Debug)]
-struct DevLinear {
-    w: CudaSlice<bf16>,
-    b: Option<CudaSlice<bf16>>,
-    out: usize,
-    inp: usize,
-}
-
-#[derive(Debug)]
 struct DevWeights {
     version: u64,
     kind: DrafterKind,
     hidden: usize,
     eps: f32,
-    fc: DevLinear,
+    fc: DeviceLinear,
     /// q, k, v, o, gate, up, down.
-    proj: [DevLinear; 7],
+    proj: [DeviceLinear; 7],
     input_norm: Option<CudaSlice<bf16>>,
     hidden_norm: Option<CudaSlice<bf16>>,
     post_norm: CudaSlice<bf16>,
     final_norm: Option<CudaSlice<bf16>>,
     embed: CudaSlice<bf16>,
-    head: DevLinear,
+    head: DeviceLinear,
     inv_freq: CudaSlice<f64>,
 }
 
@@ -258,18 +250,15 @@ impl CudaDrafter {
         self.stream.clone_htod(&h).map_err(drv("upload"))
     }
 
-    fn linear(&self, l: &ExportedLinear) -> Result<DevLinear> {
+    fn linear(&self, l: &ExportedLinear) -> Result<DeviceLinear> {
         let b = l.bias.as_deref().map(|b| self.upload_bf16(b)).transpose()?;
-        Ok(DevLinear { w: self.upload_bf16(&l.w)?, b, out: l.out, inp: l.inp })
+        Ok(DeviceLinear { w: self.upload_bf16(&l.w)?, b, out: l.out, inp: l.inp })
     }
 
     /// `y = x · wᵀ (+ b)` for `rows` rows, bf16 out.
-    fn apply(&self, lin: &DevLinear, rows: usize, x: &CudaSlice<bf16>) -> Result<CudaSlice<bf16>> {
+    fn apply(&self, lin: &DeviceLinear, rows: usize, x: &CudaSlice<bf16>) -> Result<CudaSlice<bf16>> {
         let mut y = self.zeros::<bf16>(rows * lin.out)?;
-        gemm_bf16(&self.blas, &self.stream, rows, lin.out, lin.inp, x, &lin.w, &mut y).map_err(kern)?;
-        if let Some(b) = &lin.b {
-            self.kernels.bias_add(&self.stream, rows, &mut y, b).map_err(kern)?;
-        }
+        lin.forward(&self.kernels, &self.blas, &self.stream, rows, x, &mut y).map_err(kern)?;
         Ok(y)
     }
 

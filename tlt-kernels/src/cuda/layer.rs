@@ -141,6 +141,47 @@ impl CudaKernels {
     }
 }
 
+/// A linear layer on the device: `w` `[out, inp]` bf16 and an optional bias `[out]`.
+#[derive(Debug)]
+pub struct DeviceLinear {
+    /// Weights, row-major `[out, inp]`.
+    pub w: CudaSlice<bf16>,
+    /// Bias.
+    pub b: Option<CudaSlice<bf16>>,
+    /// Output features.
+    pub out: usize,
+    /// Input features.
+    pub inp: usize,
+}
+
+impl DeviceLinear {
+    /// `y = x · wᵀ (+ b)` for `rows` rows (`x`: `[rows, inp]`, `y`: `[rows, out]`); `blas` created on `stream`.
+    ///
+    /// # Errors
+    /// As [`gemm_bf16`] and [`CudaKernels::bias_add`].
+    pub fn forward(
+        &self,
+        kernels: &CudaKernels,
+        blas: &CudaBlas,
+        stream: &CudaStream,
+        rows: usize,
+        x: &CudaSlice<bf16>,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        gemm_bf16(blas, stream, rows, self.out, self.inp, x, &self.w, y)?;
+        if let Some(b) = &self.b {
+            kernels.bias_add(stream, rows, y, b)?;
+        }
+        Ok(())
+    }
+
+    /// Elements on the device (weights and bias).
+    #[must_use]
+    pub fn elements(&self) -> usize {
+        self.w.len() + self.b.as_ref().map_or(0, CudaSlice::len)
+    }
+}
+
 /// Output element types of [`gemm_bf16`].
 pub trait GemmOut: cudarc::driver::DeviceRepr {
     /// cuBLAS's name for the type.

@@ -22,7 +22,7 @@ pub use device::{driver_available, gpu_or_skip, AcceptIn, AcceptOut, CudaKernels
 #[cfg(feature = "cuda")]
 pub use draft::RowSource;
 #[cfg(feature = "cuda")]
-pub use layer::{gemm_bf16, GemmOut};
+pub use layer::{gemm_bf16, DeviceLinear, GemmOut};
 #[cfg(feature = "cuda")]
 pub use nvrtc::{compile, nvrtc_available, Compiled};
 pub use shapes::{

@@ -16,7 +16,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use tlt_cudagraph::{BucketPolicy, GraphKey, GraphPool, PoolStats};
-use tlt_kernels::cuda::{CacheDims, CudaKernels, SeqMeta};
+use tlt_kernels::cuda::{CacheDims, CudaKernels, DeviceLinear, SeqMeta};
 use tlt_kernels::AttnShape;
 
 use self::layout::layout;
@@ -31,26 +31,17 @@ pub(crate) fn cuda_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError)
     move |e| Error::Kernel(tlt_kernels::Error::Cuda { op, message: e.to_string() })
 }
 
-/// A linear layer on the device: `w` `[out, inp]` bf16, optional bias.
-#[derive(Debug)]
-struct DevLinear {
-    w: CudaSlice<bf16>,
-    b: Option<CudaSlice<bf16>>,
-    out: usize,
-    inp: usize,
-}
-
 #[derive(Debug)]
 struct DevLayer {
     in_norm: CudaSlice<bf16>,
     post_norm: CudaSlice<bf16>,
-    q: DevLinear,
-    k: DevLinear,
-    v: DevLinear,
-    o: DevLinear,
-    gate: DevLinear,
-    up: DevLinear,
-    down: DevLinear,
+    q: DeviceLinear,
+    k: DeviceLinear,
+    v: DeviceLinear,
+    o: DeviceLinear,
+    gate: DeviceLinear,
+    up: DeviceLinear,
+    down: DeviceLinear,
 }
 
 /// The seven projections of a block of `cfg`, in [`Projections`] field order (the CPU model's shapes).
@@ -321,9 +312,9 @@ impl CudaLlama {
             for (p, sh) in shapes.iter().enumerate() {
                 let w = need(Weight::Proj(l, p, false), get(Weight::Proj(l, p, false))?)?;
                 let b = get(Weight::Proj(l, p, true))?;
-                lin.push(DevLinear { w, b, out: sh.out, inp: sh.inp });
+                lin.push(DeviceLinear { w, b, out: sh.out, inp: sh.inp });
             }
-            let Ok([q, k, v, o, gate, up, down]) = <[DevLinear; 7]>::try_from(lin) else {
+            let Ok([q, k, v, o, gate, up, down]) = <[DeviceLinear; 7]>::try_from(lin) else {
                 return Err(Error::InvalidInput("a decoder block has seven projections".into()));
             };
             layers.push(DevLayer {
@@ -363,7 +354,7 @@ impl CudaLlama {
 
     /// Bytes of weights one forward streams (every linear, the LM head, the norms), for bandwidth figures.
     pub fn weight_bytes(&self) -> usize {
-        let lin = |l: &DevLinear| l.w.len() + l.b.as_ref().map_or(0, CudaSlice::len);
+        let lin = DeviceLinear::elements;
         let w = &self.w;
         let layers: usize = w
             .layers

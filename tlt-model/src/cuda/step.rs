@@ -7,10 +7,10 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
-use tlt_kernels::cuda::{gemm_bf16, CacheDims, CudaKernels, RowMeta, SeqMeta, TreeDims};
+use tlt_kernels::cuda::{gemm_bf16, CacheDims, CudaKernels, DeviceLinear, RowMeta, SeqMeta, TreeDims};
 
 use super::layout::StepLayout;
-use super::{cuda_err, DevLinear, DevWeights};
+use super::{cuda_err, DevWeights};
 use crate::config::LlamaConfig;
 use crate::Result;
 
@@ -132,12 +132,8 @@ pub(crate) struct Model<'a> {
 }
 
 impl Model<'_> {
-    fn linear(&self, rows: usize, x: &CudaSlice<bf16>, l: &DevLinear, y: &mut CudaSlice<bf16>) -> Result<()> {
-        gemm_bf16(self.blas, self.stream, rows, l.out, l.inp, x, &l.w, y)?;
-        if let Some(b) = &l.b {
-            self.kernels.bias_add(self.stream, rows, y, b)?;
-        }
-        Ok(())
+    fn linear(&self, rows: usize, x: &CudaSlice<bf16>, l: &DeviceLinear, y: &mut CudaSlice<bf16>) -> Result<()> {
+        Ok(l.forward(self.kernels, self.blas, self.stream, rows, x, y)?)
     }
 
     /// Copies the residual stream into every tap of layer input `layer` (a device copy, capturable).
