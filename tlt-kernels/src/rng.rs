@@ -20,6 +20,11 @@ impl SplitMix64 {
         splitmix64(&mut self.state)
     }
 
+    /// The whole state: `SplitMix64::new(g.state())` continues exactly where `g` is (checkpoints).
+    pub fn state(&self) -> u64 {
+        self.state
+    }
+
     /// Uniform in `[0, 1)` with 53 bits of precision.
     pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)

@@ -64,6 +64,10 @@ pub enum Error {
         /// What went wrong.
         reason: String,
     },
+    /// A trainer refuses to go on after a failed step (the reason says which and why); resume from its last
+    /// checkpoint.
+    #[error("the trainer stopped: {0}")]
+    Stopped(String),
     /// JSON (de)serialisation failed.
     #[error(transparent)]
     Json(#[from] serde_json::Error),

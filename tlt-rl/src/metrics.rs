@@ -60,9 +60,24 @@ pub struct StepMetrics {
     /// Wall seconds spent in the rollout (generation).
     #[serde(deserialize_with = "f64_or_nan")]
     pub rollout_s: f64,
-    /// Wall seconds spent computing rewards.
+    /// Seconds spent scoring answers, all reward workers together (see `[reward]` in the trainer config).
     #[serde(deserialize_with = "f64_or_nan")]
     pub reward_s: f64,
+    /// The part of [`Self::reward_s`] that ran while the rollout was still decoding (hidden behind it).
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub reward_hidden_s: f64,
+    /// Wall seconds the step waited for rewards after the rollout ended (the reward time the step paid for).
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub reward_wait_s: f64,
+    /// Answers whose scoring ran past the reward deadline (scored 0).
+    #[serde(default)]
+    pub reward_timeouts: usize,
+    /// Rollouts of the step (more than 1 only with dynamic sampling).
+    #[serde(default)]
+    pub gen_batches: usize,
+    /// Groups trained on whose rewards were not all equal.
+    #[serde(default)]
+    pub informative_groups: usize,
     /// Wall seconds spent in the policy update.
     #[serde(deserialize_with = "f64_or_nan")]
     pub train_s: f64,
@@ -118,6 +133,15 @@ pub struct StepMetrics {
     /// Optimizer steps of the update (mini-batches x epochs).
     #[serde(default)]
     pub optimizer_steps: usize,
+    /// Optimizer steps skipped because the gradient norm was not finite (the weights were left unchanged).
+    #[serde(default)]
+    pub skipped_optimizer_steps: usize,
+    /// Fraction of tokens whose loss the dual clip capped (verl `pg_clipfrac_lower`).
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub dual_clip_frac: f64,
+    /// Mean `old_logp - logp` over trained tokens (verl `ppo_kl`; 0 with a single optimizer step).
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub ppo_kl: f64,
     /// Gradient norm before clipping.
     #[serde(deserialize_with = "f64_or_nan")]
     pub grad_norm: f64,

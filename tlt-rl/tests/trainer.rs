@@ -1,113 +1,69 @@
 //! The trainer end to end on a tiny seeded model: GRPO learns a trivially learnable reward, TLT rollouts are
-//! lossless (greedy: identical completions and weights; sampling: indistinguishable distributions), and a run
-//! killed mid-step resumes bit for bit.
+//! lossless (greedy and sampled: identical completions and weights with the default settings), a run killed
+//! between steps or mid-step resumes exactly (metrics, policy and drafter). The update's guards are in `guards.rs`,
+//! scoring overlapped with the rollout in `scoring.rs`.
 
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
-use std::cell::Cell;
 use std::collections::BTreeMap;
+use std::sync::Mutex;
 
-use tlt_model::optim::{LrSchedule, ScheduleKind};
-use tlt_model::{EosTokens, Llama, LlamaConfig};
 use tlt_rl::grpo::{GrpoConfig, MeanLevel};
 use tlt_rl::metrics::StepMetrics;
 use tlt_rl::task::{Score, Split};
 use tlt_rl::trainer::{
-    DrafterChoice, DrafterSchedule, Environment, Mode, Prompt, Quiet, SdConfig, Trainer, TrainerConfig, WarmupConfig,
+    DrafterChoice, DrafterSchedule, Environment, Mode, Prompt, Quiet, Trainer, TrainerConfig, WarmupConfig,
 };
 use tlt_rl::{Error, Result};
 use tlt_scheduler::GateConfig;
 
-const VOCAB: u32 = 32;
-/// The token the reward asks for.
-const GOOD: u32 = 7;
-/// End of sequence of the tiny model.
-const EOS: u32 = 1;
+mod common;
 
-fn tiny_model(seed: u64) -> Llama {
-    let mut cfg = LlamaConfig::tiny(VOCAB as usize, 64, 2);
-    cfg.eos_token_id = Some(EosTokens::One(EOS));
-    Llama::random(cfg, seed).unwrap()
-}
+use common::{base_config, count_prompt, count_score, tiny_model};
 
-/// Prompts of 3-6 tokens from the data index; reward = fraction of generated tokens equal to [`GOOD`]. With
-/// `fail_at` set, scoring fails once at that prompt index (a crash mid-step).
+/// [`count_prompt`]s scored by [`count_score`]. With `fail_at` set, scoring fails once at that prompt index (a crash
+/// mid-step).
 struct CountEnv {
-    fail_at: Cell<Option<u64>>,
+    fail_at: Mutex<Option<u64>>,
 }
 
 impl CountEnv {
     fn new() -> Self {
-        Self { fail_at: Cell::new(None) }
+        Self { fail_at: Mutex::new(None) }
     }
 }
 
 impl Environment for CountEnv {
     fn prompt(&self, split: Split, pos: u64) -> Result<Prompt> {
-        let index = match split {
-            Split::Train => pos,
-            Split::Eval => 1_000_000 + pos,
-        };
-        let len = 3 + (index % 4) as usize;
-        let ids = (0..len).map(|j| 2 + ((index * 7 + j as u64 * 3) % u64::from(VOCAB - 2)) as u32).collect();
-        Ok(Prompt { index, ids, problem: None })
+        Ok(count_prompt(split, pos))
     }
 
     fn score(&self, prompt: &Prompt, completion: &[u32]) -> Result<Score> {
-        if self.fail_at.get() == Some(prompt.index) {
-            self.fail_at.set(None);
-            return Err(Error::InvalidArgument("injected crash".into()));
+        {
+            let mut fail = self.fail_at.lock().unwrap();
+            if *fail == Some(prompt.index) {
+                *fail = None;
+                return Err(Error::InvalidArgument("injected crash".into()));
+            }
         }
-        let good = completion.iter().filter(|&&t| t == GOOD).count();
-        let reward = good as f64 / completion.len().max(1) as f64;
-        Ok(Score { reward, correct: reward > 0.5, formatted: true, timed_out: false })
-    }
-}
-
-fn base_config(mode: Mode) -> TrainerConfig {
-    TrainerConfig {
-        mode,
-        seed: 3,
-        prompts_per_step: 8,
-        group_size: 4,
-        max_new_tokens: 12,
-        temperature: 1.0,
-        micro_batch_tokens: 64,
-        optim: tlt_rl::trainer::OptimConfig {
-            schedule: LrSchedule {
-                lr: 3e-3,
-                warmup_steps: 1,
-                total_steps: 0,
-                min_lr_ratio: 0.0,
-                kind: ScheduleKind::Constant,
-            },
-            ..Default::default()
-        },
-        sd: SdConfig {
-            // Speculate from the first round so every step exercises SD.
-            gate: GateConfig { threshold: 64, on_after: 1, off_threshold: 64, off_after: 1 },
-            schedule: DrafterSchedule::Fixed { steps: 2 },
-            ..SdConfig::default()
-        },
-        ..TrainerConfig::default()
+        Ok(count_score(completion))
     }
 }
 
 fn weights(t: &Trainer<CountEnv>) -> BTreeMap<String, Vec<f32>> {
-    t.policy()
-        .weights()
-        .named_tensors()
-        .into_iter()
-        .map(|(n, w)| (n, w.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-        .collect()
+    common::weights(t)
 }
 
-/// The metrics that do not depend on wall time (the bandit's arms and hence accept lengths do).
-fn deterministic(m: &StepMetrics) -> String {
+/// The metrics that do not depend on wall time. With `arms`, the bandit's choices and what they committed are
+/// kept too: they are deterministic when every batch bucket holds one arm (the default bandit), since the SD gate
+/// counts running requests, not seconds.
+fn timeless(m: &StepMetrics, arms: bool) -> String {
     let mut m = m.clone();
     for x in [
         &mut m.rollout_s,
         &mut m.reward_s,
+        &mut m.reward_hidden_s,
+        &mut m.reward_wait_s,
         &mut m.train_s,
         &mut m.publish_s,
         &mut m.drafter_s,
@@ -117,11 +73,13 @@ fn deterministic(m: &StepMetrics) -> String {
     ] {
         *x = 0.0;
     }
-    m.plain_arm_steps = 0;
-    m.round_tokens.clear();
-    m.accept_len = 0.0;
-    m.accept_lens.clear();
-    m.arms.clear();
+    if !arms {
+        m.plain_arm_steps = 0;
+        m.round_tokens.clear();
+        m.accept_len = 0.0;
+        m.accept_lens.clear();
+        m.arms.clear();
+    }
     // Wall-clock shares and per-round times.
     m.tail_share = 0.0;
     m.round_seconds.clear();
@@ -154,15 +112,8 @@ fn greedy_run(mode: Mode, drafters: &[DrafterChoice]) -> GreedyRun {
         [one] => cfg.sd.drafter = *one,
         many => cfg.sd.drafters = many.to_vec(),
     }
-    // Greedy groups are identical: a batch-level baseline keeps the advantages non-zero. The trainer recomputes
-    // every log-probability it trains on; the rollout's own (for the IS correction) come from different kernels
-    // under SD (verify rows vs decode rows), equal only to rounding, so the correction is off here.
-    cfg.grpo = GrpoConfig {
-        mean_level: MeanLevel::Batch,
-        drop_zero_variance_groups: false,
-        tis_cap: None,
-        ..GrpoConfig::default()
-    };
+    // Greedy groups are identical: a batch-level baseline keeps the advantages non-zero.
+    cfg.grpo = GrpoConfig { mean_level: MeanLevel::Batch, ..GrpoConfig::default() };
     let mut t = Trainer::new(tiny_model(5), CountEnv::new(), cfg).unwrap();
     let mut run = GreedyRun { outs: Vec::new(), logprobs: Vec::new(), weights: BTreeMap::new(), metrics: Vec::new() };
     for _ in 0..2 {
@@ -267,35 +218,45 @@ fn sampled_tlt_rollouts_match_baseline_distribution() {
     assert!(pr > 0.01 && pl > 0.01, "distributions differ: reward p {pr}, length p {pl}");
 }
 
-/// Sampled TLT rollouts (T = 1 and 0.7) commit the baseline's tokens with the same seed, for every drafter, so two
-/// steps end at the same weights (the IS correction is off: the rollout's own log-probabilities differ between
-/// verify and decode forwards by rounding).
+/// Lossless updates with the default GRPO settings: sampled TLT rollouts (T = 1 and 0.7) commit the baseline's
+/// tokens with the same seed, for every drafter, and since the rollout's own log-probabilities (equal to plain
+/// decoding's only to rounding: verify rows against decode rows) enter no default loss term (truncated importance
+/// sampling is off by default), three steps end at the same weights bit for bit. The drafter trains on the default
+/// tail schedule (timing-dependent: it changes drafts, never tokens or the policy). Negative control: with the
+/// correction on, the rounding reaches the weights.
 #[test]
-fn sampled_tlt_commits_the_baselines_tokens_and_weights() {
+fn sampled_tlt_updates_equal_the_baselines_bit_for_bit_with_the_defaults() {
+    assert_eq!(GrpoConfig::default().tis_cap, None, "TIS must be off by default");
+    let run = |mode: Mode, drafter: DrafterChoice, temperature: f64, tis: Option<f64>| {
+        let mut cfg = base_config(mode);
+        cfg.temperature = temperature;
+        cfg.sd.drafter = drafter;
+        cfg.sd.schedule = DrafterSchedule::default();
+        cfg.grpo.tis_cap = tis;
+        let mut t = Trainer::new(tiny_model(6), CountEnv::new(), cfg).unwrap();
+        let mut outs = Vec::new();
+        let mut accept = 0.0;
+        for _ in 0..3 {
+            let r = t.step(&mut Quiet).unwrap();
+            accept += r.metrics.accept_len;
+            outs.push(r.samples.into_iter().map(|(s, _, _)| s.tokens).collect::<Vec<_>>());
+        }
+        (outs, weights(&t), accept)
+    };
     for temperature in [1.0, 0.7] {
-        let run = |mode: Mode, drafter: DrafterChoice| {
-            let mut cfg = base_config(mode);
-            cfg.temperature = temperature;
-            cfg.sd.drafter = drafter;
-            cfg.grpo.tis_cap = None;
-            let mut t = Trainer::new(tiny_model(6), CountEnv::new(), cfg).unwrap();
-            let mut outs = Vec::new();
-            let mut accept = 0.0;
-            for _ in 0..2 {
-                let r = t.step(&mut Quiet).unwrap();
-                accept += r.metrics.accept_len;
-                outs.push(r.samples.into_iter().map(|(s, _, _)| s.tokens).collect::<Vec<_>>());
-            }
-            (outs, weights(&t), accept)
-        };
-        let (base_outs, base_w, _) = run(Mode::Baseline, DrafterChoice::Ngram);
+        let (base_outs, base_w, _) = run(Mode::Baseline, DrafterChoice::Ngram, temperature, None);
         for drafter in [DrafterChoice::Ngram, DrafterChoice::Hybrid] {
-            let (outs, w, accept) = run(Mode::Tlt, drafter);
-            assert!(accept > 2.0, "T={temperature} {drafter:?}: SD barely ran ({accept})");
+            let (outs, w, accept) = run(Mode::Tlt, drafter, temperature, None);
+            assert!(accept > 3.0, "T={temperature} {drafter:?}: SD barely ran ({accept})");
             assert_eq!(outs, base_outs, "T={temperature} {drafter:?}: completions differ");
             assert!(w == base_w, "T={temperature} {drafter:?}: weights differ");
         }
     }
+    // With TIS on, the rollout's log-probabilities enter the loss: the same tokens, different weights.
+    let (base_outs, base_w, _) = run(Mode::Baseline, DrafterChoice::Ngram, 0.7, Some(2.0));
+    let (outs, w, _) = run(Mode::Tlt, DrafterChoice::Ngram, 0.7, Some(2.0));
+    assert_eq!(outs, base_outs);
+    assert!(w != base_w, "negative control: with TIS the verify rows' rounding should reach the weights");
 }
 
 /// Continuous batching: with at most 3 samples running (of 32) the rollout admits the rest as others finish, and
@@ -327,35 +288,85 @@ fn continuous_batching_commits_the_same_tokens_within_the_limit() {
     assert!(e.to_string().contains("max_running"), "{e}");
 }
 
+/// The drafter's state as checkpointed: its trainer's tensors (weights, moments) and its sample buffer.
+fn drafter_files(t: &Trainer<CountEnv>, dir: &std::path::Path) -> BTreeMap<String, Vec<u8>> {
+    let _ = std::fs::remove_dir_all(dir);
+    t.save_checkpoint(dir).unwrap();
+    let drafter = dir.join(tlt_rl::trainer::DRAFTER_DIR);
+    let mut files = if drafter.exists() { tensor_files(&drafter) } else { BTreeMap::new() };
+    if let Ok(b) = std::fs::read(dir.join(tlt_rl::trainer::DRAFTER_BUFFER_FILE)) {
+        files.insert("buffer".into(), b);
+    }
+    files
+}
+
+/// A sampled (T = 0.7) run killed between steps, or mid-step (scoring crashes after the rollout fed the drafter's
+/// buffer and the bandit), resumes from its last checkpoint to the uninterrupted run's metrics (the bandit's arms
+/// and accept lengths included), policy weights and drafter (weights, moments and sample buffer), with the default
+/// `keep_steps` (2: the buffer spans steps, so it must be checkpointed). The drafter trains on the deterministic
+/// `Fixed` schedule: the default tail schedule trains for as long as the tail lasts in wall time, which no run
+/// reproduces. Negative control: a checkpoint whose buffer was emptied resumes to a different drafter.
 #[test]
-fn a_run_killed_mid_step_resumes_bit_for_bit() {
+fn a_run_killed_between_or_mid_step_resumes_exactly() {
     let dir = std::env::temp_dir().join(format!("tlt-rl-resume-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     for mode in [Mode::Baseline, Mode::Tlt] {
-        // Sampled (T = 1) in both modes: coupled verification makes TLT's tokens independent of the drafts, so the
-        // bandit's wall-time choices do not matter. The drafter's buffer keeps only the current step (it is not
-        // checkpointed); the drafts it shapes change speed, not tokens.
         let mut cfg = base_config(mode);
-        assert_eq!(cfg.temperature, 1.0);
-        cfg.sd.buffer.keep_steps = 1;
-        let mut full = Trainer::new(tiny_model(2), CountEnv::new(), cfg.clone()).unwrap();
-        let full_m: Vec<String> = (0..3).map(|_| deterministic(&full.step(&mut Quiet).unwrap().metrics)).collect();
+        cfg.temperature = 0.7;
+        assert_eq!(cfg.sd.buffer.keep_steps, tlt_drafter::online::BufferConfig::default().keep_steps);
+        assert_eq!(cfg.sd.drafter, DrafterChoice::default());
+        assert!(matches!(cfg.sd.schedule, DrafterSchedule::Fixed { .. }));
+        let fresh = || Trainer::new(tiny_model(2), CountEnv::new(), cfg.clone()).unwrap();
+        let mut full = fresh();
+        let full_m: Vec<String> = (0..4).map(|_| timeless(&full.step(&mut Quiet).unwrap().metrics, true)).collect();
+        let full_d = drafter_files(&full, &dir.join("full"));
+        if mode == Mode::Tlt {
+            assert!(full_d.contains_key("buffer") && full_d.len() > 2, "{:?}", full_d.keys().collect::<Vec<_>>());
+        }
 
-        let ckpt = dir.join(format!("{mode:?}"));
-        let env = CountEnv::new();
-        let mut part = Trainer::new(tiny_model(2), env, cfg.clone()).unwrap();
-        let mut got = vec![deterministic(&part.step(&mut Quiet).unwrap().metrics)];
+        // Killed between steps 2 and 3.
+        let ckpt = dir.join(format!("{mode:?}-between"));
+        let mut part = fresh();
+        let mut got: Vec<String> = (0..2).map(|_| timeless(&part.step(&mut Quiet).unwrap().metrics, true)).collect();
         part.save_checkpoint(&ckpt).unwrap();
-        // Step 2 crashes while scoring (after its rollout), and the process "dies".
-        part.env().fail_at.set(Some(cfg.prompts_per_step as u64 + 3));
-        assert!(part.step(&mut Quiet).is_err());
         drop(part);
+        let mut resumed = Trainer::resume(&ckpt, tiny_model(2), CountEnv::new(), cfg.clone()).unwrap();
+        assert_eq!(resumed.steps_done(), 2);
+        got.extend((0..2).map(|_| timeless(&resumed.step(&mut Quiet).unwrap().metrics, true)));
+        assert_eq!(got, full_m, "{mode:?}: metrics differ after a resume between steps");
+        assert!(weights(&resumed) == weights(&full), "{mode:?}: policy differs after a resume between steps");
+        assert!(drafter_files(&resumed, &dir.join("r1")) == full_d, "{mode:?}: drafter differs (between steps)");
 
+        // Killed mid-step: step 2 crashes while scoring, after its rollout fed the drafter and the bandit.
+        let ckpt = dir.join(format!("{mode:?}-mid"));
+        let mut part = fresh();
+        let mut got = vec![timeless(&part.step(&mut Quiet).unwrap().metrics, true)];
+        part.save_checkpoint(&ckpt).unwrap();
+        *part.env().fail_at.lock().unwrap() = Some(cfg.prompts_per_step as u64 + 3);
+        let e = part.step(&mut Quiet).unwrap_err();
+        assert!(e.to_string().contains("injected crash"), "{e}");
+        // The failed trainer refuses to go on or to checkpoint a state that is no step boundary.
+        assert!(matches!(part.step(&mut Quiet), Err(Error::Stopped(ref why)) if why.contains("step 1 failed")));
+        assert!(matches!(part.save_checkpoint(&dir.join("never")), Err(Error::Stopped(_))));
+        drop(part);
         let mut resumed = Trainer::resume(&ckpt, tiny_model(2), CountEnv::new(), cfg.clone()).unwrap();
         assert_eq!(resumed.steps_done(), 1);
-        got.extend((0..2).map(|_| deterministic(&resumed.step(&mut Quiet).unwrap().metrics)));
-        assert_eq!(got, full_m, "{mode:?}: metrics differ after resume");
-        assert!(weights(&resumed) == weights(&full), "{mode:?}: weights differ after resume");
+        got.extend((0..3).map(|_| timeless(&resumed.step(&mut Quiet).unwrap().metrics, true)));
+        assert_eq!(got, full_m, "{mode:?}: metrics differ after a resume mid-step");
+        assert!(weights(&resumed) == weights(&full), "{mode:?}: policy differs after a resume mid-step");
+        assert!(drafter_files(&resumed, &dir.join("r2")) == full_d, "{mode:?}: drafter differs (mid-step)");
+
+        if mode == Mode::Tlt {
+            // Negative control: the same checkpoint with its drafter buffer emptied.
+            let empty = tlt_drafter::online::OnlineBuffer::new(cfg.sd.buffer).unwrap();
+            empty.save(&ckpt.join(tlt_rl::trainer::DRAFTER_BUFFER_FILE)).unwrap();
+            let mut r = Trainer::resume(&ckpt, tiny_model(2), CountEnv::new(), cfg.clone()).unwrap();
+            for _ in 0..3 {
+                r.step(&mut Quiet).unwrap();
+            }
+            assert!(weights(&r) == weights(&full), "the buffer shapes drafts, never the policy");
+            assert!(drafter_files(&r, &dir.join("r3")) != full_d, "an emptied buffer should change the drafter");
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -366,7 +377,7 @@ fn a_run_killed_mid_step_resumes_bit_for_bit() {
 fn ppo_epochs_and_mini_batches_move_the_ratio_and_clip() {
     let mut one = Trainer::new(tiny_model(5), CountEnv::new(), base_config(Mode::Baseline)).unwrap();
     let m = one.step(&mut Quiet).unwrap().metrics;
-    assert_eq!((m.optimizer_steps, m.ratio_mean, m.clip_frac), (1, 1.0, 0.0), "{m:?}");
+    assert_eq!((m.optimizer_steps, m.ratio_mean, m.clip_frac, m.ppo_kl), (1, 1.0, 0.0, 0.0), "{m:?}");
 
     let mut cfg = base_config(Mode::Baseline);
     cfg.ppo_mini_batch_size = Some(2);
@@ -375,10 +386,11 @@ fn ppo_epochs_and_mini_batches_move_the_ratio_and_clip() {
     let mut many = Trainer::new(tiny_model(5), CountEnv::new(), cfg.clone()).unwrap();
     let r = many.step(&mut Quiet).unwrap();
     let m = r.metrics;
-    let groups = cfg.prompts_per_step - m.zero_variance_groups;
-    let per_epoch = (groups * cfg.group_size).div_ceil(2 * cfg.group_size);
-    assert_eq!(m.optimizer_steps, 3 * per_epoch, "{m:?}");
+    // Every group is kept (verl's default): 8 prompts in mini-batches of 2, three epochs.
+    assert_eq!(r.update.sequences, cfg.prompts_per_step * cfg.group_size);
+    assert_eq!(m.optimizer_steps, 3 * cfg.prompts_per_step / 2, "{m:?}");
     assert!((m.ratio_mean - 1.0).abs() > 1e-4, "ratio never moved: {}", m.ratio_mean);
+    assert!(m.ppo_kl.abs() > 1e-6 && m.ppo_kl.is_finite(), "ppo_kl {}", m.ppo_kl);
     assert!(m.clip_frac > 0.0, "nothing clipped with lr 3e-2 over {} steps", m.optimizer_steps);
     // Deterministic: the same seed gives the same shuffles and weights.
     let mut again = Trainer::new(tiny_model(5), CountEnv::new(), cfg).unwrap();
@@ -386,8 +398,15 @@ fn ppo_epochs_and_mini_batches_move_the_ratio_and_clip() {
     assert!(weights(&again) == weights(&many));
     assert!(TrainerConfig { ppo_epochs: 0, ..TrainerConfig::default() }.validate().is_err());
     assert!(TrainerConfig { ppo_mini_batch_size: Some(0), ..TrainerConfig::default() }.validate().is_err());
-    let e = TrainerConfig { top_p: 0.9, ..TrainerConfig::default() }.validate().unwrap_err();
+    let e = TrainerConfig { top_p: 0.9, grpo: GrpoConfig { tis_cap: Some(2.0), ..GrpoConfig::default() }, ..TrainerConfig::default() }
+        .validate()
+        .unwrap_err();
     assert!(e.to_string().contains("tis_cap"), "{e}");
+    // Mini-batches of equal size: the mini-batch must divide the batch.
+    let e = TrainerConfig { prompts_per_step: 8, ppo_mini_batch_size: Some(3), ..TrainerConfig::default() }
+        .validate()
+        .unwrap_err();
+    assert!(e.to_string().contains("ppo_mini_batch_size") && e.to_string().contains("divide"), "{e}");
 }
 
 #[test]

@@ -25,8 +25,8 @@ use serde::{Deserialize, Serialize};
 use tlt_spec_decode::{Drafter, Engine, Target};
 
 use crate::error::Result;
-use crate::gate::{GateConfig, Phase, SdGate};
-use crate::mab::{BegMab, MabConfig};
+use crate::gate::{GateConfig, GateState, Phase, SdGate};
+use crate::mab::{BegMab, MabConfig, MabState};
 
 /// What an [`AdaptiveDecoder`] did, round by round.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -80,6 +80,23 @@ impl DecodeTrace {
         } else {
             self.sd_steps as f64 / self.steps as f64
         }
+    }
+
+    /// Appends the rounds of `other` (a later rollout of the same step) to this trace.
+    pub fn append(&mut self, other: DecodeTrace) {
+        self.steps += other.steps;
+        self.sd_steps += other.sd_steps;
+        self.seconds += other.seconds;
+        self.sd_seconds += other.sd_seconds;
+        self.active.extend(other.active);
+        self.round_seconds.extend(other.round_seconds);
+        self.round_tokens.extend(other.round_tokens);
+        self.accept_lens.extend(other.accept_lens);
+        for (arm, n) in other.arms {
+            *self.arms.entry(arm).or_default() += n;
+        }
+        self.plain_arm_steps += other.plain_arm_steps;
+        self.prepare_seconds += other.prepare_seconds;
     }
 
     /// Mean of [`Self::accept_lens`] (0 without speculative rounds).
@@ -232,6 +249,31 @@ impl AdaptiveDecoder {
     pub fn mab(&self) -> &BegMab {
         &self.mab
     }
+
+    /// The gate's and the bandit's state, for a checkpoint (the trace is per rollout and not part of it).
+    pub fn state(&self) -> DecoderState {
+        DecoderState { gate: self.gate.state(), mab: self.mab.state() }
+    }
+
+    /// Continues from `state` (a checkpoint of a decoder with these configurations).
+    ///
+    /// # Errors
+    /// As [`BegMab::restore`]; the decoder is then unchanged.
+    pub fn restore(&mut self, state: &DecoderState) -> Result<()> {
+        self.mab.restore(&state.mab)?;
+        self.gate.restore(state.gate);
+        Ok(())
+    }
+}
+
+/// An [`AdaptiveDecoder`]'s learned state: the gate and the bandit ([`AdaptiveDecoder::state`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecoderState {
+    /// The SD gate.
+    pub gate: GateState,
+    /// The plan bandit.
+    pub mab: MabState,
 }
 
 #[cfg(test)]

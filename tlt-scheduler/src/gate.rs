@@ -152,6 +152,30 @@ impl SdGate {
     pub fn config(&self) -> &GateConfig {
         &self.cfg
     }
+
+    /// The gate's state, for a checkpoint.
+    pub fn state(&self) -> GateState {
+        GateState { phase: self.phase, streak: self.streak, transitions: self.transitions }
+    }
+
+    /// Continues from `state` (a checkpoint's).
+    pub fn restore(&mut self, state: GateState) {
+        self.phase = state.phase;
+        self.streak = state.streak;
+        self.transitions = state.transitions;
+    }
+}
+
+/// An [`SdGate`]'s state ([`SdGate::state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GateState {
+    /// The phase of the last observed step.
+    pub phase: Phase,
+    /// Consecutive steps toward the other phase.
+    pub streak: usize,
+    /// Transitions so far.
+    pub transitions: u64,
 }
 
 #[cfg(test)]

@@ -55,10 +55,10 @@ pub mod queue;
 pub mod rollout;
 pub mod sim;
 
-pub use adaptive::{AdaptiveDecoder, DecodeTrace};
+pub use adaptive::{AdaptiveDecoder, DecodeTrace, DecoderState};
 pub use error::{Error, Result};
-pub use gate::{GateConfig, GateDecision, Phase, SdGate};
-pub use mab::{step_reward, BegMab, Choice, ChoiceReason, MabConfig, MabStatistic};
+pub use gate::{GateConfig, GateDecision, GateState, Phase, SdGate};
+pub use mab::{step_reward, BegMab, Choice, ChoiceReason, MabConfig, MabState, MabStatistic};
 pub use queue::{AdmissionLimits, AdmissionQueue};
 pub use rollout::{
     FinishReason, Finished, GroupId, RequestId, RequestOutcome, Rollout, RolloutConfig, RolloutStats, Step, StepOutcome,

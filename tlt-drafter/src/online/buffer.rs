@@ -142,6 +142,19 @@ pub struct BufferStats {
     pub held_positions: usize,
 }
 
+/// The contents of an [`OnlineBuffer`] ([`OnlineBuffer::parts`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct BufferParts {
+    /// `(id, sample)`, oldest first.
+    pub items: Vec<(u64, Arc<FeatureSample>)>,
+    /// The id the next push gets (= samples ever pushed).
+    pub next_id: u64,
+    /// The RL step last entered.
+    pub step: u64,
+    /// Samples dropped so far.
+    pub evicted: u64,
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     items: VecDeque<(u64, Arc<FeatureSample>)>,
@@ -234,6 +247,51 @@ impl OnlineBuffer {
     /// Ids of the samples held, oldest first.
     pub fn ids(&self) -> Vec<u64> {
         self.inner.lock().items.iter().map(|(id, _)| *id).collect()
+    }
+
+    /// Everything the buffer holds, for a checkpoint ([`super::persist`]).
+    pub(crate) fn parts(&self) -> BufferParts {
+        let g = self.inner.lock();
+        BufferParts { items: g.items.iter().cloned().collect(), next_id: g.next_id, step: g.step, evicted: g.evicted }
+    }
+
+    /// A buffer holding `parts` (a checkpoint's), checked: ids increasing and below `next_id`, samples valid and
+    /// within the limits.
+    pub(crate) fn from_parts(cfg: BufferConfig, parts: BufferParts) -> Result<Self> {
+        let b = Self::new(cfg)?;
+        if parts.items.len() > cfg.max_samples {
+            return Err(Error::InvalidArgument(format!(
+                "{} samples exceed the buffer's {}",
+                parts.items.len(),
+                cfg.max_samples
+            )));
+        }
+        let mut positions = 0;
+        let mut last = None;
+        for (id, s) in &parts.items {
+            s.validate()?;
+            if last.is_some_and(|l| l >= *id) || *id >= parts.next_id {
+                return Err(Error::InvalidArgument(format!("sample id {id} out of order or not below {}", parts.next_id)));
+            }
+            last = Some(*id);
+            positions += s.train_positions();
+        }
+        if parts.evicted + parts.items.len() as u64 != parts.next_id {
+            return Err(Error::InvalidArgument(format!(
+                "{} held + {} evicted is not the {} pushed",
+                parts.items.len(),
+                parts.evicted,
+                parts.next_id
+            )));
+        }
+        *b.inner.lock() = Inner {
+            items: parts.items.into(),
+            next_id: parts.next_id,
+            step: parts.step,
+            evicted: parts.evicted,
+            positions,
+        };
+        Ok(b)
     }
 
     /// Lifetime counts.

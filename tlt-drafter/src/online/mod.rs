@@ -3,6 +3,7 @@
 //! runs micro-steps on an idle worker and stops within one micro-step when preempted.
 
 mod buffer;
+mod persist;
 mod publish;
 mod trainer;
 

@@ -63,6 +63,14 @@ pub struct GradNorm {
     pub after: f64,
 }
 
+impl GradNorm {
+    /// Whether [`AdamW::step`] applied the update: false when the global norm is not finite (a NaN or infinite
+    /// gradient), in which case the step changed nothing.
+    pub fn applied(&self) -> bool {
+        self.before.is_finite()
+    }
+}
+
 /// Scales `grads` in place so their global L2 norm is at most `max_norm` (PyTorch `clip_grad_norm_`: factor
 /// `max_norm / (norm + 1e-6)` when below 1). Returns the norms before and after.
 pub fn clip_grad_norm(grads: &mut [Vec<f64>], max_norm: Option<f64>) -> GradNorm {
@@ -172,11 +180,24 @@ impl AdamW {
     /// One update at learning rate `lr` from `grads`, clipped first to a global norm of `max_grad_norm`.
     /// Parameters without a gradient are left alone.
     ///
+    /// **A non-finite global norm skips the step** (verl skips it, as PyTorch's AMP grad scaler does): a NaN norm
+    /// would give a clip factor of 1 and an infinite one `0 × inf = NaN`, and the update would corrupt the weights,
+    /// the moments and every later checkpoint. Nothing changes then (parameters, moments, step counts) and the
+    /// returned norm says so ([`GradNorm::applied`] is false).
+    ///
     /// # Errors
-    /// On a non-finite `lr` or a tensor conversion failure.
+    /// On a non-finite `lr`, a gradient of the wrong size (checked for every parameter before any is touched) or a
+    /// tensor conversion failure.
     pub fn step(&mut self, grads: &GradStore, lr: f64, max_grad_norm: Option<f64>) -> Result<GradNorm> {
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(Error::config("lr", lr, "must be finite and >= 0"));
+        }
+        for (name, v) in &self.params {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                if g.elem_count() != v.elem_count() {
+                    return Err(Error::InvalidInput(format!("gradient of `{name}` has {} elements", g.elem_count())));
+                }
+            }
         }
         // Two passes so only one parameter's gradient is on the host at a time: the global norm, then the
         // (scaled) updates. Both sum in parameter order, as `clip_grad_norm` does.
@@ -187,6 +208,9 @@ impl AdamW {
             add_sq(g, &mut sq)?;
         }
         let before = sq.sqrt();
+        if !before.is_finite() {
+            return Ok(GradNorm { before, after: before });
+        }
         let coef = clip_coef(before, max_grad_norm);
         let mut sq_after = 0.0;
         for (i, g) in present {
@@ -257,4 +281,55 @@ fn add_sq(t: &Tensor, sq: &mut f64) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn one_param(values: &[f32]) -> (AdamW, Var) {
+        let v = Var::from_tensor(&Tensor::new(values, &Device::Cpu).unwrap()).unwrap();
+        let opt = AdamW::new(vec![("w".into(), v.clone())], AdamWParams { weight_decay: 0.01, ..Default::default() })
+            .unwrap();
+        (opt, v)
+    }
+
+    /// `loss = sum(w * scale)`: the gradient of `w` is `scale` everywhere.
+    fn grads_of(v: &Var, scale: f32) -> GradStore {
+        (v.as_tensor() * f64::from(scale)).unwrap().sum_all().unwrap().backward().unwrap()
+    }
+
+    #[test]
+    fn adamw_skips_a_step_with_a_non_finite_norm_and_changes_nothing() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let (mut opt, v) = one_param(&[1.0, -2.0, 3.0]);
+            // One good step first, so the moments and step counts are non-trivial.
+            assert!(opt.step(&grads_of(&v, 0.5), 1e-2, Some(1.0)).unwrap().applied());
+            let (w0, st0) = (v.as_tensor().to_vec1::<f32>().unwrap(), opt.state().to_vec());
+            let norm = opt.step(&grads_of(&v, bad), 1e-2, Some(1.0)).unwrap();
+            assert!(!norm.applied() && !norm.before.is_finite(), "{bad}: {norm:?}");
+            assert_eq!(v.as_tensor().to_vec1::<f32>().unwrap(), w0, "{bad}: weights moved");
+            assert_eq!(opt.state(), &st0[..], "{bad}: moments or step counts moved");
+            // The run goes on: the next finite step applies.
+            assert!(opt.step(&grads_of(&v, 0.5), 1e-2, Some(1.0)).unwrap().applied());
+            assert!(v.as_tensor().to_vec1::<f32>().unwrap().iter().all(|x| x.is_finite()));
+            assert_ne!(v.as_tensor().to_vec1::<f32>().unwrap(), w0);
+        }
+    }
+
+    #[test]
+    fn adamw_checks_every_gradient_before_touching_any_parameter() {
+        let a = Var::from_tensor(&Tensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::new(&[3.0f32], &Device::Cpu).unwrap()).unwrap();
+        let mut opt =
+            AdamW::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], AdamWParams::default()).unwrap();
+        // A store whose gradient for `b` has the wrong size (keyed by `b`'s id, computed from a wider tensor).
+        let mut grads = (a.as_tensor().sum_all().unwrap() + b.as_tensor().sum_all().unwrap()).unwrap().backward().unwrap();
+        grads.insert(b.as_tensor(), Tensor::new(&[1.0f32, 1.0], &Device::Cpu).unwrap());
+        let e = opt.step(&grads, 1e-2, None).unwrap_err();
+        assert!(e.to_string().contains("`b`"), "{e}");
+        assert_eq!(a.as_tensor().to_vec1::<f32>().unwrap(), [1.0, 2.0], "`a` was updated before `b` failed");
+        assert!(opt.state().iter().all(|s| s.steps == 0));
+    }
 }

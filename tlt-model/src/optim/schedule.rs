@@ -26,7 +26,8 @@ pub enum ScheduleKind {
 pub struct LrSchedule {
     /// Peak learning rate. Default 1e-6.
     pub lr: f64,
-    /// Updates of linear warmup: update `s < warmup_steps` uses `lr * (s + 1) / warmup_steps`. Default 0.
+    /// Updates of linear warmup from 0: update `s < warmup_steps` uses `lr * s / warmup_steps` (verl's and
+    /// transformers' `get_*_schedule_with_warmup`: the first update runs at 0). Default 0.
     pub warmup_steps: u64,
     /// Update at which the decay reaches its floor; 0 keeps `lr` after warmup. Otherwise must exceed
     /// `warmup_steps`. Default 0.
@@ -68,13 +69,14 @@ impl LrSchedule {
 
     /// The learning rate of update `step` (0-based).
     ///
-    /// Warmup ramps linearly from `lr / warmup_steps` at step 0 to `lr` at step `warmup_steps - 1`. After it,
+    /// Warmup ramps linearly from 0 at step 0 to `lr * (warmup_steps - 1) / warmup_steps` at step
+    /// `warmup_steps - 1` (verl: `current_step / max(1, num_warmup_steps)`), reaching `lr` at `warmup_steps`. After it,
     /// [`ScheduleKind::Constant`] (or `total_steps == 0`) gives `lr`; the decays go from `lr` at `warmup_steps` to
     /// `min_lr_ratio * lr` at `total_steps` and stay there. Never negative for a valid schedule; an invalid
     /// `total_steps <= warmup_steps` is treated as constant.
     pub fn lr_at(&self, step: u64) -> f64 {
         if step < self.warmup_steps {
-            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+            return self.lr * step as f64 / self.warmup_steps as f64;
         }
         if self.kind == ScheduleKind::Constant || self.total_steps <= self.warmup_steps {
             return self.lr;
@@ -104,11 +106,13 @@ mod tests {
         for kind in [ScheduleKind::Cosine, ScheduleKind::Linear, ScheduleKind::Constant] {
             let s = sched(kind);
             s.validate().unwrap();
-            assert!((s.lr_at(0) - 1e-4).abs() < 1e-15);
-            for i in 0..9 {
+            // verl's warmup from 0: s / W at update s.
+            assert_eq!(s.lr_at(0), 0.0);
+            assert!((s.lr_at(1) - 1e-4).abs() < 1e-15);
+            for i in 0..10 {
                 assert!(s.lr_at(i) < s.lr_at(i + 1), "{kind:?} warmup not increasing at {i}");
             }
-            assert_eq!(s.lr_at(9), 1e-3);
+            assert!((s.lr_at(9) - 9e-4).abs() < 1e-15);
             assert_eq!(s.lr_at(10), 1e-3);
             let end = if kind == ScheduleKind::Constant { 1e-3 } else { 1e-4 };
             assert!((s.lr_at(110) - end).abs() < 1e-15, "{kind:?}");

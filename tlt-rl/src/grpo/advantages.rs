@@ -61,7 +61,7 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
 }
 
 /// Whether all of `xs` are equal up to `1e-9 * max(1, max |x|)`.
-fn all_equal(xs: &[f64]) -> bool {
+pub(crate) fn all_equal(xs: &[f64]) -> bool {
     let (lo, hi, big) = xs
         .iter()
         .fold((f64::INFINITY, f64::NEG_INFINITY, 1.0f64), |(lo, hi, big), &x| (lo.min(x), hi.max(x), big.max(x.abs())));
@@ -74,10 +74,15 @@ fn all_equal(xs: &[f64]) -> bool {
 /// advantage is `r - mean(group)`, divided by `std(group) + adv_eps` when `std_norm`; with [`MeanLevel::Batch`] the
 /// mean and std are taken over the whole batch. The std is the unbiased one (`n - 1`, `torch.std`, as verl).
 ///
-/// A group is zero-variance when all its rewards are equal (up to `1e-9 * max(1, max |r|)`; a group of one answer
-/// always is). At group level its advantages are exactly 0; at batch level they keep their batch-relative value (a
-/// batch whose rewards are all equal gets zeros). Either way the group is flagged, and [`Advantages::keep`] drops it
-/// when [`GrpoConfig::drop_zero_variance_groups`] is set.
+/// A group is zero-variance when all its rewards are equal (up to `1e-9 * max(1, max |r|)`). At group level its
+/// advantages are exactly 0; at batch level they keep their batch-relative value (a batch whose rewards are all
+/// equal gets zeros). Either way the group is flagged, and [`Advantages::keep`] drops it when
+/// [`GrpoConfig::drop_zero_variance_groups`] is set.
+///
+/// Groups of one answer (`group_size == 1`) at group level follow verl: mean 0 and std 1, so the advantage is the
+/// reward itself (`r / (1 + adv_eps)` with `std_norm`), REINFORCE without a baseline; they are never flagged
+/// zero-variance (one answer says nothing about the prompt's variance). At batch level they are ordinary members of
+/// the batch.
 ///
 /// Errors on empty input, `group_size == 0`, a length that is not a multiple of `group_size`, or a non-finite reward.
 pub fn group_advantages(rewards: &[f64], group_size: usize, cfg: &GrpoConfig) -> Result<Advantages> {
@@ -96,7 +101,8 @@ pub fn group_advantages(rewards: &[f64], group_size: usize, cfg: &GrpoConfig) ->
     if let Some(i) = rewards.iter().position(|r| !r.is_finite()) {
         return Err(Error::InvalidArgument(format!("group_advantages: reward {i} is {}", rewards[i])));
     }
-    let zero_variance_group: Vec<bool> = rewards.chunks(group_size).map(all_equal).collect();
+    let singles = group_size == 1 && cfg.mean_level == MeanLevel::Group;
+    let zero_variance_group: Vec<bool> = rewards.chunks(group_size).map(|g| !singles && all_equal(g)).collect();
     let scale = |r: f64, mean: f64, std: f64| {
         let centred = r - mean;
         if cfg.std_norm {
@@ -110,7 +116,7 @@ pub fn group_advantages(rewards: &[f64], group_size: usize, cfg: &GrpoConfig) ->
             .chunks(group_size)
             .zip(&zero_variance_group)
             .flat_map(|(g, &zero)| {
-                let (mean, std) = mean_std(g);
+                let (mean, std) = if singles { (0.0, 1.0) } else { mean_std(g) };
                 g.iter().map(move |&r| if zero { 0.0 } else { scale(r, mean, std) })
             })
             .collect(),
@@ -160,6 +166,10 @@ mod tests {
             assert!((x - y).abs() < 1e-12, "{x} vs {y}");
         }
         assert_eq!(a.zero_variance_group, vec![false, true]);
+        // Kept by default (verl); dropped on request.
+        assert!(a.keep_mask().iter().all(|&k| k));
+        let drop = GrpoConfig { drop_zero_variance_groups: true, ..GrpoConfig::default() };
+        let a = group_advantages(&[1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5], 4, &drop).unwrap();
         assert_eq!(a.keep_mask(), vec![true, true, true, true, false, false, false, false]);
         assert!(!a.keep(8));
         assert_eq!(a.frac_zero_variance(), 0.5);
@@ -189,9 +199,23 @@ mod tests {
         assert!(group_advantages(&[1.0, 2.0, 3.0], 2, &c).is_err());
         assert!(group_advantages(&[1.0, f64::NAN], 2, &c).is_err());
         assert!(group_advantages(&[1.0, f64::INFINITY], 2, &c).is_err());
-        let single = group_advantages(&[3.0, 4.0], 1, &c).unwrap();
-        assert_eq!(single.values, vec![0.0, 0.0]);
-        assert_eq!(single.zero_variance_group, vec![true, true]);
+    }
+
+    /// `group_size = 1`: verl's mean 0 and std 1, so the advantage is the reward (it was 0, and the trainer silently
+    /// never updated); never flagged zero-variance, so dropping keeps it.
+    #[test]
+    fn grpo_advantages_of_single_answer_groups_follow_verl() {
+        let drop = GrpoConfig { drop_zero_variance_groups: true, ..GrpoConfig::default() };
+        let single = group_advantages(&[3.0, 0.0, -1.5], 1, &drop).unwrap();
+        let eps = drop.adv_eps;
+        assert_eq!(single.values, vec![3.0 / (1.0 + eps), 0.0, -1.5 / (1.0 + eps)]);
+        assert_eq!(single.zero_variance_group, vec![false; 3]);
+        assert!(single.keep_mask().iter().all(|&k| k));
+        let dr = group_advantages(&[3.0, 0.0], 1, &cfg(false, MeanLevel::Group)).unwrap();
+        assert_eq!(dr.values, vec![3.0, 0.0]);
+        // At batch level a group of one is an ordinary member of the batch.
+        let batch = group_advantages(&[1.0, 0.0], 1, &cfg(false, MeanLevel::Batch)).unwrap();
+        assert_eq!(batch.values, vec![0.5, -0.5]);
     }
 
     #[test]
@@ -274,7 +298,8 @@ mod tests {
                     grp.iter_mut().for_each(|x| *x = level);
                 }
             }
-            let a = group_advantages(&r, g, &GrpoConfig::default()).unwrap();
+            let drop = GrpoConfig { drop_zero_variance_groups: true, ..GrpoConfig::default() };
+            let a = group_advantages(&r, g, &drop).unwrap();
             for i in 0..n {
                 prop_assert_eq!(a.zero_variance_group[i], flat[i % 4]);
                 if flat[i % 4] {

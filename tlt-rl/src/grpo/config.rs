@@ -89,8 +89,8 @@ pub enum Truncation {
 /// GRPO knobs, with verl/TRL names in the field docs.
 ///
 /// Defaults: `std_norm` true, `mean_level` group, `adv_eps` 1e-6, `loss_agg` token-mean, `clip_low` 0.2,
-/// `clip_high` 0.28, no dual clip, no KL (no reference model), `entropy_coef` 0, zero-variance groups dropped,
-/// truncation kept, token-level TIS capped at 2.
+/// `clip_high` 0.28, no dual clip, no KL (no reference model), `entropy_coef` 0, zero-variance groups kept (verl),
+/// truncation kept, no TIS (the rollout and the update share weights and precision: see [`Self::tis_cap`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GrpoConfig {
@@ -113,13 +113,21 @@ pub struct GrpoConfig {
     pub kl: Option<KlConfig>,
     /// Entropy bonus coefficient (verl `entropy_coeff`); the loss gets `- entropy_coef * entropy`. Default 0.
     pub entropy_coef: f64,
-    /// Give zero loss weight to groups whose rewards are all equal (DAPO dynamic-sampling filter). Default true.
+    /// Give zero loss weight to groups whose rewards are all equal (their advantages are 0 anyway; dropping them
+    /// changes the token-mean divisor and the KL and entropy terms from step to step). Default false, as verl; to
+    /// train on a batch full of informative groups, use dynamic sampling (`TrainerConfig::dynamic_sampling`).
     pub drop_zero_variance_groups: bool,
     /// Handling of answers that hit the length limit. Default [`Truncation::Keep`].
     pub truncation: Truncation,
     /// Truncated importance sampling cap for the rollout/trainer mismatch: each token's loss is multiplied by the
     /// detached `min(exp(old_logp - rollout_logp), cap)` (verl rollout correction, token level; TRL
-    /// `vllm_importance_sampling_correction`). `None` disables it. Default `Some(2.0)`.
+    /// `vllm_importance_sampling_correction`). `None` disables it. Default `None`.
+    ///
+    /// Needed when the rollout computes its log-probabilities differently from the update: another precision
+    /// (bf16 rollouts on a GPU, `device = "cuda"`) or another engine. When both run the same f32 weights on the
+    /// CPU, as by default, the only difference is rounding between the engine's forward shapes (a speculative
+    /// round's verify rows against plain decoding's rows: |Δ log p| below 1e-4 in our tests), and the correction
+    /// would feed that rounding into the loss, so TLT's updates would no longer equal the baseline's bit for bit.
     pub tis_cap: Option<f64>,
 }
 
@@ -135,9 +143,9 @@ impl Default for GrpoConfig {
             dual_clip: None,
             kl: None,
             entropy_coef: 0.0,
-            drop_zero_variance_groups: true,
+            drop_zero_variance_groups: false,
             truncation: Truncation::Keep,
-            tis_cap: Some(2.0),
+            tis_cap: None,
         }
     }
 }

@@ -74,6 +74,14 @@ pub struct LossStats {
     pub ratio_mean: f64,
     /// Mean truncated importance weight (1 when the correction is off).
     pub tis_weight_mean: f64,
+    /// Fraction of tokens whose loss the dual clip capped (negative advantages, `-A r` above `-A c`; verl
+    /// `pg_clipfrac_lower`); 0 without a dual clip.
+    #[serde(default)]
+    pub dual_clip_frac: f64,
+    /// Mean `old_logp - logp`: the approximate KL of the policy from the one that sampled the batch (verl
+    /// `ppo_kl`; 0 on a step's first pass).
+    #[serde(default)]
+    pub ppo_kl: f64,
     /// Trained tokens (mask sum).
     pub tokens: usize,
 }
@@ -90,6 +98,8 @@ impl LossStats {
         self.clip_frac_high = mix(self.clip_frac_high, other.clip_frac_high);
         self.ratio_mean = mix(self.ratio_mean, other.ratio_mean);
         self.tis_weight_mean = mix(self.tis_weight_mean, other.tis_weight_mean);
+        self.dual_clip_frac = mix(self.dual_clip_frac, other.dual_clip_frac);
+        self.ppo_kl = mix(self.ppo_kl, other.ppo_kl);
         self.loss += other.loss;
         self.tokens += other.tokens;
     }
@@ -159,9 +169,11 @@ pub fn policy_loss(inp: &LossInputs, norm: &LossNorm, cfg: &GrpoConfig) -> Resul
     let clipped = (&neg_adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)?)?;
     let mut pg = unclipped.maximum(&clipped)?;
     let negative = adv.lt(0.0)?;
+    let mut dual = None;
     if let Some(c) = cfg.dual_clip {
-        let capped = pg.minimum(&(&neg_adv * c)?)?;
-        pg = negative.where_cond(&capped, &pg)?;
+        let cap = (&neg_adv * c)?;
+        dual = Some((pg.gt(&cap)?.to_dtype(dtype)? * negative.to_dtype(dtype)?)?);
+        pg = negative.where_cond(&pg.minimum(&cap)?, &pg)?;
     }
     let tis = match (cfg.tis_cap, inp.rollout_logp) {
         (Some(cap), Some(rollout)) => {
@@ -216,6 +228,8 @@ pub fn policy_loss(inp: &LossInputs, norm: &LossNorm, cfg: &GrpoConfig) -> Resul
         msum(&ratio)?,
         tis.as_ref().map_or(Ok(tokens), msum)?,
         loss.detach(),
+        dual.as_ref().map_or(Ok(zero.clone()), msum)?,
+        msum(&(&old - logp)?)?,
     ];
     let v = Tensor::stack(&parts, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
     let (n, nonempty) = (v[0], v[1].round() as usize);
@@ -229,6 +243,8 @@ pub fn policy_loss(inp: &LossInputs, norm: &LossNorm, cfg: &GrpoConfig) -> Resul
         clip_frac_high: mean(v[6]),
         ratio_mean: mean(v[7]),
         tis_weight_mean: mean(v[8]),
+        dual_clip_frac: mean(v[10]),
+        ppo_kl: mean(v[11]),
         tokens: n.round() as usize,
     };
     check_norm(norm, cfg.loss_agg, stats.tokens, nonempty)?;

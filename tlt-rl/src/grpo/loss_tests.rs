@@ -59,6 +59,11 @@ fn grpo_clipping_hand_computed() {
         let cfg = GrpoConfig { dual_clip: dual, ..plain() };
         let (loss, grad, s) = one_token(a, ratio, &cfg);
         let ctx = format!("A={a} ratio={ratio} dual={dual:?}");
+        // The dual clip acts exactly where it caps the loss (A < 0 and -A r > -A c): zero gradient there.
+        let capped = dual.is_some_and(|c| a < 0.0 && -a * ratio > -a * c);
+        assert_eq!(s.dual_clip_frac, f64::from(u8::from(capped)), "{ctx}");
+        // ppo_kl = old_logp - logp = -ln(ratio).
+        assert!((s.ppo_kl + ratio.ln()).abs() < 1e-12, "{ctx}: ppo_kl {}", s.ppo_kl);
         assert!((loss - want).abs() < 1e-12, "{ctx}: loss {loss} vs {want}");
         assert!((grad - want_grad).abs() < 1e-12, "{ctx}: grad {grad} vs {want_grad}");
         assert_eq!((s.clip_frac_low, s.clip_frac_high), (low, high), "{ctx}");
@@ -118,7 +123,7 @@ fn grpo_tis_at_temperature_0_7_hand_computed() {
     let target = Tensor::from_vec(vec![0u32], (1, 1), &Device::Cpu).unwrap();
     let (old, _) = logprobs_and_entropy(&logits, &target, t, false).unwrap();
     assert!((old.to_vec2::<f64>().unwrap()[0][0] - old_hand).abs() < 1e-12);
-    let weight = |rollout: f64| tis_token(&old, &old, rollout, GrpoConfig::default().tis_cap).1.tis_weight_mean;
+    let weight = |rollout: f64| tis_token(&old, &old, rollout, Some(2.0)).1.tis_weight_mean;
     assert!((weight(rollout_hand) - want_w).abs() < 1e-12, "{} vs {want_w}", weight(rollout_hand));
     // Negative control: a temperature-1 rollout log-probability misses by far more than rounding.
     assert!((weight(lp(&rollout_logits, 1.0)) - want_w).abs() > 0.05);

@@ -5,8 +5,10 @@ use super::expr::Rational;
 use super::{Deadline, TimedOut, Verdict};
 
 /// The final answer of `completion`: the content of the last complete `\boxed{...}` or `\fbox{...}` (braces balanced,
-/// the outermost box when boxes nest), else the rest of the line after the last `####`, else `None`. The result is
-/// trimmed; an empty box or line counts as no answer.
+/// the outermost box when boxes nest), else what follows the last `####` (GSM8K): the number that leads its line
+/// (verl's `#### (\-?[0-9\.\,]+)`: `#### 72.`, `#### $1,234 dollars` and `#### 72<|im_end|>` give `72`, `1,234`
+/// and `72`), or the whole line when no number leads it or the number goes on as an expression (`#### 1/2`,
+/// `#### \frac{1}{2}`), else `None`. The result is trimmed; an empty box or line counts as no answer.
 ///
 /// ```
 /// use tlt_rl::task::extract_answer;
@@ -30,8 +32,24 @@ pub(crate) fn extract_within<'a>(text: &'a str, deadline: &mut Deadline) -> Resu
     Ok(text.rfind("####").and_then(|p| {
         let rest = text[p..].trim_start_matches('#').trim_start();
         let line = rest.lines().next().unwrap_or("").trim();
-        (!line.is_empty()).then_some(line)
+        (!line.is_empty()).then(|| leading_number(line).unwrap_or(line))
     }))
+}
+
+/// The number that leads `line` (after an optional `$` or `\$`): `-?` then digits, `.` and `,`, without trailing
+/// `.` or `,`; `None` when no digit leads or the number goes on as an expression (`/`, `^`, `{`, `\`).
+fn leading_number(line: &str) -> Option<&str> {
+    let s = line.strip_prefix("\\$").or_else(|| line.strip_prefix('$')).unwrap_or(line).trim_start();
+    let b = s.as_bytes();
+    let sign = usize::from(b.first() == Some(&b'-'));
+    if !b.get(sign).is_some_and(u8::is_ascii_digit) {
+        return None;
+    }
+    let end = b[sign..].iter().position(|c| !(c.is_ascii_digit() || *c == b'.' || *c == b',')).map_or(b.len(), |i| i + sign);
+    if matches!(b.get(end), Some(b'/' | b'^' | b'{' | b'\\')) {
+        return None;
+    }
+    Some(s[..end].trim_end_matches(['.', ',']))
 }
 
 /// If `\boxed` or `\fbox` (then optional spaces, then `{`) starts at `i` (a backslash), the index after the `{`.
@@ -131,15 +149,90 @@ pub(crate) fn last_number(text: &str) -> Option<&str> {
     text.get(start..end)
 }
 
-/// Whether a predicted answer matches a ground truth: [`numbers_equal`], or else the same text after removing
+/// Whether a predicted answer matches a ground truth: [`numbers_equal`] of the two, or of their [`numeric_core`]s
+/// (`\boxed{12 apples}`, `\boxed{\text{12}}`, `12\%`, `x = 12` all state 12), or else the same text after removing
 /// whitespace, `$`, `\left`/`\right`, LaTeX spacing and a trailing `.` (for non-numeric MATH answers such as
-/// `\frac{\sqrt{3}}{2}`). Empty answers never match.
+/// `\frac{\sqrt{3}}{2}`). Symmetric; empty answers never match.
+///
+/// ```
+/// use tlt_rl::task::answers_equal;
+///
+/// for pred in ["12 apples", "\\text{12}", "12\\%", "x = 12", "12\\text{ cm}", "\\$12.00"] {
+///     assert!(answers_equal(pred, "12"), "{pred}");
+/// }
+/// assert!(!answers_equal("12 or 13", "12"));
+/// assert!(!answers_equal("2 pi", "2"));
+/// ```
 pub fn answers_equal(pred: &str, truth: &str) -> bool {
     if numbers_equal(pred, truth) {
         return true;
     }
+    if let (Some(p), Some(t)) = (numeric_core(pred), numeric_core(truth)) {
+        if numbers_equal(&p, &t) {
+            return true;
+        }
+    }
     let (p, t) = (normalize(pred), normalize(truth));
     !p.is_empty() && p == t
+}
+
+/// Text macros whose argument is unwrapped by [`numeric_core`].
+const TEXT_MACROS: [&str; 5] = ["\\text{", "\\textbf{", "\\textrm{", "\\mbox{", "\\mathrm{"];
+/// Words after a number that are mathematics, not units: never cut by [`numeric_core`].
+const MATH_WORDS: [&str; 3] = ["pi", "i", "e"];
+
+/// What a short final answer states, with what carries no value removed (in the spirit of the MATH grader's
+/// `strip_string`): text macros unwrapped (`\text{12}`, `12\text{ cm}`), `\%`, `%`, `^\circ` and `$` removed, a
+/// left side of at most two characters before a single `=` dropped (`x = 12`), and trailing words of letters only cut
+/// off (units and nouns: `12 apples`, `5 square feet`; never `pi`, `i` or `e`). `None` when nothing is left.
+fn numeric_core(s: &str) -> Option<String> {
+    let mut t = s.to_string();
+    for m in TEXT_MACROS {
+        while let Some(start) = t.find(m) {
+            let open = start + m.len();
+            let close = matching_brace(&t[open..])? + open;
+            t = format!("{} {} {}", &t[..start], &t[open..close], &t[close + 1..]);
+        }
+    }
+    for unit in ["^{\\circ}", "^\\circ", "\\%", "%", "\\$", "$"] {
+        if t.contains(unit) {
+            t = t.replace(unit, " ");
+        }
+    }
+    let mut rest = t.trim();
+    if let Some((lhs, rhs)) = rest.split_once('=') {
+        let lhs = lhs.trim();
+        if !rhs.contains('=') && !lhs.is_empty() && lhs.chars().count() <= 2 {
+            rest = rhs.trim();
+        }
+    }
+    loop {
+        let (head, word) = rest.rsplit_once(char::is_whitespace).unwrap_or(("", rest));
+        let word = word.trim_end_matches(['.', ',']);
+        let cut = !head.trim().is_empty()
+            && !word.is_empty()
+            && word.bytes().all(|c| c.is_ascii_alphabetic())
+            && !MATH_WORDS.contains(&word);
+        if !cut {
+            break;
+        }
+        rest = head.trim_end();
+    }
+    (!rest.is_empty()).then(|| rest.to_string())
+}
+
+/// The index of the `}` closing a brace opened just before `s`, or `None` if it never closes.
+fn matching_brace(s: &str) -> Option<usize> {
+    let mut depth = 0usize;
+    for (i, c) in s.bytes().enumerate() {
+        match c {
+            b'{' => depth += 1,
+            b'}' if depth == 0 => return Some(i),
+            b'}' => depth -= 1,
+            _ => {}
+        }
+    }
+    None
 }
 
 /// A parsed number: exact when it fits `i128`, else a normalized decimal string (sign, digits without leading
@@ -314,6 +407,75 @@ mod tests {
         assert_eq!(ex("42"), None);
         assert_eq!(ex(""), None);
         assert_eq!(ex("####   "), None);
+    }
+
+    /// GSM8K: only the number that leads the line after `####` (verl's regex), so text after it (a stop token kept
+    /// by the decoder, a unit, a full stop) no longer makes a correct answer unparsable.
+    #[test]
+    fn task_extract_takes_the_number_after_hashes() {
+        for (text, want) in [
+            ("#### 72<|im_end|>", "72"),
+            ("#### 72.<|im_end|>", "72"),
+            ("#### 72.", "72"),
+            ("#### $18 per day", "18"),
+            ("####\\$1,234.50.", "1,234.50"),
+            ("#### -3 degrees", "-3"),
+            ("#### 1/2", "1/2"),
+            ("#### \\frac{1}{2}", "\\frac{1}{2}"),
+            ("#### 72\\%", "72\\%"),
+            ("#### x = 5", "x = 5"),
+        ] {
+            assert_eq!(ex(text).as_deref(), Some(want), "{text}");
+        }
+        for (text, truth) in [("#### 72<|im_end|>", "72"), ("#### 72\\%", "72"), ("#### 1,234.50.", "1234.5")] {
+            let pred = ex(text).unwrap();
+            assert!(answers_equal(&pred, truth), "{text}: {pred} vs {truth}");
+        }
+    }
+
+    /// The answer normalizer accepts what a word problem invites in a box: `\text{}`, units and words after the
+    /// number, `\%`, a leading `x =`; and still rejects a different number or an answer that hedges.
+    #[test]
+    fn task_answers_equal_strips_units_text_and_variables() {
+        let same = [
+            "12 apples",
+            "\\text{12}",
+            "\\text{12 apples}",
+            "12\\text{ apples}",
+            "\\textbf{12}",
+            "12\\%",
+            "12%",
+            "x = 12",
+            "x=12",
+            "n = 12 cookies.",
+            "12 square feet",
+            "$12$",
+            "12^\\circ",
+        ];
+        for pred in same {
+            assert!(answers_equal(pred, "12"), "{pred} should state 12");
+            assert!(answers_equal("12", pred), "symmetric: {pred}");
+        }
+        for pred in ["\\boxed{12 apples}", "\\boxed{\\text{12}}", "\\boxed{12\\%}", "\\boxed{x = 12}"] {
+            assert!(matches!(verify("12", pred, &mut Deadline::none()), Verdict::Correct), "{pred}");
+        }
+        let different = [
+            "13 apples",
+            "12 or 13",
+            "2 pi",
+            "apples",
+            "x = 13",
+            "abc = 12",
+            "x = y = 12",
+            "\\text{12",
+            "12 apples and 3 pears",
+        ];
+        for pred in different {
+            let want = if pred == "2 pi" { "2" } else { "12" };
+            assert!(!answers_equal(pred, want), "{pred} must not equal {want}");
+        }
+        assert_eq!(numeric_core("   "), None);
+        assert_eq!(numeric_core("\\frac{1}{2} cup").as_deref(), Some("\\frac{1}{2}"));
     }
 
     #[test]

@@ -59,7 +59,7 @@ const MAX_ATTEMPTS: usize = 256;
 /// divisions), retried until it lies in `1..=max_target` (after 256 misses, the sum of the numbers is used).
 ///
 /// The verifier takes the last `<answer>...</answer>`, allows only digits, `+ - * / ( )` and spaces, requires each
-/// provided number to be used at most once, and evaluates exactly (overflow or division by zero: not correct).
+/// provided number to be used exactly once (TinyZero), and evaluates exactly (overflow or division by zero: not correct).
 ///
 /// ```
 /// use tlt_rl::task::{Countdown, CountdownConfig, Task};
@@ -179,23 +179,14 @@ fn answer_tag(text: &str) -> Option<&str> {
     Some(text[start..end].trim())
 }
 
-/// Whether the multiset `used` is contained in the multiset `available`.
-fn uses_at_most_once(used: &[i128], available: &[i64]) -> bool {
+/// Whether the multiset `used` equals the multiset `available`: every provided number used exactly once, as
+/// TinyZero's `validate_equation` requires (an equation that leaves a number out is wrong).
+fn uses_each_exactly_once(used: &[i128], available: &[i64]) -> bool {
     let mut avail: Vec<i128> = available.iter().map(|&x| i128::from(x)).collect();
     let mut used = used.to_vec();
     avail.sort_unstable();
     used.sort_unstable();
-    let mut j = 0;
-    for u in used {
-        while j < avail.len() && avail[j] < u {
-            j += 1;
-        }
-        if j == avail.len() || avail[j] != u {
-            return false;
-        }
-        j += 1;
-    }
-    true
+    used == avail
 }
 
 /// Grades `text` against a Countdown puzzle.
@@ -209,7 +200,7 @@ pub(crate) fn verify(numbers: &[i64], target: i64, text: &str, deadline: &mut De
     match evaluate(equation, deadline) {
         Err(ExprError::TimedOut) => Verdict::TimedOut,
         Err(_) => Verdict::Wrong,
-        Ok(e) if uses_at_most_once(&e.literals, numbers) && e.value == Rational::int(i128::from(target)) => {
+        Ok(e) if uses_each_exactly_once(&e.literals, numbers) && e.value == Rational::int(i128::from(target)) => {
             Verdict::Correct
         }
         Ok(_) => Verdict::Wrong,
@@ -308,6 +299,7 @@ mod tests {
         assert!(grade(&[8, 4, 2], 1, "<answer>8 / 4 / 2</answer>").correct);
         assert!(grade(&[1, 2, 3], 1, "<answer>(1 + 2) / 3</answer>").correct);
         assert!(!grade(&[3, 1, 2], 5, "<answer>(3 - 1 / 2) * 2</answer>").correct, "2 reused");
+        assert!(!grade(&[3, 1, 2, 2, 7], 5, "<answer>(3 - 1 / 2) * 2</answer>").correct, "7 left out");
         assert!(grade(&[3, 1, 2, 2], 5, "<answer>(3 - 1 / 2) * 2</answer>").correct);
         let zero = grade(&[5, 5, 1], 1, "<answer>1 / (5 - 5)</answer>");
         assert_eq!((zero.correct, zero.formatted), (false, true));
@@ -320,11 +312,23 @@ mod tests {
 
     #[test]
     fn task_countdown_multiset() {
-        assert!(uses_at_most_once(&[], &[1]));
-        assert!(uses_at_most_once(&[2, 2], &[2, 3, 2]));
-        assert!(!uses_at_most_once(&[2, 2], &[2, 3]));
-        assert!(!uses_at_most_once(&[4], &[2, 3]));
-        assert!(!uses_at_most_once(&[1], &[]));
+        assert!(uses_each_exactly_once(&[], &[]));
+        assert!(uses_each_exactly_once(&[2, 3, 2], &[2, 2, 3]));
+        assert!(!uses_each_exactly_once(&[], &[1]), "a number left out");
+        assert!(!uses_each_exactly_once(&[2, 2], &[2, 3, 2]), "a number left out");
+        assert!(!uses_each_exactly_once(&[2, 2], &[2, 3]));
+        assert!(!uses_each_exactly_once(&[4], &[2, 3]));
+        assert!(!uses_each_exactly_once(&[1], &[]));
+    }
+
+    /// TinyZero requires every number exactly once: an equation that reaches the target with a number left out is
+    /// formatted but wrong (it was graded correct when numbers only had to be used at most once).
+    #[test]
+    fn task_countdown_requires_every_number() {
+        let s = grade(&[44, 19, 35, 2], 98, "<answer>44 + 19 + 35</answer>");
+        assert_eq!((s.correct, s.formatted, s.reward), (false, true, 0.1), "2 left out");
+        assert!(!grade(&[44, 19, 35, 2], 98, "<answer>(44 + 19 + 35) * 2 / 2</answer>").correct, "2 reused");
+        assert!(grade(&[44, 19, 35, 1], 98, "<answer>(44 + 19 + 35) * 1</answer>").correct);
     }
 
     #[test]

@@ -68,7 +68,7 @@ pub enum Answer {
     /// A numeric ground truth as text (`"42"`, `"-3.5"`, `"1/3"`, `"\frac{1}{3}"`), compared with
     /// [`answers_equal`] against the completion's [`extract_answer`].
     Number(String),
-    /// A Countdown puzzle: an equation over `numbers` (each used at most once, `+ - * /` and parentheses) must equal
+    /// A Countdown puzzle: an equation over `numbers` (each used exactly once, `+ - * /` and parentheses) must equal
     /// `target`.
     Countdown {
         /// The numbers the equation may use.

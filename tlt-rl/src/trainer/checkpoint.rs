@@ -2,9 +2,12 @@
 //! (a crash leaves the previous checkpoint intact).
 //!
 //! Layout: `policy/` (HF `config.json` + `model.safetensors`, f32: transformers loads it), `optimizer.safetensors`
-//! (`exp_avg.<name>`, `exp_avg_sq.<name>`), `drafter/` (the drafter trainer's own checkpoint, EAGLE-2 only) and
-//! `state.json` ([`TrainerState`]). The data position and the rollout seeds derive from the step, so the step is
-//! the whole RNG state.
+//! (`exp_avg.<name>`, `exp_avg_sq.<name>`), `drafter/` (the drafter trainer's own checkpoint: weights, moments,
+//! step count, hot vocabulary; EAGLE drafters only), `drafter_buffer.safetensors` (the online drafter's sample
+//! buffer: every held sample's tokens and hidden states) and `state.json` ([`TrainerState`]: the step, the data
+//! position, the SD gate's and the bandit's state, the drafter's published version). The rollout seeds derive from
+//! the step, the drafter's data draws from its step count: with these files a resumed run reads exactly what the
+//! interrupted one would have read.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -12,12 +15,13 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use tlt_model::optim::{AdamW, ParamState};
+use tlt_scheduler::DecoderState;
 
 use super::config::TrainerConfig;
 use crate::{Error, Result};
 
 /// Format tag of `state.json`.
-const FORMAT: &str = "tlt-rl-trainer/1";
+const FORMAT: &str = "tlt-rl-trainer/2";
 /// The run state file.
 pub const STATE_FILE: &str = "state.json";
 /// The policy directory.
@@ -26,6 +30,8 @@ pub const POLICY_DIR: &str = "policy";
 pub const DRAFTER_DIR: &str = "drafter";
 /// The optimizer file.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// The online drafter's sample buffer.
+pub const DRAFTER_BUFFER_FILE: &str = "drafter_buffer.safetensors";
 
 /// `state.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -41,13 +47,25 @@ pub struct TrainerState {
     pub param_steps: BTreeMap<String, u64>,
     /// The drafter's published weights version.
     pub drafter_version: u64,
+    /// Prompts drawn so far: the next step's first data position (`step * prompts_per_step` unless dynamic
+    /// sampling drew more).
+    pub data_pos: u64,
+    /// The SD gate's and the plan bandit's state.
+    pub decoder: DecoderState,
 }
 
 impl TrainerState {
     /// A state at `step`.
-    pub fn new(step: u64, config: TrainerConfig, opt: &AdamW, drafter_version: u64) -> Self {
+    pub fn new(
+        step: u64,
+        config: TrainerConfig,
+        opt: &AdamW,
+        drafter_version: u64,
+        data_pos: u64,
+        decoder: DecoderState,
+    ) -> Self {
         let param_steps = opt.params().iter().zip(opt.state()).map(|((n, _), s)| (n.clone(), s.steps)).collect();
-        Self { format: FORMAT.into(), step, config, param_steps, drafter_version }
+        Self { format: FORMAT.into(), step, config, param_steps, drafter_version, data_pos, decoder }
     }
 
     /// Reads and checks `dir/state.json`.
@@ -58,10 +76,17 @@ impl TrainerState {
         let path = dir.join(STATE_FILE);
         let bad = |reason: String| Error::Checkpoint { path: path.clone(), reason };
         let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
-        let state: Self = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-        if state.format != FORMAT {
-            return Err(bad(format!("format {:?}, expected {FORMAT:?}", state.format)));
+        let format = serde_json::from_str::<serde_json::Value>(&text)
+            .map_err(|e| bad(e.to_string()))?
+            .get("format")
+            .and_then(|f| f.as_str().map(str::to_string));
+        if format.as_deref() != Some(FORMAT) {
+            return Err(bad(format!(
+                "format {format:?}, expected {FORMAT:?} (checkpoints of format 1 lack the SD decoder's state and the \
+                 drafter's sample buffer, so they cannot resume exactly)"
+            )));
         }
+        let state: Self = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
         state.config.validate()?;
         Ok(state)
     }

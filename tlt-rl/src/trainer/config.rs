@@ -185,6 +185,25 @@ impl Default for OptimConfig {
     }
 }
 
+/// DAPO's dynamic sampling (`[dynamic_sampling]`; verl `algorithm.filter_groups`): groups whose rewards are all
+/// equal carry no signal, so they are filtered out and more prompts are drawn and rolled out until the step holds
+/// `prompts_per_step` informative groups, at most `max_gen_batches` rollouts of `prompts_per_step` prompts each
+/// (verl `max_num_gen_batches`). Informative groups beyond the batch are discarded (as verl does); if the bound is
+/// reached first, the step trains on the informative groups it found, says so in the log and counts them in the
+/// metrics (`informative_groups`), instead of failing as verl does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DynamicSampling {
+    /// Most rollouts per RL step (`>= 1`). Default 4.
+    pub max_gen_batches: usize,
+}
+
+impl Default for DynamicSampling {
+    fn default() -> Self {
+        Self { max_gen_batches: 4 }
+    }
+}
+
 /// A GRPO run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -197,7 +216,8 @@ pub struct TrainerConfig {
     pub steps: u64,
     /// Prompts per step. Default 8.
     pub prompts_per_step: usize,
-    /// Samples per prompt (the GRPO group). Default 4.
+    /// Samples per prompt (the GRPO group). Default 4. A group of one is trained as verl does (advantage = reward:
+    /// see [`crate::grpo::group_advantages`]).
     pub group_size: usize,
     /// Most new tokens per sample. Default 256.
     pub max_new_tokens: usize,
@@ -212,8 +232,10 @@ pub struct TrainerConfig {
     /// Padded tokens per micro-batch (gradient accumulation splits a mini-batch by this). Default 4096.
     pub micro_batch_tokens: usize,
     /// Prompts per optimizer step (verl `ppo_mini_batch_size`, counted in prompts, each with its group): a step's
-    /// batch is shuffled and cut into mini-batches of this many prompts' samples, one AdamW step each. `None`: the
-    /// whole batch in one step. Default `None`.
+    /// batch is shuffled and cut into mini-batches of this many prompts' samples, one AdamW step each; it must
+    /// divide `prompts_per_step`, so every mini-batch has the same size (when groups are dropped, the samples left
+    /// are cut into as many near-equal mini-batches, sizes differing by at most one sample). `None`: the whole
+    /// batch in one step. Default `None`.
     ///
     /// With more than one optimizer step per RL step (here or through [`Self::ppo_epochs`]) the old log-probabilities
     /// come from a forward pass before the first step (verl `compute_log_prob`), so later steps see ratios away
@@ -232,8 +254,13 @@ pub struct TrainerConfig {
     /// queue (group-major) and enter as others finish. Defaults 512 / 16384 (fastrl's `max_running_requests`).
     pub rollout: AdmissionLimits,
     /// Where rollouts run: `"cpu"` (default) or `"cuda"` / `"cuda:N"` (a build with tlt-rl's `cuda` feature; the
-    /// drafters and the update stay on the CPU; not yet run on a GPU).
+    /// drafters and the update stay on the CPU; not yet run on a GPU). A GPU rollout computes its log-probabilities
+    /// in bf16 while the update runs f32 on the CPU: set `grpo.tis_cap` (e.g. 2.0) to correct for the mismatch.
     pub device: Device,
+    /// Scoring answers as they finish, on worker threads, under a deadline (`[trainer.scoring]`).
+    pub scoring: super::reward::ScoringConfig,
+    /// DAPO dynamic sampling (`[dynamic_sampling]`); absent (the default): every group of the step is trained on.
+    pub dynamic_sampling: Option<DynamicSampling>,
 }
 
 impl Default for TrainerConfig {
@@ -256,6 +283,8 @@ impl Default for TrainerConfig {
             sd: SdConfig::default(),
             rollout: AdmissionLimits::default(),
             device: Device::Cpu,
+            scoring: super::reward::ScoringConfig::default(),
+            dynamic_sampling: None,
         }
     }
 }
@@ -304,6 +333,30 @@ impl TrainerConfig {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(Error::config("top_p", format!("{} must be in (0, 1]", self.top_p)));
         }
+        if let Some(m) = self.ppo_mini_batch_size {
+            if !self.prompts_per_step.is_multiple_of(m) {
+                return Err(Error::config(
+                    "ppo_mini_batch_size",
+                    format!(
+                        "{m} does not divide prompts_per_step = {}: the last mini-batch would be smaller and still \
+                         get a full optimizer step",
+                        self.prompts_per_step
+                    ),
+                ));
+            }
+        }
+        if let Some(d) = &self.dynamic_sampling {
+            if d.max_gen_batches == 0 {
+                return Err(Error::config("dynamic_sampling.max_gen_batches", "must be at least 1"));
+            }
+            if self.group_size < 2 {
+                return Err(Error::config(
+                    "dynamic_sampling",
+                    "needs group_size >= 2: a group of one answer has no reward variance to filter on",
+                ));
+            }
+        }
+        self.scoring.validate()?;
         if self.grpo.tis_cap.is_some() && self.top_p < 1.0 {
             return Err(Error::config(
                 "grpo.tis_cap",

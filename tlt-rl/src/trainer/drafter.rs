@@ -111,14 +111,15 @@ impl RolloutDrafter {
         }
         let dcfg = DrafterConfig::eagle2_from_target(policy.config(), false);
         let d = Eagle2Drafter::random(dcfg, FrozenTarget::new(policy), cfg.drafter_seed)?;
-        Self::eagle(cfg, DrafterTrainer::new(d, cfg.drafter_train.clone())?, 0)
+        Self::eagle(cfg, DrafterTrainer::new(d, cfg.drafter_train.clone())?, 0, OnlineBuffer::new(cfg.buffer)?)
     }
 
-    /// The drafters of `cfg` with this EAGLE-2 drafter trainer, publishing from weights version `version` on.
-    pub(crate) fn eagle(cfg: &SdConfig, trainer: DrafterTrainer, version: u64) -> Result<Self> {
+    /// The drafters of `cfg` with this EAGLE-2 drafter trainer and sample buffer, publishing from weights version
+    /// `version` on.
+    pub(crate) fn eagle(cfg: &SdConfig, trainer: DrafterTrainer, version: u64, buffer: OnlineBuffer) -> Result<Self> {
         let slot = Arc::new(WeightsSlot::with_version(trainer.runtime(&RuntimeOptions::default())?, version));
         let trainer = Arc::new(Mutex::new(trainer));
-        let buffer = Arc::new(OnlineBuffer::new(cfg.buffer)?);
+        let buffer = Arc::new(buffer);
         let worker = match cfg.schedule {
             DrafterSchedule::Tail => {
                 let step_cfg =
@@ -297,10 +298,18 @@ impl RolloutDrafter {
         Ok(Some(report))
     }
 
-    /// Checkpoints the drafter trainer into `dir` (nothing for the n-gram drafter).
+    /// Checkpoints the drafter trainer into `dir` (nothing for the model-free drafters).
     pub(crate) fn save(&self, dir: &Path) -> Result<()> {
         if let Some(e) = self.eagle.as_ref() {
             e.trainer.lock().save_checkpoint(dir)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the online sample buffer to `path` (nothing for the model-free drafters).
+    pub(crate) fn save_buffer(&self, path: &Path) -> Result<()> {
+        if let Some(e) = self.eagle.as_ref() {
+            e.buffer.save(path)?;
         }
         Ok(())
     }

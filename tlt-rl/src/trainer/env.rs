@@ -1,6 +1,6 @@
 //! The trainer's view of a task: token prompts in, token completions scored.
 
-use tlt_model::{decode, encode};
+use tlt_model::encode;
 use tokenizers::Tokenizer;
 
 use crate::task::{ChatTemplate, DataSplit, Problem, Score, Split, Task};
@@ -19,7 +19,10 @@ pub struct Prompt {
 
 /// Prompts and rewards at the token level. Implemented by [`TextEnv`] (a [`Task`] behind a tokenizer and a chat
 /// template); tests implement it directly on token ids.
-pub trait Environment: Send {
+///
+/// `Sync + 'static`: the trainer scores answers on worker threads while the rollout decodes (`[trainer.scoring]`),
+/// each holding the environment.
+pub trait Environment: Send + Sync + 'static {
     /// The prompt at position `pos` of `split` (deterministic; training and evaluation prompts never overlap).
     ///
     /// # Errors
@@ -110,8 +113,10 @@ impl Environment for TextEnv {
         Ok(Prompt { index, ids, problem: Some(problem) })
     }
 
+    /// Decodes `completion` **without special tokens** (verl: `skip_special_tokens=True`) and lets the task grade the
+    /// text: the stop token that ends every completion that stops (`<|im_end|>`) never reaches the verifier.
     fn score(&self, prompt: &Prompt, completion: &[u32]) -> Result<Score> {
-        let text = decode(&self.tokenizer, completion)?;
+        let text = self.tokenizer.decode(completion, true).map_err(|e| tlt_model::Error::Tokenizer(e.to_string()))?;
         match &prompt.problem {
             Some(p) => Ok(self.task.score(p, &text)),
             None => Err(crate::Error::InvalidArgument("a TextEnv prompt without its problem".into())),

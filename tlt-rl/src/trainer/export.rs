@@ -80,7 +80,7 @@ impl<E: Environment> Trainer<E> {
         let mut drafter = None;
         tlt_model::write_dir_atomic(dir, |tmp| -> Result<()> {
             let policy = tmp.join(EXPORT_POLICY_DIR);
-            save_policy(&self.policy, self.env.hf_tokenizer(), self.env.hf_chat_template(), &policy, cfg)?;
+            save_policy(&self.policy, self.env().hf_tokenizer(), self.env().hf_chat_template(), &policy, cfg)?;
             if let Some(d) = &self.drafter {
                 drafter = d.export(&tmp.join(EXPORT_DRAFTER_DIR), cfg.drafter_dtype)?;
             }

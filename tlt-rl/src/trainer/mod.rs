@@ -1,17 +1,23 @@
 //! The reference TLT trainer: GRPO steps of rollout → reward → policy update → publication, with adaptive
 //! speculative rollouts and an online drafter in [`Mode::Tlt`], plain rollouts in [`Mode::Baseline`], and
-//! atomic checkpoints that resume bit for bit.
+//! atomic checkpoints that resume exactly.
 //!
 //! One step:
-//! 1. **Rollout.** `prompts_per_step` prompts from the [`Environment`] at data indices `step * prompts_per_step
-//!    ..`, `group_size` samples each, decoded by one batched engine. In TLT mode the [`AdaptiveDecoder`] turns SD
-//!    on when the running batch has shrunk (the long tail) and the bandit picks the plan; finished requests feed
-//!    the drafter's buffer, and (tail schedule) the drafter trains in the background while the batch is small.
-//! 2. **Reward.** The environment scores each completion; an overlong penalty is added if configured.
-//! 3. **Update.** Group-relative advantages, zero-variance groups dropped, micro-batches by token budget with
-//!    gradient accumulation, AdamW at the scheduled learning rate.
+//! 1. **Rollout.** `prompts_per_step` prompts from the [`Environment`] at the next data positions, `group_size`
+//!    samples each, decoded by one batched engine. In TLT mode the [`AdaptiveDecoder`] turns SD on when the running
+//!    batch has shrunk (the long tail) and the bandit picks the plan; finished requests feed the drafter's buffer,
+//!    and (tail schedule) the drafter trains in the background while the batch is small.
+//! 2. **Reward**, overlapped with the rollout: each answer is scored as soon as it finishes, on worker threads,
+//!    under a deadline ([`ScoringConfig`]); an overlong penalty is added if configured. With dynamic sampling
+//!    ([`DynamicSampling`]) groups whose rewards are all equal are set aside and more prompts are rolled out.
+//! 3. **Update.** Group-relative advantages, micro-batches by token budget with gradient accumulation, equal
+//!    mini-batches, AdamW at the scheduled learning rate; a step whose gradient norm is not finite is skipped.
 //! 4. **Publication.** The rollout model becomes a snapshot of the new policy; the drafter is pointed at the new
 //!    embedding and LM head and republished.
+//!
+//! A step that fails stops the trainer: its rollout has already fed the drafter and the bandit (and its update
+//! may have moved the weights), so later steps and checkpoints are refused with the reason, and the run resumes
+//! from its last checkpoint ([`Trainer::resume`]), which restores everything a step reads.
 //!
 //! [`Trainer::export`] writes the byproduct: the policy as a Hugging Face directory and its drafter in the EAGLE
 //! format SGLang and vLLM serve (see [`ExportConfig`]).
@@ -22,13 +28,16 @@ mod device;
 mod drafter;
 mod env;
 mod export;
+mod generate;
 mod head;
+mod reward;
 mod rollout;
 mod update;
 mod warmup;
 
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use tlt_drafter::DrafterTrainer;
@@ -37,8 +46,9 @@ use tlt_model::optim::AdamW;
 use tlt_model::{Llama, WeightDType};
 use tlt_scheduler::AdaptiveDecoder;
 
-pub use checkpoint::{TrainerState, DRAFTER_DIR, OPTIMIZER_FILE, POLICY_DIR, STATE_FILE};
-pub use config::{DrafterChoice, DrafterSchedule, Mode, OptimConfig, SdConfig, TrainerConfig};
+pub use checkpoint::{TrainerState, DRAFTER_BUFFER_FILE, DRAFTER_DIR, OPTIMIZER_FILE, POLICY_DIR, STATE_FILE};
+pub use config::{DrafterChoice, DrafterSchedule, DynamicSampling, Mode, OptimConfig, SdConfig, TrainerConfig};
+pub use reward::ScoringConfig;
 pub use env::{Environment, Prompt, TextEnv};
 pub use export::{
     make_readable, serve_commands, serve_instructions, tokenizer_config, ExportConfig, Exported, EXPORT_DRAFTER_DIR,
@@ -49,7 +59,7 @@ pub use update::UpdateStats;
 pub use warmup::{cache_key, WarmupConfig, WarmupReport, WARMUP_DATA_BASE};
 
 use crate::grpo::group_advantages;
-use crate::metrics::{mean_std, percentile, StepMetrics};
+use crate::metrics::StepMetrics;
 use crate::task::{Score, Split};
 use crate::{Error, Result};
 use device::RolloutDevice;
@@ -59,6 +69,7 @@ use drafter::RolloutDrafter;
 /// prompt is a clear error of the drafter's forward.
 const PROMPT_ROOM: usize = 1024;
 use rollout::{spec_params, RolloutJob};
+use reward::RewardPool;
 use update::{policy_update, TrainSeq, UpdateContext};
 
 /// Greedy evaluation of the current policy.
@@ -96,7 +107,6 @@ pub struct StepReport {
 /// A GRPO run over one policy and one environment.
 pub struct Trainer<E: Environment> {
     cfg: TrainerConfig,
-    env: E,
     policy: Llama,
     opt: AdamW,
     /// The policy packed for inference; dropped during the update (its memory goes to the update's peak instead)
@@ -107,7 +117,13 @@ pub struct Trainer<E: Environment> {
     drafter: Option<RolloutDrafter>,
     /// Where rollouts run.
     rollouts: RolloutDevice,
+    /// The environment, behind the workers that score answers as they finish.
+    scoring: RewardPool<E>,
     step: u64,
+    /// Prompts drawn so far: the next step's first data position.
+    data_pos: u64,
+    /// Why the trainer refuses to go on (a step failed); `None` while it is usable.
+    stopped: Option<String>,
 }
 
 impl<E: Environment> std::fmt::Debug for Trainer<E> {
@@ -130,7 +146,7 @@ fn inference_copy(m: &Option<Llama>) -> Result<&Llama> {
     })
 }
 
-/// The rollout sampling seed of RL step `step`.
+/// The rollout sampling seed of RL step `step` (its first rollout; dynamic sampling's later rollouts fork it).
 fn step_seed(seed: u64, step: u64) -> u64 {
     SplitMix64::new(seed ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15)).next_u64()
 }
@@ -168,6 +184,13 @@ impl<E: Environment> Trainer<E> {
             Mode::Baseline => AdaptiveDecoder::plain()?,
         };
         let rollouts = RolloutDevice::new(cfg.device)?;
+        if cfg.device.is_cuda() && cfg.grpo.tis_cap.is_none() {
+            tracing::warn!(
+                "rollouts on {} compute log-probabilities in bf16 while the update runs f32 on the CPU; consider \
+                 grpo.tis_cap (truncated importance sampling) to correct for the mismatch",
+                cfg.device
+            );
+        }
         let mut drafter = drafter;
         if let (tlt_model::Device::Cuda(ordinal), Some(d)) = (cfg.device, drafter.as_mut()) {
             // Room for the running requests, a prompt, the answer and the largest draft tree.
@@ -175,19 +198,41 @@ impl<E: Environment> Trainer<E> {
             let max_len = PROMPT_ROOM + cfg.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES;
             d.draft_on_device(ordinal, slots, max_len);
         }
-        Ok(Self { cfg, env, policy, opt, rollout_model, reference, decoder, drafter, rollouts, step })
+        let scoring = RewardPool::new(Arc::new(env), cfg.scoring.clone());
+        let data_pos = step * cfg.prompts_per_step as u64;
+        Ok(Self {
+            cfg,
+            policy,
+            opt,
+            rollout_model,
+            reference,
+            decoder,
+            drafter,
+            rollouts,
+            scoring,
+            step,
+            data_pos,
+            stopped: None,
+        })
     }
 
     /// Resumes the run checkpointed in `dir`. `initial` is the run's starting policy (the KL reference; its
-    /// weights are replaced by the checkpoint's); `cfg` must equal the checkpoint's config except for `steps`.
+    /// weights are replaced by the checkpoint's); `cfg` must equal the checkpoint's config except for `steps`,
+    /// `device` and `scoring`.
+    ///
+    /// Everything a step reads comes back: the policy and its AdamW moments, the step and the data position, the
+    /// SD gate's and the bandit's state, the drafter trainer (weights, moments, step count) and its sample buffer.
+    /// Decisions that depend on wall time are not reproducible by any run, resumed or not: see
+    /// [`TrainerConfig`]'s `sd` (the bandit's tokens-per-second rewards when a bucket has several arms), the tail
+    /// drafter schedule and the scoring deadline.
     ///
     /// # Errors
     /// [`Error::Checkpoint`] if the checkpoint is incomplete or belongs to another run.
     pub fn resume(dir: &Path, initial: Llama, env: E, cfg: TrainerConfig) -> Result<Self> {
         let state = TrainerState::read(dir)?;
-        // The step count and the rollout device may change on resume.
-        let mismatch = TrainerConfig { steps: cfg.steps, device: cfg.device, ..state.config.clone() } != cfg;
-        if mismatch {
+        // The step count, the rollout device and the scoring workers may change on resume.
+        let same = TrainerConfig { steps: cfg.steps, device: cfg.device, scoring: cfg.scoring.clone(), ..state.config.clone() };
+        if same != cfg {
             return Err(Error::Checkpoint {
                 path: dir.into(),
                 reason: "the config differs from the checkpoint's".into(),
@@ -197,12 +242,15 @@ impl<E: Environment> Trainer<E> {
         let drafter = match cfg.mode {
             Mode::Tlt if cfg.sd.has_eagle() => {
                 let t = DrafterTrainer::resume(&dir.join(DRAFTER_DIR), &saved)?;
-                Some(RolloutDrafter::eagle(&cfg.sd, t, state.drafter_version)?)
+                let buffer = tlt_drafter::online::OnlineBuffer::load(cfg.sd.buffer, &dir.join(DRAFTER_BUFFER_FILE))?;
+                Some(RolloutDrafter::eagle(&cfg.sd, t, state.drafter_version, buffer)?)
             }
             Mode::Tlt => Some(RolloutDrafter::new(&cfg.sd, &saved)?),
             Mode::Baseline => None,
         };
         let mut t = Self::assemble(initial, env, cfg, drafter, state.step)?;
+        t.data_pos = state.data_pos;
+        t.decoder.restore(&state.decoder).map_err(|e| Error::Checkpoint { path: dir.into(), reason: e.to_string() })?;
         let saved_w: std::collections::HashMap<String, candle_core::Tensor> =
             saved.weights().named_tensors().into_iter().collect();
         for (name, var) in t.opt.params() {
@@ -225,16 +273,20 @@ impl<E: Environment> Trainer<E> {
     /// Writes a checkpoint of the run so far to `dir` (atomically).
     ///
     /// # Errors
-    /// On an I/O failure.
+    /// On an I/O failure, or after a failed step ([`Error::Stopped`]: the state is no longer a step boundary's).
     pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
+        self.check_usable()?;
         tlt_model::write_dir_atomic(dir, |tmp| -> Result<()> {
             tlt_model::save_hf_dir(&self.policy, None, &tmp.join(POLICY_DIR), candle_core::DType::F32)?;
             checkpoint::save_optimizer(&self.opt, &tmp.join(OPTIMIZER_FILE))?;
             if let Some(d) = &self.drafter {
                 d.save(&tmp.join(DRAFTER_DIR))?;
+                d.save_buffer(&tmp.join(DRAFTER_BUFFER_FILE))?;
             }
             let version = self.drafter.as_ref().map_or(0, RolloutDrafter::version);
-            TrainerState::new(self.step, self.cfg.clone(), &self.opt, version).write(tmp)
+            let state =
+                TrainerState::new(self.step, self.cfg.clone(), &self.opt, version, self.data_pos, self.decoder.state());
+            state.write(tmp)
         })
     }
 
@@ -255,12 +307,20 @@ impl<E: Environment> Trainer<E> {
 
     /// The environment.
     pub fn env(&self) -> &E {
-        &self.env
+        self.scoring.env()
     }
 
     /// The policy's inference copy.
     fn rollout_model(&self) -> Result<&Llama> {
         inference_copy(&self.rollout_model)
+    }
+
+    /// [`Error::Stopped`] after a failed step.
+    fn check_usable(&self) -> Result<()> {
+        match &self.stopped {
+            Some(why) => Err(Error::Stopped(why.clone())),
+            None => Ok(()),
+        }
     }
 
     /// Greedy, plain decoding of one sample per held-out prompt at evaluation positions `indices` with the current
@@ -270,7 +330,7 @@ impl<E: Environment> Trainer<E> {
     /// Engine or environment failures.
     pub fn evaluate(&self, indices: Range<u64>, max_new_tokens: usize) -> Result<Evaluation> {
         let t = Instant::now();
-        let prompts = indices.map(|i| self.env.prompt(Split::Eval, i)).collect::<Result<Vec<_>>>()?;
+        let prompts = indices.map(|i| self.env().prompt(Split::Eval, i)).collect::<Result<Vec<_>>>()?;
         let params = spec_params(0.0, 1.0, max_new_tokens, 0);
         let mut plain = AdaptiveDecoder::plain()?;
         let job = RolloutJob {
@@ -280,11 +340,12 @@ impl<E: Environment> Trainer<E> {
             params,
             rl_step: self.step,
             record_features: false,
+            on_finish: None,
         };
         let out = self.rollouts.rollout(self.rollout_model()?, job, &mut plain, None, &mut Quiet)?;
         let mut e = Evaluation { prompts: prompts.len(), ..Evaluation::default() };
         for s in &out.samples {
-            let score = self.env.score(&prompts[s.group], &s.tokens)?;
+            let score = self.env().score(&prompts[s.group], &s.tokens)?;
             e.reward_mean += score.reward;
             e.accuracy += f64::from(u8::from(score.correct));
             e.correct.push(score.correct);
@@ -303,49 +364,43 @@ impl<E: Environment> Trainer<E> {
     /// Runs one RL step.
     ///
     /// # Errors
-    /// Any failure of the rollout, the reward, the update or the publication; the trainer is then left at the
-    /// step it was at (resume from the last checkpoint).
+    /// Any failure of the rollout, the reward, the update or the publication. The trainer then stops: this and
+    /// every later call, and [`Self::save_checkpoint`], return [`Error::Stopped`] with the reason (the failed step
+    /// already fed the drafter and the bandit, and may have moved the weights); resume from the last checkpoint.
     pub fn step(&mut self, obs: &mut dyn Observer) -> Result<StepReport> {
+        self.check_usable()?;
+        let mut update = UpdateStats::default();
+        let r = self.try_step(obs, &mut update);
+        if let Err(e) = &r {
+            let moved = if update.optimizer_steps > 0 {
+                format!(" after {} of its optimizer steps had moved the weights", update.optimizer_steps)
+            } else {
+                String::new()
+            };
+            let why = format!("step {} failed{moved} ({e}); resume the run from its last checkpoint", self.step);
+            tracing::error!("{why}");
+            self.stopped = Some(why);
+        }
+        r
+    }
+
+    fn try_step(&mut self, obs: &mut dyn Observer, update: &mut UpdateStats) -> Result<StepReport> {
         let t_step = Instant::now();
         let step = self.step;
-        let (p, g) = (self.cfg.prompts_per_step, self.cfg.group_size);
-        obs.on_phase(step, "rollout");
-        let base = step * p as u64;
-        let prompts = (0..p as u64).map(|i| self.env.prompt(Split::Train, base + i)).collect::<Result<Vec<_>>>()?;
-        let params =
-            spec_params(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, step_seed(self.cfg.seed, step));
-        let drafter = if self.cfg.mode == Mode::Tlt { self.drafter.as_mut() } else { None };
-        let job = RolloutJob {
-            limits: self.cfg.rollout,
-            prompts: &prompts,
-            group_size: g,
-            params,
-            rl_step: step,
-            record_features: false,
-        };
-        let model = inference_copy(&self.rollout_model)?;
-        let out = self.rollouts.rollout(model, job, &mut self.decoder, drafter, obs)?;
-
-        obs.on_phase(step, "reward");
-        let t_reward = Instant::now();
-        let mut scored = Vec::with_capacity(out.samples.len());
-        for s in &out.samples {
-            let score = self.env.score(&prompts[s.group], &s.tokens)?;
-            let reward = self.cfg.grpo.shaped_reward(score.reward, s.tokens.len(), self.cfg.max_new_tokens);
-            scored.push((score, reward));
-        }
-        let rewards: Vec<f64> = scored.iter().map(|&(_, r)| r).collect();
-        let adv = group_advantages(&rewards, g, &self.cfg.grpo)?;
-        let reward_s = t_reward.elapsed().as_secs_f64();
+        let g = self.cfg.group_size;
+        let gen = self.generate(step, obs)?;
+        let rewards: Vec<f64> = gen.kept.iter().flat_map(|&k| gen.rewards[k * g..(k + 1) * g].iter().copied()).collect();
+        let adv = if rewards.is_empty() { None } else { Some(group_advantages(&rewards, g, &self.cfg.grpo)?) };
 
         obs.on_phase(step, "update");
         let t_train = Instant::now();
-        let seqs: Vec<TrainSeq> = out
-            .samples
+        let seqs: Vec<TrainSeq> = gen
+            .kept
             .iter()
+            .flat_map(|&k| (k * g..(k + 1) * g).map(|i| &gen.out.samples[i]))
             .enumerate()
-            .filter(|&(i, s)| adv.keep(i) && !s.tokens.is_empty())
-            .map(|(i, s)| TrainSeq { sample: s, advantage: adv.values[i] })
+            .filter(|&(j, s)| adv.as_ref().is_some_and(|a| a.keep(j)) && !s.tokens.is_empty())
+            .map(|(j, s)| TrainSeq { sample: s, advantage: adv.as_ref().map_or(0.0, |a| a.values[j]) })
             .collect();
         let lr = self.cfg.optim.schedule.lr_at(step);
         let ctx = UpdateContext {
@@ -364,95 +419,26 @@ impl<E: Environment> Trainer<E> {
         };
         // The rollout's copy of the weights is not needed until the next rollout: free it for the update's peak.
         self.rollout_model = None;
-        let update = policy_update(&ctx, &mut self.opt, &seqs);
+        let updated = policy_update(&ctx, &mut self.opt, &seqs, update);
         let train_s = t_train.elapsed().as_secs_f64();
 
         obs.on_phase(step, "publish");
         let t_pub = Instant::now();
-        // Snapshotted even when the update failed, so the trainer stays usable (from its last checkpoint).
+        // Snapshotted even when the update failed, so the error is the update's.
         let model = self.rollout_model.insert(snapshot(&self.policy)?);
-        let update = update?;
+        updated?;
         if let Some(d) = &self.drafter {
             d.retarget(model)?;
         }
         let publish_s = t_pub.elapsed().as_secs_f64();
         self.step += 1;
+        self.data_pos = gen.data_pos;
 
-        let metrics = self.metrics(step, &out, &scored, &adv.zero_variance_group, &update, lr);
-        let metrics = StepMetrics { reward_s, train_s, publish_s, step_s: t_step.elapsed().as_secs_f64(), ..metrics };
-        let samples = out.samples.into_iter().zip(scored).map(|(s, (score, r))| (s, score, r)).collect();
-        Ok(StepReport { metrics, samples, update })
-    }
-
-    fn metrics(
-        &self,
-        step: u64,
-        out: &RolloutOutput,
-        scored: &[(Score, f64)],
-        zero_var: &[bool],
-        update: &UpdateStats,
-        lr: f64,
-    ) -> StepMetrics {
-        let n = scored.len().max(1) as f64;
-        let rewards: Vec<f64> = scored.iter().map(|&(_, r)| r).collect();
-        let (reward_mean, reward_std) = mean_std(&rewards);
-        let lens: Vec<usize> = out.samples.iter().map(|s| s.tokens.len()).collect();
-        let lens_f: Vec<f64> = lens.iter().map(|&l| l as f64).collect();
-        let total = out.samples.len().max(1) as f64;
-        let active = &out.trace.active;
-        let idle_fraction = if active.is_empty() {
-            0.0
-        } else {
-            1.0 - active.iter().sum::<usize>() as f64 / (active.len() as f64 * total)
-        };
-        StepMetrics {
-            step,
-            mode: match self.cfg.mode {
-                Mode::Tlt => "tlt".into(),
-                Mode::Baseline => "baseline".into(),
-            },
-            reward_mean,
-            reward_std,
-            accuracy: scored.iter().filter(|(s, _)| s.correct).count() as f64 / n,
-            format_rate: scored.iter().filter(|(s, _)| s.formatted).count() as f64 / n,
-            response_len_p50: percentile(&lens_f, 0.5),
-            response_len_p90: percentile(&lens_f, 0.9),
-            response_len_max: lens.iter().copied().max().unwrap_or(0),
-            response_len_mean: lens_f.iter().sum::<f64>() / n,
-            truncation_rate: out.samples.iter().filter(|s| s.truncated).count() as f64 / n,
-            samples: out.samples.len(),
-            rollout_tokens: lens.iter().sum(),
-            rollout_s: out.seconds,
-            drafter_s: out.drafter_s,
-            drafter_after_s: out.drafter_after_s,
-            idle_fraction,
-            sd_on_fraction: out.trace.sd_fraction(),
-            accept_len: out.trace.mean_accept_len(),
-            arms: out.trace.arms.clone(),
-            drafter_version: self.drafter.as_ref().map_or(0, RolloutDrafter::version),
-            drafter_steps: self.drafter.as_ref().map_or(0, RolloutDrafter::steps),
-            loss: update.loss.loss,
-            pg_loss: update.loss.pg_loss,
-            kl: update.loss.kl,
-            entropy: update.loss.entropy,
-            clip_frac: update.loss.clip_frac_low + update.loss.clip_frac_high,
-            ratio_mean: update.loss.ratio_mean,
-            tis_weight: update.loss.tis_weight_mean,
-            optimizer_steps: update.optimizer_steps,
-            grad_norm: update.grad_norm,
-            lr,
-            zero_variance_groups: zero_var.iter().filter(|&&z| z).count(),
-            tail_share: out.trace.tail_share(self.cfg.sd.gate.threshold),
-            active_requests: active.clone(),
-            round_seconds: out.trace.round_seconds.clone(),
-            round_tokens: out.trace.round_tokens.clone(),
-            plain_arm_steps: out.trace.plain_arm_steps,
-            drafter_prepare_s: out.trace.prepare_seconds,
-            sd_ceiling: out.sd_ceiling,
-            response_lengths: lens,
-            accept_lens: out.trace.accept_lens.clone(),
-            ..StepMetrics::default()
-        }
+        let zero_var = gen.zero_variance_groups(g);
+        let metrics = self.metrics(step, &gen, &zero_var, update, lr);
+        let metrics = StepMetrics { train_s, publish_s, step_s: t_step.elapsed().as_secs_f64(), ..metrics };
+        let samples = gen.out.samples.into_iter().zip(gen.scores).zip(gen.rewards).map(|((s, sc), r)| (s, sc, r)).collect();
+        Ok(StepReport { metrics, samples, update: *update })
     }
 
     /// Stops the drafter's background worker (also done on drop).

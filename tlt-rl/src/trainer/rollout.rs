@@ -66,6 +66,34 @@ pub struct RolloutOutput {
     pub sd_ceiling: SdCeiling,
 }
 
+impl RolloutOutput {
+    /// Appends `other` (a later rollout of the same step, whose groups are numbered from 0) after this one, its
+    /// groups renumbered from `group_offset`.
+    pub(crate) fn append(&mut self, other: RolloutOutput, group_offset: usize) {
+        self.samples.extend(other.samples.into_iter().map(|s| Sample { group: s.group + group_offset, ..s }));
+        self.trace.append(other.trace);
+        let (a, b) = (&mut self.counters, other.counters);
+        a.rounds += b.rounds;
+        a.seq_rounds += b.seq_rounds;
+        a.drafted += b.drafted;
+        a.accepted += b.accepted;
+        a.committed += b.committed;
+        a.draft_s += b.draft_s;
+        a.forward_s += b.forward_s;
+        a.verify_s += b.verify_s;
+        a.commit_s += b.commit_s;
+        a.prefill_s += b.prefill_s;
+        a.prefill_tokens += b.prefill_tokens;
+        a.prefill_forks += b.prefill_forks;
+        self.seconds += other.seconds;
+        self.drafter_s += other.drafter_s;
+        self.drafter_after_s += other.drafter_after_s;
+        self.preempt_latency = self.preempt_latency.max(other.preempt_latency);
+        self.features.extend(other.features);
+        self.sd_ceiling.merge(&other.sd_ceiling);
+    }
+}
+
 /// Tokens per verify step of a rollout's speculative rounds beside the **argmax-chain ceiling** of the same
 /// rounds: a point-mass draft is accepted with the target's probability of it, so no chain beats drafting the
 /// argmax, whose expected tokens per step from a round's first position `t` at depth `k` are
@@ -141,6 +169,9 @@ pub(crate) struct RolloutJob<'a> {
     pub rl_step: u64,
     /// Keep each finished request's hidden states as a [`FeatureSample`] in [`RolloutOutput::features`].
     pub record_features: bool,
+    /// Called as each sample finishes, with its index (group-major, as in [`RolloutOutput::samples`]), its group
+    /// and its tokens: the trainer scores answers while the rest decode.
+    pub on_finish: Option<&'a mut dyn FnMut(usize, usize, &[u32])>,
 }
 
 /// Runs `job` on `target` (the policy's inference copy: on the CPU, or a `CudaTarget`) with `decoder` (and `drafter`
@@ -152,7 +183,7 @@ pub(crate) fn run_rollout<T: Target>(
     mut drafter: Option<&mut RolloutDrafter>,
     obs: &mut dyn Observer,
 ) -> Result<RolloutOutput> {
-    let RolloutJob { limits, prompts, group_size, params, rl_step, record_features } = job;
+    let RolloutJob { limits, prompts, group_size, params, rl_step, record_features, mut on_finish } = job;
     let t0 = Instant::now();
     let mut engine = Engine::new(target, params)?;
     engine.record_hidden(record_features || drafter.as_ref().is_some_and(|d| d.needs_hidden()));
@@ -202,6 +233,9 @@ pub(crate) fn run_rollout<T: Target>(
                 }
             }
             f.hidden = None;
+            if let (Some(cb), Some(&group)) = (on_finish.as_mut(), owner.get(f.id.0)) {
+                cb(f.id.0, group, &f.tokens);
+            }
             sd_ceiling.add(&f.p_max, &f.sd_rounds);
             tokens += f.tokens.len();
             finished += 1;

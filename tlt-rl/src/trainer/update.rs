@@ -19,11 +19,14 @@ pub struct UpdateStats {
     /// Loss statistics merged over every micro-batch of every optimizer step (token-weighted; `loss` is the mean
     /// of the mini-batch losses, and `tokens` counts each pass).
     pub loss: LossStats,
-    /// Mean global gradient norm before clipping over the optimizer steps (0 without an update).
+    /// Mean global gradient norm before clipping over the optimizer steps taken (0 without an update).
     pub grad_norm: f64,
     /// Optimizer (AdamW) steps taken.
     #[serde(default)]
     pub optimizer_steps: usize,
+    /// Optimizer steps skipped because the gradient norm was not finite (nothing changed; logged as a warning).
+    #[serde(default)]
+    pub skipped_steps: usize,
     /// Micro-batches run.
     pub micro_batches: usize,
     /// Sequences that took part (zero-variance groups dropped).
@@ -158,6 +161,21 @@ fn old_logprobs(ctx: &UpdateContext, seqs: &[TrainSeq]) -> Result<Vec<Vec<f32>>>
     Ok(out)
 }
 
+/// What one mini-batch's optimizer step did.
+struct MiniStep {
+    stats: LossStats,
+    grad_norm: f64,
+    micros: usize,
+    /// False when the gradient norm was not finite and AdamW skipped the step.
+    applied: bool,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test hook: the update fails (an injected error) before its optimizer step number `n` (0-based).
+    pub(crate) static FAIL_BEFORE_STEP: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
 /// One optimizer step over the sequences `mb` of `seqs`: micro-batches by token budget, the loss normalised over
 /// the mini-batch, gradients accumulated, AdamW. `None` when the mini-batch trains no token.
 fn mini_batch_step(
@@ -166,7 +184,7 @@ fn mini_batch_step(
     seqs: &[TrainSeq],
     mb: &[usize],
     old: Option<&[Vec<f32>]>,
-) -> Result<Option<(LossStats, f64, usize)>> {
+) -> Result<Option<MiniStep>> {
     let trained = |s: &TrainSeq| if ctx.grpo.trains_on(s.sample.truncated) { s.sample.tokens.len() } else { 0 };
     let total_tokens: usize = mb.iter().map(|&i| trained(&seqs[i])).sum();
     if total_tokens == 0 {
@@ -215,43 +233,98 @@ fn mini_batch_step(
         micros += 1;
     }
     let Some(grads) = acc else { return Ok(None) };
-    let grad_norm = opt.step(&grads, ctx.lr, ctx.max_grad_norm)?.before;
-    Ok(Some((stats, grad_norm, micros)))
+    let norm = opt.step(&grads, ctx.lr, ctx.max_grad_norm)?;
+    if !norm.applied() {
+        tracing::warn!(grad_norm = norm.before, "non-finite gradient norm: optimizer step skipped, weights unchanged");
+    }
+    Ok(Some(MiniStep { stats, grad_norm: norm.before, micros, applied: norm.applied() }))
+}
+
+/// `order` cut into `ceil(len / chunk)` mini-batches of near-equal size (sizes differ by at most one), so no
+/// small remainder gets a full optimizer step of its own.
+fn mini_batches(order: &[usize], chunk: usize) -> Vec<&[usize]> {
+    let k = order.len().div_ceil(chunk.max(1)).max(1);
+    let (base, extra) = (order.len() / k, order.len() % k);
+    let mut out = Vec::with_capacity(k);
+    let mut start = 0;
+    for j in 0..k {
+        let len = base + usize::from(j < extra);
+        out.push(&order[start..start + len]);
+        start += len;
+    }
+    out
 }
 
 /// The GRPO update of one RL step over `seqs` (already filtered): `ppo_epochs` passes, each cutting the shuffled
-/// batch into mini-batches of `mini_batch_seqs`, one AdamW step per mini-batch. An empty batch or one without
-/// trained tokens changes nothing.
-pub(crate) fn policy_update(ctx: &UpdateContext, opt: &mut AdamW, seqs: &[TrainSeq]) -> Result<UpdateStats> {
-    let mut stats = UpdateStats { sequences: seqs.len(), ..UpdateStats::default() };
+/// batch into near-equal mini-batches of about `mini_batch_seqs` ([`mini_batches`]), one AdamW step per
+/// mini-batch. An empty batch or one without trained tokens changes nothing.
+///
+/// `stats` holds what was done so far even when an error ends the update half-way (`optimizer_steps` then says
+/// whether the weights moved).
+pub(crate) fn policy_update(
+    ctx: &UpdateContext,
+    opt: &mut AdamW,
+    seqs: &[TrainSeq],
+    stats: &mut UpdateStats,
+) -> Result<()> {
+    *stats = UpdateStats { sequences: seqs.len(), ..UpdateStats::default() };
     if seqs.is_empty() {
-        return Ok(stats);
+        return Ok(());
     }
-    let chunk = ctx.mini_batch_seqs.clamp(1, seqs.len());
-    let several = ctx.ppo_epochs * seqs.len().div_ceil(chunk) > 1;
+    let k = seqs.len().div_ceil(ctx.mini_batch_seqs.clamp(1, seqs.len()));
+    let several = ctx.ppo_epochs * k > 1;
     let old = if several { Some(old_logprobs(ctx, seqs)?) } else { None };
     let mut rng = SplitMix64::new(ctx.shuffle_seed);
     let mut order: Vec<usize> = (0..seqs.len()).collect();
-    let mut grad_norm_sum = 0.0;
+    let (mut grad_norm_sum, mut passes) = (0.0, 0usize);
     for _ in 0..ctx.ppo_epochs {
         if several {
             for i in (1..order.len()).rev() {
                 order.swap(i, rng.below(i + 1));
             }
         }
-        for mb in order.chunks(chunk) {
-            if let Some((s, grad_norm, micros)) = mini_batch_step(ctx, opt, seqs, mb, old.as_deref())? {
-                stats.loss.merge(&s);
-                grad_norm_sum += grad_norm;
+        for mb in mini_batches(&order, ctx.mini_batch_seqs) {
+            #[cfg(test)]
+            if FAIL_BEFORE_STEP.with(std::cell::Cell::get) == Some(stats.optimizer_steps + stats.skipped_steps) {
+                return Err(crate::Error::InvalidArgument("injected update failure".into()));
+            }
+            let Some(m) = mini_batch_step(ctx, opt, seqs, mb, old.as_deref())? else { continue };
+            stats.loss.merge(&m.stats);
+            stats.micro_batches += m.micros;
+            passes += 1;
+            if m.applied {
+                grad_norm_sum += m.grad_norm;
                 stats.optimizer_steps += 1;
-                stats.micro_batches += micros;
+            } else {
+                stats.skipped_steps += 1;
             }
         }
     }
-    if stats.optimizer_steps > 0 {
-        let n = stats.optimizer_steps as f64;
-        stats.loss.loss /= n;
-        stats.grad_norm = grad_norm_sum / n;
+    if passes > 0 {
+        stats.loss.loss /= passes as f64;
     }
-    Ok(stats)
+    if stats.optimizer_steps > 0 {
+        stats.grad_norm = grad_norm_sum / stats.optimizer_steps as f64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mini_batches;
+
+    #[test]
+    fn mini_batches_are_near_equal_and_cover_the_order() {
+        let order: Vec<usize> = (0..10).collect();
+        let sizes = |chunk| mini_batches(&order, chunk).iter().map(|m| m.len()).collect::<Vec<_>>();
+        assert_eq!(sizes(4), [4, 3, 3], "not [4, 4, 2]: no small remainder gets a full step");
+        assert_eq!(sizes(5), [5, 5]);
+        assert_eq!(sizes(10), [10]);
+        assert_eq!(sizes(100), [10]);
+        assert_eq!(sizes(1), [1; 10]);
+        assert_eq!(sizes(3), [3, 3, 2, 2]);
+        let flat: Vec<usize> = mini_batches(&order, 3).concat();
+        assert_eq!(flat, order);
+        assert_eq!(mini_batches(&[], 3).concat(), Vec::<usize>::new());
+    }
 }

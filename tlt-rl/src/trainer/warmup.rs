@@ -167,13 +167,14 @@ impl<E: Environment> Trainer<E> {
         obs.on_phase(0, "drafter warm-up");
         let t0 = Instant::now();
         let prompts = (0..w.prompts as u64)
-            .map(|i| self.env.prompt(Split::Train, WARMUP_DATA_BASE + i))
+            .map(|i| self.env().prompt(Split::Train, WARMUP_DATA_BASE + i))
             .collect::<Result<Vec<_>>>()?;
         let key = cache_key(&self.policy, &prompts, &self.cfg)?;
         let cached = w.cache_dir.as_ref().map(|d| d.join(&key));
         if let Some(dir) = cached.as_ref().filter(|d| d.join(DRAFTER_STATE).exists()) {
             let trainer = DrafterTrainer::resume(dir, self.rollout_model()?)?;
-            self.drafter = Some(RolloutDrafter::eagle(&self.cfg.sd, trainer, 1)?);
+            let buffer = tlt_drafter::online::OnlineBuffer::new(self.cfg.sd.buffer)?;
+            self.drafter = Some(RolloutDrafter::eagle(&self.cfg.sd, trainer, 1, buffer)?);
             tracing::info!(dir = %dir.display(), "warm drafter loaded from the cache");
             return Ok(Some(WarmupReport {
                 key,
@@ -192,6 +193,7 @@ impl<E: Environment> Trainer<E> {
             params,
             rl_step: 0,
             record_features: true,
+            on_finish: None,
         };
         let out = self.rollouts.rollout(self.rollout_model()?, job, &mut AdaptiveDecoder::plain()?, None, obs)?;
         let tokens = out.samples.iter().map(|s| s.tokens.len()).sum();

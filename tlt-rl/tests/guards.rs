@@ -1,0 +1,92 @@
+//! The update's guards on a tiny seeded model: a non-finite gradient norm skips the optimizer step, a group of one
+//! answer trains as verl trains it, dynamic sampling fills the batch with informative groups (and stops at its
+//! bound), equal-reward groups are kept by default.
+
+#![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
+
+mod common;
+
+use common::{base_config, count_score, fn_env, tiny_model, weights};
+use tlt_rl::task::Score;
+use tlt_rl::trainer::{DynamicSampling, Mode, Quiet, Trainer, TrainerConfig};
+
+/// Rewards so large that the loss overflows f32 (advantages of about ±1e300 without std normalisation): the gradient
+/// norm is not finite, the optimizer step is skipped and counted, and the weights stay exactly as they were
+/// (before the fix AdamW ran with a NaN or infinite norm and wrote NaN into every weight).
+#[test]
+fn a_non_finite_gradient_norm_skips_the_step_and_leaves_the_weights() {
+    let env = fn_env(|_, c: &[u32]| {
+        let s = count_score(c);
+        Score { reward: if s.reward > 0.0 { 1e300 } else { 0.0 }, ..s }
+    });
+    let mut cfg = base_config(Mode::Baseline);
+    cfg.grpo.std_norm = false;
+    cfg.group_size = 8;
+    let mut t = Trainer::new(tiny_model(3), env, cfg).unwrap();
+    let before = weights(&t);
+    let r = t.step(&mut Quiet).unwrap();
+    let m = &r.metrics;
+    assert!(m.informative_groups > 0, "no group had reward variance: the test needs one ({m:?})");
+    assert_eq!((m.optimizer_steps, m.skipped_optimizer_steps), (0, 1), "{m:?}");
+    let after = weights(&t);
+    assert!(after.values().flatten().all(|x| x.is_finite()), "non-finite weights");
+    assert!(after == before, "a skipped step moved the weights");
+    // The run goes on.
+    t.step(&mut Quiet).unwrap();
+}
+
+/// `group_size = 1`: verl's mean 0 and std 1, so each answer's advantage is its reward and the policy learns
+/// (before, every group of one had advantage 0 and was dropped: no update ever happened).
+#[test]
+fn groups_of_one_answer_train_as_verl_does() {
+    let cfg = TrainerConfig { group_size: 1, prompts_per_step: 16, ..base_config(Mode::Baseline) };
+    let mut t = Trainer::new(tiny_model(5), fn_env(|_, c: &[u32]| count_score(c)), cfg).unwrap();
+    let before = weights(&t);
+    let r = t.step(&mut Quiet).unwrap();
+    assert_eq!(r.update.sequences, 16);
+    assert!(r.metrics.optimizer_steps == 1 && r.metrics.grad_norm > 0.0, "{:?}", r.metrics);
+    assert_eq!(r.metrics.zero_variance_groups, 0);
+    assert!(weights(&t) != before, "a group of one must train");
+    // Dynamic sampling needs variance inside a group: refused with a clear error.
+    let cfg = TrainerConfig { group_size: 1, dynamic_sampling: Some(DynamicSampling::default()), ..base_config(Mode::Baseline) };
+    let e = cfg.validate().unwrap_err();
+    assert!(e.to_string().contains("group_size"), "{e}");
+}
+
+/// Prompts of odd data index always score 0 (their groups carry no signal); even ones score the fraction of
+/// good tokens. By default every group is kept (verl): the update trains on all 32 answers. With dynamic
+/// sampling the odd groups are set aside and a second rollout of 8 more prompts fills the batch with 8
+/// informative groups; bounded to one rollout, the step trains on the informative groups it has.
+#[test]
+fn dynamic_sampling_fills_the_batch_with_informative_groups() {
+    let reward = |index: u64, c: &[u32]| if index % 2 == 1 { Score::ZERO } else { count_score(c) };
+
+    let mut keep = Trainer::new(tiny_model(7), fn_env(reward), base_config(Mode::Baseline)).unwrap();
+    let r = keep.step(&mut Quiet).unwrap();
+    assert_eq!((r.update.sequences, r.metrics.gen_batches), (32, 1));
+    assert!(r.metrics.zero_variance_groups >= 4, "odd prompts are zero-variance: {:?}", r.metrics);
+
+    let cfg = TrainerConfig {
+        dynamic_sampling: Some(DynamicSampling { max_gen_batches: 4 }),
+        ..base_config(Mode::Baseline)
+    };
+    let mut dyn_t = Trainer::new(tiny_model(7), fn_env(reward), cfg.clone()).unwrap();
+    let r = dyn_t.step(&mut Quiet).unwrap();
+    let m = &r.metrics;
+    assert!(m.gen_batches >= 2, "one rollout cannot hold 8 informative groups: {m:?}");
+    assert_eq!(m.informative_groups, 8, "{m:?}");
+    assert_eq!(r.update.sequences, 8 * 4, "exactly a batch of informative groups is trained on");
+    assert_eq!(m.samples, m.gen_batches * 32);
+    assert!(m.samples / 4 - m.zero_variance_groups >= 8, "found fewer informative groups than it trained on: {m:?}");
+    // The next step draws after every prompt this one used (the data position moved by whole rollouts).
+    let r2 = dyn_t.step(&mut Quiet).unwrap();
+    assert_eq!(r2.samples[0].0.prompt, common::count_prompt(tlt_rl::task::Split::Train, 8 * m.gen_batches as u64).ids);
+
+    // Bounded to one rollout: trains on the informative groups found.
+    let cfg = TrainerConfig { dynamic_sampling: Some(DynamicSampling { max_gen_batches: 1 }), ..cfg };
+    let mut bounded = Trainer::new(tiny_model(7), fn_env(reward), cfg).unwrap();
+    let r = bounded.step(&mut Quiet).unwrap();
+    assert_eq!(r.metrics.gen_batches, 1);
+    assert!(r.metrics.informative_groups < 8 && r.metrics.informative_groups > 0, "{:?}", r.metrics);
+    assert_eq!(r.update.sequences, r.metrics.informative_groups * 4);
+}
