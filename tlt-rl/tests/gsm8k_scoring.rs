@@ -140,4 +140,15 @@ fn gsm8k_gold_solutions_ended_by_the_stop_token_score_correct() {
     }
     println!("gold solutions + <|im_end|> correct: {}/{n}; with a final '.': {}/{n}", correct[0], correct[1]);
     assert_eq!(correct, [GOLD.len(); 3]);
+
+    // A non-numeric answer after `####` (the whole line is the answer): only decoding without special tokens keeps
+    // the stop token out of it.
+    let task = JsonlTask::from_str("frac", &serde_json::json!({"question": "Half?", "answer": "#### \\frac{1}{2}"}).to_string());
+    let task = task.unwrap();
+    let env = TextEnv::new(Box::new(task), tokenizer.clone(), ChatTemplate::chatml(), None).unwrap();
+    let prompt = env.prompt(Split::Train, 0).unwrap();
+    let mut ids = tlt_model::encode(&tokenizer, "So it is\n#### \\frac{1}{2}").unwrap();
+    ids.push(stop);
+    let s = env.score(&prompt, &ids).unwrap();
+    assert!(s.correct, "{s:?}");
 }

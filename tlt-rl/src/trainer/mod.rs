@@ -32,6 +32,8 @@ mod generate;
 mod head;
 mod reward;
 mod rollout;
+#[cfg(test)]
+mod tests;
 mod update;
 mod warmup;
 
