@@ -194,8 +194,10 @@ fn config_validation_and_schedule() {
         assert!(matches!(c.validate(), Err(Error::InvalidConfig { .. })), "{c:?}");
     }
     let c = TrainConfig { schedule: cosine(1.0, 4, 14, 0.1), ..TrainConfig::default() };
-    assert_eq!(c.lr_at(0), 0.25);
-    assert_eq!(c.lr_at(3), 1.0);
+    // Warm-up from 0, as verl and transformers' schedulers: s / W at step s.
+    assert_eq!(c.lr_at(0), 0.0);
+    assert_eq!(c.lr_at(1), 0.25);
+    assert_eq!(c.lr_at(3), 0.75);
     assert_eq!(c.lr_at(4), 1.0);
     assert!((c.lr_at(9) - 0.55).abs() < 1e-12);
     assert!((c.lr_at(14) - 0.1).abs() < 1e-12 && (c.lr_at(100) - 0.1).abs() < 1e-12);

@@ -67,18 +67,12 @@ const GOLD: [(&str, &str); 16] = [
         "There are 7 rows of 13 chairs, and 19 chairs are empty. How many people are seated?",
         "There are 7 * 13 = <<7*13=91>>91 chairs.\nSo 91 - 19 = <<91-19=72>>72 people are seated.\n#### 72",
     ),
-    (
-        "A recipe needs 3 eggs per cake. How many eggs for 14 cakes?",
-        "It needs 3 * 14 = <<3*14=42>>42 eggs.\n#### 42",
-    ),
+    ("A recipe needs 3 eggs per cake. How many eggs for 14 cakes?", "It needs 3 * 14 = <<3*14=42>>42 eggs.\n#### 42"),
     (
         "A train travels 540 km in 6 hours. What is its speed in km per hour?",
         "Its speed is 540 / 6 = <<540/6=90>>90 km per hour.\n#### 90",
     ),
-    (
-        "Ben saves $25 a week. How many weeks to save $1,000?",
-        "He needs 1000 / 25 = <<1000/25=40>>40 weeks.\n#### 40",
-    ),
+    ("Ben saves $25 a week. How many weeks to save $1,000?", "He needs 1000 / 25 = <<1000/25=40>>40 weeks.\n#### 40"),
 ];
 
 /// The GGUF path: `$TLT_SMOLLM2_GGUF` (must exist when set), else the default cache location if present.
@@ -143,7 +137,10 @@ fn gsm8k_gold_solutions_ended_by_the_stop_token_score_correct() {
 
     // A non-numeric answer after `####` (the whole line is the answer): only decoding without special tokens keeps
     // the stop token out of it.
-    let task = JsonlTask::from_str("frac", &serde_json::json!({"question": "Half?", "answer": "#### \\frac{1}{2}"}).to_string());
+    let task = JsonlTask::from_str(
+        "frac",
+        &serde_json::json!({"question": "Half?", "answer": "#### \\frac{1}{2}"}).to_string(),
+    );
     let task = task.unwrap();
     let env = TextEnv::new(Box::new(task), tokenizer.clone(), ChatTemplate::chatml(), None).unwrap();
     let prompt = env.prompt(Split::Train, 0).unwrap();

@@ -48,7 +48,11 @@ fn groups_of_one_answer_train_as_verl_does() {
     assert_eq!(r.metrics.zero_variance_groups, 0);
     assert!(weights(&t) != before, "a group of one must train");
     // Dynamic sampling needs variance inside a group: refused with a clear error.
-    let cfg = TrainerConfig { group_size: 1, dynamic_sampling: Some(DynamicSampling::default()), ..base_config(Mode::Baseline) };
+    let cfg = TrainerConfig {
+        group_size: 1,
+        dynamic_sampling: Some(DynamicSampling::default()),
+        ..base_config(Mode::Baseline)
+    };
     let e = cfg.validate().unwrap_err();
     assert!(e.to_string().contains("group_size"), "{e}");
 }
@@ -66,10 +70,8 @@ fn dynamic_sampling_fills_the_batch_with_informative_groups() {
     assert_eq!((r.update.sequences, r.metrics.gen_batches), (32, 1));
     assert!(r.metrics.zero_variance_groups >= 4, "odd prompts are zero-variance: {:?}", r.metrics);
 
-    let cfg = TrainerConfig {
-        dynamic_sampling: Some(DynamicSampling { max_gen_batches: 4 }),
-        ..base_config(Mode::Baseline)
-    };
+    let cfg =
+        TrainerConfig { dynamic_sampling: Some(DynamicSampling { max_gen_batches: 4 }), ..base_config(Mode::Baseline) };
     let mut dyn_t = Trainer::new(tiny_model(7), fn_env(reward), cfg.clone()).unwrap();
     let r = dyn_t.step(&mut Quiet).unwrap();
     let m = &r.metrics;

@@ -398,9 +398,13 @@ fn ppo_epochs_and_mini_batches_move_the_ratio_and_clip() {
     assert!(weights(&again) == weights(&many));
     assert!(TrainerConfig { ppo_epochs: 0, ..TrainerConfig::default() }.validate().is_err());
     assert!(TrainerConfig { ppo_mini_batch_size: Some(0), ..TrainerConfig::default() }.validate().is_err());
-    let e = TrainerConfig { top_p: 0.9, grpo: GrpoConfig { tis_cap: Some(2.0), ..GrpoConfig::default() }, ..TrainerConfig::default() }
-        .validate()
-        .unwrap_err();
+    let e = TrainerConfig {
+        top_p: 0.9,
+        grpo: GrpoConfig { tis_cap: Some(2.0), ..GrpoConfig::default() },
+        ..TrainerConfig::default()
+    }
+    .validate()
+    .unwrap_err();
     assert!(e.to_string().contains("tis_cap"), "{e}");
     // Mini-batches of equal size: the mini-batch must divide the batch.
     let e = TrainerConfig { prompts_per_step: 8, ppo_mini_batch_size: Some(3), ..TrainerConfig::default() }

@@ -271,7 +271,10 @@ impl OnlineBuffer {
         for (id, s) in &parts.items {
             s.validate()?;
             if last.is_some_and(|l| l >= *id) || *id >= parts.next_id {
-                return Err(Error::InvalidArgument(format!("sample id {id} out of order or not below {}", parts.next_id)));
+                return Err(Error::InvalidArgument(format!(
+                    "sample id {id} out of order or not below {}",
+                    parts.next_id
+                )));
             }
             last = Some(*id);
             positions += s.train_positions();

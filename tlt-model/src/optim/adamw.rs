@@ -325,7 +325,8 @@ mod tests {
         let mut opt =
             AdamW::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], AdamWParams::default()).unwrap();
         // A store whose gradient for `b` has the wrong size (keyed by `b`'s id, computed from a wider tensor).
-        let mut grads = (a.as_tensor().sum_all().unwrap() + b.as_tensor().sum_all().unwrap()).unwrap().backward().unwrap();
+        let mut grads =
+            (a.as_tensor().sum_all().unwrap() + b.as_tensor().sum_all().unwrap()).unwrap().backward().unwrap();
         grads.insert(b.as_tensor(), Tensor::new(&[1.0f32, 1.0], &Device::Cpu).unwrap());
         let e = opt.step(&grads, 1e-2, None).unwrap_err();
         assert!(e.to_string().contains("`b`"), "{e}");

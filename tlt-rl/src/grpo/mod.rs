@@ -12,8 +12,8 @@ mod loss;
 #[cfg(test)]
 mod loss_tests;
 
-pub use advantages::{group_advantages, overlong_penalty, Advantages};
 pub(crate) use advantages::all_equal;
+pub use advantages::{group_advantages, overlong_penalty, Advantages};
 pub use config::{GrpoConfig, KlConfig, KlEstimator, LossAgg, MeanLevel, Truncation};
 pub use logprobs::{kl_estimate, logprobs_and_entropy};
 pub use loss::{policy_loss, LossInputs, LossNorm, LossStats};

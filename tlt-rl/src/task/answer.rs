@@ -45,7 +45,8 @@ fn leading_number(line: &str) -> Option<&str> {
     if !b.get(sign).is_some_and(u8::is_ascii_digit) {
         return None;
     }
-    let end = b[sign..].iter().position(|c| !(c.is_ascii_digit() || *c == b'.' || *c == b',')).map_or(b.len(), |i| i + sign);
+    let end =
+        b[sign..].iter().position(|c| !(c.is_ascii_digit() || *c == b'.' || *c == b',')).map_or(b.len(), |i| i + sign);
     if matches!(b.get(end), Some(b'/' | b'^' | b'{' | b'\\')) {
         return None;
     }

@@ -50,12 +50,12 @@ use tlt_scheduler::AdaptiveDecoder;
 
 pub use checkpoint::{TrainerState, DRAFTER_BUFFER_FILE, DRAFTER_DIR, OPTIMIZER_FILE, POLICY_DIR, STATE_FILE};
 pub use config::{DrafterChoice, DrafterSchedule, DynamicSampling, Mode, OptimConfig, SdConfig, TrainerConfig};
-pub use reward::ScoringConfig;
 pub use env::{Environment, Prompt, TextEnv};
 pub use export::{
     make_readable, serve_commands, serve_instructions, tokenizer_config, ExportConfig, Exported, EXPORT_DRAFTER_DIR,
     EXPORT_POLICY_DIR, SERVE_FILE,
 };
+pub use reward::ScoringConfig;
 pub use rollout::{Observer, Quiet, RolloutOutput, Sample, SdCeiling, CEILING_DEPTHS};
 pub use update::UpdateStats;
 pub use warmup::{cache_key, WarmupConfig, WarmupReport, WARMUP_DATA_BASE};
@@ -70,8 +70,8 @@ use drafter::RolloutDrafter;
 /// Prompt positions the device drafter's cache reserves per request (beyond the answer and a draft tree); a longer
 /// prompt is a clear error of the drafter's forward.
 const PROMPT_ROOM: usize = 1024;
-use rollout::{spec_params, RolloutJob};
 use reward::RewardPool;
+use rollout::{spec_params, RolloutJob};
 use update::{policy_update, TrainSeq, UpdateContext};
 
 /// Greedy evaluation of the current policy.
@@ -233,7 +233,12 @@ impl<E: Environment> Trainer<E> {
     pub fn resume(dir: &Path, initial: Llama, env: E, cfg: TrainerConfig) -> Result<Self> {
         let state = TrainerState::read(dir)?;
         // The step count, the rollout device and the scoring workers may change on resume.
-        let same = TrainerConfig { steps: cfg.steps, device: cfg.device, scoring: cfg.scoring.clone(), ..state.config.clone() };
+        let same = TrainerConfig {
+            steps: cfg.steps,
+            device: cfg.device,
+            scoring: cfg.scoring.clone(),
+            ..state.config.clone()
+        };
         if same != cfg {
             return Err(Error::Checkpoint {
                 path: dir.into(),
@@ -391,7 +396,8 @@ impl<E: Environment> Trainer<E> {
         let step = self.step;
         let g = self.cfg.group_size;
         let gen = self.generate(step, obs)?;
-        let rewards: Vec<f64> = gen.kept.iter().flat_map(|&k| gen.rewards[k * g..(k + 1) * g].iter().copied()).collect();
+        let rewards: Vec<f64> =
+            gen.kept.iter().flat_map(|&k| gen.rewards[k * g..(k + 1) * g].iter().copied()).collect();
         let adv = if rewards.is_empty() { None } else { Some(group_advantages(&rewards, g, &self.cfg.grpo)?) };
 
         obs.on_phase(step, "update");
@@ -439,7 +445,8 @@ impl<E: Environment> Trainer<E> {
         let zero_var = gen.zero_variance_groups(g);
         let metrics = self.metrics(step, &gen, &zero_var, update, lr);
         let metrics = StepMetrics { train_s, publish_s, step_s: t_step.elapsed().as_secs_f64(), ..metrics };
-        let samples = gen.out.samples.into_iter().zip(gen.scores).zip(gen.rewards).map(|((s, sc), r)| (s, sc, r)).collect();
+        let samples =
+            gen.out.samples.into_iter().zip(gen.scores).zip(gen.rewards).map(|((s, sc), r)| (s, sc, r)).collect();
         Ok(StepReport { metrics, samples, update: *update })
     }
 

@@ -118,8 +118,18 @@ impl<E: Environment> RewardPool<E> {
     pub(crate) fn new(env: Arc<E>, cfg: ScoringConfig) -> Self {
         let (jobs, jobs_rx) = unbounded();
         let (done_tx, done) = unbounded();
-        let mut pool =
-            Self { env, cfg, jobs, jobs_rx, done_tx, done, workers: Vec::new(), batch: 0, pending: Vec::new(), submitted: 0 };
+        let mut pool = Self {
+            env,
+            cfg,
+            jobs,
+            jobs_rx,
+            done_tx,
+            done,
+            workers: Vec::new(),
+            batch: 0,
+            pending: Vec::new(),
+            submitted: 0,
+        };
         for _ in 0..pool.cfg.workers {
             pool.spawn_worker();
         }
@@ -180,7 +190,10 @@ impl<E: Environment> RewardPool<E> {
     /// submitted.
     pub(crate) fn collect(&mut self, n: usize, decoding: (Instant, Instant)) -> Result<Collected> {
         if self.submitted != n {
-            return Err(Error::InvalidArgument(format!("{} answers submitted for scoring, {n} expected", self.submitted)));
+            return Err(Error::InvalidArgument(format!(
+                "{} answers submitted for scoring, {n} expected",
+                self.submitted
+            )));
         }
         let t_wait = Instant::now();
         let mut got: Vec<Option<(Result<Score>, Instant, Instant)>> = (0..n).map(|_| None).collect();

@@ -171,8 +171,11 @@ pub(crate) struct RolloutJob<'a> {
     pub record_features: bool,
     /// Called as each sample finishes, with its index (group-major, as in [`RolloutOutput::samples`]), its group
     /// and its tokens: the trainer scores answers while the rest decode.
-    pub on_finish: Option<&'a mut dyn FnMut(usize, usize, &[u32])>,
+    pub on_finish: Option<&'a mut OnFinish<'a>>,
 }
+
+/// A callback on each finished sample: `(sample index, group, tokens)`.
+pub(crate) type OnFinish<'a> = dyn FnMut(usize, usize, &[u32]) + 'a;
 
 /// Runs `job` on `target` (the policy's inference copy: on the CPU, or a `CudaTarget`) with `decoder` (and `drafter`
 /// in TLT mode).
