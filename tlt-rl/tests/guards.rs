@@ -1,6 +1,6 @@
 //! The update's guards on a tiny seeded model: a non-finite gradient norm skips the optimizer step, a group of one
 //! answer trains as verl trains it, dynamic sampling fills the batch with informative groups (and stops at its
-//! bound), equal-reward groups are kept by default.
+//! bound), equal-reward groups are kept by default and cost no compute.
 
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
@@ -91,4 +91,51 @@ fn dynamic_sampling_fills_the_batch_with_informative_groups() {
     assert_eq!(r.metrics.gen_batches, 1);
     assert!(r.metrics.informative_groups < 8 && r.metrics.informative_groups > 0, "{:?}", r.metrics);
     assert_eq!(r.update.sequences, r.metrics.informative_groups * 4);
+}
+
+/// Groups whose rewards are all equal are kept (verl) but cost no forward or backward: their answers' advantage is 0,
+/// so with no KL or entropy term they add exactly nothing to the gradient and only count in the token-mean divisor.
+/// The weights equal, to float rounding, those of a run that does compute them (a KL term with coefficient 0 makes
+/// every answer contribute), with fewer micro-batches; a step where no answer contributes still takes its optimizer
+/// step with zero gradients (AdamW's weight decay acts), as verl's would.
+#[test]
+fn equal_reward_groups_count_in_the_divisor_at_no_compute() {
+    // Odd prompts always score 0: their groups have equal rewards.
+    let reward = |index: u64, c: &[u32]| if index % 2 == 1 { Score::ZERO } else { count_score(c) };
+    let run = |kl: bool| {
+        let mut cfg = base_config(Mode::Baseline);
+        cfg.micro_batch_tokens = 32;
+        if kl {
+            cfg.grpo.kl = Some(tlt_rl::grpo::KlConfig { coef: 0.0, ..Default::default() });
+        }
+        let mut t = Trainer::new(tiny_model(7), fn_env(reward), cfg).unwrap();
+        let r = t.step(&mut Quiet).unwrap();
+        (weights(&t), r)
+    };
+    let (skip, rs) = run(false);
+    let (all, ra) = run(true);
+    assert!(rs.metrics.zero_variance_groups >= 4, "{:?}", rs.metrics);
+    assert_eq!(rs.update.sequences, ra.update.sequences);
+    assert!(
+        rs.update.micro_batches < ra.update.micro_batches,
+        "{} vs {}",
+        rs.update.micro_batches,
+        ra.update.micro_batches
+    );
+    let mut worst = 0f32;
+    for (name, a) in &skip {
+        for (x, y) in a.iter().zip(&all[name]) {
+            worst = worst.max((x - y).abs() / x.abs().max(1e-3));
+        }
+    }
+    println!("skipping zero-advantage answers: weights within {worst:e} (relative) of computing them");
+    assert!(worst < 1e-4, "weights differ by {worst} relative");
+    assert!(skip != weights(&Trainer::new(tiny_model(7), fn_env(reward), base_config(Mode::Baseline)).unwrap()));
+
+    // Every answer scores 0: no answer contributes, and the optimizer step still happens (weight decay).
+    let mut t = Trainer::new(tiny_model(7), fn_env(|_, _: &[u32]| Score::ZERO), base_config(Mode::Baseline)).unwrap();
+    let before = weights(&t);
+    let r = t.step(&mut Quiet).unwrap();
+    assert_eq!((r.metrics.optimizer_steps, r.update.micro_batches), (1, 0), "{:?}", r.update);
+    assert!(weights(&t) != before, "a zero-gradient AdamW step still decays the weights");
 }

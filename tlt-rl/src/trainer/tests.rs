@@ -53,7 +53,7 @@ fn an_update_failing_half_way_stops_the_trainer_and_says_the_weights_moved() {
     let e = t.step(&mut Quiet).map(|_| ()).unwrap_err();
     FAIL_BEFORE_STEP.with(|f| f.set(None));
     assert!(e.to_string().contains("injected update failure"), "{e}");
-    assert_ne!(weights(&t), before, "the first optimizer step should have applied");
+    assert!(weights(&t) != before, "the first optimizer step should have applied");
     assert_eq!(t.steps_done(), 0);
     let again = t.step(&mut Quiet).map(|_| ()).unwrap_err();
     let msg = again.to_string();
@@ -71,7 +71,7 @@ fn an_update_failing_half_way_stops_the_trainer_and_says_the_weights_moved() {
     FAIL_BEFORE_STEP.with(|f| f.set(Some(0)));
     assert!(t.step(&mut Quiet).is_err());
     FAIL_BEFORE_STEP.with(|f| f.set(None));
-    assert_eq!(weights(&t), before);
+    assert!(weights(&t) == before, "nothing should have moved");
     let msg = t.step(&mut Quiet).map(|_| ()).unwrap_err().to_string();
     assert!(msg.contains("step 0 failed (") && !msg.contains("moved"), "{msg}");
 }

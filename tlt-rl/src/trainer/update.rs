@@ -145,12 +145,25 @@ impl UpdateContext<'_> {
     }
 }
 
-/// Response log-probabilities of every sequence under the policy before any update (no gradient), trimmed to each
-/// response's length: the PPO "old" policy when a step takes several optimizer steps.
+impl UpdateContext<'_> {
+    /// Whether `s` can contribute to the loss's gradient: a non-zero advantage, or a KL or entropy term (which act
+    /// on every token). A sequence that cannot still counts in the loss's divisors ([`LossNorm`]) but needs no
+    /// forward or backward: its clipped policy-gradient term is `-0 × ratio`, whatever the ratio.
+    fn contributes(&self, s: &TrainSeq) -> bool {
+        s.advantage != 0.0 || self.grpo.kl.is_some() || self.grpo.entropy_coef > 0.0
+    }
+}
+
+/// Response log-probabilities under the policy before any update (no gradient), trimmed to each response's length,
+/// of every sequence that [contributes](UpdateContext::contributes) (empty for the others): the PPO "old" policy
+/// when a step takes several optimizer steps.
 fn old_logprobs(ctx: &UpdateContext, seqs: &[TrainSeq]) -> Result<Vec<Vec<f32>>> {
-    let lengths: Vec<usize> = seqs.iter().map(|s| s.sample.prompt.len() + s.sample.tokens.len() - 1).collect();
+    let run: Vec<usize> = (0..seqs.len()).filter(|&i| ctx.contributes(&seqs[i])).collect();
+    let lengths: Vec<usize> =
+        run.iter().map(|&i| seqs[i].sample.prompt.len() + seqs[i].sample.tokens.len() - 1).collect();
     let mut out = vec![Vec::new(); seqs.len()];
     for mb in plan_micro_batches(&lengths, ctx.micro_batch_tokens)? {
+        let mb: Vec<usize> = mb.iter().map(|&j| run[j]).collect();
         let part: Vec<&TrainSeq> = mb.iter().map(|&i| &seqs[i]).collect();
         let l = layout(&part, None, ctx.grpo, &Device::Cpu)?;
         let logp = response_logprobs(ctx.policy, &l, ctx.temperature())?.to_vec2::<f32>()?;
@@ -178,6 +191,11 @@ thread_local! {
 
 /// One optimizer step over the sequences `mb` of `seqs`: micro-batches by token budget, the loss normalised over
 /// the mini-batch, gradients accumulated, AdamW. `None` when the mini-batch trains no token.
+///
+/// Only the sequences that [contribute](UpdateContext::contributes) run forward and backward; the others (a zero
+/// advantage and no KL or entropy term: every answer of a group whose rewards are all equal) count in the divisors
+/// as verl counts them, at no compute. A mini-batch where none contributes still takes its optimizer step, with
+/// zero gradients, as verl's would (AdamW's moments and weight decay still act).
 fn mini_batch_step(
     ctx: &UpdateContext,
     opt: &mut AdamW,
@@ -192,6 +210,8 @@ fn mini_batch_step(
     }
     let total_seqs = mb.iter().filter(|&&i| trained(&seqs[i]) > 0).count();
     let norm = LossNorm { total_tokens, total_seqs, max_response_len: ctx.max_new_tokens };
+    let mb: Vec<usize> = mb.iter().copied().filter(|&i| trained(&seqs[i]) > 0 && ctx.contributes(&seqs[i])).collect();
+    let mb = mb.as_slice();
     let lengths: Vec<usize> =
         mb.iter().map(|&i| seqs[i].sample.prompt.len() + seqs[i].sample.tokens.len() - 1).collect();
     let dev = Device::Cpu;
@@ -232,12 +252,25 @@ fn mini_batch_step(
         }
         micros += 1;
     }
-    let Some(grads) = acc else { return Ok(None) };
+    let grads = match acc {
+        Some(g) => g,
+        None => zero_grads(opt)?,
+    };
     let norm = opt.step(&grads, ctx.lr, ctx.max_grad_norm)?;
     if !norm.applied() {
         tracing::warn!(grad_norm = norm.before, "non-finite gradient norm: optimizer step skipped, weights unchanged");
     }
     Ok(Some(MiniStep { stats, grad_norm: norm.before, micros, applied: norm.applied() }))
+}
+
+/// Zero gradients for every parameter of `opt` (an optimizer step whose loss has no gradient). Inserted directly:
+/// candle's backward drops a `× 0` from the graph, so no loss yields them.
+fn zero_grads(opt: &AdamW) -> Result<candle_core::backprop::GradStore> {
+    let mut store = Var::new(0f32, &Device::Cpu)?.as_tensor().backward()?;
+    for (_, v) in opt.params() {
+        store.insert(v.as_tensor(), v.as_tensor().zeros_like()?);
+    }
+    Ok(store)
 }
 
 /// `order` cut into `ceil(len / chunk)` mini-batches of near-equal size (sizes differ by at most one), so no
