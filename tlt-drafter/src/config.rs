@@ -7,7 +7,7 @@
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
-use tlt_model::{Architecture, LlamaConfig, Tap};
+use tlt_model::{Architecture, AttentionBias, LlamaConfig, Tap};
 
 use crate::{Error, Result};
 
@@ -31,7 +31,9 @@ pub struct DrafterConfig {
     pub kind: DrafterKind,
     /// The drafter's decoder layer in HF form: hidden/intermediate size, heads, KV heads, head_dim, RMS eps,
     /// RoPE theta and scaling, `vocab_size` = the TARGET's vocabulary, `num_hidden_layers` = 1. For EAGLE-2 the
-    /// `model_type` decides q/k/v biases (`qwen2` has them); EAGLE-3 drafters are always `llama`.
+    /// `model_type` and `attention_bias` decide the biases (`qwen2` has q/k/v biases); EAGLE-3 drafters are always
+    /// `llama`. Never a q/k-norm architecture: a Qwen3 target's drafter is a `llama` layer (see
+    /// [`DrafterConfig::eagle2_from_target`]).
     pub llama: LlamaConfig,
     /// Hidden size of the target (the width of each tapped hidden state).
     pub target_hidden_size: usize,
@@ -62,13 +64,16 @@ pub fn default_aux_layers(num_layers: usize) -> [usize; 3] {
 
 impl DrafterConfig {
     /// An EAGLE-2 drafter for `target`: a copy of its config with one layer (the fastrl recipe).
+    ///
+    /// For a Qwen3 target (or any with q/k head norms) the layer is a plain `llama` layer of the target's shape
+    /// (its `head_dim`, heads and `attention_bias`), without q/k norms: what SGLang's `LlamaForCausalLMEagle` and
+    /// vLLM's `EagleLlamaForCausalLM` build for any target (neither engine has a Qwen3 EAGLE class), and the layer
+    /// the published EAGLE-3 drafters of Qwen3 targets use (`LlamaForCausalLMEagle3`).
     pub fn eagle2_from_target(target: &LlamaConfig, fc_bias: bool) -> Self {
-        let mut llama = target.clone();
-        llama.num_hidden_layers = 1;
-        llama.tie_word_embeddings = false;
-        // Explicit, as `config.json` exports write them, so configs round-trip unchanged.
-        llama.head_dim = Some(target.head_dim());
-        llama.num_key_value_heads = Some(target.kv_heads());
+        let mut llama = Self::layer_of(target);
+        if target.qk_norm() {
+            llama.model_type = "llama".into();
+        }
         Self {
             kind: DrafterKind::Eagle2,
             target_hidden_size: target.hidden_size,
@@ -80,17 +85,26 @@ impl DrafterConfig {
         }
     }
 
-    /// An EAGLE-3 drafter for `target` with a `draft_vocab_size`-token LM head, tapping the default layers.
-    /// The layer copies the target's shape but is always `model_type = "llama"` (no q/k/v biases), as SGLang's
-    /// and vLLM's `LlamaForCausalLMEagle3` expect.
-    pub fn eagle3_from_target(target: &LlamaConfig, draft_vocab_size: usize) -> Self {
+    /// `target`'s config as one drafter layer: one layer, untied, `head_dim` and KV heads explicit (as
+    /// `config.json` exports write them, so configs round-trip unchanged), no per-layer attention kinds.
+    fn layer_of(target: &LlamaConfig) -> LlamaConfig {
         let mut llama = target.clone();
         llama.num_hidden_layers = 1;
         llama.tie_word_embeddings = false;
-        // Explicit, as `config.json` exports write them, so configs round-trip unchanged.
         llama.head_dim = Some(target.head_dim());
         llama.num_key_value_heads = Some(target.kv_heads());
+        llama.layer_types = None;
+        llama
+    }
+
+    /// An EAGLE-3 drafter for `target` with a `draft_vocab_size`-token LM head, tapping the default layers.
+    /// The layer copies the target's shape (its `head_dim` too, which Qwen3 decouples from the hidden size) but is
+    /// always `model_type = "llama"` without biases or q/k norms, as SGLang's and vLLM's `LlamaForCausalLMEagle3`
+    /// expect (the published EAGLE-3 drafters of Qwen3 targets are such layers).
+    pub fn eagle3_from_target(target: &LlamaConfig, draft_vocab_size: usize) -> Self {
+        let mut llama = Self::layer_of(target);
         llama.model_type = "llama".into();
+        llama.attention_bias = false;
         Self {
             kind: DrafterKind::Eagle3,
             target_hidden_size: target.hidden_size,
@@ -128,9 +142,10 @@ impl DrafterConfig {
         }
     }
 
-    /// Whether q/k/v carry biases (EAGLE-2 drafters of Qwen2 targets).
-    pub fn qkv_bias(&self) -> bool {
-        self.llama.architecture().map(Architecture::qkv_bias).unwrap_or(false)
+    /// The layer's attention biases (EAGLE-2 drafters of Qwen2 targets have q/k/v biases; of targets with
+    /// `attention_bias`, q/k/v/o biases). None for an unknown `model_type` ([`Self::validate`] refuses it).
+    pub fn attention_bias(&self) -> AttentionBias {
+        self.llama.attention_bias().unwrap_or_default()
     }
 
     /// The target hidden states the drafter consumes, in the order its inputs expect them:
@@ -148,6 +163,13 @@ impl DrafterConfig {
     pub fn validate(&self) -> Result<()> {
         self.llama.validate()?;
         let l = &self.llama;
+        if l.qk_norm() {
+            return Err(Error::config(
+                "llama.model_type",
+                &l.model_type,
+                "drafter layers have no q/k norms (a Qwen3 target's drafter is a llama layer)",
+            ));
+        }
         if l.num_hidden_layers != 1 {
             return Err(Error::config(
                 "llama.num_hidden_layers",
@@ -376,6 +398,34 @@ mod tests {
         assert_eq!(e3.aux_layers, Some([2, 4, 5]));
         assert_eq!(e3.fc_in(), 96);
         assert_eq!(e3.taps().len(), 4);
+    }
+
+    #[test]
+    fn a_qwen3_targets_drafters_are_llama_layers_of_its_head_shape() {
+        let mut target = LlamaConfig::tiny(64, 32, 8);
+        target.model_type = "qwen3".into();
+        target.head_dim = Some(16); // 4 heads of 16 in a width of 32
+        target.layer_types = Some(vec!["full_attention".into(); 8]);
+        for cfg in [DrafterConfig::eagle2_from_target(&target, false), DrafterConfig::eagle3_from_target(&target, 16)] {
+            cfg.validate().unwrap();
+            cfg.check_target(&target).unwrap();
+            assert_eq!(cfg.llama.architecture().unwrap(), Architecture::Llama);
+            assert_eq!((cfg.llama.head_dim(), cfg.llama.q_dim(), cfg.llama.kv_dim()), (16, 64, 32));
+            assert_eq!(cfg.llama.layer_types, None, "one layer: no per-layer kinds of the target's");
+            assert_eq!(cfg.attention_bias(), AttentionBias::default());
+        }
+        let mut qwen3_layer = DrafterConfig::eagle2_from_target(&target, false);
+        qwen3_layer.llama.model_type = "qwen3".into();
+        assert!(
+            matches!(qwen3_layer.validate(), Err(Error::InvalidConfig { field, .. }) if field == "llama.model_type")
+        );
+        // A target's attention_bias carries over to the EAGLE-2 layer (q/k/v/o), never to EAGLE-3's.
+        target.attention_bias = true;
+        assert_eq!(
+            DrafterConfig::eagle2_from_target(&target, false).attention_bias(),
+            AttentionBias { qkv: true, o: true }
+        );
+        assert_eq!(DrafterConfig::eagle3_from_target(&target, 16).attention_bias(), AttentionBias::default());
     }
 
     #[test]

@@ -85,7 +85,14 @@ impl DraftLayer {
     /// The projections' names and shapes for `cfg`.
     fn projection_shapes(cfg: &DrafterConfig) -> [tlt_model::ProjectionShape; 7] {
         let l = &cfg.llama;
-        Projections::shapes(l.hidden_size, l.q_dim(), l.kv_dim(), l.intermediate_size, cfg.qkv_in(), cfg.qkv_bias())
+        Projections::shapes(
+            l.hidden_size,
+            l.q_dim(),
+            l.kv_dim(),
+            l.intermediate_size,
+            cfg.qkv_in(),
+            cfg.attention_bias(),
+        )
     }
 
     /// A layer for `cfg` whose parameters `get(name, shape)` supplies, named under `prefix` as in

@@ -120,6 +120,28 @@ fn eagle3_round_trips_and_matches_the_serving_layout() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// An EAGLE-3 drafter of a Qwen3 target is a llama layer with the target's head_dim (8: 4 heads of 8 in a width of
+/// 16), as the published Qwen3 EAGLE-3 drafters are, and round-trips.
+#[test]
+fn eagle3_of_a_qwen3_target_round_trips() {
+    let target = target("qwen3", 3);
+    let d = eagle3(&target);
+    let dir = temp_dir("e3qwen3");
+    d.save(&dir, SaveDType::F32).unwrap();
+    let c = read_config(&dir);
+    assert_eq!(
+        (&c["model_type"], &c["head_dim"], &c["architectures"][0]),
+        (&json!("llama"), &json!(8), &json!("LlamaForCausalLMEagle3"))
+    );
+    assert_eq!(read_raw(&dir)["midlayer.self_attn.q_proj.weight"].1, vec![32, 2 * HIDDEN]);
+    let back = Eagle3Drafter::load(&dir, &target).unwrap();
+    assert_eq!(back.config(), d.config());
+    for ((n, a), (_, b)) in d.weights().named_tensors().iter().zip(back.weights().named_tensors()) {
+        assert_eq!(bits(a), bits(&b), "{n}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn eagle3_custom_layer_ids_are_written_for_both_engines() {
     let target = target("llama", 3);
@@ -233,7 +255,7 @@ fn bad_eagle3_checkpoints_give_specific_errors() {
 
 #[test]
 fn eagle2_round_trips_in_the_fastrl_layout() {
-    for (arch, bias) in [("llama", false), ("qwen2", true)] {
+    for (arch, bias) in [("llama", false), ("qwen2", true), ("qwen3", false)] {
         let target = target(arch, 3);
         let d = eagle2(&target, bias);
         let dir = temp_dir("e2");
@@ -250,6 +272,10 @@ fn eagle2_round_trips_in_the_fastrl_layout() {
             c["architectures"][0],
             if arch == "qwen2" { "Qwen2ForCausalLMEagle" } else { "LlamaForCausalLMEagle" }
         );
+        // A Qwen3 target's drafter: a llama layer with the target's head_dim (8: decoupled from 16 / 4 heads).
+        assert_eq!(c["model_type"], if arch == "qwen2" { "qwen2" } else { "llama" });
+        assert_eq!(c["head_dim"], target.config().head_dim());
+        assert_eq!(raw["model.layers.0.self_attn.q_proj.weight"].1, vec![target.config().q_dim(), HIDDEN]);
         let back = Eagle2Drafter::load(&dir, &target).unwrap();
         assert_eq!(back.config(), d.config());
         for ((n, a), (_, b)) in d.weights().named_tensors().iter().zip(back.weights().named_tensors()) {

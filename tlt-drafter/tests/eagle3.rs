@@ -52,7 +52,7 @@ fn gradients_match_finite_differences() {
 fn every_parameter_gets_a_nonzero_gradient_and_only_drafter_parameters_are_vars() {
     let target = target("qwen2", 3); // a Qwen2 target still gets a (bias-free) llama drafter
     let d = drafter(&target);
-    assert!(!d.config().qkv_bias());
+    assert_eq!(d.config().attention_bias(), tlt_model::AttentionBias::default());
     let vars = d.vars().unwrap();
     let names: Vec<&str> = vars.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names.len(), 13);

@@ -43,7 +43,13 @@ fn rows_of(t: &Tensor) -> Vec<Vec<f32>> {
 
 #[test]
 fn eagle2_runtime_matches_the_training_forward() {
-    let target = target("llama", 3);
+    for arch in ["llama", "qwen3"] {
+        eagle2_runtime_matches_the_training_forward_for(arch);
+    }
+}
+
+fn eagle2_runtime_matches_the_training_forward_for(arch: &str) {
+    let target = target(arch, 3);
     let row = tokens(1, 12, 1);
     let out = run_target(&target, &row);
     let d = eagle2(&target, 5);
@@ -74,7 +80,13 @@ fn eagle2_runtime_matches_the_training_forward() {
 
 #[test]
 fn eagle3_runtime_matches_step0_of_the_training_forward() {
-    let target = target("llama", 4);
+    for arch in ["llama", "qwen3"] {
+        eagle3_runtime_matches_step0_for(arch);
+    }
+}
+
+fn eagle3_runtime_matches_step0_for(arch: &str) {
+    let target = target(arch, 4);
     let row = tokens(1, 10, 2);
     let out = run_target(&target, &row);
     let d = eagle3(&target, 6);
@@ -203,9 +215,17 @@ fn plain<T: tlt_spec_decode::Target>(t: T, prompts: &[Vec<u32>], n: usize) -> Ve
     f.into_iter().map(|f| f.tokens).collect()
 }
 
+/// Greedy speculative decoding with EAGLE-2 and EAGLE-3 drafters commits the plain target's tokens, for a Llama and
+/// a Qwen3 target (q/k head norms, head_dim decoupled from the width; its drafters are llama layers).
 #[test]
 fn eagle_speculative_decoding_is_lossless_through_the_engine() {
-    let target = target("llama", 8);
+    for arch in ["llama", "qwen3"] {
+        eagle_speculative_decoding_is_lossless_for(arch);
+    }
+}
+
+fn eagle_speculative_decoding_is_lossless_for(arch: &str) {
+    let target = target(arch, 8);
     let prompts = tokens(3, 6, 5);
     let n = 20;
     let refs = plain(&target, &prompts, n);
@@ -235,11 +255,11 @@ fn eagle_speculative_decoding_is_lossless_through_the_engine() {
             e.run_to_completion(Some(&mut p), &plan).unwrap();
             (e.take_finished(), e.counters().drafted)
         };
-        assert!(drafted > 0, "{kind} drafted");
+        assert!(drafted > 0, "{arch} {kind} drafted");
         let mut fin = fin;
         fin.sort_by_key(|f| f.id);
         for (f, r) in fin.iter().zip(&refs) {
-            assert_eq!(&f.tokens, r, "{kind}");
+            assert_eq!(&f.tokens, r, "{arch} {kind}");
         }
     }
 }

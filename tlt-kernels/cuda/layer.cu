@@ -1,4 +1,4 @@
-// The element-wise and row-wise pieces of a Llama/Qwen2 decoder layer around the cuBLAS GEMMs. The residual
+// The element-wise and row-wise pieces of a Llama/Qwen2/Qwen3 decoder layer around the cuBLAS GEMMs. The residual
 // stream stays in f32 (x), the GEMM inputs and outputs are bf16.
 
 #define ROW_THREADS 256
@@ -35,6 +35,26 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rms_norm_bf16(
     __syncthreads();
     bf16_t* o = out + (size_t)r * width;
     for (int e = threadIdx.x; e < width; e += ROW_THREADS) o[e] = tlt_f2bf(xr[e] * inv * tlt_bf2f(w[e]));
+}
+
+// Qwen3's q/k norms: each of `vectors` head vectors of x (bf16, [vectors, head_dim], in place) becomes
+// x / sqrt(mean(x^2) + eps) * w, f32 math. One warp per vector (the whole warp returns together, so the shuffles
+// see every lane); grid: ceil(vectors / (ROW_THREADS / 32)) blocks of ROW_THREADS.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) head_rms_norm_bf16(
+    bf16_t* x, const bf16_t* w, int vectors, int head_dim, float eps)
+{
+    const int v = blockIdx.x * (ROW_THREADS / 32) + (threadIdx.x >> 5);
+    if (v >= vectors) return;
+    const int lane = threadIdx.x & 31;
+    bf16_t* xv = x + (size_t)v * head_dim;
+    float ss = 0.f;
+    for (int e = lane; e < head_dim; e += 32) {
+        const float f = tlt_bf2f(xv[e]);
+        ss += f * f;
+    }
+    ss = tlt_warp_sum(ss);
+    const float inv = rsqrtf(ss / (float)head_dim + eps);
+    for (int e = lane; e < head_dim; e += 32) xv[e] = tlt_f2bf(tlt_bf2f(xv[e]) * inv * tlt_bf2f(w[e]));
 }
 
 // x[i] += y[i] (f32 += bf16): the residual adds. Grid-stride.

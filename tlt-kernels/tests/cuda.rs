@@ -167,6 +167,31 @@ mod gpu {
         assert!(worst < 2e-2, "max |gpu - cpu| = {worst} (bf16 output)");
     }
 
+    /// Qwen3's q/k head norms: every head vector of 128 (Qwen3's head_dim; 40 vectors, so the last block is
+    /// partly empty) normalised in place against an f64 reference on the same bf16 inputs.
+    #[test]
+    fn head_rms_norm_matches_the_host() {
+        let Some((kern, s)) = gpu_or_skip("head_rms_norm_matches_the_host") else { return };
+        let (vectors, d, eps) = (40usize, 128usize, 1e-6f32);
+        let mut rng = SplitMix64::new(5);
+        let x = unbf(&bf(&randn(&mut rng, vectors * d)));
+        let w = unbf(&bf(&randn(&mut rng, d)));
+        let mut xd = up(&s, &bf(&x));
+        kern.head_rms_norm(&s, d, eps, &mut xd, &up(&s, &bf(&w))).unwrap();
+        let got = unbf(&s.clone_dtoh(&xd).unwrap());
+        let mut worst = 0f64;
+        for (v, row) in x.chunks(d).enumerate() {
+            let ms = row.iter().map(|&a| f64::from(a) * f64::from(a)).sum::<f64>() / d as f64;
+            let inv = 1.0 / (ms + f64::from(eps)).sqrt();
+            for e in 0..d {
+                let want = f64::from(row[e]) * inv * f64::from(w[e]);
+                worst = worst.max((f64::from(got[v * d + e]) - want).abs() / want.abs().max(1.0));
+            }
+        }
+        assert!(worst < 1e-2, "max relative |gpu - host| = {worst} (bf16 output)");
+        assert!(kern.head_rms_norm(&s, 48, eps, &mut xd, &up(&s, &bf(&w))).is_err(), "weight of the wrong width");
+    }
+
     /// Greedy and sampled rows against the CPU's argmax / inverse-CDF reference, and the tree walk on a
     /// hand-built tree.
     #[test]

@@ -1,5 +1,6 @@
-//! Loading Llama/Qwen2 GGUF files: metadata → config, tensors dequantized to f32 with llama.cpp's q/k row
-//! permutation undone, and the embedded tokenizer.
+//! Loading Llama/Qwen2/Qwen3 GGUF files: metadata → config, tensors dequantized to f32 with llama.cpp's q/k row
+//! permutation undone (llama only: its converter does not permute the qwen architectures), and the embedded
+//! tokenizer.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -111,7 +112,7 @@ impl GgufFile {
     /// The model configuration implied by the metadata, in Hugging Face terms.
     pub fn config(&self) -> Result<LlamaConfig> {
         let arch = self.architecture()?;
-        if arch != "llama" && arch != "qwen2" {
+        if !matches!(arch.as_str(), "llama" | "qwen2" | "qwen3") {
             return Err(Error::Unsupported { path: self.path.clone(), what: "GGUF architecture", value: arch });
         }
         if self.content.tensor_infos.contains_key("rope_freqs.weight") {
@@ -129,7 +130,24 @@ impl GgufFile {
             .ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: "token_embd.weight".into() })?;
         let heads = self.usize(&key("attention.head_count"))?;
         let hidden = self.usize(&key("embedding_length"))?;
-        let head_dim = self.optional(&key("rope.dimension_count"), Self::usize)?;
+        // llama.cpp's head width: `attention.key_length` (written when config.json names a head_dim, e.g. Qwen3),
+        // else the rotary width, else hidden / heads. Partial rotary and unequal key/value widths do not exist in
+        // the architectures read here: refuse them rather than compute something else.
+        let key_len = self.optional(&key("attention.key_length"), Self::usize)?;
+        let value_len = self.optional(&key("attention.value_length"), Self::usize)?;
+        let rope_dims = self.optional(&key("rope.dimension_count"), Self::usize)?;
+        let head_dim = key_len.or(rope_dims);
+        for (what, other) in [("attention.value_length", value_len), ("rope.dimension_count", rope_dims)] {
+            if let (Some(d), Some(o)) = (head_dim, other) {
+                if o != d {
+                    return Err(Error::Unsupported {
+                        path: self.path.clone(),
+                        what: "GGUF head layout",
+                        value: format!("{arch}.{what} = {o} with a head width of {d}"),
+                    });
+                }
+            }
+        }
         let rope_scaling = match self.optional(&key("rope.scaling.type"), Self::string)?.as_deref() {
             None | Some("none") => None,
             Some("linear") => Some(RopeScaling::Linear { factor: self.f64(&key("rope.scaling.factor"))? }),
@@ -144,7 +162,11 @@ impl GgufFile {
             num_hidden_layers: self.usize(&key("block_count"))?,
             num_attention_heads: heads,
             num_key_value_heads: Some(self.optional(&key("attention.head_count_kv"), Self::usize)?.unwrap_or(heads)),
-            head_dim: head_dim.filter(|d| heads == 0 || *d != hidden / heads),
+            // llama.cpp's default is hidden / heads; explicit whenever it differs, and always for Qwen3 (whose
+            // config.json default is 128).
+            head_dim: head_dim
+                .or(hidden.checked_div(heads))
+                .filter(|&d| arch == "qwen3" || Some(d) != hidden.checked_div(heads)),
             vocab_size: embd.shape.dims().first().copied().unwrap_or(0),
             rms_norm_eps: self.f64(&key("attention.layer_norm_rms_epsilon"))?,
             rope_theta: self.optional(&key("rope.freq_base"), Self::f64)?.unwrap_or(10_000.0),
@@ -156,6 +178,10 @@ impl GgufFile {
                 .optional("tokenizer.ggml.eos_token_id", Self::usize)?
                 .map(|x| crate::config::EosTokens::One(x as u32)),
             hidden_act: "silu".into(),
+            attention_bias: false,
+            mlp_bias: false,
+            use_sliding_window: None,
+            layer_types: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -312,6 +338,8 @@ pub fn hf_to_gguf_name(hf: &str) -> Option<String> {
         "mlp.down_proj" => "ffn_down",
         "input_layernorm" => "attn_norm",
         "post_attention_layernorm" => "ffn_norm",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
         _ => return None,
     };
     Some(format!("blk.{layer}.{kind}.{suffix}"))
@@ -376,6 +404,7 @@ mod tests {
         assert_eq!(hf_to_gguf_name("model.layers.7.self_attn.k_proj.bias").unwrap(), "blk.7.attn_k.bias");
         assert_eq!(hf_to_gguf_name("model.layers.0.post_attention_layernorm.weight").unwrap(), "blk.0.ffn_norm.weight");
         assert_eq!(hf_to_gguf_name("lm_head.weight").unwrap(), "output.weight");
+        assert_eq!(hf_to_gguf_name("model.layers.3.self_attn.k_norm.weight").unwrap(), "blk.3.attn_k_norm.weight");
         assert!(hf_to_gguf_name("model.layers.0.bogus.weight").is_none());
     }
 

@@ -15,7 +15,7 @@ fn normal(rng: &mut SeededRng) -> f64 {
     (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
 }
 
-/// Produces random tensors for whatever name is asked: norms near 1, matrices ~ N(0, 1/fan_in),
+/// Produces random tensors for whatever name is asked: norms (q/k head norms too) near 1, matrices ~ N(0, 1/fan_in),
 /// embeddings ~ N(0, 1), biases ~ N(0, 0.1).
 struct RandomSource {
     rng: SeededRng,
@@ -30,10 +30,17 @@ impl TensorSource for RandomSource {
     fn get(&mut self, name: &str) -> Result<Option<Tensor>> {
         let cfg = &self.cfg;
         let (h, q, kv, ffn, v) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.vocab_size);
-        let (shape, mean, std): (Vec<usize>, f64, f64) = if name.ends_with("norm.weight") {
+        let head_norm = name.ends_with("q_norm.weight") || name.ends_with("k_norm.weight");
+        let (shape, mean, std): (Vec<usize>, f64, f64) = if head_norm {
+            (vec![cfg.head_dim()], 1.0, 0.1)
+        } else if name.ends_with("norm.weight") {
             (vec![h], 1.0, 0.1)
         } else if name.ends_with(".bias") {
-            let out = if name.contains("q_proj") { q } else { kv };
+            let out = match name.rsplit('.').nth(1).unwrap_or("") {
+                "q_proj" => q,
+                "o_proj" => h,
+                _ => kv,
+            };
             (vec![out], 0.0, 0.1)
         } else if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
             (vec![v, h], 0.0, 1.0)

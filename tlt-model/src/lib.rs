@@ -1,6 +1,6 @@
 //! # tlt-model
 //!
-//! A Llama-family decoder (Llama, SmolLM2, Qwen2) on [candle](https://github.com/huggingface/candle), shaped for
+//! A Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) on [candle](https://github.com/huggingface/candle), shaped for
 //! speculative decoding and RL:
 //!
 //! - weights are read-only (`&self`); all per-sequence state lives in an explicit, batched [`KvCache`];
@@ -54,7 +54,7 @@ mod train;
 mod weights;
 
 pub use cache::{KvCache, SeqId};
-pub use config::{Architecture, EosTokens, LlamaConfig, RopeScaling};
+pub use config::{Architecture, AttentionBias, EosTokens, LlamaConfig, RopeScaling};
 pub use device::Device;
 pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, load_gguf, load_gguf_with, unpermute_rows, GgufFile, GgufWeights};
@@ -63,7 +63,7 @@ pub use model::{ForwardOutput, Llama, LogitsFor, SeqInput, Tap};
 pub use tlt_kernels::WeightDType;
 pub use tokenizer::{decode, encode, load_tokenizer_json, tokenizer_from_gguf_vocab, GgufVocab};
 pub use train::{accumulate_grads, Checkpoints};
-pub use weights::{LayerWeights, Linear, LlamaWeights, ProjectionShape, Projections, TensorSource};
+pub use weights::{LayerWeights, Linear, LlamaWeights, ProjectionShape, Projections, QkNorm, TensorSource};
 
 /// A model with what came with it in the checkpoint.
 #[derive(Debug)]

@@ -253,6 +253,11 @@ impl Llama {
             let mut q = lin(&xn, t, &lw.proj.q_proj)?;
             let mut k = lin(&xn, t, &lw.proj.k_proj)?;
             let v = lin(&xn, t, &lw.proj.v_proj)?;
+            if let Some(n) = &lw.qk_norm {
+                // Every head's vector on its own (rows of head_dim), before RoPE.
+                q = ops::rms_norm_rows(&q, &n.q_norm.to_vec1::<f32>()?, eps);
+                k = ops::rms_norm_rows(&k, &n.k_norm.to_vec1::<f32>()?, eps);
+            }
             ops::apply_rope(&mut q, hd, &cos, &sin);
             ops::apply_rope(&mut k, hd, &cos, &sin);
             let kvd = cfg.kv_dim();

@@ -47,8 +47,14 @@ impl LayerCtx {
         let heads = |lin: &crate::Linear, n: usize| -> Result<Tensor> {
             Ok(linear(&xn, lin)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?)
         };
-        let q = rope(&heads(&lw.proj.q_proj, nh)?, &self.cos, &self.sin)?;
-        let k = repeat_kv(&rope(&heads(&lw.proj.k_proj, nkv)?, &self.cos, &self.sin)?, nh / nkv)?;
+        let (q, k) = (heads(&lw.proj.q_proj, nh)?, heads(&lw.proj.k_proj, nkv)?);
+        // Qwen3: each head's query and key vector RMS-normalised before RoPE.
+        let (q, k) = match &lw.qk_norm {
+            Some(n) => (rms_norm(&q, &n.q_norm, eps)?, rms_norm(&k, &n.k_norm, eps)?),
+            None => (q, k),
+        };
+        let q = rope(&q, &self.cos, &self.sin)?;
+        let k = repeat_kv(&rope(&k, &self.cos, &self.sin)?, nh / nkv)?;
         let v = repeat_kv(&heads(&lw.proj.v_proj, nkv)?, nh / nkv)?;
         let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(&self.mask)?;
         let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;

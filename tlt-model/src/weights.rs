@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 use tlt_kernels::Matrix;
 
-use crate::config::LlamaConfig;
+use crate::config::{AttentionBias, LlamaConfig};
 use crate::{Error, Result};
 
 /// A linear layer with weights stored `[out, in]` (the `nn.Linear` layout).
@@ -15,7 +15,7 @@ use crate::{Error, Result};
 pub struct Linear {
     /// `[out_features, in_features]`, f32: what training, saving and (unless `packed`) inference read.
     pub weight: Tensor,
-    /// `[out_features]`, present on Qwen2's q/k/v projections.
+    /// `[out_features]`, present on Qwen2's q/k/v projections (and q/k/v/o with `attention_bias`).
     pub bias: Option<Tensor>,
     /// A converted copy (e.g. Q8_0) the inference forward reads instead of `weight`; see
     /// [`crate::Llama::pack_for_inference`]. Training does not update it.
@@ -59,28 +59,28 @@ pub struct ProjectionShape {
     pub out: usize,
     /// Input features.
     pub inp: usize,
-    /// Whether the layer has a bias (Qwen2's q/k/v).
+    /// Whether the layer has a bias (Qwen2's q/k/v; q/k/v/o with `attention_bias`).
     pub bias: bool,
 }
 
 impl Projections {
     /// The shapes of a block with `hidden` features, `q`/`kv` attention widths, `ffn` MLP features, attention
-    /// inputs of width `qkv_in` (`hidden`, or `2 * hidden` for an EAGLE-3 layer) and optional q/k/v biases, in
-    /// field order.
+    /// inputs of width `qkv_in` (`hidden`, or `2 * hidden` for an EAGLE-3 layer) and the attention biases `bias`,
+    /// in field order.
     pub fn shapes(
         hidden: usize,
         q: usize,
         kv: usize,
         ffn: usize,
         qkv_in: usize,
-        qkv_bias: bool,
+        bias: AttentionBias,
     ) -> [ProjectionShape; 7] {
         let s = |name, out, inp, bias| ProjectionShape { name, out, inp, bias };
         [
-            s("self_attn.q_proj", q, qkv_in, qkv_bias),
-            s("self_attn.k_proj", kv, qkv_in, qkv_bias),
-            s("self_attn.v_proj", kv, qkv_in, qkv_bias),
-            s("self_attn.o_proj", hidden, q, false),
+            s("self_attn.q_proj", q, qkv_in, bias.qkv),
+            s("self_attn.k_proj", kv, qkv_in, bias.qkv),
+            s("self_attn.v_proj", kv, qkv_in, bias.qkv),
+            s("self_attn.o_proj", hidden, q, bias.o),
             s("mlp.gate_proj", ffn, hidden, false),
             s("mlp.up_proj", ffn, hidden, false),
             s("mlp.down_proj", hidden, ffn, false),
@@ -126,6 +126,16 @@ impl Projections {
     }
 }
 
+/// Qwen3's per-head RMSNorm weights of the queries and keys (`[head_dim]` each), applied to every head's vector
+/// before RoPE with the model's `rms_norm_eps`.
+#[derive(Debug, Clone)]
+pub struct QkNorm {
+    /// `self_attn.q_norm.weight`.
+    pub q_norm: Tensor,
+    /// `self_attn.k_norm.weight`.
+    pub k_norm: Tensor,
+}
+
 /// The parameters of one decoder block.
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
@@ -135,19 +145,23 @@ pub struct LayerWeights {
     pub input_layernorm: Tensor,
     /// RMSNorm weight before the MLP.
     pub post_attention_layernorm: Tensor,
+    /// Qwen3: the q/k head norms; `None` for architectures without them.
+    pub qk_norm: Option<QkNorm>,
 }
 
-/// A block's two norms, each with its HF module name.
-type NamedNorms<'a> = [(&'static str, &'a mut Tensor); 2];
+/// A block's norms, each with its HF module name: the input and post-attention norms, then q/k head norms.
+type NamedNorms<'a> = Vec<(&'static str, &'a mut Tensor)>;
 
 impl LayerWeights {
     /// The block's linear layers and norms, each with its HF module name.
     fn parts_mut(&mut self) -> ([(&'static str, &mut Linear); 7], NamedNorms<'_>) {
-        let LayerWeights { proj, input_layernorm, post_attention_layernorm } = self;
-        (
-            proj.named_mut(),
-            [("input_layernorm", input_layernorm), ("post_attention_layernorm", post_attention_layernorm)],
-        )
+        let LayerWeights { proj, input_layernorm, post_attention_layernorm, qk_norm } = self;
+        let mut norms =
+            vec![("input_layernorm", input_layernorm), ("post_attention_layernorm", post_attention_layernorm)];
+        if let Some(QkNorm { q_norm, k_norm }) = qk_norm {
+            norms.extend([("self_attn.q_norm", q_norm), ("self_attn.k_norm", k_norm)]);
+        }
+        (proj.named_mut(), norms)
     }
 }
 
@@ -177,8 +191,8 @@ pub trait TensorSource {
 impl LlamaWeights {
     /// Loads every parameter `cfg` implies from `src`, checking names and shapes.
     pub fn load(cfg: &LlamaConfig, src: &mut dyn TensorSource) -> Result<Self> {
-        let arch = cfg.architecture()?;
-        let (h, v, ffn) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
+        let bias = cfg.attention_bias()?;
+        let (h, v, ffn, hd) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim());
         let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
         let mut loader = Loader { src, path: PathBuf::new() };
         loader.path = loader.src.path().to_path_buf();
@@ -188,12 +202,20 @@ impl LlamaWeights {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers.min(256));
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let bias = arch.qkv_bias();
             let shapes = Projections::shapes(h, q, kv, ffn, h, bias);
+            let qk_norm = if cfg.qk_norm() {
+                Some(QkNorm {
+                    q_norm: loader.required(&format!("{p}.self_attn.q_norm.weight"), &[hd])?,
+                    k_norm: loader.required(&format!("{p}.self_attn.k_norm.weight"), &[hd])?,
+                })
+            } else {
+                None
+            };
             layers.push(LayerWeights {
                 proj: Projections::build(&shapes, |s| loader.linear(&format!("{p}.{}", s.name), s.out, s.inp, s.bias))?,
                 input_layernorm: loader.required(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_attention_layernorm: loader.required(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                qk_norm,
             });
         }
         let norm = loader.required("model.norm.weight", &[h])?;

@@ -21,6 +21,15 @@ fn qwen_tiny() -> Llama {
     Llama::random(cfg, 11).expect("tiny qwen model")
 }
 
+/// Qwen3: q/k head norms, a head_dim decoupled from the width (4 heads of 16 in 32), tied head.
+fn qwen3_tiny() -> Llama {
+    let mut cfg = LlamaConfig::tiny(48, 32, 2);
+    cfg.model_type = "qwen3".into();
+    cfg.head_dim = Some(16);
+    cfg.tie_word_embeddings = true;
+    Llama::random(cfg, 13).expect("tiny qwen3 model")
+}
+
 fn rows(t: &Tensor) -> Vec<Vec<f32>> {
     t.to_vec2::<f32>().expect("2-D logits")
 }
@@ -75,6 +84,11 @@ fn llama_paths_agree() {
 #[test]
 fn qwen2_with_bias_and_tied_head_paths_agree() {
     check_paths_agree(&qwen_tiny());
+}
+
+#[test]
+fn qwen3_with_qk_norm_and_decoupled_head_dim_paths_agree() {
+    check_paths_agree(&qwen3_tiny());
 }
 
 #[test]
@@ -176,16 +190,17 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     /// Verify a random tree, commit a random root-to-node path, then decode on: every logit matches plain
-    /// sequential decoding of prefix + path (+ next token).
+    /// sequential decoding of prefix + path (+ next token). Llama or Qwen3 (q/k head norms).
     #[test]
     fn tree_verify_and_commit_match_sequential(
+        qwen3 in any::<bool>(),
         parents in tree_strategy(10),
         tokens in prop::collection::vec(0u32..48, 10),
         prefix_len in 1usize..6,
         pick in any::<prop::sample::Index>(),
         next in 0u32..48,
     ) {
-        let model = tiny();
+        let model = if qwen3 { qwen3_tiny() } else { tiny() };
         let prefix: Vec<u32> = (0..prefix_len as u32).map(|i| (i * 5 + 1) % 48).collect();
         let n = parents.len();
         let tree_tokens = &tokens[..n];

@@ -1,6 +1,7 @@
 //! The CUDA decoder against the CPU decoder (`--features cuda`). Without a driver: construction is an error, not a
 //! panic. With one (`cargo xtask test-cuda --gpu` sets `TLT_REQUIRE_GPU=1`): prefill, batched decode, tree
-//! verification and commit give the CPU's logits within bf16 tolerance and the same top-1 token.
+//! verification and commit give the CPU's logits within bf16 tolerance and the same top-1 token (Llama, Qwen2 and
+//! Qwen3).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
@@ -12,6 +13,9 @@ fn tiny(model_type: &str) -> Llama {
     let mut cfg = LlamaConfig::tiny(96, 64, 3);
     cfg.model_type = model_type.into();
     cfg.intermediate_size = 128;
+    if model_type == "qwen3" {
+        cfg.head_dim = Some(32); // q/k head norms over heads of 32, decoupled from 64 / 4 heads
+    }
     Llama::random(cfg, 5).unwrap()
 }
 
@@ -123,6 +127,13 @@ fn llama_logits_match_the_cpu_decoder() {
 fn qwen2_logits_match_the_cpu_decoder() {
     if gpu_or_skip("qwen2_logits_match_the_cpu_decoder") {
         parity("qwen2");
+    }
+}
+
+#[test]
+fn qwen3_logits_match_the_cpu_decoder() {
+    if gpu_or_skip("qwen3_logits_match_the_cpu_decoder") {
+        parity("qwen3");
     }
 }
 

@@ -10,6 +10,9 @@ fn tiny(model_type: &str, tied: bool) -> Llama {
     cfg.model_type = model_type.into();
     cfg.tie_word_embeddings = tied;
     cfg.intermediate_size = 24;
+    if model_type == "qwen3" {
+        cfg.head_dim = Some(8); // 4 heads of 8 in a width of 16: decoupled from hidden / heads
+    }
     Llama::random(cfg, 3).expect("tiny model")
 }
 
@@ -25,7 +28,7 @@ fn loss(model: &Llama, ids: &Tensor, tgt: &Tensor) -> Tensor {
 
 #[test]
 fn every_parameter_gets_a_nonzero_gradient() {
-    for (arch, tied) in [("llama", false), ("qwen2", true)] {
+    for (arch, tied) in [("llama", false), ("qwen2", true), ("qwen3", false)] {
         let mut model = tiny(arch, tied);
         let vars = model.make_trainable().unwrap();
         assert_eq!(vars.len(), model.weights().named_tensors().len());
@@ -36,18 +39,31 @@ fn every_parameter_gets_a_nonzero_gradient() {
             let norm = g.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
             assert!(norm > 0.0, "{arch}: zero gradient for {name}");
         }
+        if arch == "qwen3" {
+            let qk = vars.iter().filter(|(n, _)| n.ends_with("q_norm.weight") || n.ends_with("k_norm.weight"));
+            assert_eq!(qk.count(), 4, "two head norms per layer, named as HF names them");
+        }
     }
 }
 
 #[test]
 fn gradients_match_finite_differences() {
-    let mut model = tiny("qwen2", false).to_dtype(DType::F64).unwrap();
+    for arch in ["qwen2", "qwen3"] {
+        finite_differences(arch);
+    }
+}
+
+fn finite_differences(arch: &str) {
+    let mut model = tiny(arch, false).to_dtype(DType::F64).unwrap();
     let vars = model.make_trainable().unwrap();
     let (ids, tgt) = batch(&Device::Cpu);
     let grads = loss(&model, &ids, &tgt).backward().unwrap();
     let eps = 1e-5;
     let mut checked = 0;
-    for (name, var) in vars.iter().step_by(3) {
+    // Every third parameter, and every q/k head norm.
+    let picked =
+        vars.iter().enumerate().filter(|(i, (n, _))| i % 3 == 0 || n.contains("_norm.weight") && n.contains("attn"));
+    for (_, (name, var)) in picked {
         let g = grads.get(var).expect("gradient").flatten_all().unwrap().to_vec1::<f64>().unwrap();
         let base = var.flatten_all().unwrap().to_vec1::<f64>().unwrap();
         for idx in [0, base.len() / 2, base.len() - 1] {
@@ -60,7 +76,7 @@ fn gradients_match_finite_differences() {
             let numeric = (eval(eps) - eval(-eps)) / (2.0 * eps);
             set_back(var, &base);
             let rel = (numeric - g[idx]).abs() / numeric.abs().max(g[idx].abs()).max(1e-6);
-            assert!(rel <= 1e-2, "{name}[{idx}]: analytic {} vs numeric {numeric} (rel {rel})", g[idx]);
+            assert!(rel <= 1e-2, "{arch} {name}[{idx}]: analytic {} vs numeric {numeric} (rel {rel})", g[idx]);
             checked += 1;
         }
     }
@@ -103,7 +119,7 @@ fn adamw_reduces_the_loss_and_inference_sees_the_update() {
 /// the same forward values.
 #[test]
 fn checkpointed_backward_matches_the_plain_backward() {
-    for (arch, tied) in [("llama", false), ("qwen2", true)] {
+    for (arch, tied) in [("llama", false), ("qwen2", true), ("qwen3", true)] {
         let mut model = tiny(arch, tied);
         let vars = model.make_trainable().unwrap();
         let (ids, tgt) = batch(&Device::Cpu);

@@ -19,7 +19,7 @@ use tlt_spec_decode::{Corruption, Counters, Drafter, Engine, OracleDrafter, Plan
 #[derive(Parser, Debug)]
 #[command(about = "Decode and verify-k timings of an architecture on a CUDA device (synthetic bf16 weights)")]
 struct Args {
-    /// smollm2-135m, qwen2.5-1.5b, qwen2.5-7b or llama3-8b.
+    /// smollm2-135m, qwen2.5-1.5b, qwen2.5-7b, llama3-8b, qwen3-0.6b or qwen3-8b.
     #[arg(long, default_value = "smollm2-135m")]
     arch: String,
     /// `cuda` or `cuda:N`.
@@ -63,6 +63,9 @@ fn config(arch: &str) -> Result<LlamaConfig> {
         "qwen2.5-1.5b" => ("qwen2", 1536, 8960, 28, 12, 2, 151_936, true, 1_000_000.0),
         "qwen2.5-7b" => ("qwen2", 3584, 18_944, 28, 28, 4, 152_064, false, 1_000_000.0),
         "llama3-8b" => ("llama", 4096, 14_336, 32, 32, 8, 128_256, false, 500_000.0),
+        // Qwen3's head_dim is its config default, 128 (0.6B: 16 heads of 128 in a width of 1024).
+        "qwen3-0.6b" => ("qwen3", 1024, 3072, 28, 16, 8, 151_936, true, 1_000_000.0),
+        "qwen3-8b" => ("qwen3", 4096, 12_288, 36, 32, 8, 151_936, false, 1_000_000.0),
         other => bail!("unknown architecture {other}"),
     };
     let mut c = LlamaConfig::tiny(v, h, l);

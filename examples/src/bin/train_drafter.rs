@@ -1,4 +1,4 @@
-//! Offline drafter training for a supported model (Llama/Qwen2 architectures; SmolLM2-135M-Instruct by default),
+//! Offline drafter training for a supported model (Llama/Qwen2/Qwen3 architectures; SmolLM2-135M-Instruct by default),
 //! with export for serving.
 //!
 //! ```text

@@ -32,10 +32,11 @@ pub struct Eagle2Checkpoint {
     pub weights: Eagle2Weights,
 }
 
-/// SGLang's EAGLE(-1/2) entry class for a drafter of this architecture.
+/// SGLang's EAGLE(-1/2) entry class for a drafter of this architecture (a drafter layer is never a Qwen3 layer:
+/// [`DrafterConfig::validate`] refuses q/k norms, so that arm only keeps the match total).
 fn hf_class(arch: Architecture) -> &'static str {
     match arch {
-        Architecture::Llama => "LlamaForCausalLMEagle",
+        Architecture::Llama | Architecture::Qwen3 => "LlamaForCausalLMEagle",
         Architecture::Qwen2 => "Qwen2ForCausalLMEagle",
     }
 }
@@ -60,7 +61,7 @@ pub fn save_eagle2(drafter: &Eagle2Drafter, dir: &Path, dtype: SaveDType) -> Res
 /// `method: "eagle"` prefixes `Eagle` to each and takes the first it knows (`EagleLlamaForCausalLM`).
 fn serving_architectures(arch: Architecture) -> [&'static str; 2] {
     match arch {
-        Architecture::Llama => ["LlamaForCausalLMEagle", "LlamaForCausalLM"],
+        Architecture::Llama | Architecture::Qwen3 => ["LlamaForCausalLMEagle", "LlamaForCausalLM"],
         Architecture::Qwen2 => ["Qwen2ForCausalLMEagle", "Qwen2ForCausalLM"],
     }
 }

@@ -10,10 +10,14 @@ pub const VOCAB: usize = 24;
 pub const HIDDEN: usize = 16;
 pub const LAYERS: usize = 4;
 
-/// A tiny seeded target: vocab 24, hidden 16, 4 heads / 2 KV heads, 4 layers.
+/// A tiny seeded target: vocab 24, hidden 16, 4 heads / 2 KV heads, 4 layers. Heads of 4, except Qwen3's: 8
+/// (decoupled from hidden / heads, as in Qwen3-0.6B).
 pub fn target(model_type: &str, seed: u64) -> Llama {
     let mut cfg = LlamaConfig::tiny(VOCAB, HIDDEN, LAYERS);
     cfg.model_type = model_type.into();
+    if model_type == "qwen3" {
+        cfg.head_dim = Some(8);
+    }
     cfg.intermediate_size = 24;
     cfg.eos_token_id = Some(tlt_model::EosTokens::One(2));
     Llama::random(cfg, seed).unwrap()

@@ -67,6 +67,37 @@ impl CudaKernels {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch rms_norm_bf16"))
     }
 
+    /// Qwen3's q/k norms: every `head_dim`-wide vector of `x` (bf16 `[vectors, head_dim]`, in place) becomes
+    /// `rmsnorm(x) * w` (`w` bf16 `[head_dim]`, f32 math).
+    ///
+    /// # Errors
+    /// As [`CudaKernels::embed_rows`].
+    pub fn head_rms_norm(
+        &self,
+        stream: &CudaStream,
+        head_dim: usize,
+        eps: f32,
+        x: &mut CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+    ) -> Result<()> {
+        check_len("norm weight", head_dim, w.len())?;
+        if head_dim == 0 || !x.len().is_multiple_of(head_dim) {
+            return Err(Error::InvalidArgument(format!("{} elements are not vectors of {head_dim}", x.len())));
+        }
+        let vectors = x.len() / head_dim;
+        if vectors == 0 {
+            return Ok(());
+        }
+        let (n, d) = (int("vectors", vectors)?, int("head_dim", head_dim)?);
+        let per_block = 256 / 32;
+        let blocks = dim("blocks", vectors.div_ceil(per_block))?;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = stream.launch_builder(self.function("head_rms_norm_bf16")?);
+        b.arg(x).arg(w).arg(&n).arg(&d).arg(&eps);
+        // SAFETY: arguments match the signature; `x` holds `vectors * head_dim` elements, `w` `head_dim`.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch head_rms_norm_bf16"))
+    }
+
     /// `x += y` (the residual add; `x` f32, `y` bf16, same length).
     ///
     /// # Errors

@@ -64,6 +64,7 @@ pub const SOURCES: &[KernelSource] = &[
         kernels: &[
             "embed_rows_bf16",
             "rms_norm_bf16",
+            "head_rms_norm_bf16",
             "add_bf16_to_f32",
             "silu_mul_bf16",
             "bias_add_bf16",

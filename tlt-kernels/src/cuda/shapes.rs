@@ -172,8 +172,8 @@ mod tests {
 
     #[test]
     fn real_architectures_pass_and_bad_heads_fail() {
-        // SmolLM2-135M, Qwen2.5-1.5B, Qwen2.5-7B, Llama-3-8B.
-        for (h, kv, d) in [(9, 3, 64), (12, 2, 128), (28, 4, 128), (32, 8, 128)] {
+        // SmolLM2-135M, Qwen2.5-1.5B, Qwen2.5-7B, Llama-3-8B, Qwen3-0.6B (head_dim 128 in a width of 1024).
+        for (h, kv, d) in [(9, 3, 64), (12, 2, 128), (28, 4, 128), (32, 8, 128), (16, 8, 128)] {
             check_device_attn(&AttnShape::new(h, kv, d)).unwrap();
         }
         for (h, kv, d) in [(9, 2, 64), (32, 2, 128), (8, 8, 256), (8, 8, 63), (0, 1, 64)] {

@@ -1,6 +1,7 @@
-//! The same Llama/Qwen2 decoder on a CUDA device (feature `cuda`): bf16 weights and KV cache on the GPU, cuBLAS for
-//! the linear layers, `tlt_kernels::cuda` for everything else, one forward for prefill chunks, batched decode and
-//! draft-tree verification. **Compiled and CPU-tested for its host-side checks; not yet run on a GPU.**
+//! The same Llama/Qwen2/Qwen3 decoder on a CUDA device (feature `cuda`): bf16 weights and KV cache on the GPU,
+//! cuBLAS for the linear layers, `tlt_kernels::cuda` for everything else (Qwen3's q/k head norms included), one
+//! forward for prefill chunks, batched decode and draft-tree verification. **Compiled and CPU-tested for its
+//! host-side checks; not yet run on a GPU.**
 //!
 //! The model definition is shared with the CPU path ([`LlamaConfig`], [`Llama`]'s weights, RoPE frequencies): a
 //! [`CudaLlama`] is made from a loaded [`Llama`], so every format the CPU path reads (HF safetensors, GGUF) runs here.
@@ -42,12 +43,14 @@ struct DevLayer {
     gate: DeviceLinear,
     up: DeviceLinear,
     down: DeviceLinear,
+    /// Qwen3: the q and k head norms (`[head_dim]` each).
+    qk_norm: Option<(CudaSlice<bf16>, CudaSlice<bf16>)>,
 }
 
 /// The seven projections of a block of `cfg`, in [`Projections`] field order (the CPU model's shapes).
 fn proj_shapes(cfg: &LlamaConfig) -> Result<[ProjectionShape; 7]> {
     let (h, i, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
-    Ok(Projections::shapes(h, q, kv, i, h, cfg.architecture()?.qkv_bias()))
+    Ok(Projections::shapes(h, q, kv, i, h, cfg.attention_bias()?))
 }
 
 /// Which weight a constructor asks its source for.
@@ -58,6 +61,10 @@ enum Weight {
     Norm,
     InNorm(usize),
     PostNorm(usize),
+    /// Qwen3's query head norm of a layer.
+    QNorm(usize),
+    /// Qwen3's key head norm of a layer.
+    KNorm(usize),
     /// Layer, projection (q, k, v, o, gate, up, down), bias?
     Proj(usize, usize, bool),
 }
@@ -85,6 +92,11 @@ fn llama_weight(model: &Llama, which: Weight) -> Result<Option<Vec<bf16>>> {
         Weight::Norm => &w.norm,
         Weight::InNorm(l) => &w.layers[l].input_layernorm,
         Weight::PostNorm(l) => &w.layers[l].post_attention_layernorm,
+        Weight::QNorm(l) | Weight::KNorm(l) => match &w.layers[l].qk_norm {
+            Some(n) if matches!(which, Weight::QNorm(_)) => &n.q_norm,
+            Some(n) => &n.k_norm,
+            None => return Ok(None),
+        },
         Weight::Proj(l, p, bias) => {
             let lin = w.layers[l].proj.all()[p];
             match (bias, &lin.bias) {
@@ -106,6 +118,8 @@ impl DevWeights {
             Weight::Norm => Some(&mut self.norm),
             Weight::InNorm(l) => Some(&mut self.layers.get_mut(l)?.in_norm),
             Weight::PostNorm(l) => Some(&mut self.layers.get_mut(l)?.post_norm),
+            Weight::QNorm(l) => self.layers.get_mut(l)?.qk_norm.as_mut().map(|n| &mut n.0),
+            Weight::KNorm(l) => self.layers.get_mut(l)?.qk_norm.as_mut().map(|n| &mut n.1),
             Weight::Proj(l, p, bias) => {
                 let layer = self.layers.get_mut(l)?;
                 let lin = [
@@ -217,7 +231,7 @@ impl CudaLlama {
         }
         let mut which = vec![Weight::Embed, Weight::Head, Weight::Norm];
         for l in 0..self.cfg.num_hidden_layers {
-            which.extend([Weight::InNorm(l), Weight::PostNorm(l)]);
+            which.extend([Weight::InNorm(l), Weight::PostNorm(l), Weight::QNorm(l), Weight::KNorm(l)]);
             which.extend((0..7).flat_map(|p| [Weight::Proj(l, p, false), Weight::Proj(l, p, true)]));
         }
         for w in which {
@@ -248,8 +262,8 @@ impl CudaLlama {
     pub fn synthetic(cfg: LlamaConfig, seed: u64, ordinal: usize, slots: usize, max_len: usize) -> Result<Self> {
         cfg.validate()?;
         let shapes = proj_shapes(&cfg)?;
-        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let tied = cfg.tie_word_embeddings;
+        let (h, v, hd) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim());
+        let (tied, qk_norm) = (cfg.tie_word_embeddings, cfg.qk_norm());
         Self::build(cfg, ordinal, slots, max_len, |stream, kernels, which| {
             // (elements, fan-in scale; 0 = constant 1).
             let (len, scale) = match which {
@@ -257,6 +271,8 @@ impl CudaLlama {
                 Weight::Head if tied => return Ok(None),
                 Weight::Head => (v * h, 1.0 / (h as f32).sqrt()),
                 Weight::Norm | Weight::InNorm(_) | Weight::PostNorm(_) => (h, 0.0),
+                Weight::QNorm(_) | Weight::KNorm(_) if qk_norm => (hd, 0.0),
+                Weight::QNorm(_) | Weight::KNorm(_) => return Ok(None),
                 Weight::Proj(_, p, bias) => {
                     let sh = shapes[p];
                     match bias {
@@ -273,6 +289,8 @@ impl CudaLlama {
                 Weight::Norm => 3,
                 Weight::InNorm(l) => 16 + l as u64 * 64,
                 Weight::PostNorm(l) => 17 + l as u64 * 64,
+                Weight::QNorm(l) => 48 + l as u64 * 64,
+                Weight::KNorm(l) => 49 + l as u64 * 64,
                 Weight::Proj(l, p, bias) => 18 + l as u64 * 64 + p as u64 * 2 + u64::from(bias),
             };
             let (lo, hi) = if scale == 0.0 { (1.0, 1.0) } else { (-scale, scale) };
@@ -317,6 +335,16 @@ impl CudaLlama {
             let Ok([q, k, v, o, gate, up, down]) = <[DeviceLinear; 7]>::try_from(lin) else {
                 return Err(Error::InvalidInput("a decoder block has seven projections".into()));
             };
+            let qk_norm = match (get(Weight::QNorm(l))?, get(Weight::KNorm(l))?) {
+                (Some(qn), Some(kn)) if cfg.qk_norm() => Some((qn, kn)),
+                (None, None) if !cfg.qk_norm() => None,
+                _ => {
+                    return Err(Error::InvalidInput(format!(
+                        "layer {l}: q/k head norms must be present exactly for a qk-norm architecture ({})",
+                        cfg.model_type
+                    )))
+                }
+            };
             layers.push(DevLayer {
                 in_norm: need(Weight::InNorm(l), get(Weight::InNorm(l))?)?,
                 post_norm: need(Weight::PostNorm(l), get(Weight::PostNorm(l))?)?,
@@ -327,6 +355,7 @@ impl CudaLlama {
                 gate,
                 up,
                 down,
+                qk_norm,
             });
         }
         let embed = need(Weight::Embed, get(Weight::Embed)?)?;
@@ -362,6 +391,7 @@ impl CudaLlama {
             .map(|l| {
                 [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].into_iter().map(lin).sum::<usize>()
                     + 2 * l.in_norm.len()
+                    + l.qk_norm.as_ref().map_or(0, |(q, k)| q.len() + k.len())
             })
             .sum();
         2 * (layers + w.head.as_ref().unwrap_or(&w.embed).len() + w.norm.len())

@@ -165,6 +165,11 @@ impl Model<'_> {
             self.linear(rows, &b.xn, &lw.q, &mut b.q)?;
             self.linear(rows, &b.xn, &lw.k, &mut b.k)?;
             self.linear(rows, &b.xn, &lw.v, &mut b.v)?;
+            if let Some((qn, kn)) = &lw.qk_norm {
+                // Qwen3: every head's query and key vector normalised before RoPE.
+                k.head_rms_norm(s, cfg.head_dim(), eps, &mut b.q, qn)?;
+                k.head_rms_norm(s, cfg.head_dim(), eps, &mut b.k, kn)?;
+            }
             let meta = RowMeta { slot: &b.row_slot, pos: &b.row_pos, dst: &b.row_dst };
             k.rope_kv_write(s, self.cache, li, rows, &mut b.q, &b.k, &b.v, k_cache, v_cache, meta, &w.inv_freq)?;
             let seq = SeqMeta { slot: &b.seq_slot, prefix_len: &b.seq_prefix, n_nodes: &b.seq_nodes };

@@ -63,6 +63,14 @@ pub fn seeds(target: Target, root: &Path, gguf: &Path) -> Result<Vec<Seed>> {
     if !hf.join("config.json").exists() {
         tlt_model::save_hf_dir(&model, None, &hf, candle_core::DType::F32)?;
     }
+    // Qwen3: q/k head norms and a head_dim of its own (4 heads of 8 in a hidden size of 16 would be 4 wide).
+    let qwen3 = root.join("seed-hf-qwen3");
+    if !qwen3.join("config.json").exists() {
+        let mut cfg = tiny.clone();
+        cfg.model_type = "qwen3".into();
+        cfg.head_dim = Some(8);
+        tlt_model::save_hf_dir(&tlt_model::Llama::random(cfg, 0)?, None, &qwen3, candle_core::DType::F32)?;
+    }
     let seed = |dir: &Path, file: &'static str, format: Format, eagle3: bool| -> Result<Seed> {
         let bytes =
             std::fs::read(dir.join(file)).with_context(|| format!("reading seed {}", dir.join(file).display()))?;
@@ -79,8 +87,13 @@ pub fn seeds(target: Target, root: &Path, gguf: &Path) -> Result<Vec<Seed>> {
             }
             vec![seed(&dir, "model.gguf", Format::Gguf, false)?]
         }
-        Target::Safetensors => vec![seed(&hf, "model.safetensors", Format::Safetensors, false)?],
-        Target::ConfigJson => vec![seed(&hf, "config.json", Format::Json, false)?],
+        Target::Safetensors => vec![
+            seed(&hf, "model.safetensors", Format::Safetensors, false)?,
+            seed(&qwen3, "model.safetensors", Format::Safetensors, false)?,
+        ],
+        Target::ConfigJson => {
+            vec![seed(&hf, "config.json", Format::Json, false)?, seed(&qwen3, "config.json", Format::Json, false)?]
+        }
         Target::TokenizerJson => {
             let dir = root.join("seed-tokenizer");
             if !dir.join("tokenizer.json").exists() {
@@ -382,7 +395,7 @@ fn replacement(v: &Value, rng: &mut SplitMix64) -> Value {
         2 => Value::from(INTERESTING[rng.below(INTERESTING.len())]),
         3 => Value::from(-(rng.below(1 << 20) as i64) - 1),
         4 => serde_json::json!(f64::MAX / (1 + rng.below(3)) as f64),
-        5 => Value::from(["", "F16", "BF16", "I64", "bool", "llama", "NaN", "qwen2"][rng.below(8)]),
+        5 => Value::from(["", "F16", "BF16", "I64", "bool", "llama", "NaN", "qwen2", "qwen3"][rng.below(9)]),
         6 => Value::Array(vec![v.clone(), v.clone()]),
         _ => match v.as_u64() {
             Some(n) => Value::from(n.wrapping_mul(1 + rng.below(1000) as u64)),

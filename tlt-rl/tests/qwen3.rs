@@ -1,0 +1,185 @@
+//! A Qwen3 policy through the GRPO trainer on the CPU: a tiny random Qwen3 (q/k head norms, head_dim 32 with a width
+//! of 64 and 4 heads, i.e. decoupled) trained two steps at T = 0.7 with TLT rollouts (an EAGLE-2 drafter, alone
+//! and in the suffix + EAGLE hybrid, speculating from the first round) and with plain rollouts, from the same weights
+//! and seeds: the same tokens, weights that moved (the q/k norms included) and are bit-identical between the modes;
+//! the policy and its drafter (a llama layer of the policy's head shape) export and reload.
+
+#![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
+
+use std::collections::BTreeMap;
+
+use tlt_drafter::checkpoint::load_eagle2;
+use tlt_drafter::SaveDType;
+use tlt_model::optim::{LrSchedule, ScheduleKind};
+use tlt_model::{EosTokens, Llama, LlamaConfig};
+use tlt_rl::task::{Score, Split};
+use tlt_rl::trainer::{
+    DrafterChoice, DrafterSchedule, Environment, ExportConfig, Mode, Prompt, Quiet, SdConfig, Trainer, TrainerConfig,
+    EXPORT_DRAFTER_DIR, EXPORT_POLICY_DIR,
+};
+use tlt_rl::Result;
+use tlt_scheduler::GateConfig;
+
+const VOCAB: u32 = 32;
+/// The token the reward asks for.
+const GOOD: u32 = 7;
+/// End of sequence of the tiny model.
+const EOS: u32 = 1;
+
+fn tiny_qwen3(seed: u64) -> Llama {
+    let mut cfg = LlamaConfig::tiny(VOCAB as usize, 64, 2);
+    cfg.model_type = "qwen3".into();
+    cfg.head_dim = Some(32);
+    cfg.eos_token_id = Some(EosTokens::One(EOS));
+    Llama::random(cfg, seed).unwrap()
+}
+
+/// Prompts of 3-6 tokens from the data index; reward = fraction of generated tokens equal to [`GOOD`] (the
+/// environment of `tests/trainer.rs`).
+struct CountEnv;
+
+impl Environment for CountEnv {
+    fn prompt(&self, split: Split, pos: u64) -> Result<Prompt> {
+        let index = match split {
+            Split::Train => pos,
+            Split::Eval => 1_000_000 + pos,
+        };
+        let len = 3 + (index % 4) as usize;
+        let ids = (0..len).map(|j| 2 + ((index * 7 + j as u64 * 3) % u64::from(VOCAB - 2)) as u32).collect();
+        Ok(Prompt { index, ids, problem: None })
+    }
+
+    fn score(&self, _prompt: &Prompt, completion: &[u32]) -> Result<Score> {
+        let good = completion.iter().filter(|&&t| t == GOOD).count();
+        let reward = good as f64 / completion.len().max(1) as f64;
+        Ok(Score { reward, correct: reward > 0.5, formatted: true, timed_out: false })
+    }
+}
+
+fn config(mode: Mode, drafter: DrafterChoice) -> TrainerConfig {
+    let mut cfg = TrainerConfig {
+        mode,
+        seed: 3,
+        prompts_per_step: 8,
+        group_size: 4,
+        max_new_tokens: 12,
+        temperature: 0.7,
+        micro_batch_tokens: 64,
+        optim: tlt_rl::trainer::OptimConfig {
+            schedule: LrSchedule {
+                lr: 3e-3,
+                warmup_steps: 1,
+                total_steps: 0,
+                min_lr_ratio: 0.0,
+                kind: ScheduleKind::Constant,
+            },
+            ..Default::default()
+        },
+        sd: SdConfig {
+            // Speculate from the first round so every step exercises SD.
+            gate: GateConfig { threshold: 64, on_after: 1, off_threshold: 64, off_after: 1 },
+            schedule: DrafterSchedule::Fixed { steps: 2 },
+            drafter,
+            ..SdConfig::default()
+        },
+        ..TrainerConfig::default()
+    };
+    // The rollout's own log-probabilities (for the IS correction) differ between verify and decode forwards by
+    // rounding; the trainer recomputes the ones it trains on, so without the correction the modes must agree bit
+    // for bit.
+    cfg.grpo.tis_cap = None;
+    cfg
+}
+
+fn weights(t: &Trainer<CountEnv>) -> BTreeMap<String, Vec<f32>> {
+    t.policy()
+        .weights()
+        .named_tensors()
+        .into_iter()
+        .map(|(n, w)| (n, w.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+/// Two GRPO steps of one mode.
+struct Run {
+    /// The completions of each step.
+    outs: Vec<Vec<Vec<u32>>>,
+    /// The trainer after them.
+    trainer: Trainer<CountEnv>,
+    /// Each step's share of rounds with SD on and its drafter training steps.
+    sd: Vec<(f64, u64)>,
+}
+
+fn run(mode: Mode, drafter: DrafterChoice) -> Run {
+    let mut trainer = Trainer::new(tiny_qwen3(6), CountEnv, config(mode, drafter)).unwrap();
+    let (mut outs, mut sd) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let r = trainer.step(&mut Quiet).unwrap();
+        assert!(r.metrics.grad_norm > 0.0, "{mode:?}: no update happened");
+        sd.push((r.metrics.sd_on_fraction, r.metrics.drafter_steps));
+        outs.push(r.samples.into_iter().map(|(s, _, _)| s.tokens).collect());
+    }
+    Run { outs, trainer, sd }
+}
+
+#[test]
+fn qwen3_grpo_tlt_commits_the_baselines_tokens_and_weights() {
+    let initial = {
+        let m = tiny_qwen3(6);
+        m.weights()
+            .named_tensors()
+            .into_iter()
+            .map(|(n, w)| (n, w.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let base = run(Mode::Baseline, DrafterChoice::Eagle2);
+    let base_w = weights(&base.trainer);
+    let qk: Vec<&String> =
+        base_w.keys().filter(|n| n.ends_with("q_norm.weight") || n.ends_with("k_norm.weight")).collect();
+    assert_eq!(qk.len(), 4, "q and k head norms of both layers are trained parameters: {qk:?}");
+    for name in &qk {
+        assert_eq!(base_w[*name].len(), 32, "{name}: one weight per head dimension");
+    }
+    // Every parameter moved, the head norms included (they got gradients).
+    for (name, w) in &base_w {
+        assert!(w != &initial[name], "`{name}` did not change in two steps");
+    }
+
+    for drafter in [DrafterChoice::Eagle2, DrafterChoice::Hybrid] {
+        let Run { outs, trainer: t, sd } = run(Mode::Tlt, drafter);
+        assert!(sd.iter().all(|&(f, _)| f > 0.5), "{drafter:?}: SD was not on: {sd:?}");
+        assert!(sd[1].1 > 0, "{drafter:?}: the online drafter never trained");
+        assert_eq!(outs, base.outs, "{drafter:?}: completions differ");
+        let w = weights(&t);
+        for (name, a) in &base_w {
+            assert!(w[name] == *a, "{drafter:?}: weight `{name}` differs after 2 steps");
+        }
+        if drafter == DrafterChoice::Eagle2 {
+            check_export(&t);
+        }
+    }
+}
+
+/// The trained Qwen3 policy exports as an HF Qwen3 directory that reloads bit for bit, and its drafter as a llama
+/// EAGLE layer with the policy's head_dim.
+fn check_export(t: &Trainer<CountEnv>) {
+    let dir = std::env::temp_dir().join(format!("tlt-qwen3-export-{}", std::process::id()));
+    let export = ExportConfig { drafter_dtype: SaveDType::F32, ..ExportConfig::default() };
+    let out = t.export(&dir, &export).unwrap();
+    let policy = tlt_model::load_hf_dir(&dir.join(EXPORT_POLICY_DIR)).unwrap().model;
+    assert_eq!(policy.config().architecture().unwrap(), tlt_model::Architecture::Qwen3);
+    assert_eq!(policy.config().head_dim(), 32);
+    let reloaded: BTreeMap<String, Vec<f32>> = policy
+        .weights()
+        .named_tensors()
+        .into_iter()
+        .map(|(n, w)| (n, w.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
+    assert!(reloaded == weights(t), "the exported policy differs from the trained one");
+    let drafter = out.drafter_dir().expect("a TLT run with an EAGLE drafter exports it");
+    assert_eq!(drafter, dir.join(EXPORT_DRAFTER_DIR));
+    let ck = load_eagle2(&drafter, t.policy().config()).unwrap();
+    assert_eq!(ck.config.llama.architecture().unwrap(), tlt_model::Architecture::Llama);
+    assert_eq!((ck.config.llama.head_dim(), ck.config.llama.q_dim()), (32, 128));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
