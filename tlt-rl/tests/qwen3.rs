@@ -10,21 +10,14 @@ use std::collections::BTreeMap;
 
 use tlt_drafter::checkpoint::load_eagle2;
 use tlt_drafter::SaveDType;
-use tlt_model::optim::{LrSchedule, ScheduleKind};
 use tlt_model::{EosTokens, Llama, LlamaConfig};
-use tlt_rl::task::{Score, Split};
 use tlt_rl::trainer::{
-    DrafterChoice, DrafterSchedule, Environment, ExportConfig, Mode, Prompt, Quiet, SdConfig, Trainer, TrainerConfig,
-    EXPORT_DRAFTER_DIR, EXPORT_POLICY_DIR,
+    DrafterChoice, ExportConfig, Mode, Quiet, Trainer, TrainerConfig, EXPORT_DRAFTER_DIR, EXPORT_POLICY_DIR,
 };
-use tlt_rl::Result;
-use tlt_scheduler::GateConfig;
 
-const VOCAB: u32 = 32;
-/// The token the reward asks for.
-const GOOD: u32 = 7;
-/// End of sequence of the tiny model.
-const EOS: u32 = 1;
+mod common;
+
+use common::{base_config, weights, Count, EOS, VOCAB};
 
 fn tiny_qwen3(seed: u64) -> Llama {
     let mut cfg = LlamaConfig::tiny(VOCAB as usize, 64, 2);
@@ -34,70 +27,13 @@ fn tiny_qwen3(seed: u64) -> Llama {
     Llama::random(cfg, seed).unwrap()
 }
 
-/// Prompts of 3-6 tokens from the data index; reward = fraction of generated tokens equal to [`GOOD`] (the
-/// environment of `tests/trainer.rs`).
-struct CountEnv;
-
-impl Environment for CountEnv {
-    fn prompt(&self, split: Split, pos: u64) -> Result<Prompt> {
-        let index = match split {
-            Split::Train => pos,
-            Split::Eval => 1_000_000 + pos,
-        };
-        let len = 3 + (index % 4) as usize;
-        let ids = (0..len).map(|j| 2 + ((index * 7 + j as u64 * 3) % u64::from(VOCAB - 2)) as u32).collect();
-        Ok(Prompt { index, ids, problem: None })
-    }
-
-    fn score(&self, _prompt: &Prompt, completion: &[u32]) -> Result<Score> {
-        let good = completion.iter().filter(|&&t| t == GOOD).count();
-        let reward = good as f64 / completion.len().max(1) as f64;
-        Ok(Score { reward, correct: reward > 0.5, formatted: true, timed_out: false })
-    }
-}
-
+/// The trainer tests' small run at T = 0.7 with `drafter` (SD from the first round, the drafter trained 2 steps
+/// after each rollout), the default GRPO settings.
 fn config(mode: Mode, drafter: DrafterChoice) -> TrainerConfig {
-    let mut cfg = TrainerConfig {
-        mode,
-        seed: 3,
-        prompts_per_step: 8,
-        group_size: 4,
-        max_new_tokens: 12,
-        temperature: 0.7,
-        micro_batch_tokens: 64,
-        optim: tlt_rl::trainer::OptimConfig {
-            schedule: LrSchedule {
-                lr: 3e-3,
-                warmup_steps: 1,
-                total_steps: 0,
-                min_lr_ratio: 0.0,
-                kind: ScheduleKind::Constant,
-            },
-            ..Default::default()
-        },
-        sd: SdConfig {
-            // Speculate from the first round so every step exercises SD.
-            gate: GateConfig { threshold: 64, on_after: 1, off_threshold: 64, off_after: 1 },
-            schedule: DrafterSchedule::Fixed { steps: 2 },
-            drafter,
-            ..SdConfig::default()
-        },
-        ..TrainerConfig::default()
-    };
-    // The rollout's own log-probabilities (for the IS correction) differ between verify and decode forwards by
-    // rounding; the trainer recomputes the ones it trains on, so without the correction the modes must agree bit
-    // for bit.
-    cfg.grpo.tis_cap = None;
+    let mut cfg = base_config(mode);
+    cfg.temperature = 0.7;
+    cfg.sd.drafter = drafter;
     cfg
-}
-
-fn weights(t: &Trainer<CountEnv>) -> BTreeMap<String, Vec<f32>> {
-    t.policy()
-        .weights()
-        .named_tensors()
-        .into_iter()
-        .map(|(n, w)| (n, w.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-        .collect()
 }
 
 /// Two GRPO steps of one mode.
@@ -105,13 +41,13 @@ struct Run {
     /// The completions of each step.
     outs: Vec<Vec<Vec<u32>>>,
     /// The trainer after them.
-    trainer: Trainer<CountEnv>,
+    trainer: Trainer<Count>,
     /// Each step's share of rounds with SD on and its drafter training steps.
     sd: Vec<(f64, u64)>,
 }
 
 fn run(mode: Mode, drafter: DrafterChoice) -> Run {
-    let mut trainer = Trainer::new(tiny_qwen3(6), CountEnv, config(mode, drafter)).unwrap();
+    let mut trainer = Trainer::new(tiny_qwen3(6), Count, config(mode, drafter)).unwrap();
     let (mut outs, mut sd) = (Vec::new(), Vec::new());
     for _ in 0..2 {
         let r = trainer.step(&mut Quiet).unwrap();
@@ -162,7 +98,7 @@ fn qwen3_grpo_tlt_commits_the_baselines_tokens_and_weights() {
 
 /// The trained Qwen3 policy exports as an HF Qwen3 directory that reloads bit for bit, and its drafter as a llama
 /// EAGLE layer with the policy's head_dim.
-fn check_export(t: &Trainer<CountEnv>) {
+fn check_export(t: &Trainer<Count>) {
     let dir = std::env::temp_dir().join(format!("tlt-qwen3-export-{}", std::process::id()));
     let export = ExportConfig { drafter_dtype: SaveDType::F32, ..ExportConfig::default() };
     let out = t.export(&dir, &export).unwrap();

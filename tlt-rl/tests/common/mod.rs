@@ -63,6 +63,19 @@ impl<F: Fn(u64, &[u32]) -> Score + Send + Sync + 'static> Environment for FnEnv<
     }
 }
 
+/// [`count_prompt`]s scored by [`count_score`].
+pub struct Count;
+
+impl Environment for Count {
+    fn prompt(&self, split: Split, pos: u64) -> Result<Prompt> {
+        Ok(count_prompt(split, pos))
+    }
+
+    fn score(&self, _: &Prompt, completion: &[u32]) -> Result<Score> {
+        Ok(count_score(completion))
+    }
+}
+
 /// A [`FnEnv`] without delays.
 pub fn fn_env<F: Fn(u64, &[u32]) -> Score + Send + Sync + 'static>(reward: F) -> FnEnv<F> {
     FnEnv { reward, delay: Duration::ZERO, hang: None }
