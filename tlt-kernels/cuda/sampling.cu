@@ -26,7 +26,6 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     __shared__ double c_sum[SAMPLE_THREADS];
     __shared__ float s_max;
     __shared__ int s_arg;
-    __shared__ int s_tok;
 
     // 1. max and first argmax.
     float best = TLT_NEG_INF;
@@ -69,7 +68,6 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
                 tok = last >= 0 ? last : s_arg;
             }
         }
-        s_tok = tok;
         out_tok[r] = tok;
         const double lse = log(total);
         out_logprob[r] = (float)((double)((x[tok] - mx) * inv_temp) - lse);

@@ -2,13 +2,17 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError, LaunchConfig,
+    PushKernelArg, SyncOnDrop,
+};
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
+use super::plan::{self, AcceptInBufs, AcceptOutBufs, Arg, Buf, Launch, RowBufs, SeqBufs};
 use super::shapes::{CacheDims, TreeDims};
 use super::{compile, SOURCES};
-use crate::error::{check_len, Error, Result};
+use crate::error::{Error, Result};
 
 /// Whether a CUDA driver library (`libcuda.so`) can be loaded. Never panics.
 #[must_use]
@@ -36,14 +40,6 @@ pub fn gpu_or_skip(test: &str) -> Result<bool> {
 
 pub(super) fn drv(op: &'static str) -> impl Fn(DriverError) -> Error {
     move |e| Error::Cuda { op, message: e.to_string() }
-}
-
-pub(super) fn dim(what: &'static str, v: usize) -> Result<u32> {
-    u32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} = {v} does not fit a launch dimension")))
-}
-
-pub(super) fn int(what: &'static str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} = {v} does not fit an i32 kernel argument")))
 }
 
 /// The per-sequence metadata of a step, in device buffers (`[batch]` i32 each), written by the host before the step
@@ -161,11 +157,28 @@ impl CudaKernels {
             .ok_or_else(|| Error::InvalidArgument(format!("kernel `{name}` is not loaded")))
     }
 
+    /// Runs `plan` on `stream` (the buffers' guards in `ptrs` are held until the launch is enqueued).
+    pub(super) fn run(&self, stream: &CudaStream, plan: &Launch) -> Result<()> {
+        let f = self.function(plan.kernel)?;
+        let mut b = stream.launch_builder(f);
+        for a in &plan.args {
+            match a {
+                Arg::Ptr(p) | Arg::U64(p) => b.arg(p),
+                Arg::I32(x) => b.arg(x),
+                Arg::F32(x) => b.arg(x),
+            };
+        }
+        let [gx, gy, gz] = plan.grid;
+        let [bx, by, bz] = plan.block;
+        let cfg = LaunchConfig { grid_dim: (gx, gy, gz), block_dim: (bx, by, bz), shared_mem_bytes: plan.shared_bytes };
+        // SAFETY: every plan comes from `plan::*`, which checked each buffer's length against the shapes the kernel
+        // indexes with and lists the arguments in the order and types of the kernel's signature (pointers as
+        // 64-bit device addresses of live buffers, whose stream-ordering guards the caller holds until here).
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| Error::Cuda { op: plan.kernel, message: e.to_string() })
+    }
+
     /// RoPE at each row's position on `q` (in place) and on `k`, and the write of the rotated `k` and of `v` into
-    /// layer `layer` of the caches at each row's slot and position.
-    ///
-    /// `q`: `[rows, n_heads, head_dim]`, `k`, `v`: `[rows, n_kv_heads, head_dim]` (bf16 bits); `inv_freq`:
-    /// `[head_dim / 2]`.
+    /// layer `layer` of the caches at each row's slot and position ([`plan::rope_kv_write`]).
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] / [`Error::InvalidArgument`] for buffers that disagree with the shapes,
@@ -185,43 +198,14 @@ impl CudaKernels {
         meta: RowMeta<'_>,
         inv_freq: &CudaSlice<f64>,
     ) -> Result<()> {
-        cache.check()?;
-        let a = cache.attn;
-        if layer >= cache.layers || rows == 0 {
-            return Err(Error::InvalidArgument(format!("layer {layer} of {} with {rows} rows", cache.layers)));
-        }
-        check_len("q", rows * a.n_heads * a.head_dim, q.len())?;
-        check_len("k", rows * cache.row(), k.len())?;
-        check_len("v", rows * cache.row(), v.len())?;
-        check_len("k_cache", cache.len(), k_cache.len())?;
-        check_len("v_cache", cache.len(), v_cache.len())?;
-        for (what, m) in [("row slot", meta.slot), ("row pos", meta.pos), ("row dst", meta.dst)] {
-            check_len(what, rows, m.len())?;
-        }
-        check_len("inv_freq", a.head_dim / 2, inv_freq.len())?;
-        let span = layer * cache.layer_len()..(layer + 1) * cache.layer_len();
-        let mut kc = k_cache.slice_mut(span.clone());
-        let mut vc = v_cache.slice_mut(span);
-        let (rows_i, heads, kv, hd, max_len) = (
-            int("rows", rows)?,
-            int("n_heads", a.n_heads)?,
-            int("n_kv_heads", a.n_kv_heads)?,
-            int("head_dim", a.head_dim)?,
-            int("max_len", cache.max_len)?,
-        );
-        let cfg = LaunchConfig { grid_dim: (dim("rows", rows)?, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        let f = self.function("rope_kv_write_bf16")?;
-        let mut b = stream.launch_builder(f);
-        b.arg(q).arg(k).arg(v).arg(&mut kc).arg(&mut vc).arg(meta.slot).arg(meta.pos).arg(meta.dst).arg(inv_freq);
-        b.arg(&rows_i).arg(&heads).arg(&kv).arg(&hd).arg(&max_len);
-        // SAFETY: the argument list matches the kernel's signature, every buffer was checked against the shapes the
-        // kernel indexes with, and cache positions outside `max_len` are skipped by the kernel.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch rope_kv_write_bf16"))
+        let mut p = Ptrs::new(stream);
+        let rows_meta = RowBufs { slot: p.r(meta.slot), pos: p.r(meta.pos), dst: p.r(meta.dst) };
+        let (q, k, v, inv) = (p.w(q), p.r(k), p.r(v), p.r(inv_freq));
+        let (kc, vc) = (p.w(k_cache), p.w(v_cache));
+        self.run(stream, &plan::rope_kv_write(cache, layer, rows, q, k, v, kc, vc, rows_meta, inv)?)
     }
 
-    /// Attention of each sequence's nodes over layer `layer` of the cache: `out = softmax(q Kᵀ / sqrt(d)) V` over
-    /// the committed prefix and the visible nodes (ancestors by `anc`, `[batch, n_max]` ancestor bits as
-    /// [`super::ancestor_masks`] makes them; `None`: causal among the nodes).
+    /// Attention of each sequence's nodes over layer `layer` of the cache ([`plan::tree_attention`]).
     ///
     /// # Errors
     /// As [`CudaKernels::rope_kv_write`].
@@ -239,55 +223,15 @@ impl CudaKernels {
         seq: SeqMeta<'_>,
         anc: Option<&CudaSlice<u64>>,
     ) -> Result<()> {
-        cache.check()?;
-        tree.check(anc.is_some())?;
-        let a = cache.attn;
-        if layer >= cache.layers {
-            return Err(Error::InvalidArgument(format!("layer {layer} of {}", cache.layers)));
-        }
-        let q_len = tree.nodes() * a.n_heads * a.head_dim;
-        check_len("q", q_len, q.len())?;
-        check_len("out", q_len, out.len())?;
-        check_len("k_cache", cache.len(), k_cache.len())?;
-        check_len("v_cache", cache.len(), v_cache.len())?;
-        for (what, m) in [("seq slot", seq.slot), ("prefix_len", seq.prefix_len), ("n_nodes", seq.n_nodes)] {
-            check_len(what, tree.batch, m.len())?;
-        }
-        if let Some(m) = anc {
-            check_len("ancestor masks", tree.nodes(), m.len())?;
-        }
-        let span = layer * cache.layer_len()..(layer + 1) * cache.layer_len();
-        let (kc, vc) = (k_cache.slice(span.clone()), v_cache.slice(span));
-        let (n_max, heads, kv, hd, max_len) = (
-            int("n_max", tree.n_max)?,
-            int("n_heads", a.n_heads)?,
-            int("n_kv_heads", a.n_kv_heads)?,
-            int("head_dim", a.head_dim)?,
-            int("max_len", cache.max_len)?,
-        );
-        let scale = 1.0 / (a.head_dim as f32).sqrt();
-        let null: u64 = 0;
-        let cfg = LaunchConfig {
-            grid_dim: (dim("n_kv_heads", a.n_kv_heads)?, dim("n_max", tree.n_max)?, dim("batch", tree.batch)?),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = self.function("tree_attention_bf16")?;
-        let mut b = stream.launch_builder(f);
-        b.arg(q).arg(&kc).arg(&vc).arg(out).arg(seq.slot).arg(seq.prefix_len).arg(seq.n_nodes);
-        match anc {
-            Some(m) => b.arg(m),
-            None => b.arg(&null),
-        };
-        b.arg(&n_max).arg(&heads).arg(&kv).arg(&hd).arg(&max_len).arg(&scale);
-        // SAFETY: the arguments match the kernel's signature (a null `anc` is a zero device pointer) and every
-        // buffer was checked against the shapes; the kernel reads keys only below prefix_len + n_nodes, which the
-        // caller keeps within max_len (the step planner's invariant).
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch tree_attention_bf16"))
+        let mut p = Ptrs::new(stream);
+        let seq = p.seq(seq);
+        let anc = anc.map(|m| p.r(m));
+        let (q, kc, vc, out) = (p.r(q), p.r(k_cache), p.r(v_cache), p.w(out));
+        self.run(stream, &plan::tree_attention(cache, layer, tree, q, kc, vc, out, seq, anc)?)
     }
 
-    /// Moves the accepted path's K/V rows of every layer behind each sequence's committed prefix (`path`:
-    /// `[batch, max_path]` node indices from the root, increasing; `n_acc`: `[batch]`).
+    /// Moves the accepted path's K/V rows of every layer behind each sequence's committed prefix
+    /// ([`plan::commit_path`]).
     ///
     /// # Errors
     /// As [`CudaKernels::rope_kv_write`].
@@ -304,35 +248,13 @@ impl CudaKernels {
         path: &CudaSlice<i32>,
         n_acc: &CudaSlice<i32>,
     ) -> Result<()> {
-        cache.check()?;
-        TreeDims { batch, n_max: max_path }.check(false)?;
-        check_len("k_cache", cache.len(), k_cache.len())?;
-        check_len("v_cache", cache.len(), v_cache.len())?;
-        check_len("seq slot", batch, seq.slot.len())?;
-        check_len("prefix_len", batch, seq.prefix_len.len())?;
-        check_len("path", batch * max_path, path.len())?;
-        check_len("n_acc", batch, n_acc.len())?;
-        let (mp, slots, max_len, row) = (
-            int("max_path", max_path)?,
-            int("slots", cache.slots)?,
-            int("max_len", cache.max_len)?,
-            int("row", cache.row())?,
-        );
-        let cfg = LaunchConfig {
-            grid_dim: (dim("batch", batch)?, dim("layers", cache.layers)?, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = self.function("commit_path_bf16")?;
-        let mut b = stream.launch_builder(f);
-        b.arg(k_cache).arg(v_cache).arg(seq.slot).arg(seq.prefix_len).arg(path).arg(n_acc);
-        b.arg(&mp).arg(&slots).arg(&max_len).arg(&row);
-        // SAFETY: arguments match the signature; buffers checked; the kernel stops at rows beyond max_len.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch commit_path_bf16"))
+        let mut p = Ptrs::new(stream);
+        let seq = p.seq(seq);
+        let (kc, vc, path, n_acc) = (p.w(k_cache), p.w(v_cache), p.r(path), p.r(n_acc));
+        self.run(stream, &plan::commit_path(cache, batch, max_path, kc, vc, seq, path, n_acc)?)
     }
 
-    /// Packs the hidden rows of the accepted nodes: `dst[b][kk] = src[b][path[b][kk]]` for `kk < n_acc[b]`
-    /// (`src`: `[batch, n_max, width]`, `dst`: `[batch, max_path, width]`).
+    /// Packs the hidden rows of the accepted nodes ([`plan::gather_path_rows`]).
     ///
     /// # Errors
     /// As [`CudaKernels::rope_kv_write`].
@@ -348,32 +270,15 @@ impl CudaKernels {
         path: &CudaSlice<i32>,
         n_acc: &CudaSlice<i32>,
     ) -> Result<()> {
-        tree.check(false)?;
-        check_len("src", tree.nodes() * width, src.len())?;
-        check_len("dst", tree.batch * max_path * width, dst.len())?;
-        check_len("path", tree.batch * max_path, path.len())?;
-        check_len("n_acc", tree.batch, n_acc.len())?;
-        let (n_max, mp, w) = (int("n_max", tree.n_max)?, int("max_path", max_path)?, int("width", width)?);
-        let cfg = LaunchConfig {
-            grid_dim: (dim("max_path", max_path)?, dim("batch", tree.batch)?, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = self.function("gather_path_rows_bf16")?;
-        let mut b = stream.launch_builder(f);
-        b.arg(src).arg(dst).arg(path).arg(n_acc).arg(&n_max).arg(&mp).arg(&w);
-        // SAFETY: arguments match the signature; buffers checked; the kernel skips node indices outside n_max.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch gather_path_rows_bf16"))
+        let mut p = Ptrs::new(stream);
+        let (src, dst, path, n_acc) = (p.r(src), p.w(dst), p.r(path), p.r(n_acc));
+        self.run(stream, &plan::gather_path_rows(tree, max_path, width, src, dst, path, n_acc)?)
     }
 
-    /// The target's token at every row of `logits` (`[rows, vocab]` f32): the argmax at `temperature == 0` (then
-    /// `coins` must be `None`, and log-probs are at temperature 1), else the inverse-CDF draw of
-    /// `softmax(logits / temperature)` with `coins[row]` in `[0, 1)`; with its log-probability and the
-    /// distribution's largest probability. Top-k and top-p are not implemented on the device.
+    /// The target's token at every row of `logits` ([`plan::sample_rows`]).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a negative or non-finite temperature, or coins given at temperature 0 or
-    /// missing above it; otherwise as [`CudaKernels::rope_kv_write`].
+    /// As [`plan::sample_rows`], and [`Error::Cuda`] when the launch fails.
     #[allow(clippy::too_many_arguments)]
     pub fn sample_rows(
         &self,
@@ -387,75 +292,64 @@ impl CudaKernels {
         logprobs: &mut CudaSlice<f32>,
         pmax: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        if !temperature.is_finite() || temperature < 0.0 {
-            return Err(Error::InvalidArgument(format!("temperature {temperature}")));
-        }
-        if (temperature == 0.0) != coins.is_none() {
-            return Err(Error::InvalidArgument(
-                "coins are needed exactly when sampling (temperature > 0); greedy takes none".into(),
-            ));
-        }
-        if rows == 0 || vocab == 0 {
-            return Err(Error::InvalidArgument(format!("{rows} rows of vocabulary {vocab}")));
-        }
-        check_len("logits", rows * vocab, logits.len())?;
-        if let Some(c) = coins {
-            check_len("coins", rows, c.len())?;
-        }
-        check_len("tokens", rows, tokens.len())?;
-        check_len("logprobs", rows, logprobs.len())?;
-        check_len("pmax", rows, pmax.len())?;
-        let (rows_i, v) = (int("rows", rows)?, int("vocab", vocab)?);
-        let inv_temp = if temperature == 0.0 { 1.0f32 } else { 1.0 / temperature };
-        let null: u64 = 0;
-        let cfg = LaunchConfig { grid_dim: (dim("rows", rows)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let f = self.function("sample_rows_f32")?;
-        let mut b = stream.launch_builder(f);
-        b.arg(logits);
-        match coins {
-            Some(c) => b.arg(c),
-            None => b.arg(&null),
-        };
-        b.arg(tokens).arg(logprobs).arg(pmax).arg(&rows_i).arg(&v).arg(&inv_temp);
-        // SAFETY: arguments match the signature (a null `coins` is a zero device pointer); buffers checked.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch sample_rows_f32"))
+        let mut p = Ptrs::new(stream);
+        let coins = coins.map(|c| p.r(c));
+        let (logits, tokens, logprobs, pmax) = (p.r(logits), p.w(tokens), p.w(logprobs), p.w(pmax));
+        self.run(stream, &plan::sample_rows(rows, vocab, temperature, logits, coins, tokens, logprobs, pmax)?)
     }
 
-    /// Walks each sequence's draft tree with the target's tokens (from [`CudaKernels::sample_rows`] over the tree's
-    /// rows) and writes the accepted path and committed tokens ([`AcceptOut`]). Every array is `[batch, n_max]`
-    /// except `n_nodes` and `n_acc` (`[batch]`); node 0 is the root and every other node's parent precedes it.
+    /// Walks each sequence's draft tree with the target's tokens ([`plan::tree_accept`]).
     ///
     /// # Errors
     /// As [`CudaKernels::rope_kv_write`].
     pub fn tree_accept(&self, stream: &CudaStream, tree: TreeDims, i: AcceptIn<'_>, o: AcceptOut<'_>) -> Result<()> {
-        tree.check(false)?;
-        let n = tree.nodes();
-        for (what, len) in [
-            ("parent", i.parent.len()),
-            ("draft tokens", i.draft_tok.len()),
-            ("target tokens", i.target_tok.len()),
-            ("target log-probs", i.target_lp.len()),
-            ("target p_max", i.target_pmax.len()),
-            ("path", o.path.len()),
-            ("committed tokens", o.tokens.len()),
-            ("committed log-probs", o.logprobs.len()),
-            ("committed p_max", o.pmax.len()),
-        ] {
-            check_len(what, n, len)?;
-        }
-        check_len("n_nodes", tree.batch, i.n_nodes.len())?;
-        check_len("n_acc", tree.batch, o.n_acc.len())?;
-        let (batch, n_max) = (int("batch", tree.batch)?, int("n_max", tree.n_max)?);
-        let cfg = LaunchConfig {
-            grid_dim: (dim("batch", tree.batch.div_ceil(128))?, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let mut p = Ptrs::new(stream);
+        let inp = AcceptInBufs {
+            parent: p.r(i.parent),
+            draft_tok: p.r(i.draft_tok),
+            target_tok: p.r(i.target_tok),
+            target_lp: p.r(i.target_lp),
+            target_pmax: p.r(i.target_pmax),
+            n_nodes: p.r(i.n_nodes),
         };
-        let f = self.function("tree_accept")?;
-        let mut b = stream.launch_builder(f);
-        b.arg(i.parent).arg(i.draft_tok).arg(i.target_tok).arg(i.target_lp).arg(i.target_pmax).arg(i.n_nodes);
-        b.arg(o.path).arg(o.n_acc).arg(o.tokens).arg(o.logprobs).arg(o.pmax).arg(&batch).arg(&n_max);
-        // SAFETY: arguments match the signature; buffers checked; the kernel clamps n_nodes to n_max.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch tree_accept"))
+        let out = AcceptOutBufs {
+            path: p.w(o.path),
+            n_acc: p.w(o.n_acc),
+            tokens: p.w(o.tokens),
+            logprobs: p.w(o.logprobs),
+            pmax: p.w(o.pmax),
+        };
+        self.run(stream, &plan::tree_accept(tree, inp, out)?)
+    }
+}
+
+/// Device addresses of a launch's buffers, with cudarc's stream-ordering guards held until the launch is enqueued.
+pub(super) struct Ptrs<'a> {
+    stream: &'a CudaStream,
+    guards: Vec<SyncOnDrop<'a>>,
+}
+
+impl<'a> Ptrs<'a> {
+    pub(super) fn new(stream: &'a CudaStream) -> Self {
+        Self { stream, guards: Vec::new() }
+    }
+
+    /// A buffer the kernel reads.
+    pub(super) fn r<T>(&mut self, s: &'a CudaSlice<T>) -> Buf<T> {
+        let (ptr, guard) = s.device_ptr(self.stream);
+        self.guards.push(guard);
+        Buf::new(ptr, s.len())
+    }
+
+    /// A buffer the kernel writes.
+    pub(super) fn w<T>(&mut self, s: &'a mut CudaSlice<T>) -> Buf<T> {
+        let len = s.len();
+        let (ptr, guard) = s.device_ptr_mut(self.stream);
+        self.guards.push(guard);
+        Buf::new(ptr, len)
+    }
+
+    fn seq(&mut self, m: SeqMeta<'a>) -> SeqBufs {
+        SeqBufs { slot: self.r(m.slot), prefix_len: self.r(m.prefix_len), n_nodes: self.r(m.n_nodes) }
     }
 }

@@ -1,20 +1,15 @@
 //! Launches of the decoder layer's element-wise and row-wise kernels (`layer.cu`) and the bf16 GEMM (cuBLAS).
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::device::{dim, drv, int, CudaKernels};
+use super::device::{CudaKernels, Ptrs};
+use super::plan::{self, int};
 use crate::error::{check_len, Error, Result};
 
-/// Blocks for a grid-stride loop over `n` elements (256 threads each).
-fn stride_cfg(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
-}
-
 impl CudaKernels {
-    /// `x[r] = table[tokens[r]]` (bf16 rows to the f32 residual stream); `table`: `[vocab, width]`.
+    /// `x[r] = table[tokens[r]]` (bf16 rows to the f32 residual stream; [`plan::embed_rows`]).
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] for buffers that disagree with the shapes, [`Error::Cuda`] when the launch fails.
@@ -28,20 +23,12 @@ impl CudaKernels {
         tokens: &CudaSlice<i32>,
         x: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        if width == 0 || !table.len().is_multiple_of(width) {
-            return Err(Error::InvalidArgument(format!("embedding table of {} for width {width}", table.len())));
-        }
-        check_len("tokens", rows, tokens.len())?;
-        check_len("x", rows * width, x.len())?;
-        let (r, w) = (int("rows", rows)?, int("width", width)?);
-        let cfg = LaunchConfig { grid_dim: (dim("rows", rows)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = stream.launch_builder(self.function("embed_rows_bf16")?);
-        b.arg(table).arg(tokens).arg(x).arg(&r).arg(&w);
-        // SAFETY: arguments match the signature; buffers checked; token ids checked by the caller.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch embed_rows_bf16"))
+        let mut p = Ptrs::new(stream);
+        let (table, tokens, x) = (p.r(table), p.r(tokens), p.w(x));
+        self.run(stream, &plan::embed_rows(rows, width, table, tokens, x)?)
     }
 
-    /// `out = rmsnorm(x) * w` per row (`x` f32 `[rows, width]`, `w` bf16 `[width]`, `out` bf16).
+    /// `out = rmsnorm(x) * w` per row ([`plan::rms_norm`]).
     ///
     /// # Errors
     /// As [`CudaKernels::embed_rows`].
@@ -56,19 +43,12 @@ impl CudaKernels {
         w: &CudaSlice<bf16>,
         out: &mut CudaSlice<bf16>,
     ) -> Result<()> {
-        check_len("x", rows * width, x.len())?;
-        check_len("norm weight", width, w.len())?;
-        check_len("out", rows * width, out.len())?;
-        let (r, wd) = (int("rows", rows)?, int("width", width)?);
-        let cfg = LaunchConfig { grid_dim: (dim("rows", rows)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = stream.launch_builder(self.function("rms_norm_bf16")?);
-        b.arg(x).arg(w).arg(out).arg(&r).arg(&wd).arg(&eps);
-        // SAFETY: arguments match the signature; buffers checked.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch rms_norm_bf16"))
+        let mut p = Ptrs::new(stream);
+        let (x, w, out) = (p.r(x), p.r(w), p.w(out));
+        self.run(stream, &plan::rms_norm(rows, width, eps, x, w, out)?)
     }
 
-    /// Qwen3's q/k norms: every `head_dim`-wide vector of `x` (bf16 `[vectors, head_dim]`, in place) becomes
-    /// `rmsnorm(x) * w` (`w` bf16 `[head_dim]`, f32 math).
+    /// Qwen3's q/k norms ([`plan::head_rms_norm`]).
     ///
     /// # Errors
     /// As [`CudaKernels::embed_rows`].
@@ -80,53 +60,35 @@ impl CudaKernels {
         x: &mut CudaSlice<bf16>,
         w: &CudaSlice<bf16>,
     ) -> Result<()> {
-        check_len("norm weight", head_dim, w.len())?;
-        if head_dim == 0 || !x.len().is_multiple_of(head_dim) {
-            return Err(Error::InvalidArgument(format!("{} elements are not vectors of {head_dim}", x.len())));
+        let mut p = Ptrs::new(stream);
+        let (x, w) = (p.w(x), p.r(w));
+        match plan::head_rms_norm(head_dim, eps, x, w)? {
+            Some(l) => self.run(stream, &l),
+            None => Ok(()),
         }
-        let vectors = x.len() / head_dim;
-        if vectors == 0 {
-            return Ok(());
-        }
-        let (n, d) = (int("vectors", vectors)?, int("head_dim", head_dim)?);
-        let per_block = 256 / 32;
-        let blocks = dim("blocks", vectors.div_ceil(per_block))?;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = stream.launch_builder(self.function("head_rms_norm_bf16")?);
-        b.arg(x).arg(w).arg(&n).arg(&d).arg(&eps);
-        // SAFETY: arguments match the signature; `x` holds `vectors * head_dim` elements, `w` `head_dim`.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch head_rms_norm_bf16"))
     }
 
-    /// `x += y` (the residual add; `x` f32, `y` bf16, same length).
+    /// `x += y` (the residual add; [`plan::add_to_residual`]).
     ///
     /// # Errors
     /// As [`CudaKernels::embed_rows`].
     pub fn add_to_residual(&self, stream: &CudaStream, x: &mut CudaSlice<f32>, y: &CudaSlice<bf16>) -> Result<()> {
-        check_len("y", x.len(), y.len())?;
-        let n = x.len() as u64;
-        let cfg = stride_cfg(x.len());
-        let mut b = stream.launch_builder(self.function("add_bf16_to_f32")?);
-        b.arg(x).arg(y).arg(&n);
-        // SAFETY: arguments match the signature; both buffers hold n elements.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch add_bf16_to_f32"))
+        let mut p = Ptrs::new(stream);
+        let (x, y) = (p.w(x), p.r(y));
+        self.run(stream, &plan::add_to_residual(x, y)?)
     }
 
-    /// `gate = silu(gate) * up` (bf16, same length).
+    /// `gate = silu(gate) * up` ([`plan::silu_mul`]).
     ///
     /// # Errors
     /// As [`CudaKernels::embed_rows`].
     pub fn silu_mul(&self, stream: &CudaStream, gate: &mut CudaSlice<bf16>, up: &CudaSlice<bf16>) -> Result<()> {
-        check_len("up", gate.len(), up.len())?;
-        let n = gate.len() as u64;
-        let cfg = stride_cfg(gate.len());
-        let mut b = stream.launch_builder(self.function("silu_mul_bf16")?);
-        b.arg(gate).arg(up).arg(&n);
-        // SAFETY: arguments match the signature; both buffers hold n elements.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch silu_mul_bf16"))
+        let mut p = Ptrs::new(stream);
+        let (gate, up) = (p.w(gate), p.r(up));
+        self.run(stream, &plan::silu_mul(gate, up)?)
     }
 
-    /// `y[r] += bias` for every row of `y` (`[rows, cols]`, bf16).
+    /// `y[r] += bias` for every row of `y` ([`plan::bias_add`]).
     ///
     /// # Errors
     /// As [`CudaKernels::embed_rows`].
@@ -137,18 +99,12 @@ impl CudaKernels {
         y: &mut CudaSlice<bf16>,
         bias: &CudaSlice<bf16>,
     ) -> Result<()> {
-        let cols = bias.len();
-        check_len("y", rows * cols, y.len())?;
-        let (r, c) = (int("rows", rows)?, int("cols", cols)?);
-        let cfg = stride_cfg(y.len());
-        let mut b = stream.launch_builder(self.function("bias_add_bf16")?);
-        b.arg(y).arg(bias).arg(&r).arg(&c);
-        // SAFETY: arguments match the signature; buffers checked.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch bias_add_bf16"))
+        let mut p = Ptrs::new(stream);
+        let (y, bias) = (p.w(y), p.r(bias));
+        self.run(stream, &plan::bias_add(rows, y, bias)?)
     }
 
-    /// Fills `out` with seeded uniform values in `[lo, hi)` (a hash of the seed and the index: the same on every
-    /// device), for synthetic weights generated where they are used.
+    /// Fills `out` with seeded uniform values in `[lo, hi)` ([`plan::fill_uniform`]).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a non-finite or empty range, [`Error::Cuda`] when the launch fails.
@@ -160,15 +116,9 @@ impl CudaKernels {
         lo: f32,
         hi: f32,
     ) -> Result<()> {
-        if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
-            return Err(Error::InvalidArgument(format!("uniform range [{lo}, {hi})")));
-        }
-        let n = out.len() as u64;
-        let cfg = stride_cfg(out.len());
-        let mut b = stream.launch_builder(self.function("fill_uniform_bf16")?);
-        b.arg(out).arg(&n).arg(&seed).arg(&lo).arg(&hi);
-        // SAFETY: arguments match the signature; the kernel writes exactly n elements.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("launch fill_uniform_bf16"))
+        let mut p = Ptrs::new(stream);
+        let out = p.w(out);
+        self.run(stream, &plan::fill_uniform(out, seed, lo, hi)?)
     }
 }
 

@@ -1,0 +1,157 @@
+// CUDA's device-side built-ins for our kernels compiled as host C++ (tlt-cuda-sim): the thread and block indices,
+// __shared__ memory, __syncthreads, warp shuffles and votes, atomics and the math intrinsics our sources use.
+//
+// Execution model (runtime.cc): a launch runs its blocks one after another; a block's threads are fibers (their own
+// stacks) on the launching OS thread, run one at a time until each reaches a synchronisation point (a barrier, a
+// warp exchange) or returns. __syncthreads releases when every live thread of the block has arrived; a warp
+// exchange when every live lane of the warp has arrived. Between synchronisation points a thread runs alone, so
+// a kernel whose threads communicate through memory without a barrier reads stale values here, as it may on a GPU.
+// Misuse that is undefined on a GPU (a barrier or an exchange some threads never reach, a shuffle from an exited
+// lane) is reported as an error of the launch.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+struct uint3 {
+    unsigned x, y, z;
+};
+struct dim3 {
+    unsigned x, y, z;
+};
+
+namespace tlt_sim {
+
+// The indices of the running CUDA thread.
+struct ThreadCtx {
+    uint3 thread_idx;
+    uint3 block_idx;
+    dim3 block_dim;
+    dim3 grid_dim;
+};
+
+// The running CUDA thread (set by the scheduler before switching to a fiber).
+extern thread_local ThreadCtx* current;
+
+// __syncthreads(): waits for every live thread of the block.
+void sync_block();
+// A warp exchange: lane `lane` offers `value` and receives the value offered by lane `src` (of its warp) in the
+// same exchange; every live lane of the warp must take part. `mask` is the participation mask the kernel passed.
+uint64_t warp_exchange(unsigned mask, uint64_t value, int src_lane);
+// A warp vote: every live lane offers `pred`; returns the ballot of the warp (bit l: lane l's predicate).
+unsigned warp_ballot(unsigned mask, bool pred);
+// __syncwarp(): waits for every live lane of the warp.
+void sync_warp(unsigned mask);
+
+template <class T>
+inline uint64_t to_bits(T v) {
+    static_assert(sizeof(T) <= 8, "shuffled values are at most 8 bytes");
+    uint64_t b = 0;
+    std::memcpy(&b, &v, sizeof(T));
+    return b;
+}
+
+template <class T>
+inline T from_bits(uint64_t b) {
+    T v;
+    std::memcpy(&v, &b, sizeof(T));
+    return v;
+}
+
+inline int lane_id() { return (int)(current->thread_idx.x + current->block_dim.x * (current->thread_idx.y + current->block_dim.y * current->thread_idx.z)) & 31; }
+
+}  // namespace tlt_sim
+
+#define threadIdx (::tlt_sim::current->thread_idx)
+#define blockIdx (::tlt_sim::current->block_idx)
+#define blockDim (::tlt_sim::current->block_dim)
+#define gridDim (::tlt_sim::current->grid_dim)
+#define warpSize 32
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+// One block runs at a time on an OS thread, so a function-local thread_local is exactly one block's shared memory
+// (not cleared between blocks, like shared memory).
+#define __shared__ static thread_local
+
+inline void __syncthreads() { ::tlt_sim::sync_block(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { ::tlt_sim::sync_warp(mask); }
+
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+    const int lane = ::tlt_sim::lane_id();
+    const int base = lane & ~(width - 1);
+    return ::tlt_sim::from_bits<T>(::tlt_sim::warp_exchange(mask, ::tlt_sim::to_bits(v), base + (src & (width - 1))));
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    const int lane = ::tlt_sim::lane_id();
+    const int base = lane & ~(width - 1);
+    const int src = base + ((lane ^ lane_mask) & (width - 1));
+    return ::tlt_sim::from_bits<T>(::tlt_sim::warp_exchange(mask, ::tlt_sim::to_bits(v), src));
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    const int lane = ::tlt_sim::lane_id();
+    const int sub = lane & (width - 1);
+    const int src = sub + (int)delta < width ? lane + (int)delta : lane;
+    return ::tlt_sim::from_bits<T>(::tlt_sim::warp_exchange(mask, ::tlt_sim::to_bits(v), src));
+}
+template <class T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    const int lane = ::tlt_sim::lane_id();
+    const int sub = lane & (width - 1);
+    const int src = sub >= (int)delta ? lane - (int)delta : lane;
+    return ::tlt_sim::from_bits<T>(::tlt_sim::warp_exchange(mask, ::tlt_sim::to_bits(v), src));
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) { return ::tlt_sim::warp_ballot(mask, pred != 0); }
+inline int __any_sync(unsigned mask, int pred) { return ::tlt_sim::warp_ballot(mask, pred != 0) != 0; }
+inline int __all_sync(unsigned mask, int pred) {
+    return ::tlt_sim::warp_ballot(mask, pred != 0) == ::tlt_sim::warp_ballot(mask, true);
+}
+
+// Atomics: threads never run at the same time here, so a read-modify-write is atomic by construction.
+template <class T>
+inline T atomicAdd(T* p, T v) {
+    T old = *p;
+    *p = old + v;
+    return old;
+}
+template <class T>
+inline T atomicMax(T* p, T v) {
+    T old = *p;
+    if (v > old) *p = v;
+    return old;
+}
+template <class T>
+inline T atomicExch(T* p, T v) {
+    T old = *p;
+    *p = v;
+    return old;
+}
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+
+// Bit casts and math intrinsics.
+inline float __int_as_float(int x) { return ::tlt_sim::from_bits<float>((uint32_t)x); }
+inline int __float_as_int(float x) { return (int)(uint32_t)::tlt_sim::to_bits(x); }
+inline float __uint_as_float(unsigned x) { return ::tlt_sim::from_bits<float>(x); }
+inline unsigned __float_as_uint(float x) { return (unsigned)::tlt_sim::to_bits(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
