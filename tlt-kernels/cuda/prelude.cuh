@@ -5,6 +5,8 @@ typedef unsigned short bf16_t;
 typedef unsigned long long u64_t;
 
 #define TLT_NEG_INF (__int_as_float(0xff800000))
+#define TLT_POS_INF (__int_as_float(0x7f800000))
+#define TLT_NAN (__int_as_float(0x7fffffff))
 
 // bf16 bits -> f32 (exact).
 __device__ __forceinline__ float tlt_bf2f(bf16_t x) { return __uint_as_float(((unsigned)x) << 16); }

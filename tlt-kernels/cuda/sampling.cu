@@ -9,8 +9,9 @@
 
 // Per row of logits [rows, V] f32: target token (argmax when coins == null, else the inverse-CDF draw with coin
 // coins[row] in [0, 1)), its log-probability under softmax(logits * inv_temp), and that distribution's largest
-// probability. Grid: rows blocks; block: SAMPLE_THREADS. Each thread owns a contiguous chunk of the vocabulary so
-// that the cumulative sums follow vocabulary order.
+// probability. A row the CPU sampler rejects (a NaN or +inf logit, or none above -inf) gets token -1 and NaN
+// log-probability and p_max, for the host to report. Grid: rows blocks; block: SAMPLE_THREADS. Each thread owns a
+// contiguous chunk of the vocabulary so that the cumulative sums follow vocabulary order.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     const float* logits, const double* coins, int* out_tok, float* out_logprob, float* out_pmax,
     int rows, int V, float inv_temp)
@@ -26,14 +27,31 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     __shared__ double c_sum[SAMPLE_THREADS];
     __shared__ float s_max;
     __shared__ int s_arg;
+    __shared__ int s_bad;
+    if (tid == 0) s_bad = 0;
+    __syncthreads();
 
-    // 1. max and first argmax.
+    // 1. max and first argmax, and whether the row is one the CPU sampler rejects.
     float best = TLT_NEG_INF;
     int arg = 0x7fffffff;
-    for (int j = lo; j < hi; j++) tlt_argmax_merge(best, arg, x[j], j);
+    bool bad = false;
+    for (int j = lo; j < hi; j++) {
+        const float v = x[j];
+        bad = bad || v != v || v == TLT_POS_INF;
+        tlt_argmax_merge(best, arg, v, j);
+    }
+    if (bad) s_bad = 1;
     tlt_block_argmax(best, arg, w_val, w_idx);
-    if (tid == 0) { s_max = best; s_arg = arg; }
+    if (tid == 0) {
+        s_max = best;
+        s_arg = arg;
+        if (best == TLT_NEG_INF) s_bad = 1;
+    }
     __syncthreads();
+    if (s_bad) {
+        if (tid == 0) { out_tok[r] = -1; out_logprob[r] = TLT_NAN; out_pmax[r] = TLT_NAN; }
+        return;
+    }
     const float mx = s_max;
 
     // 2. the chunk's share of the normaliser.

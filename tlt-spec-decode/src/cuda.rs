@@ -408,7 +408,12 @@ impl CudaTarget {
             let next = tokens[o + n - 1];
             let accepted = Accepted {
                 path: path[o..o + n].iter().map(|&p| p.max(0) as usize).collect(),
-                next_token: u32::try_from(next).map_err(|_| Error::Target(format!("device token {next}")))?,
+                next_token: u32::try_from(next).map_err(|_| {
+                    Error::Target(format!(
+                        "sequence {b}: the device sampler returned token {next} (a row of logits with a NaN or +inf, \
+                         or none above -inf)"
+                    ))
+                })?,
             };
             let hidden = hidden_rows.as_ref().map(|rows| {
                 if final_norm_only {

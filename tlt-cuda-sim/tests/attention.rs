@@ -1,0 +1,319 @@
+//! The attention-side kernels (`attention.cu`) executed in the simulated device with the host's launch plans:
+//! RoPE + KV write at non-zero positions, and tree / causal / decode attention against an f64 reference over
+//! contexts of 1, 31, 32, 33, 512 and 4,096 keys, GQA groups 1 to 8, head dims 64 and 128, batch > 1 and layer 1 of
+//! 2. Every key matters to the comparison (probe keys with large values, where a dropped or doubled key moves the
+//! output by far more than the tolerance); negative controls: barriers dropped, a grid one node short, a
+//! reference missing one key.
+
+#![allow(clippy::unwrap_used, clippy::needless_range_loop)] // Tests: a panic is the failure report; indices mirror the kernels.
+
+mod common;
+
+use common::{devices, round_bf16, to_bf16, to_f32, Rng};
+use half::bf16;
+use tlt_cuda_sim::{SimBuf, SimDevice};
+use tlt_kernels::cuda::plan::{self, Launch, RowBufs, SeqBufs};
+use tlt_kernels::cuda::{ancestor_masks, CacheDims, TreeDims};
+use tlt_kernels::AttnShape;
+
+/// Values of probe keys: a dropped or doubled probe moves an output by about `PROBE / keys`.
+const PROBE: f32 = 64.0;
+
+/// One attention case: sequences with their prefixes, node counts and (tree mode) parents.
+#[derive(Clone)]
+struct Case {
+    name: String,
+    attn: AttnShape,
+    n_max: usize,
+    prefix: Vec<usize>,
+    n_nodes: Vec<usize>,
+    /// Per sequence, the parents of its nodes (tree mode); `None`: a causal chunk.
+    parents: Option<Vec<Vec<i32>>>,
+    /// Small q and k (near-uniform weights, probe keys) or large ones (a peaked softmax).
+    peaked: bool,
+}
+
+/// A case's inputs on the device and on the host.
+struct Inputs {
+    cache: CacheDims,
+    tree: TreeDims,
+    q: Vec<f32>,
+    kc: Vec<f32>,
+    vc: Vec<f32>,
+    slots: Vec<i32>,
+    anc: Option<Vec<u64>>,
+}
+
+fn inputs(c: &Case, seed: u64) -> Inputs {
+    let mut rng = Rng::new(seed);
+    let a = c.attn;
+    let batch = c.prefix.len();
+    let max_len = c.prefix.iter().zip(&c.n_nodes).map(|(p, n)| p + n).max().unwrap().max(1) + 3;
+    // Sequences in shuffled cache slots of a 2-layer cache; attention reads layer 1.
+    let slots_n = batch + 2;
+    let cache = CacheDims { layers: 2, slots: slots_n, max_len, attn: a };
+    let tree = TreeDims { batch, n_max: c.n_max };
+    let slots: Vec<i32> = (0..batch).map(|b| ((b * 7 + 1) % slots_n) as i32).collect();
+    let (qk, v) = if c.peaked { (2.0, 1.0) } else { (0.25, 1.0) };
+    let q = round_bf16(&rng.vec(tree.nodes() * a.n_heads * a.head_dim, -qk, qk));
+    let kc = round_bf16(&rng.vec(cache.len(), -qk, qk));
+    let mut vc = round_bf16(&rng.vec(cache.len(), -v, v));
+    if !c.peaked {
+        for b in 0..batch {
+            let total = c.prefix[b] + c.n_nodes[b];
+            let probes = [0, 31, 32, c.prefix[b].saturating_sub(1), c.prefix[b], total.saturating_sub(1)];
+            for &t in probes.iter().filter(|&&t| t < total) {
+                let start = cache.layer_len() + (slots[b] as usize * max_len + t) * cache.row();
+                for x in &mut vc[start..start + cache.row()] {
+                    *x = if rng.coin() < 0.5 { -PROBE } else { PROBE };
+                }
+            }
+        }
+    }
+    let anc = c.parents.as_ref().map(|ps| {
+        let mut m = vec![0u64; tree.nodes()];
+        for (b, p) in ps.iter().enumerate() {
+            m[b * c.n_max..b * c.n_max + p.len()].copy_from_slice(&ancestor_masks(p).unwrap());
+        }
+        m
+    });
+    Inputs { cache, tree, q, kc, vc, slots, anc }
+}
+
+/// The f64 reference of `tree_attention_bf16` on layer 1; `skip`: a (sequence, key) left out (a negative
+/// control). Rows of nodes past a sequence's count stay 0.
+fn reference(c: &Case, x: &Inputs, skip: Option<(usize, usize)>) -> Vec<f32> {
+    let a = c.attn;
+    let (hd, group) = (a.head_dim, a.n_heads / a.n_kv_heads);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0f32; x.q.len()];
+    for b in 0..c.prefix.len() {
+        let (prefix, nn) = (c.prefix[b], c.n_nodes[b]);
+        let base = x.cache.layer_len() + x.slots[b] as usize * x.cache.max_len * x.cache.row();
+        for i in 0..nn {
+            let total = prefix + if x.anc.is_some() { nn } else { i + 1 };
+            let mask = x.anc.as_ref().map_or(0, |m| m[b * c.n_max + i]);
+            let visible = |t: usize| {
+                t < total && Some((b, t)) != skip && (t < prefix || x.anc.is_none() || (mask >> (t - prefix)) & 1 == 1)
+            };
+            for h in 0..a.n_heads {
+                let kvh = h / group;
+                let qo = ((b * c.n_max + i) * a.n_heads + h) * hd;
+                let key = |t: usize| base + t * x.cache.row() + kvh * hd;
+                let scores: Vec<(usize, f64)> = (0..total)
+                    .filter(|&t| visible(t))
+                    .map(|t| {
+                        let dot =
+                            (0..hd).map(|d| f64::from(x.q[qo + d] * scale) * f64::from(x.kc[key(t) + d])).sum::<f64>();
+                        (t, dot)
+                    })
+                    .collect();
+                let mx = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = scores.iter().map(|s| (s.1 - mx).exp()).sum();
+                for d in 0..hd {
+                    let o: f64 = scores.iter().map(|&(t, s)| (s - mx).exp() * f64::from(x.vc[key(t) + d])).sum();
+                    out[qo + d] = (o / sum) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Runs the case's plan on `dev` (optionally altered) and returns `out`.
+fn run(dev: &SimDevice, c: &Case, x: &Inputs, alter: impl Fn(&mut Launch)) -> Vec<f32> {
+    let to_i32 = |v: &[usize]| v.iter().map(|&n| n as i32).collect::<Vec<_>>();
+    let (q, kc, vc) = (dev.upload(&to_bf16(&x.q)), dev.upload(&to_bf16(&x.kc)), dev.upload(&to_bf16(&x.vc)));
+    let out: SimBuf<bf16> = dev.zeros(x.q.len());
+    let (slot, prefix, nodes) = (dev.upload(&x.slots), dev.upload(&to_i32(&c.prefix)), dev.upload(&to_i32(&c.n_nodes)));
+    let anc = x.anc.as_ref().map(|m| dev.upload(m));
+    let seq = SeqBufs { slot: slot.buf(), prefix_len: prefix.buf(), n_nodes: nodes.buf() };
+    let mut l = plan::tree_attention(
+        x.cache,
+        1,
+        x.tree,
+        q.buf(),
+        kc.buf(),
+        vc.buf(),
+        out.buf(),
+        seq,
+        anc.as_ref().map(SimBuf::buf),
+    )
+    .unwrap();
+    alter(&mut l);
+    dev.launch(&l).unwrap();
+    to_f32(&out.download())
+}
+
+/// Elements of `got` off `want` by more than bf16 rounding (2^-8 relative) plus f32 accumulation (2^-12 of the
+/// value range): the first such index.
+fn first_miss(got: &[f32], want: &[f32]) -> Option<usize> {
+    let close = |g: f32, w: f32| (g - w).abs() <= w.abs() * 2f32.powi(-8) + 2f32.powi(-12);
+    got.iter().zip(want).position(|(&g, &w)| g.is_nan() || !close(g, w))
+}
+
+fn check(c: &Case, seed: u64) {
+    let x = inputs(c, seed);
+    let want = reference(c, &x, None);
+    for (order, dev) in devices() {
+        let got = run(&dev, c, &x, |_| {});
+        if let Some(i) = first_miss(&got, &want) {
+            panic!("{order} {}: element {i}: {} vs {}", c.name, got[i], want[i]);
+        }
+    }
+}
+
+fn decode(n_heads: usize, n_kv: usize, hd: usize, keys: [usize; 2], peaked: bool) -> Case {
+    Case {
+        name: format!("decode h{n_heads}/kv{n_kv} d{hd} keys {keys:?}{}", if peaked { " peaked" } else { "" }),
+        attn: AttnShape::new(n_heads, n_kv, hd),
+        n_max: 1,
+        prefix: keys.iter().map(|k| k - 1).collect(),
+        n_nodes: vec![1, 1],
+        parents: None,
+        peaked,
+    }
+}
+
+/// Query groups 1 to 8 as (heads, kv heads).
+const GROUPS: [(usize, usize); 8] = [(2, 2), (4, 2), (6, 2), (8, 2), (5, 1), (12, 2), (7, 1), (16, 2)];
+
+#[test]
+fn decode_attention_over_contexts_groups_and_head_dims() {
+    let mut ran = Vec::new();
+    for (i, &(h, kv)) in GROUPS.iter().enumerate() {
+        for hd in [64, 128] {
+            for keys in [[1, 31], [32, 33], [512, 33]] {
+                check(&decode(h, kv, hd, keys, false), (i * 1000 + hd + keys[0]) as u64);
+            }
+            ran.push(format!("group {} d{hd}", h / kv));
+        }
+    }
+    // 4,096 keys (128 tiles) for the smallest and largest groups, near-uniform and peaked.
+    for (h, kv) in [(2, 2), (16, 2)] {
+        for hd in [64, 128] {
+            check(&decode(h, kv, hd, [4096, 1], false), 4096 + hd as u64);
+            check(&decode(h, kv, hd, [4096, 2048], true), 8192 + hd as u64);
+        }
+    }
+    println!(
+        "tree_attention_bf16 decode: {}; keys 1, 31, 32, 33, 512 (batch 2); 4,096 for groups 1 and 8",
+        ran.join(", ")
+    );
+}
+
+fn tree_case(peaked: bool) -> Case {
+    Case {
+        name: format!("tree batch 3{}", if peaked { " peaked" } else { "" }),
+        attn: AttnShape::new(8, 2, 64),
+        n_max: 8,
+        prefix: vec![0, 33, 100],
+        n_nodes: vec![8, 5, 1],
+        parents: Some(vec![vec![-1, 0, 0, 1, 1, 2, 5, 3], vec![-1, 0, 1, 0, 3], vec![-1]]),
+        peaked,
+    }
+}
+
+fn causal_case() -> Case {
+    Case {
+        name: "causal chunk batch 2".into(),
+        attn: AttnShape::new(6, 3, 128),
+        n_max: 40,
+        prefix: vec![0, 17],
+        n_nodes: vec![40, 23],
+        parents: None,
+        peaked: false,
+    }
+}
+
+#[test]
+fn tree_and_causal_chunk_attention() {
+    for c in [tree_case(false), tree_case(true), causal_case()] {
+        check(&c, 77);
+    }
+    println!("tree_attention_bf16: trees of 8/5/1 nodes after prefixes 0/33/100; causal chunks of 40/23 after 0/17");
+}
+
+#[test]
+fn negative_controls_are_caught() {
+    let c = tree_case(false);
+    let x = inputs(&c, 5);
+    let want = reference(&c, &x, None);
+    let dev = SimDevice::new();
+    assert_eq!(first_miss(&run(&dev, &c, &x, |_| {}), &want), None, "the unaltered run must pass");
+    // A broken execution: no barriers, so threads read shared tiles before they are written.
+    let broken = run(&dev.without_barriers(), &c, &x, |_| {});
+    assert!(first_miss(&broken, &want).is_some(), "dropping __syncthreads went unnoticed");
+    // A launch one node short: the last node's rows are never written.
+    let short = run(&dev, &c, &x, |l| l.grid[1] -= 1);
+    assert!(first_miss(&short, &want).is_some(), "a grid one node short went unnoticed");
+    // The comparison sees a single missing key, even among 4,096.
+    let long = decode(2, 2, 64, [4096, 1], false);
+    let xl = inputs(&long, 3);
+    let got = run(&dev, &long, &xl, |_| {});
+    assert_eq!(first_miss(&got, &reference(&long, &xl, None)), None);
+    for key in [0, 31, 32, 4095] {
+        let missing = reference(&long, &xl, Some((0, key)));
+        assert!(first_miss(&got, &missing).is_some(), "a reference without key {key} of 4,096 still matched");
+    }
+    println!("negative controls: barriers dropped, grid one node short, a reference without one of 4,096 keys");
+}
+
+/// RoPE (rotate-half pairs) at each row's position, in f32 from f64 angles, as the kernel computes it.
+fn rotate(x: &[f32], pos: f64, inv_freq: &[f64]) -> Vec<f32> {
+    let half = x.len() / 2;
+    let mut out = x.to_vec();
+    for i in 0..half {
+        let (s, c) = (pos * inv_freq[i]).sin_cos();
+        let (s, c) = (s as f32, c as f32);
+        out[i] = x[i] * c - x[i + half] * s;
+        out[i + half] = x[i + half] * c + x[i] * s;
+    }
+    round_bf16(&out)
+}
+
+#[test]
+fn rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache() {
+    for (order, dev) in devices() {
+        for (h, kv, hd, theta) in [(4, 2, 64, 10_000.0f64), (8, 8, 128, 500_000.0)] {
+            let a = AttnShape::new(h, kv, hd);
+            let cache = CacheDims { layers: 2, slots: 3, max_len: 48, attn: a };
+            let rows = 5;
+            let mut rng = Rng::new(hd as u64);
+            let q = round_bf16(&rng.vec(rows * h * hd, -2.0, 2.0));
+            let k = round_bf16(&rng.vec(rows * cache.row(), -2.0, 2.0));
+            let v = round_bf16(&rng.vec(rows * cache.row(), -2.0, 2.0));
+            let inv_freq: Vec<f64> = (0..hd / 2).map(|i| theta.powf(-2.0 * i as f64 / hd as f64)).collect();
+            // Row 3 is padding (slot -1: q rotated, nothing written); row 4's destination is past max_len.
+            let (slot, pos, dst) = ([2, 0, 2, -1, 1], [0, 1, 1000, 7, 40_000], [0, 47, 5, 3, 48]);
+            let (qb, kb, vb) = (dev.upload(&to_bf16(&q)), dev.upload(&to_bf16(&k)), dev.upload(&to_bf16(&v)));
+            let (kc, vc) = (dev.zeros::<bf16>(cache.len()), dev.zeros::<bf16>(cache.len()));
+            let (sb, pb, db, fb) = (dev.upload(&slot), dev.upload(&pos), dev.upload(&dst), dev.upload(&inv_freq));
+            let meta = RowBufs { slot: sb.buf(), pos: pb.buf(), dst: db.buf() };
+            let l =
+                plan::rope_kv_write(cache, 1, rows, qb.buf(), kb.buf(), vb.buf(), kc.buf(), vc.buf(), meta, fb.buf());
+            dev.launch(&l.unwrap()).unwrap();
+            let (mut want_q, mut want_k, mut want_v) = (Vec::new(), vec![0f32; cache.len()], vec![0f32; cache.len()]);
+            for r in 0..rows {
+                let p = f64::from(pos[r]);
+                for hh in 0..h {
+                    want_q.extend(rotate(&q[(r * h + hh) * hd..][..hd], p, &inv_freq));
+                }
+                if slot[r] < 0 || dst[r] as usize >= cache.max_len {
+                    continue;
+                }
+                for kh in 0..kv {
+                    let src = (r * kv + kh) * hd;
+                    let to = cache.layer_len() + ((slot[r] as usize * cache.max_len + dst[r] as usize) * kv + kh) * hd;
+                    want_k[to..to + hd].copy_from_slice(&rotate(&k[src..src + hd], p, &inv_freq));
+                    want_v[to..to + hd].copy_from_slice(&v[src..src + hd]);
+                }
+            }
+            let close = |g: &[f32], w: &[f32]| g.iter().zip(w).all(|(a, b)| (a - b).abs() <= b.abs() * 2f32.powi(-7));
+            assert!(close(&to_f32(&qb.download()), &want_q), "{order} h{h} d{hd}: q");
+            assert!(close(&to_f32(&kc.download()), &want_k), "{order} h{h} d{hd}: k cache");
+            assert_eq!(to_f32(&vc.download()), want_v, "{order} h{h} d{hd}: v cache");
+        }
+    }
+    println!("rope_kv_write_bf16: positions 0, 1, 1000, 7, 40,000; theta 1e4 d64 GQA 2, 5e5 d128; a padded row, a row past max_len");
+}
