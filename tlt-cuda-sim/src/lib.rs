@@ -33,7 +33,7 @@ use std::ffi::{c_char, c_void, CStr};
 use std::marker::PhantomData;
 use std::rc::Rc;
 
-use tlt_kernels::cuda::plan::{Arg, Buf, Launch};
+use tlt_kernels::cuda::plan::{Arg, Buf, GemmEx, Launch};
 
 mod ffi {
     use std::ffi::{c_char, c_void};
@@ -288,6 +288,95 @@ impl SimDevice {
                 CStr::from_bytes_until_nul(&err).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
             return Err(Error::Launch { kernel, message });
         }
+        Ok(())
+    }
+
+    /// Runs one planned `cublasGemmEx` ([`tlt_kernels::cuda::plan::gemm`]) with cuBLAS's column-major semantics on
+    /// the host: `C = op(A) · op(B)`, bf16 inputs, f32 accumulation in `k` order, a bf16 (rounded) or f32 `C`. The
+    /// stand-in for cuBLAS in tests of whole device steps: it reads the operands exactly where cuBLAS would, so a
+    /// wrong transpose or leading dimension gives wrong results here too.
+    ///
+    /// # Errors
+    /// [`Error::Signature`] for non-positive sizes or leading dimensions too small, [`Error::BadPointer`] when an
+    /// operand's extent is not inside one live buffer.
+    pub fn gemm(&self, g: &GemmEx) -> Result<()> {
+        let kernel = "cublasGemmEx".to_string();
+        let bad = |detail: String| Error::Signature { kernel: kernel.clone(), detail };
+        let (m, n, k) = (g.m, g.n, g.k);
+        if m <= 0 || n <= 0 || k <= 0 {
+            return Err(bad(format!("sizes m {m}, n {n}, k {k}")));
+        }
+        let (m, n, k) = (m as usize, n as usize, k as usize);
+        // Stored (rows, cols) of each operand, column-major.
+        let (ra, ca) = if g.trans_a { (k, m) } else { (m, k) };
+        let (rb, cb) = if g.trans_b { (n, k) } else { (k, n) };
+        let operands = [
+            ("A", g.a, g.lda, ra, ca, 2usize),
+            ("B", g.b, g.ldb, rb, cb, 2),
+            ("C", g.c, g.ldc, m, n, if g.c_f32 { 4 } else { 2 }),
+        ];
+        let allocs = self.inner.allocs.borrow();
+        for (i, &(what, addr, ld, rows, cols, size)) in operands.iter().enumerate() {
+            if ld < 0 || (ld as usize) < rows {
+                return Err(bad(format!("{what}: leading dimension {ld} below its {rows} rows")));
+            }
+            let end = addr + (((cols - 1) * ld as usize + rows) * size) as u64;
+            let inside = allocs.range(..=addr).next_back().is_some_and(|(&s, &e)| addr >= s && end <= e);
+            if !inside {
+                return Err(Error::BadPointer { kernel: kernel.clone(), arg: i, addr });
+            }
+        }
+        drop(allocs);
+        let elems = |rows: usize, cols: usize, ld: i32| (cols - 1) * ld as usize + rows;
+        // SAFETY: each operand's whole column-major extent was checked to lie inside one live allocation; A and B
+        // are read only, C written only, and a test device runs nothing else meanwhile.
+        let (a, b) = unsafe {
+            (
+                std::slice::from_raw_parts(g.a as *const half::bf16, elems(ra, ca, g.lda)),
+                std::slice::from_raw_parts(g.b as *const half::bf16, elems(rb, cb, g.ldb)),
+            )
+        };
+        let at = |i: usize, l: usize| if g.trans_a { a[l + i * g.lda as usize] } else { a[i + l * g.lda as usize] };
+        let bt = |l: usize, j: usize| if g.trans_b { b[j + l * g.ldb as usize] } else { b[l + j * g.ldb as usize] };
+        for j in 0..n {
+            for i in 0..m {
+                let mut acc = 0f32;
+                for l in 0..k {
+                    acc += at(i, l).to_f32() * bt(l, j).to_f32();
+                }
+                let at_c = i + j * g.ldc as usize;
+                // SAFETY: inside C's checked extent.
+                unsafe {
+                    if g.c_f32 {
+                        *(g.c as *mut f32).add(at_c) = acc;
+                    } else {
+                        *(g.c as *mut half::bf16).add(at_c) = half::bf16::from_f32(acc);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies `src` to `dst` (a device-to-device copy).
+    ///
+    /// # Errors
+    /// [`Error::Signature`] for lengths that differ, [`Error::BadPointer`] for a buffer outside the live ones.
+    pub fn copy<T: Copy>(&self, src: Buf<T>, dst: Buf<T>) -> Result<()> {
+        let kernel = "memcpy".to_string();
+        if src.len() != dst.len() {
+            return Err(Error::Signature { kernel, detail: format!("{} elements into {}", src.len(), dst.len()) });
+        }
+        let bytes = (src.len() * std::mem::size_of::<T>()) as u64;
+        let allocs = self.inner.allocs.borrow();
+        for (i, addr) in [src.addr(), dst.addr()].into_iter().enumerate() {
+            let inside = allocs.range(..=addr).next_back().is_some_and(|(&s, &e)| addr >= s && addr + bytes <= e);
+            if !inside {
+                return Err(Error::BadPointer { kernel: kernel.clone(), arg: i, addr });
+            }
+        }
+        // SAFETY: both ranges lie inside live allocations (checked); `copy` allows overlap.
+        unsafe { std::ptr::copy(src.addr() as *const T, dst.addr() as *mut T, src.len()) };
         Ok(())
     }
 

@@ -39,6 +39,7 @@ mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod device;
+pub mod device_step;
 mod error;
 mod gguf;
 mod gguf_check;

@@ -157,8 +157,13 @@ impl CudaKernels {
             .ok_or_else(|| Error::InvalidArgument(format!("kernel `{name}` is not loaded")))
     }
 
-    /// Runs `plan` on `stream` (the buffers' guards in `ptrs` are held until the launch is enqueued).
-    pub(super) fn run(&self, stream: &CudaStream, plan: &Launch) -> Result<()> {
+    /// Runs `plan` on `stream`. The plan's buffers must be live device buffers used in `stream`'s order (the
+    /// typed methods hold cudarc's guards until the launch is enqueued; a caller with event tracking off, as a step
+    /// program's, needs none).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a kernel that is not loaded, [`Error::Cuda`] when the launch fails.
+    pub fn run(&self, stream: &CudaStream, plan: &Launch) -> Result<()> {
         let f = self.function(plan.kernel)?;
         let mut b = stream.launch_builder(f);
         for a in &plan.args {

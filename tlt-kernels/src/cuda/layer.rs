@@ -1,12 +1,12 @@
 //! Launches of the decoder layer's element-wise and row-wise kernels (`layer.cu`) and the bf16 GEMM (cuBLAS).
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 
 use super::device::{CudaKernels, Ptrs};
-use super::plan::{self, int};
-use crate::error::{check_len, Error, Result};
+use super::plan::{self, Buf, GemmEx, GemmY};
+use crate::error::{Error, Result};
 
 impl CudaKernels {
     /// `x[r] = table[tokens[r]]` (bf16 rows to the f32 residual stream; [`plan::embed_rows`]).
@@ -164,21 +164,26 @@ impl DeviceLinear {
 }
 
 /// Output element types of [`gemm_bf16`].
-pub trait GemmOut: cudarc::driver::DeviceRepr {
-    /// cuBLAS's name for the type.
-    const CUDA_TYPE: blas_sys::cudaDataType;
+pub trait GemmOut: cudarc::driver::DeviceRepr + Sized {
+    /// The plan's output of this type.
+    fn gemm_y(b: Buf<Self>) -> GemmY;
 }
 
 impl GemmOut for bf16 {
-    const CUDA_TYPE: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_16BF;
+    fn gemm_y(b: Buf<Self>) -> GemmY {
+        GemmY::Bf16(b)
+    }
 }
 
 impl GemmOut for f32 {
-    const CUDA_TYPE: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_32F;
+    fn gemm_y(b: Buf<Self>) -> GemmY {
+        GemmY::F32(b)
+    }
 }
 
 /// `y[m, n] = x[m, k] · w[n, k]ᵀ` with bf16 inputs, f32 accumulation and a bf16 or f32 output (the layout of the
-/// CPU [`crate::gemm`]). `blas` must have been created on `stream` (the stream the buffers are used on).
+/// CPU [`crate::gemm`]; [`plan::gemm`]). `blas` must have been created on `stream` (the stream the buffers are used
+/// on).
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] for buffers that disagree with the shapes, [`Error::InvalidArgument`] for sizes beyond
@@ -194,36 +199,42 @@ pub fn gemm_bf16<Y: GemmOut>(
     w: &CudaSlice<bf16>,
     y: &mut CudaSlice<Y>,
 ) -> Result<()> {
-    check_len("x", m * k, x.len())?;
-    check_len("w", n * k, w.len())?;
-    check_len("y", m * n, y.len())?;
-    let (mi, ni, ki) = (int("m", m)?, int("n", n)?, int("k", k)?);
-    let (xp, _gx) = x.device_ptr(stream);
-    let (wp, _gw) = w.device_ptr(stream);
-    let (yp, _gy) = y.device_ptr_mut(stream);
+    let mut p = Ptrs::new(stream);
+    let (x, w, y) = (p.r(x), p.r(w), p.w(y));
+    run_gemm(blas, &plan::gemm(m, n, k, x, w, Y::gemm_y(y))?)
+}
+
+/// Runs one planned `cublasGemmEx` on `blas`'s stream.
+///
+/// # Errors
+/// [`Error::Cuda`] when cuBLAS fails.
+pub fn run_gemm(blas: &CudaBlas, g: &GemmEx) -> Result<()> {
+    let op =
+        |t: bool| if t { blas_sys::cublasOperation_t::CUBLAS_OP_T } else { blas_sys::cublasOperation_t::CUBLAS_OP_N };
+    let c_type = if g.c_f32 { blas_sys::cudaDataType::CUDA_R_32F } else { blas_sys::cudaDataType::CUDA_R_16BF };
     let (alpha, beta) = (1.0f32, 0.0f32);
-    // Column-major view: yᵀ (n x m) = wᵀᵀ (n x k, i.e. w read transposed) · xᵀ (k x m).
-    // SAFETY: the pointers are live device buffers of the checked sizes on `blas`'s stream; alpha/beta are host
-    // f32 scalars, as CUBLAS_COMPUTE_32F with the default host pointer mode expects.
+    // SAFETY: a `GemmEx` from `plan::gemm`, which checked every buffer against the shapes; its addresses are live
+    // device buffers on `blas`'s stream; alpha/beta are host f32 scalars, as CUBLAS_COMPUTE_32F with the default
+    // host pointer mode expects.
     unsafe {
         blas::gemm_ex(
             *blas.handle(),
-            blas_sys::cublasOperation_t::CUBLAS_OP_T,
-            blas_sys::cublasOperation_t::CUBLAS_OP_N,
-            ni,
-            mi,
-            ki,
+            op(g.trans_a),
+            op(g.trans_b),
+            g.m,
+            g.n,
+            g.k,
             (&alpha as *const f32).cast(),
-            wp as *const _,
+            g.a as *const _,
             blas_sys::cudaDataType::CUDA_R_16BF,
-            ki,
-            xp as *const _,
+            g.lda,
+            g.b as *const _,
             blas_sys::cudaDataType::CUDA_R_16BF,
-            ki,
+            g.ldb,
             (&beta as *const f32).cast(),
-            yp as *mut _,
-            Y::CUDA_TYPE,
-            ni,
+            g.c as *mut _,
+            c_type,
+            g.ldc,
             blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )

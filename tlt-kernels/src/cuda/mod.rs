@@ -23,7 +23,7 @@ pub use device::{driver_available, gpu_or_skip, AcceptIn, AcceptOut, CudaKernels
 #[cfg(feature = "cuda")]
 pub use draft::RowSource;
 #[cfg(feature = "cuda")]
-pub use layer::{gemm_bf16, DeviceLinear, GemmOut};
+pub use layer::{gemm_bf16, run_gemm, DeviceLinear, GemmOut};
 #[cfg(feature = "cuda")]
 pub use nvrtc::{compile, nvrtc_available, Compiled};
 pub use shapes::{

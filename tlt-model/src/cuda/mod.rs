@@ -7,7 +7,6 @@
 //! [`CudaLlama`] is made from a loaded [`Llama`], so every format the CPU path reads (HF safetensors, GGUF) runs here.
 //! The layer loop mirrors [`Llama::forward`]'s op for op; the residual stream is kept in f32.
 
-mod layout;
 mod step;
 
 use std::collections::HashMap;
@@ -20,10 +19,10 @@ use tlt_cudagraph::{BucketPolicy, GraphKey, GraphPool, PoolStats};
 use tlt_kernels::cuda::{CacheDims, CudaKernels, DeviceLinear, SeqMeta};
 use tlt_kernels::AttnShape;
 
-use self::layout::layout;
-pub use self::layout::DeviceSeq;
-use self::step::{Model, StepBuffers};
+use self::step::{dbuf, CudaOps, StepBuffers};
 use crate::config::LlamaConfig;
+pub use crate::device_step::DeviceSeq;
+use crate::device_step::{layout, LayerBufs, LinearBufs, StepLayout, StepProgram, WeightBufs};
 use crate::model::{Llama, Tap};
 use crate::weights::{ProjectionShape, Projections};
 use crate::{Error, Result};
@@ -77,6 +76,40 @@ pub(crate) struct DevWeights {
     norm: CudaSlice<bf16>,
     layers: Vec<DevLayer>,
     inv_freq: CudaSlice<f64>,
+}
+
+impl DevWeights {
+    /// The weights as a step program sees them.
+    fn bufs(&self, s: &CudaStream) -> WeightBufs {
+        let lin = |l: &DeviceLinear| LinearBufs {
+            w: dbuf(&l.w, s),
+            b: l.b.as_ref().map(|b| dbuf(b, s)),
+            out: l.out,
+            inp: l.inp,
+        };
+        WeightBufs {
+            embed: dbuf(&self.embed, s),
+            head: self.head.as_ref().map(|h| dbuf(h, s)),
+            norm: dbuf(&self.norm, s),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerBufs {
+                    in_norm: dbuf(&l.in_norm, s),
+                    post_norm: dbuf(&l.post_norm, s),
+                    q: lin(&l.q),
+                    k: lin(&l.k),
+                    v: lin(&l.v),
+                    o: lin(&l.o),
+                    gate: lin(&l.gate),
+                    up: lin(&l.up),
+                    down: lin(&l.down),
+                    qk_norm: l.qk_norm.as_ref().map(|(q, k)| (dbuf(q, s), dbuf(k, s))),
+                })
+                .collect(),
+            inv_freq: dbuf(&self.inv_freq, s),
+        }
+    }
 }
 
 /// `model`'s weight `which` as bf16 on the host (`None`: absent, e.g. a tied head or a bias the architecture does
@@ -525,12 +558,7 @@ impl CudaLlama {
         Ok(StepOutput { batch, n_max, vocab: self.cfg.vocab_size, mode, tree })
     }
 
-    fn run(
-        &mut self,
-        bufs: &mut StepBuffers,
-        l: &layout::StepLayout,
-        shape: Option<(usize, usize, bool)>,
-    ) -> Result<StepMode> {
+    fn run(&mut self, bufs: &mut StepBuffers, l: &StepLayout, shape: Option<(usize, usize, bool)>) -> Result<StepMode> {
         bufs.write(&self.stream, l)?;
         let key = shape.map(|(b, n, tree)| if tree { GraphKey::verify(b, n) } else { GraphKey::decode(b) });
         if let (Some(key), Some(g)) = (key, self.graphs.as_mut()) {
@@ -540,22 +568,25 @@ impl CudaLlama {
             }
         }
         let layer_taps = self.layer_taps();
-        let model = Model {
+        let s = &self.stream;
+        let weights = self.w.bufs(s);
+        let program = StepProgram {
             cfg: &self.cfg,
-            kernels: &self.kernels,
-            blas: &self.blas,
-            stream: &self.stream,
             cache: self.cache,
-            w: &self.w,
+            k_cache: dbuf(&self.k_cache, s),
+            v_cache: dbuf(&self.v_cache, s),
+            w: &weights,
             layer_taps: &layer_taps,
         };
-        model.record(bufs, &mut self.k_cache, &mut self.v_cache)?;
+        let step = bufs.bufs(s);
+        let mut ops = CudaOps { kernels: &self.kernels, blas: &self.blas, stream: s };
+        program.record(&mut ops, &step)?;
         let (Some(key), Some(g)) = (key, self.graphs.as_mut()) else { return Ok(StepMode::Eager) };
         // The eager run above produced this step's results (and warmed cuBLAS up); capture the same launches.
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(cuda_err("begin_capture"))?;
-        let recorded = model.record(bufs, &mut self.k_cache, &mut self.v_cache);
+        let recorded = program.record(&mut ops, &step);
         let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         recorded?;
         let Some(graph) = ended.map_err(cuda_err("end_capture"))? else { return Ok(StepMode::Eager) };

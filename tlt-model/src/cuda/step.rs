@@ -1,17 +1,19 @@
 //! One device forward over preallocated buffers: the metadata the host writes before a step, the activations, and
-//! the recording of every launch on one stream, which runs eagerly or is captured once into a CUDA graph per
-//! (batch, nodes) shape and replayed after (nothing in the recording allocates, synchronises or copies from the host).
+//! the CUDA stream that runs the step program ([`crate::device_step::StepProgram`]) eagerly or while capturing it
+//! once into a CUDA graph per (batch, nodes) shape, replayed after (nothing in the program allocates, synchronises
+//! or copies from the host).
 
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
-use tlt_kernels::cuda::{gemm_bf16, CacheDims, CudaKernels, DeviceLinear, RowMeta, SeqMeta, TreeDims};
+use tlt_kernels::cuda::plan::{Buf, GemmEx, Launch};
+use tlt_kernels::cuda::{run_gemm, CudaKernels};
 
-use super::layout::StepLayout;
-use super::{cuda_err, DevWeights};
+use super::cuda_err;
 use crate::config::LlamaConfig;
+use crate::device_step::{DeviceOps, StepBufs, StepLayout};
 use crate::Result;
 
 /// Buffers of one `(batch, n_max, tree)` shape.
@@ -118,75 +120,66 @@ impl StepBuffers {
     }
 }
 
-/// Everything a recorded forward reads besides its buffers.
-pub(crate) struct Model<'a> {
-    pub(crate) cfg: &'a LlamaConfig,
+/// A CUDA stream as the executor of a step program (event tracking is off for the model's context: every buffer
+/// lives on this one stream, so stream order alone keeps it correct).
+pub(crate) struct CudaOps<'a> {
     pub(crate) kernels: &'a CudaKernels,
     pub(crate) blas: &'a CudaBlas,
     pub(crate) stream: &'a Arc<CudaStream>,
-    pub(crate) cache: CacheDims,
-    pub(crate) w: &'a DevWeights,
-    /// The layers whose input residual stream is copied into [`StepBuffers::taps`] (`num_layers`: the last
-    /// layer's output), in tap order.
-    pub(crate) layer_taps: &'a [usize],
 }
 
-impl Model<'_> {
-    fn linear(&self, rows: usize, x: &CudaSlice<bf16>, l: &DeviceLinear, y: &mut CudaSlice<bf16>) -> Result<()> {
-        Ok(l.forward(self.kernels, self.blas, self.stream, rows, x, y)?)
+impl DeviceOps for CudaOps<'_> {
+    fn launch(&mut self, launch: &Launch) -> Result<()> {
+        Ok(self.kernels.run(self.stream, launch)?)
     }
 
-    /// Copies the residual stream into every tap of layer input `layer` (a device copy, capturable).
-    fn tap(&self, b: &mut StepBuffers, layer: usize) -> Result<()> {
-        for (j, _) in self.layer_taps.iter().enumerate().filter(|(_, &l)| l == layer) {
-            let dst =
-                b.taps.get_mut(j).ok_or_else(|| crate::Error::InvalidInput(format!("tap buffer {j} is missing")))?;
-            self.stream.memcpy_dtod(&b.x, dst).map_err(cuda_err("tap copy"))?;
-        }
-        Ok(())
+    fn gemm(&mut self, gemm: &GemmEx) -> Result<()> {
+        Ok(run_gemm(self.blas, gemm)?)
     }
 
-    /// Issues the whole forward on the stream: embedding, every layer (RoPE + cache write, attention, MLP) and the
-    /// LM head into `b.logits`. Launches only.
-    pub(crate) fn record(
-        &self,
-        b: &mut StepBuffers,
-        k_cache: &mut CudaSlice<bf16>,
-        v_cache: &mut CudaSlice<bf16>,
-    ) -> Result<()> {
-        let (cfg, k, s, w) = (self.cfg, self.kernels, self.stream, self.w);
-        let rows = b.batch * b.n_max;
-        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps as f32);
-        let tree = TreeDims { batch: b.batch, n_max: b.n_max };
-        k.embed_rows(s, rows, h, &w.embed, &b.tokens, &mut b.x)?;
-        for (li, lw) in w.layers.iter().enumerate() {
-            self.tap(b, li)?;
-            k.rms_norm(s, rows, h, eps, &b.x, &lw.in_norm, &mut b.xn)?;
-            self.linear(rows, &b.xn, &lw.q, &mut b.q)?;
-            self.linear(rows, &b.xn, &lw.k, &mut b.k)?;
-            self.linear(rows, &b.xn, &lw.v, &mut b.v)?;
-            if let Some((qn, kn)) = &lw.qk_norm {
-                // Qwen3: every head's query and key vector normalised before RoPE.
-                k.head_rms_norm(s, cfg.head_dim(), eps, &mut b.q, qn)?;
-                k.head_rms_norm(s, cfg.head_dim(), eps, &mut b.k, kn)?;
-            }
-            let meta = RowMeta { slot: &b.row_slot, pos: &b.row_pos, dst: &b.row_dst };
-            k.rope_kv_write(s, self.cache, li, rows, &mut b.q, &b.k, &b.v, k_cache, v_cache, meta, &w.inv_freq)?;
-            let seq = SeqMeta { slot: &b.seq_slot, prefix_len: &b.seq_prefix, n_nodes: &b.seq_nodes };
-            k.tree_attention(s, self.cache, li, tree, &b.q, k_cache, v_cache, &mut b.attn, seq, b.anc.as_ref())?;
-            self.linear(rows, &b.attn, &lw.o, &mut b.o)?;
-            k.add_to_residual(s, &mut b.x, &b.o)?;
-            k.rms_norm(s, rows, h, eps, &b.x, &lw.post_norm, &mut b.xn)?;
-            self.linear(rows, &b.xn, &lw.gate, &mut b.gate)?;
-            self.linear(rows, &b.xn, &lw.up, &mut b.up)?;
-            k.silu_mul(s, &mut b.gate, &b.up)?;
-            self.linear(rows, &b.gate, &lw.down, &mut b.o)?;
-            k.add_to_residual(s, &mut b.x, &b.o)?;
+    fn copy_f32(&mut self, src: Buf<f32>, dst: Buf<f32>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(crate::Error::InvalidInput(format!("copy of {} elements into {}", src.len(), dst.len())));
         }
-        self.tap(b, w.layers.len())?;
-        k.rms_norm(s, rows, h, eps, &b.x, &w.norm, &mut b.xn)?;
-        let head = w.head.as_ref().unwrap_or(&w.embed);
-        gemm_bf16(self.blas, s, rows, cfg.vocab_size, h, &b.xn, head, &mut b.logits)?;
-        Ok(())
+        // SAFETY: both are live device buffers of this model on this stream, of the same length (checked).
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst.addr(), src.addr(), src.len() * 4, self.stream.cu_stream())
+        }
+        .map_err(cuda_err("tap copy"))
+    }
+}
+
+/// `s` as a step program's buffer (its device address; no guard: event tracking is off for the model).
+pub(crate) fn dbuf<T>(s: &CudaSlice<T>, stream: &CudaStream) -> Buf<T> {
+    let (ptr, _) = s.device_ptr(stream);
+    Buf::new(ptr, s.len())
+}
+
+impl StepBuffers {
+    /// The buffers as a step program sees them.
+    pub(crate) fn bufs(&self, s: &CudaStream) -> StepBufs {
+        StepBufs {
+            batch: self.batch,
+            n_max: self.n_max,
+            tokens: dbuf(&self.tokens, s),
+            row_slot: dbuf(&self.row_slot, s),
+            row_pos: dbuf(&self.row_pos, s),
+            row_dst: dbuf(&self.row_dst, s),
+            seq_slot: dbuf(&self.seq_slot, s),
+            seq_prefix: dbuf(&self.seq_prefix, s),
+            seq_nodes: dbuf(&self.seq_nodes, s),
+            anc: self.anc.as_ref().map(|a| dbuf(a, s)),
+            x: dbuf(&self.x, s),
+            xn: dbuf(&self.xn, s),
+            q: dbuf(&self.q, s),
+            k: dbuf(&self.k, s),
+            v: dbuf(&self.v, s),
+            attn: dbuf(&self.attn, s),
+            o: dbuf(&self.o, s),
+            gate: dbuf(&self.gate, s),
+            up: dbuf(&self.up, s),
+            logits: dbuf(&self.logits, s),
+            taps: self.taps.iter().map(|t| dbuf(t, s)).collect(),
+        }
     }
 }

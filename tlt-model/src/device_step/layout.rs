@@ -20,22 +20,30 @@ pub struct DeviceSeq<'a> {
 }
 
 /// The host-side layout of one forward: padded tokens and the device metadata, validated.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct StepLayout {
-    pub(crate) n_max: usize,
-    pub(crate) tokens: Vec<i32>,
-    pub(crate) row_slot: Vec<i32>,
-    pub(crate) row_pos: Vec<i32>,
-    pub(crate) row_dst: Vec<i32>,
-    pub(crate) seq_slot: Vec<i32>,
-    pub(crate) seq_prefix: Vec<i32>,
-    pub(crate) seq_nodes: Vec<i32>,
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepLayout {
+    /// Rows per sequence (its longest run of new tokens).
+    pub n_max: usize,
+    /// `[batch * n_max]`: token of every row (0 in padding).
+    pub tokens: Vec<i32>,
+    /// `[batch * n_max]`: cache slot of every row (-1 in padding).
+    pub row_slot: Vec<i32>,
+    /// `[batch * n_max]`: RoPE position of every row (a tree node's prefix length + depth).
+    pub row_pos: Vec<i32>,
+    /// `[batch * n_max]`: cache position of every row's K/V.
+    pub row_dst: Vec<i32>,
+    /// `[batch]`: cache slot of every sequence.
+    pub seq_slot: Vec<i32>,
+    /// `[batch]`: committed positions of every sequence.
+    pub seq_prefix: Vec<i32>,
+    /// `[batch]`: new tokens of every sequence.
+    pub seq_nodes: Vec<i32>,
     /// Ancestor masks `[batch * n_max]` when any sequence is a tree (causal ones get chain masks).
-    pub(crate) anc: Option<Vec<u64>>,
+    pub anc: Option<Vec<u64>>,
 }
 
 /// Lays out and checks a batch: slots in range and distinct, tokens in the vocabulary, positions within `max_len`.
-pub(crate) fn layout(seqs: &[DeviceSeq<'_>], vocab: usize, slots: usize, max_len: usize) -> Result<StepLayout> {
+pub fn layout(seqs: &[DeviceSeq<'_>], vocab: usize, slots: usize, max_len: usize) -> Result<StepLayout> {
     let bad = |m: String| Err(Error::InvalidInput(m));
     if seqs.is_empty() {
         return bad("a device forward needs at least one sequence".into());

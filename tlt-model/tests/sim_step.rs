@@ -1,0 +1,327 @@
+//! The device decoder's step program ([`tlt_model::device_step::StepProgram`], what `CudaLlama` runs on a GPU)
+//! executed on the simulated device (`tlt-cuda-sim`: our kernels as host C++, a column-major CPU GEMM standing in
+//! for cuBLAS) against the CPU decoder on tiny Llama, Qwen2 (biases) and Qwen3 (q/k norms, decoupled head_dim)
+//! models: a batched prefill, a decode step and a tree verification, all with bf16 weights, caches and activations.
+//! Also counts the launches of one decode layer.
+
+#![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
+
+use candle_core::{DType, Tensor};
+use half::bf16;
+use tlt_cuda_sim::{SimBuf, SimDevice};
+use tlt_kernels::cuda::plan::{Buf, GemmEx, Launch};
+use tlt_kernels::cuda::CacheDims;
+use tlt_kernels::AttnShape;
+use tlt_model::device_step::{
+    layout, DeviceOps, DeviceSeq, LayerBufs, LinearBufs, StepBufs, StepLayout, StepProgram, WeightBufs,
+};
+use tlt_model::{Llama, LlamaConfig, LlamaWeights, LogitsFor, SeqInput};
+
+/// The simulated device as a step program's executor, counting what it runs.
+struct SimOps {
+    dev: SimDevice,
+    launches: Vec<&'static str>,
+    gemms: usize,
+}
+
+fn sim_err(e: tlt_cuda_sim::Error) -> tlt_model::Error {
+    tlt_model::Error::InvalidInput(e.to_string())
+}
+
+impl DeviceOps for SimOps {
+    fn launch(&mut self, launch: &Launch) -> tlt_model::Result<()> {
+        self.launches.push(launch.kernel);
+        self.dev.launch(launch).map_err(sim_err)
+    }
+
+    fn gemm(&mut self, gemm: &GemmEx) -> tlt_model::Result<()> {
+        self.gemms += 1;
+        self.dev.gemm(gemm).map_err(sim_err)
+    }
+
+    fn copy_f32(&mut self, src: Buf<f32>, dst: Buf<f32>) -> tlt_model::Result<()> {
+        self.dev.copy(src, dst).map_err(sim_err)
+    }
+}
+
+fn round(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap()
+}
+
+/// A tiny random model of `model_type` whose weights are bf16 values (the device holds exactly them).
+fn tiny(model_type: &str, seed: u64) -> Llama {
+    let mut cfg = LlamaConfig::tiny(64, 64, 2);
+    cfg.model_type = model_type.into();
+    if model_type == "qwen3" {
+        cfg.head_dim = Some(32);
+    }
+    let m = Llama::random(cfg.clone(), seed).unwrap();
+    let mut w: LlamaWeights = m.weights().clone();
+    w.embed_tokens = round(&w.embed_tokens);
+    w.norm = round(&w.norm);
+    w.lm_head = w.lm_head.as_ref().map(round);
+    w.head_packed = None;
+    for l in &mut w.layers {
+        l.input_layernorm = round(&l.input_layernorm);
+        l.post_attention_layernorm = round(&l.post_attention_layernorm);
+        if let Some(n) = l.qk_norm.as_mut() {
+            n.q_norm = round(&n.q_norm);
+            n.k_norm = round(&n.k_norm);
+        }
+        for lin in [
+            &mut l.proj.q_proj,
+            &mut l.proj.k_proj,
+            &mut l.proj.v_proj,
+            &mut l.proj.o_proj,
+            &mut l.proj.gate_proj,
+            &mut l.proj.up_proj,
+            &mut l.proj.down_proj,
+        ] {
+            lin.weight = round(&lin.weight);
+            lin.bias = lin.bias.as_ref().map(round);
+            lin.packed = None;
+        }
+    }
+    Llama::new(cfg, w).unwrap()
+}
+
+/// Device memory of a test: keeps every buffer alive.
+struct Mem {
+    dev: SimDevice,
+    bf16: Vec<SimBuf<bf16>>,
+    f32: Vec<SimBuf<f32>>,
+    i32: Vec<SimBuf<i32>>,
+    other: Vec<SimBuf<f64>>,
+    masks: Vec<SimBuf<u64>>,
+}
+
+impl Mem {
+    fn bf(&mut self, t: &Tensor) -> Buf<bf16> {
+        let v: Vec<bf16> = t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(bf16::from_f32).collect();
+        self.bf16.push(self.dev.upload(&v));
+        self.bf16.last().unwrap().buf()
+    }
+
+    fn zeros_bf(&mut self, n: usize) -> Buf<bf16> {
+        self.bf16.push(self.dev.zeros(n));
+        self.bf16.last().unwrap().buf()
+    }
+
+    fn zeros_f(&mut self, n: usize) -> Buf<f32> {
+        self.f32.push(self.dev.zeros(n));
+        self.f32.last().unwrap().buf()
+    }
+
+    fn ints(&mut self, v: &[i32]) -> Buf<i32> {
+        self.i32.push(self.dev.upload(v));
+        self.i32.last().unwrap().buf()
+    }
+}
+
+fn weights(mem: &mut Mem, m: &Llama) -> WeightBufs {
+    let w = m.weights();
+    let layers = w
+        .layers
+        .iter()
+        .map(|l| {
+            let mut lin = |x: &tlt_model::Linear| {
+                let (out, inp) = x.weight.dims2().unwrap();
+                LinearBufs { w: mem.bf(&x.weight), b: x.bias.as_ref().map(|b| mem.bf(b)), out, inp }
+            };
+            let p = &l.proj;
+            let (q, k, v, o) = (lin(&p.q_proj), lin(&p.k_proj), lin(&p.v_proj), lin(&p.o_proj));
+            let (gate, up, down) = (lin(&p.gate_proj), lin(&p.up_proj), lin(&p.down_proj));
+            LayerBufs {
+                in_norm: mem.bf(&l.input_layernorm),
+                post_norm: mem.bf(&l.post_attention_layernorm),
+                q,
+                k,
+                v,
+                o,
+                gate,
+                up,
+                down,
+                qk_norm: l.qk_norm.as_ref().map(|n| (mem.bf(&n.q_norm), mem.bf(&n.k_norm))),
+            }
+        })
+        .collect();
+    let inv = mem.dev.upload(&m.config().rope_inv_freq());
+    mem.other.push(inv);
+    WeightBufs {
+        embed: mem.bf(&w.embed_tokens),
+        head: w.lm_head.as_ref().map(|h| mem.bf(h)),
+        norm: mem.bf(&w.norm),
+        layers,
+        inv_freq: mem.other.last().unwrap().buf(),
+    }
+}
+
+/// Step buffers for `l`, its metadata written as `CudaLlama` writes it (padding rows slot-less).
+fn step_bufs(mem: &mut Mem, cfg: &LlamaConfig, l: &StepLayout, batch: usize) -> StepBufs {
+    let rows = batch * l.n_max;
+    let anc = l.anc.as_ref().map(|a| {
+        mem.masks.push(mem.dev.upload(a));
+        mem.masks.last().unwrap().buf()
+    });
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    StepBufs {
+        batch,
+        n_max: l.n_max,
+        tokens: mem.ints(&l.tokens),
+        row_slot: mem.ints(&l.row_slot),
+        row_pos: mem.ints(&l.row_pos),
+        row_dst: mem.ints(&l.row_dst),
+        seq_slot: mem.ints(&l.seq_slot),
+        seq_prefix: mem.ints(&l.seq_prefix),
+        seq_nodes: mem.ints(&l.seq_nodes),
+        anc,
+        x: mem.zeros_f(rows * h),
+        xn: mem.zeros_bf(rows * h),
+        q: mem.zeros_bf(rows * cfg.q_dim()),
+        k: mem.zeros_bf(rows * cfg.kv_dim()),
+        v: mem.zeros_bf(rows * cfg.kv_dim()),
+        attn: mem.zeros_bf(rows * cfg.q_dim()),
+        o: mem.zeros_bf(rows * h),
+        gate: mem.zeros_bf(rows * i),
+        up: mem.zeros_bf(rows * i),
+        logits: mem.zeros_f(rows * cfg.vocab_size),
+        taps: Vec::new(),
+    }
+}
+
+fn read_f32(mem: &Mem, b: Buf<f32>) -> Vec<f32> {
+    mem.f32.iter().find(|x| x.buf() == b).unwrap().download()
+}
+
+/// The largest |device - cpu| over `rows` pairs, relative to each CPU row's standard deviation, and whether the
+/// argmax agrees on every row whose top-2 margin exceeds a tenth of that deviation.
+fn compare(dev: &[&[f32]], cpu: &[Vec<f32>]) -> (f32, bool) {
+    let mut worst = 0f32;
+    let mut argmax_ok = true;
+    for (d, c) in dev.iter().zip(cpu) {
+        let mean = c.iter().sum::<f32>() / c.len() as f32;
+        let std = (c.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / c.len() as f32).sqrt();
+        let diff = d.iter().zip(c).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        worst = worst.max(diff / std);
+        let argmax =
+            |r: &[f32]| r.iter().enumerate().fold((0, f32::MIN), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0;
+        let mut sorted = c.to_vec();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        if sorted[0] - sorted[1] > 0.1 * std {
+            argmax_ok &= argmax(d) == argmax(c);
+        }
+    }
+    (worst, argmax_ok)
+}
+
+#[test]
+fn the_step_program_on_the_simulated_device_matches_the_cpu_decoder() {
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let cpu = tiny(arch, 7);
+        let cfg = cpu.config().clone();
+        let dev = SimDevice::new();
+        let mut mem = Mem { dev: dev.clone(), bf16: vec![], f32: vec![], i32: vec![], other: vec![], masks: vec![] };
+        let w = weights(&mut mem, &cpu);
+        let attn = AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+        let cache = CacheDims { layers: cfg.num_hidden_layers, slots: 2, max_len: 64, attn };
+        let (kc, vc) = (mem.zeros_bf(cache.len()), mem.zeros_bf(cache.len()));
+        let program = StepProgram { cfg: &cfg, cache, k_cache: kc, v_cache: vc, w: &w, layer_taps: &[] };
+        let mut ops = SimOps { dev: dev.clone(), launches: vec![], gemms: 0 };
+        let mut run = |mem: &mut Mem, seqs: &[DeviceSeq<'_>]| {
+            let l = layout(seqs, cfg.vocab_size, cache.slots, cache.max_len).unwrap();
+            let b = step_bufs(mem, &cfg, &l, seqs.len());
+            program.record(&mut ops, &b).unwrap();
+            (read_f32(mem, b.logits), l.n_max)
+        };
+
+        // CPU side: two sequences.
+        let (pa, pb): (Vec<u32>, Vec<u32>) = ((1..10).collect(), vec![40, 3, 17, 9, 22]);
+        let mut cc = cpu.new_cache();
+        let (sa, sb) = (cc.add_sequence(), cc.add_sequence());
+        let pre = |cc: &mut tlt_model::KvCache, seq, t: &[u32]| {
+            let inp = [SeqInput { seq, tokens: t, tree: None, logits: LogitsFor::All }];
+            cpu.forward(cc, &inp, &[]).unwrap().logits.to_vec2::<f32>().unwrap()
+        };
+        let (ca, cb) = (pre(&mut cc, sa, &pa), pre(&mut cc, sb, &pb));
+
+        // 1. A batched prefill of both prompts (a causal chunk each).
+        let seqs = [
+            DeviceSeq { slot: 0, prefix_len: 0, tokens: &pa, parents: None },
+            DeviceSeq { slot: 1, prefix_len: 0, tokens: &pb, parents: None },
+        ];
+        let (logits, n_max) = run(&mut mem, &seqs);
+        let v = cfg.vocab_size;
+        let row = |r: usize| &logits[r * v..(r + 1) * v];
+        let dev_rows: Vec<&[f32]> = (0..pa.len()).map(row).chain((0..pb.len()).map(|j| row(n_max + j))).collect();
+        let cpu_rows: Vec<Vec<f32>> = ca.iter().chain(&cb).cloned().collect();
+        let (prefill, ok1) = compare(&dev_rows, &cpu_rows);
+
+        // 2. One decode step of both.
+        let (ta, tb) = ([11u32], [5u32]);
+        let seqs = [
+            DeviceSeq { slot: 0, prefix_len: pa.len(), tokens: &ta, parents: None },
+            DeviceSeq { slot: 1, prefix_len: pb.len(), tokens: &tb, parents: None },
+        ];
+        let (logits, _) = run(&mut mem, &seqs);
+        let dec = cpu.decode(&mut cc, &[(sa, ta[0]), (sb, tb[0])]).unwrap().to_vec2::<f32>().unwrap();
+        let (decode, ok2) = compare(&[&logits[..v], &logits[v..2 * v]], &dec);
+
+        // 3. A draft tree of 5 nodes after sequence a's 10 committed tokens.
+        let (tree_tok, parents) = ([30u32, 2, 8, 44, 1], [-1i32, 0, 0, 1, 1]);
+        let seqs = [DeviceSeq { slot: 0, prefix_len: pa.len() + 1, tokens: &tree_tok, parents: Some(&parents) }];
+        let (logits, _) = run(&mut mem, &seqs);
+        let cpu_parents: Vec<Option<usize>> = parents.iter().map(|&p| usize::try_from(p).ok()).collect();
+        let inp = [SeqInput { seq: sa, tokens: &tree_tok, tree: Some(&cpu_parents), logits: LogitsFor::All }];
+        let ver = cpu.forward(&mut cc, &inp, &[]).unwrap().logits.to_vec2::<f32>().unwrap();
+        let dev_rows: Vec<&[f32]> = (0..tree_tok.len()).map(|r| &logits[r * v..(r + 1) * v]).collect();
+        let (verify, ok3) = compare(&dev_rows, &ver);
+
+        // Negative control: the same tree verified without its ancestor masks (a causal chunk) is off by far more.
+        if arch == "llama" {
+            let seqs = [DeviceSeq { slot: 0, prefix_len: pa.len() + 1, tokens: &tree_tok, parents: None }];
+            let (wrong, _) = run(&mut mem, &seqs);
+            let rows: Vec<&[f32]> = (0..tree_tok.len()).map(|r| &wrong[r * v..(r + 1) * v]).collect();
+            let (off, _) = compare(&rows, &ver);
+            println!("negative control: the tree read as a causal chunk is off by {off:.3} row std");
+            assert!(off > 0.1, "a masking error went unnoticed ({off})");
+        }
+        println!(
+            "{arch}: device (bf16) vs CPU (f32) logits, max |diff| / row std: prefill {prefill:.3}, decode {decode:.3}, verify {verify:.3}; argmax {}",
+            if ok1 && ok2 && ok3 { "agrees" } else { "DIFFERS" }
+        );
+        // bf16 weights are exact on both sides; what differs is bf16 activations, caches and GEMM outputs on the
+        // device (7 significant bits: 2^-8 relative per rounding, a few dozen roundings deep through 2 layers).
+        assert!(prefill < 0.1 && decode < 0.1 && verify < 0.1, "{arch}: {prefill} {decode} {verify}");
+        assert!(ok1 && ok2 && ok3, "{arch}: argmax differs on a row with a clear margin");
+    }
+}
+
+/// Launches (kernels and GEMMs) of one decode step, per decoder layer, on the simulated device.
+#[test]
+fn launches_per_decode_layer() {
+    let cpu = tiny("llama", 3);
+    let cfg = cpu.config().clone();
+    let dev = SimDevice::new();
+    let mut mem = Mem { dev: dev.clone(), bf16: vec![], f32: vec![], i32: vec![], other: vec![], masks: vec![] };
+    let w = weights(&mut mem, &cpu);
+    let attn = AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+    let cache = CacheDims { layers: cfg.num_hidden_layers, slots: 1, max_len: 16, attn };
+    let (kc, vc) = (mem.zeros_bf(cache.len()), mem.zeros_bf(cache.len()));
+    let program = StepProgram { cfg: &cfg, cache, k_cache: kc, v_cache: vc, w: &w, layer_taps: &[] };
+    let tok = [3u32];
+    let l = layout(&[DeviceSeq { slot: 0, prefix_len: 4, tokens: &tok, parents: None }], 64, 1, 16).unwrap();
+    let b = step_bufs(&mut mem, &cfg, &l, 1);
+    let mut ops = SimOps { dev, launches: vec![], gemms: 0 };
+    program.record(&mut ops, &b).unwrap();
+    // Outside the layers: the embedding, the final norm and the LM head's GEMM.
+    let total = ops.launches.len() + ops.gemms;
+    let per_layer = (total - 3) / cfg.num_hidden_layers;
+    let kernels: Vec<&str> = ops.launches[1..1 + (ops.launches.len() - 2) / cfg.num_hidden_layers].to_vec();
+    println!(
+        "decode: {total} launches for {} layers: {per_layer} per layer ({} GEMMs and {kernels:?})",
+        cfg.num_hidden_layers,
+        per_layer - kernels.len()
+    );
+    assert_eq!((total - 3) % cfg.num_hidden_layers, 0);
+    assert_eq!(per_layer, 14, "launches per decode layer changed: update this count (the target is 10)");
+}
