@@ -21,6 +21,11 @@ struct uint3 {
 struct dim3 {
     unsigned x, y, z;
 };
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
+#define TLT_SIM 1
 
 namespace tlt_sim {
 
@@ -44,6 +49,8 @@ uint64_t warp_exchange(unsigned mask, uint64_t value, int src_lane);
 unsigned warp_ballot(unsigned mask, bool pred);
 // __syncwarp(): waits for every live lane of the warp.
 void sync_warp(unsigned mask);
+// A 16-byte vector access at `p`: an error of the launch unless `p` is 16-byte aligned (as on a GPU).
+void check_align16(const void* p);
 
 template <class T>
 inline uint64_t to_bits(T v) {
@@ -75,6 +82,7 @@ inline int lane_id() { return (int)(current->thread_idx.x + current->block_dim.x
 #define __host__
 #define __forceinline__ inline
 #define __restrict__
+#define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
 // One block runs at a time on an OS thread, so a function-local thread_local is exactly one block's shared memory
 // (not cleared between blocks, like shared memory).

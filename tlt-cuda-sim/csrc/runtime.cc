@@ -214,6 +214,15 @@ unsigned warp_ballot(unsigned mask, bool pred) {
     return (unsigned)f->got;
 }
 
+void check_align16(const void* p) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 == 0 || !block->error.empty()) return;
+    char buf[96];
+    std::snprintf(buf, sizeof buf, ": a 16-byte access at %p, which is not 16-byte aligned", p);
+    block->error = where(*block->running) + buf;
+    // The launch ends here: this thread is never resumed, so the access itself never happens.
+    park(State::Done);
+}
+
 void sync_warp(unsigned mask) {
     Fiber* f = block->running;
     f->sync = Sync::Warp;

@@ -196,7 +196,7 @@ impl SimDevice {
     /// When the host is out of memory (a test device).
     #[must_use]
     pub fn zeros<T: Copy>(&self, n: usize) -> SimBuf<T> {
-        let align = std::mem::align_of::<T>().max(1);
+        let align = ALIGN.max(std::mem::align_of::<T>());
         let bytes = n * std::mem::size_of::<T>();
         // SAFETY: plain allocation; the result is checked for null below.
         let p = unsafe { ffi::tlt_sim_alloc(bytes, align) };
@@ -393,6 +393,10 @@ impl SimDevice {
     }
 }
 
+/// Buffers start 16-byte aligned (what a 16-byte vector access needs; `cudaMalloc` gives 256), and end at most 15
+/// bytes before their guard page.
+const ALIGN: usize = 16;
+
 /// A buffer of the simulated device: `len` elements of `T` in host memory followed by an inaccessible page.
 pub struct SimBuf<T> {
     ptr: *mut T,
@@ -449,7 +453,11 @@ impl<T> Drop for SimBuf<T> {
         self.dev.allocs.borrow_mut().remove(&(self.ptr as u64));
         // SAFETY: the allocation came from `tlt_sim_alloc` with these sizes and is freed once.
         unsafe {
-            ffi::tlt_sim_free(self.ptr.cast(), self.len * std::mem::size_of::<T>(), std::mem::align_of::<T>().max(1));
+            ffi::tlt_sim_free(
+                self.ptr.cast(),
+                self.len * std::mem::size_of::<T>(),
+                ALIGN.max(std::mem::align_of::<T>()),
+            );
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The attention-side kernels (`attention.cu`) executed in the simulated device with the host's launch plans:
 //! RoPE + KV write at non-zero positions, and tree / causal / decode attention against an f64 reference over
 //! contexts of 1, 31, 32, 33, 512 and 4,096 keys, GQA groups 1 to 8, head dims 64 and 128, batch > 1 and layer 1 of
-//! 2. Every key matters to the comparison (probe keys with large values, where a dropped or doubled key moves the
+//! 2, for the serial tree kernel and the split-K kernel (one chunk, an H100's chunking, as many chunks as allowed). Every key matters to the comparison (probe keys with large values, where a dropped or doubled key moves the
 //! output by far more than the tolerance); negative controls: barriers dropped, a grid one node short, a
 //! reference missing one key.
 
@@ -12,7 +12,7 @@ mod common;
 use common::{devices, round_bf16, to_bf16, to_f32, Rng};
 use half::bf16;
 use tlt_cuda_sim::{SimBuf, SimDevice};
-use tlt_kernels::cuda::plan::{self, Launch, RowBufs, SeqBufs};
+use tlt_kernels::cuda::plan::{self, Chunks, Launch, RowBufs, SeqBufs};
 use tlt_kernels::cuda::{ancestor_masks, CacheDims, TreeDims};
 use tlt_kernels::AttnShape;
 
@@ -120,28 +120,44 @@ fn reference(c: &Case, x: &Inputs, skip: Option<(usize, usize)>) -> Vec<f32> {
     out
 }
 
-/// Runs the case's plan on `dev` (optionally altered) and returns `out`.
-fn run(dev: &SimDevice, c: &Case, x: &Inputs, alter: impl Fn(&mut Launch)) -> Vec<f32> {
+/// Which attention kernel a run uses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kernel {
+    /// `tree_attention_bf16`: one block per (KV head, node), serial over the keys.
+    Tree,
+    /// `attention_split_bf16` (+ `attention_combine_bf16`) with the chunking for `target_blocks` blocks.
+    Split { target_blocks: usize },
+}
+
+/// Runs the case's plan for `kernel` on `dev` and returns `out`; `alter` may change the launches first.
+fn run(dev: &SimDevice, c: &Case, x: &Inputs, kernel: Kernel, alter: impl Fn(&mut Vec<Launch>)) -> Vec<f32> {
     let to_i32 = |v: &[usize]| v.iter().map(|&n| n as i32).collect::<Vec<_>>();
     let (q, kc, vc) = (dev.upload(&to_bf16(&x.q)), dev.upload(&to_bf16(&x.kc)), dev.upload(&to_bf16(&x.vc)));
     let out: SimBuf<bf16> = dev.zeros(x.q.len());
     let (slot, prefix, nodes) = (dev.upload(&x.slots), dev.upload(&to_i32(&c.prefix)), dev.upload(&to_i32(&c.n_nodes)));
     let anc = x.anc.as_ref().map(|m| dev.upload(m));
     let seq = SeqBufs { slot: slot.buf(), prefix_len: prefix.buf(), n_nodes: nodes.buf() };
-    let mut l = plan::tree_attention(
-        x.cache,
-        1,
-        x.tree,
-        q.buf(),
-        kc.buf(),
-        vc.buf(),
-        out.buf(),
-        seq,
-        anc.as_ref().map(SimBuf::buf),
-    )
-    .unwrap();
-    alter(&mut l);
-    dev.launch(&l).unwrap();
+    let anc_buf = anc.as_ref().map(SimBuf::buf);
+    let (mut launches, _parts) = match kernel {
+        Kernel::Tree => {
+            let l = plan::tree_attention(x.cache, 1, x.tree, q.buf(), kc.buf(), vc.buf(), out.buf(), seq, anc_buf);
+            (vec![l.unwrap()], None)
+        }
+        Kernel::Split { target_blocks } => {
+            let a = x.cache.attn;
+            let chunks = Chunks::for_shape(x.tree, a.n_kv_heads, x.cache.max_len, target_blocks);
+            let (po, pml) = chunks.part_lens(x.tree, a.n_heads, a.head_dim);
+            let parts = (dev.zeros::<f32>(po), dev.zeros::<f32>(pml));
+            let bufs = Some((parts.0.buf(), parts.1.buf()));
+            let l =
+                plan::attention(x.cache, 1, x.tree, chunks, q.buf(), kc.buf(), vc.buf(), out.buf(), seq, anc_buf, bufs);
+            (l.unwrap(), Some(parts))
+        }
+    };
+    alter(&mut launches);
+    for l in &launches {
+        dev.launch(l).unwrap();
+    }
     to_f32(&out.download())
 }
 
@@ -152,13 +168,24 @@ fn first_miss(got: &[f32], want: &[f32]) -> Option<usize> {
     got.iter().zip(want).position(|(&g, &w)| g.is_nan() || !close(g, w))
 }
 
+/// The kernels every case runs: the serial tree kernel, and the split kernel with one chunk, with the default
+/// chunking for an H100 (264 blocks), and with as many chunks as the shape allows.
+const KERNELS: [Kernel; 4] = [
+    Kernel::Tree,
+    Kernel::Split { target_blocks: 1 },
+    Kernel::Split { target_blocks: 264 },
+    Kernel::Split { target_blocks: 1 << 20 },
+];
+
 fn check(c: &Case, seed: u64) {
     let x = inputs(c, seed);
     let want = reference(c, &x, None);
     for (order, dev) in devices() {
-        let got = run(&dev, c, &x, |_| {});
-        if let Some(i) = first_miss(&got, &want) {
-            panic!("{order} {}: element {i}: {} vs {}", c.name, got[i], want[i]);
+        for kernel in KERNELS {
+            let got = run(&dev, c, &x, kernel, |_| {});
+            if let Some(i) = first_miss(&got, &want) {
+                panic!("{order} {kernel:?} {}: element {i}: {} vs {}", c.name, got[i], want[i]);
+            }
         }
     }
 }
@@ -231,7 +258,7 @@ fn tree_and_causal_chunk_attention() {
     for c in [tree_case(false), tree_case(true), causal_case()] {
         check(&c, 77);
     }
-    println!("tree_attention_bf16: trees of 8/5/1 nodes after prefixes 0/33/100; causal chunks of 40/23 after 0/17");
+    println!("tree_attention_bf16, attention_split_bf16, attention_combine_bf16: trees of 8/5/1 nodes after prefixes 0/33/100; causal chunks of 40/23 after 0/17");
 }
 
 #[test]
@@ -240,25 +267,57 @@ fn negative_controls_are_caught() {
     let x = inputs(&c, 5);
     let want = reference(&c, &x, None);
     let dev = SimDevice::new();
-    assert_eq!(first_miss(&run(&dev, &c, &x, |_| {}), &want), None, "the unaltered run must pass");
-    // A broken execution: no barriers, so threads read shared tiles before they are written.
-    let broken = run(&dev.without_barriers(), &c, &x, |_| {});
-    assert!(first_miss(&broken, &want).is_some(), "dropping __syncthreads went unnoticed");
-    // A launch one node short: the last node's rows are never written.
-    let short = run(&dev, &c, &x, |l| l.grid[1] -= 1);
-    assert!(first_miss(&short, &want).is_some(), "a grid one node short went unnoticed");
+    let split = Kernel::Split { target_blocks: 1 << 20 };
+    for kernel in [Kernel::Tree, split] {
+        assert_eq!(
+            first_miss(&run(&dev, &c, &x, kernel, |_| {}), &want),
+            None,
+            "{kernel:?}: the unaltered run must pass"
+        );
+        // A broken execution: no barriers, so threads read shared tiles before they are written.
+        let broken = run(&dev.without_barriers(), &c, &x, kernel, |_| {});
+        assert!(first_miss(&broken, &want).is_some(), "{kernel:?}: dropping __syncthreads went unnoticed");
+        // A launch one node short: the last node's rows are never written.
+        let short = run(&dev, &c, &x, kernel, |l| l[0].grid[1] -= 1);
+        assert!(first_miss(&short, &want).is_some(), "{kernel:?}: a grid one node short went unnoticed");
+    }
+    // The split kernel's chunks without their combine: the output is never written.
+    let long = decode(4, 2, 64, [1000, 700], false);
+    let xl = inputs(&long, 9);
+    let no_combine = run(&dev, &long, &xl, split, |l| {
+        assert_eq!(l.len(), 2, "several chunks need the combine");
+        l.pop();
+    });
+    assert!(first_miss(&no_combine, &reference(&long, &xl, None)).is_some(), "a missing combine went unnoticed");
     // The comparison sees a single missing key, even among 4,096.
     let long = decode(2, 2, 64, [4096, 1], false);
     let xl = inputs(&long, 3);
-    let got = run(&dev, &long, &xl, |_| {});
-    assert_eq!(first_miss(&got, &reference(&long, &xl, None)), None);
-    for key in [0, 31, 32, 4095] {
-        let missing = reference(&long, &xl, Some((0, key)));
-        assert!(first_miss(&got, &missing).is_some(), "a reference without key {key} of 4,096 still matched");
+    for kernel in [Kernel::Tree, split] {
+        let got = run(&dev, &long, &xl, kernel, |_| {});
+        assert_eq!(first_miss(&got, &reference(&long, &xl, None)), None);
+        for key in [0, 31, 32, 4095] {
+            let missing = reference(&long, &xl, Some((0, key)));
+            assert!(first_miss(&got, &missing).is_some(), "{kernel:?}: a reference without key {key} still matched");
+        }
     }
-    println!("negative controls: barriers dropped, grid one node short, a reference without one of 4,096 keys");
+    println!("negative controls: barriers dropped, grid one node short, combine dropped, a reference without one of 4,096 keys");
 }
 
+#[test]
+fn split_attention_chunks_the_keys_and_launches_whole_warps() {
+    use tlt_kernels::cuda::plan::MIN_SPLIT_LEN;
+    let one = TreeDims { batch: 1, n_max: 1 };
+    // Batch-1 decode of SmolLM2 (3 KV heads) at 4,096 positions on an H100: 32 chunks of 128 keys, 96 blocks.
+    let c = Chunks::for_shape(one, 3, 4096, 264);
+    assert_eq!(c, Chunks { split_len: 128, n_splits: 32 });
+    // Batch 64 of an 8B model (8 KV heads): the blocks fill the device without splitting.
+    assert_eq!(Chunks::for_shape(TreeDims { batch: 64, n_max: 1 }, 8, 4096, 264).n_splits, 1);
+    for (max_len, target) in [(1, 264), (33, 264), (4096, 1), (5000, 1000), (4097, 264)] {
+        let c = Chunks::for_shape(one, 2, max_len, target);
+        assert!(c.split_len.is_multiple_of(32) && c.split_len * c.n_splits >= max_len, "{max_len}: {c:?}");
+        assert!(c.n_splits == 1 || c.split_len >= MIN_SPLIT_LEN, "{max_len}: {c:?}");
+    }
+}
 /// RoPE (rotate-half pairs) at each row's position, in f32 from f64 angles, as the kernel computes it.
 fn rotate(x: &[f32], pos: f64, inv_freq: &[f64]) -> Vec<f32> {
     let half = x.len() / 2;

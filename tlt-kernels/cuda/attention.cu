@@ -161,3 +161,139 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) tree_attention_bf16(
         }
     }
 }
+
+#define SPLIT_TILE 32
+#define SPLIT_MAX_GROUP 8
+#define SPLIT_MAX_HD 128
+#define SPLIT_KPAD 8
+
+// Split-K (flash-decoding) attention: the keys a node sees are cut into chunks of split_len, one block per
+// (KV head, chunk); a block has one warp per query head of the KV head's group, which scores the tile's 32 keys one
+// key per lane and keeps its own online softmax, and the K/V tiles are staged in shared memory with 16-byte loads.
+// Visibility, layouts and metadata as tree_attention_bf16. With out != null (a single chunk, n_splits == 1) the
+// block writes the normalised bf16 output; otherwise it writes its chunk's unnormalised f32 output and (max, sum)
+// to part_o [B, n_max, n_heads, n_splits, hd] and part_ml [B, n_max, n_heads, n_splits, 2] for
+// attention_combine_bf16 (a chunk without visible keys writes sum 0). head_dim: a multiple of 8, at most 128.
+// Grid: (n_kv * n_splits, n_max, B); block: (n_heads / n_kv) * 32.
+extern "C" __global__ void __launch_bounds__(SPLIT_MAX_GROUP * 32) attention_split_bf16(
+    const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache, bf16_t* out, float* part_o, float* part_ml,
+    const int* seq_slot, const int* prefix_len, const int* n_nodes, const u64_t* anc,
+    int n_max, int n_heads, int n_kv, int hd, int max_len, int split_len, int n_splits, float scale)
+{
+    const int kvh = blockIdx.x / n_splits, split = blockIdx.x - kvh * n_splits;
+    const int i = blockIdx.y, b = blockIdx.z;
+    const int nn = n_nodes[b];
+    if (i >= nn) return;
+    const int group = n_heads / n_kv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h = kvh * group + warp;
+    const int slot = seq_slot[b];
+    const int prefix = prefix_len[b];
+    const int total = prefix + (anc ? nn : i + 1);
+    const u64_t mask = anc ? anc[(size_t)b * n_max + i] : 0ull;
+    const int t_begin = split * split_len;
+    const int t_end = min(total, t_begin + split_len);
+    const size_t node_head = ((size_t)b * n_max + i) * n_heads + h;
+    const size_t part = node_head * n_splits + split;
+
+    __shared__ float sq[SPLIT_MAX_GROUP][SPLIT_MAX_HD];
+    __shared__ __align__(16) bf16_t sk[SPLIT_TILE][SPLIT_MAX_HD + SPLIT_KPAD];
+    __shared__ __align__(16) bf16_t sv[SPLIT_TILE][SPLIT_MAX_HD];
+    __shared__ float sp[SPLIT_MAX_GROUP][SPLIT_TILE];
+
+    const size_t qoff = (((size_t)b * n_max + i) * n_heads + (size_t)kvh * group) * hd;
+    for (int e = threadIdx.x; e < group * hd; e += blockDim.x) sq[e / hd][e % hd] = tlt_bf2f(q[qoff + e]) * scale;
+
+    float m = TLT_NEG_INF, l = 0.f;
+    float acc[SPLIT_MAX_HD / 32];
+#pragma unroll
+    for (int a = 0; a < SPLIT_MAX_HD / 32; a++) acc[a] = 0.f;
+
+    const size_t row = (size_t)n_kv * hd;
+    const size_t base = (size_t)slot * max_len * row + (size_t)kvh * hd;
+    const int vecs = hd / 8;
+    for (int t0 = t_begin; t0 < t_end; t0 += SPLIT_TILE) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < SPLIT_TILE * vecs; e += blockDim.x) {
+            const int j = e / vecs, c = e - j * vecs;
+            const int t = t0 + j;
+            uint4 kx = {0u, 0u, 0u, 0u}, vx = {0u, 0u, 0u, 0u};
+            if (t < t_end) {
+                kx = tlt_ld16(k_cache + base + (size_t)t * row + c * 8);
+                vx = tlt_ld16(v_cache + base + (size_t)t * row + c * 8);
+            }
+            tlt_st16(&sk[j][c * 8], kx);
+            tlt_st16(&sv[j][c * 8], vx);
+        }
+        __syncthreads();
+        const int t = t0 + lane;
+        const bool visible = t < t_end && (t < prefix || anc == 0 || ((mask >> (t - prefix)) & 1ull));
+        float s = TLT_NEG_INF;
+        if (visible) {
+            float dot = 0.f;
+            for (int d = 0; d < hd; d++) dot += sq[warp][d] * tlt_bf2f(sk[lane][d]);
+            s = dot;
+        }
+        const float m_new = fmaxf(m, tlt_warp_max(s));
+        const float p = s == TLT_NEG_INF ? 0.f : expf(s - m_new);
+        const float corr = m == TLT_NEG_INF ? 0.f : expf(m - m_new);
+        l = l * corr + tlt_warp_sum(p);
+        m = m_new;
+        sp[warp][lane] = p;
+        __syncwarp();
+#pragma unroll
+        for (int a = 0; a < SPLIT_MAX_HD / 32; a++) {
+            const int d = lane + a * 32;
+            if (d < hd) {
+                float o = acc[a] * corr;
+                for (int j = 0; j < SPLIT_TILE; j++) o += sp[warp][j] * tlt_bf2f(sv[j][d]);
+                acc[a] = o;
+            }
+        }
+        __syncwarp();
+    }
+    if (out != 0) {
+#pragma unroll
+        for (int a = 0; a < SPLIT_MAX_HD / 32; a++) {
+            const int d = lane + a * 32;
+            if (d < hd) out[node_head * hd + d] = tlt_f2bf(l > 0.f ? acc[a] / l : 0.f);
+        }
+        return;
+    }
+#pragma unroll
+    for (int a = 0; a < SPLIT_MAX_HD / 32; a++) {
+        const int d = lane + a * 32;
+        if (d < hd) part_o[part * hd + d] = acc[a];
+    }
+    if (lane == 0) {
+        part_ml[2 * part] = m;
+        part_ml[2 * part + 1] = l;
+    }
+}
+
+// Combines the chunks of attention_split_bf16: out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s over the
+// chunks with l_s > 0 (M: their largest m_s). Grid: (n_heads, n_max, B); block: 128.
+extern "C" __global__ void attention_combine_bf16(
+    const float* part_o, const float* part_ml, bf16_t* out, const int* n_nodes, int n_max, int n_heads, int hd,
+    int n_splits)
+{
+    const int h = blockIdx.x, i = blockIdx.y, b = blockIdx.z;
+    if (i >= n_nodes[b]) return;
+    const size_t node_head = ((size_t)b * n_max + i) * n_heads + h;
+    const size_t base = node_head * n_splits;
+    float mx = TLT_NEG_INF;
+    for (int s = 0; s < n_splits; s++)
+        if (part_ml[2 * (base + s) + 1] > 0.f) mx = fmaxf(mx, part_ml[2 * (base + s)]);
+    float sum = 0.f;
+    for (int s = 0; s < n_splits; s++) {
+        const float l = part_ml[2 * (base + s) + 1];
+        if (l > 0.f) sum += expf(part_ml[2 * (base + s)] - mx) * l;
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.f;
+        for (int s = 0; s < n_splits; s++) {
+            if (part_ml[2 * (base + s) + 1] > 0.f) o += expf(part_ml[2 * (base + s)] - mx) * part_o[(base + s) * hd + d];
+        }
+        out[node_head * hd + d] = tlt_f2bf(sum > 0.f ? o / sum : 0.f);
+    }
+}

@@ -19,6 +19,22 @@ __device__ __forceinline__ bf16_t tlt_f2bf(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// 16-byte vector access (8 bf16) at a 16-byte aligned address. The simulated device (TLT_SIM) checks the
+// alignment, which a GPU requires and a CPU does not.
+#ifdef TLT_SIM
+#define TLT_ALIGN16(p) ::tlt_sim::check_align16(p)
+#else
+#define TLT_ALIGN16(p)
+#endif
+__device__ __forceinline__ uint4 tlt_ld16(const bf16_t* p) {
+    TLT_ALIGN16(p);
+    return *reinterpret_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void tlt_st16(bf16_t* p, uint4 v) {
+    TLT_ALIGN16(p);
+    *reinterpret_cast<uint4*>(p) = v;
+}
+
 __device__ __forceinline__ float tlt_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -26,6 +42,11 @@ __device__ __forceinline__ float tlt_warp_sum(float v) {
 
 __device__ __forceinline__ double tlt_warp_sum_d(double v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float tlt_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 

@@ -57,7 +57,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "attention.cu",
         text: include_str!("../../cuda/attention.cu"),
-        kernels: &["rope_kv_write_bf16", "tree_attention_bf16"],
+        kernels: &["rope_kv_write_bf16", "tree_attention_bf16", "attention_split_bf16", "attention_combine_bf16"],
     },
     KernelSource {
         file: "layer.cu",

@@ -349,6 +349,115 @@ pub fn tree_attention(
     Ok(Launch::new("tree_attention_bf16", grid, ATT_BLOCK, args))
 }
 
+/// Keys a chunk of [`attention`] holds at least (4 tiles of 32).
+pub const MIN_SPLIT_LEN: usize = 128;
+
+/// How [`attention`] cuts each node's keys: `n_splits` chunks of `split_len` keys, one block per (KV head, chunk).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunks {
+    /// Keys per chunk (a multiple of 32).
+    pub split_len: usize,
+    /// Chunks, covering `max_len` keys.
+    pub n_splits: usize,
+}
+
+impl Chunks {
+    /// The chunking of a step shape: enough chunks that the grid holds about `target_blocks` blocks (twice the
+    /// device's multiprocessors), none shorter than [`MIN_SPLIT_LEN`] keys; one chunk when the (KV head, node)
+    /// blocks alone fill the device. Fixed per shape and `max_len`, so a captured graph replays it whatever the
+    /// context lengths.
+    #[must_use]
+    pub fn for_shape(tree: TreeDims, n_kv_heads: usize, max_len: usize, target_blocks: usize) -> Self {
+        let blocks = (n_kv_heads * tree.n_max * tree.batch).max(1);
+        let want = target_blocks.div_ceil(blocks).max(1);
+        let n = want.min(max_len.div_ceil(MIN_SPLIT_LEN)).max(1);
+        let split_len = max_len.div_ceil(n).next_multiple_of(32);
+        Self { split_len, n_splits: max_len.div_ceil(split_len).max(1) }
+    }
+
+    /// Elements of the partial buffers (`part_o`, `part_ml`) for `tree` with `n_heads` heads of `head_dim` (0 and 0
+    /// with one chunk, which writes the output directly).
+    #[must_use]
+    pub fn part_lens(&self, tree: TreeDims, n_heads: usize, head_dim: usize) -> (usize, usize) {
+        if self.n_splits == 1 {
+            return (0, 0);
+        }
+        let parts = tree.nodes() * n_heads * self.n_splits;
+        (parts * head_dim, parts * 2)
+    }
+}
+
+/// Split-K attention (`attention_split_bf16`, then `attention_combine_bf16` when there is more than one chunk): the
+/// same result as [`tree_attention`] with keys cut into [`Chunks`] across blocks, one warp per query head. `parts`:
+/// the partial buffers of [`Chunks::part_lens`] (ignored with one chunk).
+///
+/// # Errors
+/// As [`tree_attention`]; also for a `head_dim` that is not a multiple of 8 (16-byte loads) or partial buffers of
+/// the wrong size.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    cache: CacheDims,
+    layer: usize,
+    tree: TreeDims,
+    chunks: Chunks,
+    q: Buf<bf16>,
+    k_cache: Buf<bf16>,
+    v_cache: Buf<bf16>,
+    out: Buf<bf16>,
+    seq: SeqBufs,
+    anc: Option<Buf<u64>>,
+    parts: Option<(Buf<f32>, Buf<f32>)>,
+) -> Result<Vec<Launch>> {
+    let mut one = tree_attention(cache, layer, tree, q, k_cache, v_cache, out, seq, anc)?;
+    let a = cache.attn;
+    if !a.head_dim.is_multiple_of(8) {
+        return Err(Error::InvalidArgument(format!("split attention needs head_dim % 8 == 0, got {}", a.head_dim)));
+    }
+    if chunks.split_len == 0
+        || !chunks.split_len.is_multiple_of(32)
+        || chunks.n_splits * chunks.split_len < cache.max_len
+    {
+        return Err(Error::InvalidArgument(format!("chunks {chunks:?} do not cover {} keys", cache.max_len)));
+    }
+    let (po_len, pml_len) = chunks.part_lens(tree, a.n_heads, a.head_dim);
+    let (part_o, part_ml) = match (chunks.n_splits, parts) {
+        (1, _) => (null(), null()),
+        (_, Some((o, ml))) => {
+            check_len("part_o", po_len, o.len())?;
+            check_len("part_ml", pml_len, ml.len())?;
+            (o.arg(), ml.arg())
+        }
+        (_, None) => {
+            return Err(Error::InvalidArgument("split attention over several chunks needs partial buffers".into()))
+        }
+    };
+    // tree_attention's arguments: q, k, v, out, slot, prefix, nodes, anc, n_max, heads, kv, hd, max_len, scale.
+    let scale = one.args.pop().ok_or_else(|| Error::InvalidArgument("attention plan".into()))?;
+    let mut args = one.args[..3].to_vec();
+    args.push(if chunks.n_splits == 1 { out.arg() } else { null() });
+    args.extend([part_o, part_ml]);
+    args.extend_from_slice(&one.args[4..]);
+    args.extend([i32_arg("split_len", chunks.split_len)?, i32_arg("n_splits", chunks.n_splits)?, scale]);
+    let group = a.n_heads / a.n_kv_heads;
+    let grid = [dim("n_kv_heads x chunks", a.n_kv_heads * chunks.n_splits)?, one.grid[1], one.grid[2]];
+    let mut launches = vec![Launch::new("attention_split_bf16", grid, (group * 32) as u32, args)];
+    if chunks.n_splits > 1 {
+        let args = vec![
+            part_o,
+            part_ml,
+            out.arg(),
+            seq.n_nodes.arg(),
+            i32_arg("n_max", tree.n_max)?,
+            i32_arg("n_heads", a.n_heads)?,
+            i32_arg("head_dim", a.head_dim)?,
+            i32_arg("n_splits", chunks.n_splits)?,
+        ];
+        let grid = [dim("n_heads", a.n_heads)?, one.grid[1], one.grid[2]];
+        launches.push(Launch::new("attention_combine_bf16", grid, 128, args));
+    }
+    Ok(launches)
+}
+
 /// Moves the accepted path's K/V rows of every layer behind each sequence's committed prefix
 /// (`commit_path_bf16`; `path`: `[batch, max_path]` node indices from the root, increasing; `n_acc`: `[batch]`).
 ///
