@@ -376,3 +376,76 @@ fn rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache() {
     }
     println!("rope_kv_write_bf16: positions 0, 1, 1000, 7, 40,000; theta 1e4 d64 GQA 2, 5e5 d128; a padded row, a row past max_len");
 }
+
+/// The fused q/k/v epilogue equals its parts: bias, per-head RMSNorm (Qwen3), RoPE, the cache write.
+#[test]
+fn qkv_rope_kv_write_equals_bias_norm_rope_and_write() {
+    for (order, dev) in devices() {
+        for (h, kv, hd, bias, norm) in [(4, 2, 64, false, false), (6, 2, 64, true, false), (8, 4, 128, false, true)] {
+            let a = AttnShape::new(h, kv, hd);
+            let cache = CacheDims { layers: 2, slots: 3, max_len: 48, attn: a };
+            let (qd, kvd) = (h * hd, kv * hd);
+            let rows = 4;
+            let mut rng = Rng::new(qd as u64 + u64::from(bias) + 2 * u64::from(norm));
+            let qkv = round_bf16(&rng.vec(rows * (qd + 2 * kvd), -2.0, 2.0));
+            let b = round_bf16(&rng.vec(qd + 2 * kvd, -0.5, 0.5));
+            let (qn, kn) = (round_bf16(&rng.vec(hd, 0.5, 1.5)), round_bf16(&rng.vec(hd, 0.5, 1.5)));
+            let inv_freq: Vec<f64> = (0..hd / 2).map(|i| 1e4f64.powf(-2.0 * i as f64 / hd as f64)).collect();
+            let (slot, pos, dst) = ([1, 2, -1, 0], [5, 300, 2, 47], [5, 0, 1, 47]);
+            let qkvb = dev.upload(&to_bf16(&qkv));
+            let (bb, qnb, knb) = (dev.upload(&to_bf16(&b)), dev.upload(&to_bf16(&qn)), dev.upload(&to_bf16(&kn)));
+            let (q_out, kc, vc) =
+                (dev.zeros::<bf16>(rows * qd), dev.zeros::<bf16>(cache.len()), dev.zeros::<bf16>(cache.len()));
+            let (sb, pb, db, fb) = (dev.upload(&slot), dev.upload(&pos), dev.upload(&dst), dev.upload(&inv_freq));
+            let meta = RowBufs { slot: sb.buf(), pos: pb.buf(), dst: db.buf() };
+            let l = plan::qkv_rope_kv_write(
+                cache,
+                1,
+                rows,
+                qkvb.buf(),
+                bias.then(|| bb.buf()),
+                norm.then(|| (qnb.buf(), knb.buf())),
+                q_out.buf(),
+                kc.buf(),
+                vc.buf(),
+                meta,
+                fb.buf(),
+                1e-6,
+            );
+            dev.launch(&l.unwrap()).unwrap();
+            let (mut want_q, mut want_k, mut want_v) = (Vec::new(), vec![0f32; cache.len()], vec![0f32; cache.len()]);
+            for r in 0..rows {
+                let row: Vec<f32> =
+                    (0..qd + 2 * kvd).map(|e| qkv[r * (qd + 2 * kvd) + e] + if bias { b[e] } else { 0.0 }).collect();
+                let head = |hh: usize| {
+                    let x = &row[hh * hd..(hh + 1) * hd];
+                    if !norm {
+                        return x.to_vec();
+                    }
+                    let w = if hh < h { &qn } else { &kn };
+                    let ms = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / hd as f64;
+                    let inv = (1.0 / (ms + 1e-6).sqrt()) as f32;
+                    x.iter().zip(w).map(|(&v, &g)| v * inv * g).collect()
+                };
+                for hh in 0..h {
+                    want_q.extend(rotate(&head(hh), f64::from(pos[r]), &inv_freq));
+                }
+                if slot[r] < 0 {
+                    continue;
+                }
+                let to = cache.layer_len() + (slot[r] as usize * cache.max_len + dst[r] as usize) * kvd;
+                for kh in 0..kv {
+                    want_k[to + kh * hd..][..hd].copy_from_slice(&rotate(&head(h + kh), f64::from(pos[r]), &inv_freq));
+                }
+                want_v[to..to + kvd].copy_from_slice(&round_bf16(&row[qd + kvd..]));
+            }
+            let close =
+                |g: &[f32], w: &[f32]| g.iter().zip(w).all(|(a, b)| (a - b).abs() <= b.abs() * 2f32.powi(-7) + 1e-3);
+            let ctx = format!("{order} h{h} kv{kv} d{hd} bias {bias} norm {norm}");
+            assert!(close(&to_f32(&q_out.download()), &want_q), "{ctx}: q");
+            assert!(close(&to_f32(&kc.download()), &want_k), "{ctx}: k cache");
+            assert_eq!(to_f32(&vc.download()), want_v, "{ctx}: v cache");
+        }
+    }
+    println!("qkv_rope_kv_write_bf16: plain (GQA 2, d64), with q/k/v bias (Qwen2), with q/k head norms (Qwen3, d128); a padded row");
+}

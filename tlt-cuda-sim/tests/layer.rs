@@ -175,3 +175,46 @@ fn concat_rows_joins_f32_and_bf16_sources() {
     }
     println!("concat_rows_bf16: rows x (wa + wb) 1x(1+0), 3x(64+64), 5x(300+257), f32/bf16 on either side");
 }
+
+#[test]
+fn add_rms_norm_adds_the_residual_then_normalises() {
+    for (order, dev) in devices() {
+        for (rows, width) in [(1, 1), (3, 576), (2, 4096)] {
+            let mut rng = Rng::new(width as u64 + 9);
+            let x = rng.vec(rows * width, -3.0, 3.0);
+            let y = round_bf16(&rng.vec(rows * width, -1.0, 1.0));
+            let w = round_bf16(&rng.vec(width, 0.5, 1.5));
+            let (xb, yb, wb) = (dev.upload(&x), dev.upload(&to_bf16(&y)), dev.upload(&to_bf16(&w)));
+            let out = dev.zeros::<bf16>(rows * width);
+            let l = plan::add_rms_norm(rows, width, 1e-5, xb.buf(), yb.buf(), wb.buf(), out.buf()).unwrap();
+            dev.launch(&l).unwrap();
+            let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+            assert_eq!(xb.download(), sum, "{order}: the residual {rows}x{width}");
+            let (e, i) = worst(&to_f32(&out.download()), &rms_ref(&sum, &w, width, 1e-5), |_, v| bf16_ulp(v, 1e-3));
+            assert!(e <= 1.0, "{order}: add_rms_norm {rows}x{width}: element {i} off by {e} bf16 ulps");
+        }
+    }
+    println!("add_rms_norm_bf16: rows x width 1x1, 3x576, 2x4096");
+}
+
+#[test]
+fn silu_mul_packed_reads_gate_and_up_from_one_row() {
+    for (order, dev) in devices() {
+        for (rows, inter) in [(1, 1), (3, 1536), (700, 3000)] {
+            let mut rng = Rng::new(inter as u64);
+            let gu = round_bf16(&rng.vec(rows * 2 * inter, -6.0, 6.0));
+            let (gb, out) = (dev.upload(&to_bf16(&gu)), dev.zeros::<bf16>(rows * inter));
+            dev.launch(&plan::silu_mul_packed(rows, inter, gb.buf(), out.buf()).unwrap()).unwrap();
+            let want: Vec<f32> = (0..rows * inter)
+                .map(|k| {
+                    let (r, j) = (k / inter, k % inter);
+                    let (g, u) = (f64::from(gu[r * 2 * inter + j]), f64::from(gu[r * 2 * inter + inter + j]));
+                    (g / (1.0 + (-g).exp()) * u) as f32
+                })
+                .collect();
+            let (e, i) = worst(&to_f32(&out.download()), &want, |_, v| bf16_ulp(v, 1e-3));
+            assert!(e <= 1.0, "{order}: silu_mul_packed {rows}x{inter}: element {i} off by {e} bf16 ulps");
+        }
+    }
+    println!("silu_mul_packed_bf16: rows x intermediate 1x1, 3x1536, 700x3000 (grid-stride past 4,096 blocks)");
+}

@@ -98,3 +98,46 @@ extern "C" __global__ void fill_uniform_bf16(bf16_t* out, unsigned long long n, 
         out[i] = tlt_f2bf(lo + (hi - lo) * u);
     }
 }
+
+// x[r, :] += y[r, :] (f32 += bf16), then out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w: the residual add
+// fused with the next RMSNorm. Grid: rows blocks; block: ROW_THREADS.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) add_rms_norm_bf16(
+    float* x, const bf16_t* y, const bf16_t* w, bf16_t* out, int rows, int width, float eps)
+{
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    float* xr = x + (size_t)r * width;
+    const bf16_t* yr = y + (size_t)r * width;
+    float ss = 0.f;
+    for (int e = threadIdx.x; e < width; e += ROW_THREADS) {
+        const float v = xr[e] + tlt_bf2f(yr[e]);
+        xr[e] = v;
+        ss += v * v;
+    }
+    ss = tlt_warp_sum(ss);
+    __shared__ float part[ROW_THREADS / 32];
+    __shared__ float inv;
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.f;
+        for (int i = 0; i < ROW_THREADS / 32; i++) t += part[i];
+        inv = rsqrtf(t / (float)width + eps);
+    }
+    __syncthreads();
+    bf16_t* o = out + (size_t)r * width;
+    for (int e = threadIdx.x; e < width; e += ROW_THREADS) o[e] = tlt_f2bf(xr[e] * inv * tlt_bf2f(w[e]));
+}
+
+// out[r, j] = silu(gu[r, j]) * gu[r, inter + j] for the packed gate/up rows of one GEMM (gu: [rows, 2 * inter]
+// bf16, out: [rows, inter] bf16, f32 math). Grid-stride over rows * inter.
+extern "C" __global__ void silu_mul_packed_bf16(const bf16_t* gu, bf16_t* out, int rows, int inter)
+{
+    const unsigned long long n = (unsigned long long)rows * inter;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long r = i / inter, j = i - r * inter;
+        const float g = tlt_bf2f(gu[r * 2 * inter + j]);
+        out[i] = tlt_f2bf(g / (1.f + expf(-g)) * tlt_bf2f(gu[r * 2 * inter + inter + j]));
+    }
+}

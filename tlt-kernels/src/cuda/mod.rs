@@ -57,7 +57,13 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "attention.cu",
         text: include_str!("../../cuda/attention.cu"),
-        kernels: &["rope_kv_write_bf16", "tree_attention_bf16", "attention_split_bf16", "attention_combine_bf16"],
+        kernels: &[
+            "rope_kv_write_bf16",
+            "tree_attention_bf16",
+            "attention_split_bf16",
+            "attention_combine_bf16",
+            "qkv_rope_kv_write_bf16",
+        ],
     },
     KernelSource {
         file: "layer.cu",
@@ -70,6 +76,8 @@ pub const SOURCES: &[KernelSource] = &[
             "silu_mul_bf16",
             "bias_add_bf16",
             "fill_uniform_bf16",
+            "add_rms_norm_bf16",
+            "silu_mul_packed_bf16",
         ],
     },
     KernelSource {

@@ -293,6 +293,79 @@ pub fn rope_kv_write(
     Ok(Launch::new("rope_kv_write_bf16", [dim("rows", rows)?, 1, 1], ATT_BLOCK, args))
 }
 
+/// The largest `q_dim + kv_dim` of [`qkv_rope_kv_write`] (`QKV_MAX_QK`: the row's q and k staged in 40 KiB of shared
+/// memory).
+pub const MAX_QK_WIDTH: usize = 10_240;
+
+/// The epilogue of the fused q/k/v projection (`qkv_rope_kv_write_bf16`): for every row of `qkv` (`[rows, q_dim + 2
+/// kv_dim]`, one GEMM's output), the bias added (Qwen2), every head's q and k RMS-normalised with `qk_norm` (Qwen3),
+/// RoPE at the row's position on q (into `q_out`, `[rows, n_heads, head_dim]`) and on k, and k and v written into
+/// layer `layer` of the caches, as [`rope_kv_write`] does.
+///
+/// # Errors
+/// As [`rope_kv_write`]; also for `q_dim + kv_dim` above [`MAX_QK_WIDTH`] or a bias or norm of the wrong length.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_kv_write(
+    cache: CacheDims,
+    layer: usize,
+    rows: usize,
+    qkv: Buf<bf16>,
+    bias: Option<Buf<bf16>>,
+    qk_norm: Option<(Buf<bf16>, Buf<bf16>)>,
+    q_out: Buf<bf16>,
+    k_cache: Buf<bf16>,
+    v_cache: Buf<bf16>,
+    meta: RowBufs,
+    inv_freq: Buf<f64>,
+    eps: f32,
+) -> Result<Launch> {
+    cache.check()?;
+    let a = cache.attn;
+    if layer >= cache.layers || rows == 0 {
+        return Err(Error::InvalidArgument(format!("layer {layer} of {} with {rows} rows", cache.layers)));
+    }
+    let (qd, kvd) = (a.n_heads * a.head_dim, cache.row());
+    if qd + kvd > MAX_QK_WIDTH {
+        return Err(Error::InvalidArgument(format!("q_dim + kv_dim = {} exceeds {MAX_QK_WIDTH}", qd + kvd)));
+    }
+    check_len("qkv", rows * (qd + 2 * kvd), qkv.len())?;
+    if let Some(b) = bias {
+        check_len("qkv bias", qd + 2 * kvd, b.len())?;
+    }
+    if let Some((qn, kn)) = qk_norm {
+        check_len("q norm", a.head_dim, qn.len())?;
+        check_len("k norm", a.head_dim, kn.len())?;
+    }
+    check_len("q_out", rows * qd, q_out.len())?;
+    check_len("k_cache", cache.len(), k_cache.len())?;
+    check_len("v_cache", cache.len(), v_cache.len())?;
+    for (what, m) in [("row slot", meta.slot), ("row pos", meta.pos), ("row dst", meta.dst)] {
+        check_len(what, rows, m.len())?;
+    }
+    check_len("inv_freq", a.head_dim / 2, inv_freq.len())?;
+    let span = layer * cache.layer_len()..(layer + 1) * cache.layer_len();
+    let args = vec![
+        qkv.arg(),
+        bias.map_or_else(null, |b| b.arg()),
+        qk_norm.map_or_else(null, |n| n.0.arg()),
+        qk_norm.map_or_else(null, |n| n.1.arg()),
+        q_out.arg(),
+        k_cache.slice(span.clone())?.arg(),
+        v_cache.slice(span)?.arg(),
+        meta.slot.arg(),
+        meta.pos.arg(),
+        meta.dst.arg(),
+        inv_freq.arg(),
+        i32_arg("rows", rows)?,
+        i32_arg("n_heads", a.n_heads)?,
+        i32_arg("n_kv_heads", a.n_kv_heads)?,
+        i32_arg("head_dim", a.head_dim)?,
+        i32_arg("max_len", cache.max_len)?,
+        Arg::F32(eps),
+    ];
+    Ok(Launch::new("qkv_rope_kv_write_bf16", [dim("rows", rows)?, 1, 1], 256, args))
+}
+
 /// Attention of each sequence's nodes over layer `layer` of the cache (`tree_attention_bf16`): `out =
 /// softmax(q Kᵀ / sqrt(d)) V` over the committed prefix and the visible nodes (ancestors by `anc`, `[batch, n_max]`
 /// ancestor bits as [`super::ancestor_masks`] makes them; `None`: causal among the nodes).
@@ -648,6 +721,42 @@ pub fn rms_norm(rows: usize, width: usize, eps: f32, x: Buf<f32>, w: Buf<bf16>, 
     check_len("out", rows * width, out.len())?;
     let args = vec![x.arg(), w.arg(), out.arg(), i32_arg("rows", rows)?, i32_arg("width", width)?, Arg::F32(eps)];
     Ok(Launch::new("rms_norm_bf16", [dim("rows", rows)?, 1, 1], 256, args))
+}
+
+/// `x += y`, then `out = rmsnorm(x) * w` per row (`add_rms_norm_bf16`: the residual add fused with the next norm;
+/// `x` f32 `[rows, width]`, `y` bf16, `w` bf16 `[width]`, `out` bf16).
+///
+/// # Errors
+/// As [`rope_kv_write`].
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm(
+    rows: usize,
+    width: usize,
+    eps: f32,
+    x: Buf<f32>,
+    y: Buf<bf16>,
+    w: Buf<bf16>,
+    out: Buf<bf16>,
+) -> Result<Launch> {
+    check_len("x", rows * width, x.len())?;
+    check_len("y", rows * width, y.len())?;
+    check_len("norm weight", width, w.len())?;
+    check_len("out", rows * width, out.len())?;
+    let args =
+        vec![x.arg(), y.arg(), w.arg(), out.arg(), i32_arg("rows", rows)?, i32_arg("width", width)?, Arg::F32(eps)];
+    Ok(Launch::new("add_rms_norm_bf16", [dim("rows", rows)?, 1, 1], 256, args))
+}
+
+/// `out[r] = silu(gu[r, ..inter]) * gu[r, inter..]` (`silu_mul_packed_bf16`) over the packed gate/up rows of one
+/// GEMM (`gu`: `[rows, 2 * inter]`, `out`: `[rows, inter]`, bf16).
+///
+/// # Errors
+/// As [`rope_kv_write`].
+pub fn silu_mul_packed(rows: usize, inter: usize, gu: Buf<bf16>, out: Buf<bf16>) -> Result<Launch> {
+    check_len("gate/up", rows * 2 * inter, gu.len())?;
+    check_len("out", rows * inter, out.len())?;
+    let args = vec![gu.arg(), out.arg(), i32_arg("rows", rows)?, i32_arg("intermediate", inter)?];
+    Ok(Launch::new("silu_mul_packed_bf16", stride_grid(rows * inter), 256, args))
 }
 
 /// Qwen3's q/k norms (`head_rms_norm_bf16`): every `head_dim`-wide vector of `x` (bf16 `[vectors, head_dim]`, in
