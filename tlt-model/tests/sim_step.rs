@@ -118,28 +118,35 @@ impl Mem {
     }
 }
 
+/// Rows of `parts` stacked (the fused projections' weights and biases, as `CudaLlama` uploads them).
+fn stack(parts: &[&Tensor]) -> Tensor {
+    Tensor::cat(parts, 0).unwrap()
+}
+
 fn weights(mem: &mut Mem, m: &Llama) -> WeightBufs {
     let w = m.weights();
     let layers = w
         .layers
         .iter()
         .map(|l| {
-            let mut lin = |x: &tlt_model::Linear| {
-                let (out, inp) = x.weight.dims2().unwrap();
-                LinearBufs { w: mem.bf(&x.weight), b: x.bias.as_ref().map(|b| mem.bf(b)), out, inp }
-            };
             let p = &l.proj;
-            let (q, k, v, o) = (lin(&p.q_proj), lin(&p.k_proj), lin(&p.v_proj), lin(&p.o_proj));
-            let (gate, up, down) = (lin(&p.gate_proj), lin(&p.up_proj), lin(&p.down_proj));
+            let mut fused = |lins: &[&tlt_model::Linear]| {
+                let ws: Vec<&Tensor> = lins.iter().map(|x| &x.weight).collect();
+                let bs: Option<Vec<&Tensor>> = lins.iter().map(|x| x.bias.as_ref()).collect();
+                let weight = stack(&ws);
+                let (out, inp) = weight.dims2().unwrap();
+                LinearBufs { w: mem.bf(&weight), b: bs.map(|b| mem.bf(&stack(&b))), out, inp }
+            };
+            let qkv = fused(&[&p.q_proj, &p.k_proj, &p.v_proj]);
+            let o = fused(&[&p.o_proj]);
+            let gate_up = fused(&[&p.gate_proj, &p.up_proj]);
+            let down = fused(&[&p.down_proj]);
             LayerBufs {
                 in_norm: mem.bf(&l.input_layernorm),
                 post_norm: mem.bf(&l.post_attention_layernorm),
-                q,
-                k,
-                v,
+                qkv,
                 o,
-                gate,
-                up,
+                gate_up,
                 down,
                 qk_norm: l.qk_norm.as_ref().map(|n| (mem.bf(&n.q_norm), mem.bf(&n.k_norm))),
             }
@@ -157,13 +164,16 @@ fn weights(mem: &mut Mem, m: &Llama) -> WeightBufs {
 }
 
 /// Step buffers for `l`, its metadata written as `CudaLlama` writes it (padding rows slot-less).
-fn step_bufs(mem: &mut Mem, cfg: &LlamaConfig, l: &StepLayout, batch: usize) -> StepBufs {
+fn step_bufs(mem: &mut Mem, program: &StepProgram<'_>, l: &StepLayout, batch: usize) -> StepBufs {
+    let cfg = program.cfg;
     let rows = batch * l.n_max;
     let anc = l.anc.as_ref().map(|a| {
         mem.masks.push(mem.dev.upload(a));
         mem.masks.last().unwrap().buf()
     });
     let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let tree = tlt_kernels::cuda::TreeDims { batch, n_max: l.n_max };
+    let (po, pml) = program.chunks(batch, l.n_max).part_lens(tree, cfg.num_attention_heads, cfg.head_dim());
     StepBufs {
         batch,
         n_max: l.n_max,
@@ -177,13 +187,13 @@ fn step_bufs(mem: &mut Mem, cfg: &LlamaConfig, l: &StepLayout, batch: usize) -> 
         anc,
         x: mem.zeros_f(rows * h),
         xn: mem.zeros_bf(rows * h),
+        qkv: mem.zeros_bf(rows * (cfg.q_dim() + 2 * cfg.kv_dim())),
         q: mem.zeros_bf(rows * cfg.q_dim()),
-        k: mem.zeros_bf(rows * cfg.kv_dim()),
-        v: mem.zeros_bf(rows * cfg.kv_dim()),
         attn: mem.zeros_bf(rows * cfg.q_dim()),
+        parts: (mem.zeros_f(po), mem.zeros_f(pml)),
         o: mem.zeros_bf(rows * h),
-        gate: mem.zeros_bf(rows * i),
-        up: mem.zeros_bf(rows * i),
+        gate_up: mem.zeros_bf(rows * 2 * i),
+        act: mem.zeros_bf(rows * i),
         logits: mem.zeros_f(rows * cfg.vocab_size),
         taps: Vec::new(),
     }
@@ -223,19 +233,23 @@ fn the_step_program_on_the_simulated_device_matches_the_cpu_decoder() {
         let mut mem = Mem { dev: dev.clone(), bf16: vec![], f32: vec![], i32: vec![], other: vec![], masks: vec![] };
         let w = weights(&mut mem, &cpu);
         let attn = AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
-        let cache = CacheDims { layers: cfg.num_hidden_layers, slots: 2, max_len: 64, attn };
+        let cache = CacheDims { layers: cfg.num_hidden_layers, slots: 2, max_len: 512, attn };
         let (kc, vc) = (mem.zeros_bf(cache.len()), mem.zeros_bf(cache.len()));
-        let program = StepProgram { cfg: &cfg, cache, k_cache: kc, v_cache: vc, w: &w, layer_taps: &[] };
+        // As many key chunks as allowed (4 of 128 over 512 positions): sequence a's 150 keys span two of them, so
+        // the split kernel's combine merges chunks, and skips empty ones.
+        let program =
+            StepProgram { cfg: &cfg, cache, k_cache: kc, v_cache: vc, w: &w, layer_taps: &[], target_blocks: 1 << 20 };
+        assert_eq!(program.chunks(2, 1).n_splits, 4);
         let mut ops = SimOps { dev: dev.clone(), launches: vec![], gemms: 0 };
         let mut run = |mem: &mut Mem, seqs: &[DeviceSeq<'_>]| {
             let l = layout(seqs, cfg.vocab_size, cache.slots, cache.max_len).unwrap();
-            let b = step_bufs(mem, &cfg, &l, seqs.len());
+            let b = step_bufs(mem, &program, &l, seqs.len());
             program.record(&mut ops, &b).unwrap();
             (read_f32(mem, b.logits), l.n_max)
         };
 
         // CPU side: two sequences.
-        let (pa, pb): (Vec<u32>, Vec<u32>) = ((1..10).collect(), vec![40, 3, 17, 9, 22]);
+        let (pa, pb): (Vec<u32>, Vec<u32>) = ((0..150).map(|i| (i * 7 + 1) % 64).collect(), vec![40, 3, 17, 9, 22]);
         let mut cc = cpu.new_cache();
         let (sa, sb) = (cc.add_sequence(), cc.add_sequence());
         let pre = |cc: &mut tlt_model::KvCache, seq, t: &[u32]| {
@@ -296,32 +310,34 @@ fn the_step_program_on_the_simulated_device_matches_the_cpu_decoder() {
     }
 }
 
-/// Launches (kernels and GEMMs) of one decode step, per decoder layer, on the simulated device.
+/// Launches (kernels and GEMMs) of one decode step, per decoder layer, on the simulated device: at most 10 with
+/// split attention's combine (a 4,096-position cache at batch 1 splits the keys into chunks).
 #[test]
 fn launches_per_decode_layer() {
-    let cpu = tiny("llama", 3);
-    let cfg = cpu.config().clone();
-    let dev = SimDevice::new();
-    let mut mem = Mem { dev: dev.clone(), bf16: vec![], f32: vec![], i32: vec![], other: vec![], masks: vec![] };
-    let w = weights(&mut mem, &cpu);
-    let attn = AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
-    let cache = CacheDims { layers: cfg.num_hidden_layers, slots: 1, max_len: 16, attn };
-    let (kc, vc) = (mem.zeros_bf(cache.len()), mem.zeros_bf(cache.len()));
-    let program = StepProgram { cfg: &cfg, cache, k_cache: kc, v_cache: vc, w: &w, layer_taps: &[] };
-    let tok = [3u32];
-    let l = layout(&[DeviceSeq { slot: 0, prefix_len: 4, tokens: &tok, parents: None }], 64, 1, 16).unwrap();
-    let b = step_bufs(&mut mem, &cfg, &l, 1);
-    let mut ops = SimOps { dev, launches: vec![], gemms: 0 };
-    program.record(&mut ops, &b).unwrap();
-    // Outside the layers: the embedding, the final norm and the LM head's GEMM.
-    let total = ops.launches.len() + ops.gemms;
-    let per_layer = (total - 3) / cfg.num_hidden_layers;
-    let kernels: Vec<&str> = ops.launches[1..1 + (ops.launches.len() - 2) / cfg.num_hidden_layers].to_vec();
-    println!(
-        "decode: {total} launches for {} layers: {per_layer} per layer ({} GEMMs and {kernels:?})",
-        cfg.num_hidden_layers,
-        per_layer - kernels.len()
-    );
-    assert_eq!((total - 3) % cfg.num_hidden_layers, 0);
-    assert_eq!(per_layer, 14, "launches per decode layer changed: update this count (the target is 10)");
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let cpu = tiny(arch, 3);
+        let cfg = cpu.config().clone();
+        let dev = SimDevice::new();
+        let mut mem = Mem { dev: dev.clone(), bf16: vec![], f32: vec![], i32: vec![], other: vec![], masks: vec![] };
+        let w = weights(&mut mem, &cpu);
+        let attn = AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+        let cache = CacheDims { layers: cfg.num_hidden_layers, slots: 1, max_len: 4096, attn };
+        let (kc, vc) = (mem.zeros_bf(cache.len()), mem.zeros_bf(cache.len()));
+        let program =
+            StepProgram { cfg: &cfg, cache, k_cache: kc, v_cache: vc, w: &w, layer_taps: &[], target_blocks: 264 };
+        assert!(program.chunks(1, 1).n_splits > 1, "the case must exercise the combine");
+        let tok = [3u32];
+        let l = layout(&[DeviceSeq { slot: 0, prefix_len: 4, tokens: &tok, parents: None }], 64, 1, 4096).unwrap();
+        let b = step_bufs(&mut mem, &program, &l, 1);
+        let mut ops = SimOps { dev, launches: vec![], gemms: 0 };
+        program.record(&mut ops, &b).unwrap();
+        // Outside the layers: the embedding, the first layer's input norm and the LM head's GEMM.
+        let total = ops.launches.len() + ops.gemms;
+        let layers = cfg.num_hidden_layers;
+        assert_eq!((total - 3) % layers, 0);
+        let per_layer = (total - 3) / layers;
+        let kernels: Vec<&str> = ops.launches[2..2 + (ops.launches.len() - 2) / layers].to_vec();
+        println!("{arch} decode: {per_layer} launches per layer: {} GEMMs and {kernels:?}", per_layer - kernels.len());
+        assert_eq!(per_layer, 10, "{arch}: launches per decode layer");
+    }
 }

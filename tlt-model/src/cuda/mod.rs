@@ -16,7 +16,8 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use tlt_cudagraph::{BucketPolicy, GraphKey, GraphPool, PoolStats};
-use tlt_kernels::cuda::{CacheDims, CudaKernels, DeviceLinear, SeqMeta};
+use tlt_kernels::cuda::plan::Chunks;
+use tlt_kernels::cuda::{CacheDims, CudaKernels, DeviceLinear, SeqMeta, TreeDims};
 use tlt_kernels::AttnShape;
 
 use self::step::{dbuf, CudaOps, StepBuffers};
@@ -31,16 +32,16 @@ pub(crate) fn cuda_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError)
     move |e| Error::Kernel(tlt_kernels::Error::Cuda { op, message: e.to_string() })
 }
 
+/// One decoder layer on the device, with the projections that read the same input stacked into one GEMM each.
 #[derive(Debug)]
 struct DevLayer {
     in_norm: CudaSlice<bf16>,
     post_norm: CudaSlice<bf16>,
-    q: DeviceLinear,
-    k: DeviceLinear,
-    v: DeviceLinear,
+    /// q, k and v stacked `[q_dim + 2 kv_dim, hidden]` (biases stacked likewise).
+    qkv: DeviceLinear,
     o: DeviceLinear,
-    gate: DeviceLinear,
-    up: DeviceLinear,
+    /// gate and up stacked `[2 intermediate, hidden]`.
+    gate_up: DeviceLinear,
     down: DeviceLinear,
     /// Qwen3: the q and k head norms (`[head_dim]` each).
     qk_norm: Option<(CudaSlice<bf16>, CudaSlice<bf16>)>,
@@ -97,12 +98,9 @@ impl DevWeights {
                 .map(|l| LayerBufs {
                     in_norm: dbuf(&l.in_norm, s),
                     post_norm: dbuf(&l.post_norm, s),
-                    q: lin(&l.q),
-                    k: lin(&l.k),
-                    v: lin(&l.v),
+                    qkv: lin(&l.qkv),
                     o: lin(&l.o),
-                    gate: lin(&l.gate),
-                    up: lin(&l.up),
+                    gate_up: lin(&l.gate_up),
                     down: lin(&l.down),
                     qk_norm: l.qk_norm.as_ref().map(|(q, k)| (dbuf(q, s), dbuf(k, s))),
                 })
@@ -110,6 +108,33 @@ impl DevWeights {
             inv_freq: dbuf(&self.inv_freq, s),
         }
     }
+}
+
+/// `parts` one after the other in a new buffer of `total` elements (their lengths' sum).
+fn concat(stream: &Arc<CudaStream>, parts: &[&CudaSlice<bf16>], total: usize) -> Result<CudaSlice<bf16>> {
+    if parts.iter().map(|p| p.len()).sum::<usize>() != total {
+        return Err(Error::InvalidInput(format!("stacked weights of {total} elements from parts of other sizes")));
+    }
+    let mut out = stream.alloc_zeros::<bf16>(total).map_err(cuda_err("alloc"))?;
+    let mut at = 0;
+    for part in parts {
+        stream.memcpy_dtod(*part, &mut out.slice_mut(at..at + part.len())).map_err(cuda_err("stack weights"))?;
+        at += part.len();
+    }
+    Ok(out)
+}
+
+/// Where projection `p` (q, k, v, o, gate, up, down) of a block of `shapes` lives: its stacked linear (0: qkv, 1: o,
+/// 2: gate/up, 3: down) and its rows' range in it.
+fn stacked(shapes: &[ProjectionShape; 7], p: usize) -> (usize, std::ops::Range<usize>) {
+    let (group, first) = match p {
+        0..=2 => (0, 0),
+        3 => (1, 3),
+        4 | 5 => (2, 4),
+        _ => (3, 6),
+    };
+    let start: usize = shapes[first..p].iter().map(|s| s.out).sum();
+    (group, start..start + shapes[p].out)
 }
 
 /// `model`'s weight `which` as bf16 on the host (`None`: absent, e.g. a tied head or a bias the architecture does
@@ -143,33 +168,33 @@ fn llama_weight(model: &Llama, which: Weight) -> Result<Option<Vec<bf16>>> {
 }
 
 impl DevWeights {
-    /// The device buffer of weight `which`, if this model has it.
-    fn slot_mut(&mut self, which: Weight) -> Option<&mut CudaSlice<bf16>> {
+    /// The device buffer holding weight `which` and the element range it occupies there, if this model has it.
+    fn slot_mut(
+        &mut self,
+        which: Weight,
+        shapes: &[ProjectionShape; 7],
+    ) -> Option<(&mut CudaSlice<bf16>, std::ops::Range<usize>)> {
+        fn whole(b: &mut CudaSlice<bf16>) -> (&mut CudaSlice<bf16>, std::ops::Range<usize>) {
+            let n = b.len();
+            (b, 0..n)
+        }
         match which {
-            Weight::Embed => Some(&mut self.embed),
-            Weight::Head => self.head.as_mut(),
-            Weight::Norm => Some(&mut self.norm),
-            Weight::InNorm(l) => Some(&mut self.layers.get_mut(l)?.in_norm),
-            Weight::PostNorm(l) => Some(&mut self.layers.get_mut(l)?.post_norm),
-            Weight::QNorm(l) => self.layers.get_mut(l)?.qk_norm.as_mut().map(|n| &mut n.0),
-            Weight::KNorm(l) => self.layers.get_mut(l)?.qk_norm.as_mut().map(|n| &mut n.1),
+            Weight::Embed => Some(whole(&mut self.embed)),
+            Weight::Head => self.head.as_mut().map(whole),
+            Weight::Norm => Some(whole(&mut self.norm)),
+            Weight::InNorm(l) => Some(whole(&mut self.layers.get_mut(l)?.in_norm)),
+            Weight::PostNorm(l) => Some(whole(&mut self.layers.get_mut(l)?.post_norm)),
+            Weight::QNorm(l) => self.layers.get_mut(l)?.qk_norm.as_mut().map(|n| whole(&mut n.0)),
+            Weight::KNorm(l) => self.layers.get_mut(l)?.qk_norm.as_mut().map(|n| whole(&mut n.1)),
             Weight::Proj(l, p, bias) => {
                 let layer = self.layers.get_mut(l)?;
-                let lin = [
-                    &mut layer.q,
-                    &mut layer.k,
-                    &mut layer.v,
-                    &mut layer.o,
-                    &mut layer.gate,
-                    &mut layer.up,
-                    &mut layer.down,
-                ]
-                .into_iter()
-                .nth(p)?;
+                let (group, rows) = stacked(shapes, p);
+                let lin = [&mut layer.qkv, &mut layer.o, &mut layer.gate_up, &mut layer.down].into_iter().nth(group)?;
                 if bias {
-                    lin.b.as_mut()
+                    lin.b.as_mut().map(|b| (b, rows))
                 } else {
-                    Some(&mut lin.w)
+                    let inp = lin.inp;
+                    Some((&mut lin.w, rows.start * inp..rows.end * inp))
                 }
             }
         }
@@ -236,6 +261,8 @@ pub struct CudaLlama {
     graphs: Option<Graphs>,
     /// The hidden features a forward keeps (default: the final norm).
     taps: Vec<Tap>,
+    /// Blocks split attention aims for: twice the device's multiprocessors.
+    target_blocks: usize,
 }
 
 impl CudaLlama {
@@ -267,17 +294,18 @@ impl CudaLlama {
             which.extend([Weight::InNorm(l), Weight::PostNorm(l), Weight::QNorm(l), Weight::KNorm(l)]);
             which.extend((0..7).flat_map(|p| [Weight::Proj(l, p, false), Weight::Proj(l, p, true)]));
         }
+        let shapes = proj_shapes(&self.cfg)?;
         for w in which {
             let host = llama_weight(model, w)?;
-            match (self.w.slot_mut(w), host) {
-                (Some(dst), Some(v)) if dst.len() == v.len() => {
-                    self.stream.memcpy_htod(&v, dst).map_err(cuda_err("upload"))?;
+            match (self.w.slot_mut(w, &shapes), host) {
+                (Some((dst, range)), Some(v)) if range.len() == v.len() => {
+                    self.stream.memcpy_htod(&v, &mut dst.slice_mut(range)).map_err(cuda_err("upload"))?;
                 }
                 (None, None) => {}
                 (dst, v) => {
                     return Err(Error::InvalidInput(format!(
                         "weight {w:?}: {} on the device, {} given",
-                        dst.map_or(0, |d| d.len()),
+                        dst.map_or(0, |d| d.1.len()),
                         v.map_or(0, |v| v.len())
                     )))
                 }
@@ -350,6 +378,11 @@ impl CudaLlama {
         unsafe { kernels.context().disable_event_tracking() };
         // Not the legacy default stream, which cannot be captured.
         let stream = kernels.context().new_stream().map_err(cuda_err("new_stream"))?;
+        let sms = kernels
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_err("multiprocessor count"))?;
+        let target_blocks = 2 * usize::try_from(sms).unwrap_or(1).max(1);
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| Error::Kernel(tlt_kernels::Error::Cuda { op: "cublasCreate", message: format!("{e:?}") }))?;
         let mut get = |w: Weight| source(&stream, &kernels, w);
@@ -359,15 +392,31 @@ impl CudaLlama {
         let shapes = proj_shapes(&cfg)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
-            let mut lin = Vec::with_capacity(7);
-            for (p, sh) in shapes.iter().enumerate() {
-                let w = need(Weight::Proj(l, p, false), get(Weight::Proj(l, p, false))?)?;
-                let b = get(Weight::Proj(l, p, true))?;
-                lin.push(DeviceLinear { w, b, out: sh.out, inp: sh.inp });
+            let mut w = Vec::with_capacity(7);
+            let mut b = Vec::with_capacity(7);
+            for p in 0..7 {
+                w.push(need(Weight::Proj(l, p, false), get(Weight::Proj(l, p, false))?)?);
+                b.push(get(Weight::Proj(l, p, true))?);
             }
-            let Ok([q, k, v, o, gate, up, down]) = <[DeviceLinear; 7]>::try_from(lin) else {
-                return Err(Error::InvalidInput("a decoder block has seven projections".into()));
+            // Stacks projections `ps` (rows of one weight matrix after the other) into one linear.
+            let stack = |ps: std::ops::Range<usize>| -> Result<DeviceLinear> {
+                let (out, inp) = (ps.clone().map(|p| shapes[p].out).sum::<usize>(), shapes[ps.start].inp);
+                let parts: Vec<&CudaSlice<bf16>> = ps.clone().map(|p| &w[p]).collect();
+                let w_all = concat(&stream, &parts, out * inp)?;
+                let biases: Option<Vec<&CudaSlice<bf16>>> = ps.clone().map(|p| b[p].as_ref()).collect();
+                let any_bias = ps.clone().any(|p| b[p].is_some());
+                let b_all = match biases {
+                    Some(bs) => Some(concat(&stream, &bs, out)?),
+                    None if any_bias => {
+                        return Err(Error::InvalidInput(format!(
+                            "layer {l}: projections {ps:?} have biases on some only"
+                        )))
+                    }
+                    None => None,
+                };
+                Ok(DeviceLinear { w: w_all, b: b_all, out, inp })
             };
+            let (qkv, o, gate_up, down) = (stack(0..3)?, stack(3..4)?, stack(4..6)?, stack(6..7)?);
             let qk_norm = match (get(Weight::QNorm(l))?, get(Weight::KNorm(l))?) {
                 (Some(qn), Some(kn)) if cfg.qk_norm() => Some((qn, kn)),
                 (None, None) if !cfg.qk_norm() => None,
@@ -381,12 +430,9 @@ impl CudaLlama {
             layers.push(DevLayer {
                 in_norm: need(Weight::InNorm(l), get(Weight::InNorm(l))?)?,
                 post_norm: need(Weight::PostNorm(l), get(Weight::PostNorm(l))?)?,
-                q,
-                k,
-                v,
+                qkv,
                 o,
-                gate,
-                up,
+                gate_up,
                 down,
                 qk_norm,
             });
@@ -411,6 +457,7 @@ impl CudaLlama {
             transient: None,
             graphs: None,
             taps: vec![Tap::FinalNorm],
+            target_blocks,
         })
     }
 
@@ -422,7 +469,7 @@ impl CudaLlama {
             .layers
             .iter()
             .map(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].into_iter().map(lin).sum::<usize>()
+                [&l.qkv, &l.o, &l.gate_up, &l.down].into_iter().map(lin).sum::<usize>()
                     + 2 * l.in_norm.len()
                     + l.qk_norm.as_ref().map_or(0, |(q, k)| q.len() + k.len())
             })
@@ -546,7 +593,15 @@ impl CudaLlama {
         let mut bufs = match (reusable, self.steps.remove(&shape), self.transient.take()) {
             (true, Some(b), _) => b,
             (false, _, Some(b)) if (b.batch, b.n_max) == (batch, n_max) => b,
-            _ => StepBuffers::new(&self.stream, &self.cfg, batch, n_max, tree, self.layer_taps().len())?,
+            _ => {
+                let chunks = Chunks::for_shape(
+                    TreeDims { batch, n_max },
+                    self.cache.attn.n_kv_heads,
+                    self.cache.max_len,
+                    self.target_blocks,
+                );
+                StepBuffers::new(&self.stream, &self.cfg, batch, n_max, tree, self.layer_taps().len(), chunks)?
+            }
         };
         let ran = self.run(&mut bufs, &l, graph_batch.map(|_| shape));
         if reusable {
@@ -577,6 +632,7 @@ impl CudaLlama {
             v_cache: dbuf(&self.v_cache, s),
             w: &weights,
             layer_taps: &layer_taps,
+            target_blocks: self.target_blocks,
         };
         let step = bufs.bufs(s);
         let mut ops = CudaOps { kernels: &self.kernels, blas: &self.blas, stream: s };

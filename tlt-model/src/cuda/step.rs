@@ -8,8 +8,8 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
-use tlt_kernels::cuda::plan::{Buf, GemmEx, Launch};
-use tlt_kernels::cuda::{run_gemm, CudaKernels};
+use tlt_kernels::cuda::plan::{Buf, Chunks, GemmEx, Launch};
+use tlt_kernels::cuda::{run_gemm, CudaKernels, TreeDims};
 
 use super::cuda_err;
 use crate::config::LlamaConfig;
@@ -31,13 +31,14 @@ pub(crate) struct StepBuffers {
     anc: Option<CudaSlice<u64>>,
     x: CudaSlice<f32>,
     pub(crate) xn: CudaSlice<bf16>,
+    qkv: CudaSlice<bf16>,
     q: CudaSlice<bf16>,
-    k: CudaSlice<bf16>,
-    v: CudaSlice<bf16>,
     attn: CudaSlice<bf16>,
+    part_o: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
     o: CudaSlice<bf16>,
-    gate: CudaSlice<bf16>,
-    up: CudaSlice<bf16>,
+    gate_up: CudaSlice<bf16>,
+    act: CudaSlice<bf16>,
     pub(crate) logits: CudaSlice<f32>,
     /// The residual stream entering the tapped layers (`[rows, hidden]` f32 each), in tap order.
     pub(crate) taps: Vec<CudaSlice<f32>>,
@@ -48,8 +49,8 @@ fn zeros<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, n: usize) -> Resu
 }
 
 impl StepBuffers {
-    /// Allocates the buffers of `batch` sequences of up to `n_max` nodes (with ancestor masks when `tree`).
-    /// `layer_taps`: how many residual-stream taps to keep.
+    /// Allocates the buffers of `batch` sequences of up to `n_max` nodes (with ancestor masks when `tree`), with
+    /// split attention's partial buffers for `chunks`. `layer_taps`: how many residual-stream taps to keep.
     pub(crate) fn new(
         s: &Arc<CudaStream>,
         cfg: &LlamaConfig,
@@ -57,9 +58,11 @@ impl StepBuffers {
         n_max: usize,
         tree: bool,
         layer_taps: usize,
+        chunks: Chunks,
     ) -> Result<Self> {
         let rows = batch * n_max;
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let (po, pml) = chunks.part_lens(TreeDims { batch, n_max }, cfg.num_attention_heads, cfg.head_dim());
         Ok(Self {
             batch,
             n_max,
@@ -73,13 +76,14 @@ impl StepBuffers {
             anc: if tree { Some(zeros(s, rows)?) } else { None },
             x: zeros(s, rows * h)?,
             xn: zeros(s, rows * h)?,
+            qkv: zeros(s, rows * (cfg.q_dim() + 2 * cfg.kv_dim()))?,
             q: zeros(s, rows * cfg.q_dim())?,
-            k: zeros(s, rows * cfg.kv_dim())?,
-            v: zeros(s, rows * cfg.kv_dim())?,
             attn: zeros(s, rows * cfg.q_dim())?,
+            part_o: zeros(s, po)?,
+            part_ml: zeros(s, pml)?,
             o: zeros(s, rows * h)?,
-            gate: zeros(s, rows * i)?,
-            up: zeros(s, rows * i)?,
+            gate_up: zeros(s, rows * 2 * i)?,
+            act: zeros(s, rows * i)?,
             logits: zeros(s, rows * cfg.vocab_size)?,
             taps: (0..layer_taps).map(|_| zeros(s, rows * h)).collect::<Result<_>>()?,
         })
@@ -87,9 +91,10 @@ impl StepBuffers {
 
     /// Bytes of device memory the buffers hold.
     pub(crate) fn bytes(&self) -> u64 {
-        let b2 = [&self.xn, &self.q, &self.k, &self.v, &self.attn, &self.o, &self.gate, &self.up].map(|b| b.len() * 2);
+        let b2 = [&self.xn, &self.qkv, &self.q, &self.attn, &self.o, &self.gate_up, &self.act].map(|b| b.len() * 2);
         let taps: usize = self.taps.iter().map(CudaSlice::len).sum();
-        let b4 = (self.x.len() + self.logits.len() + taps) * 4 + self.tokens.len() * 16 + self.seq_slot.len() * 12;
+        let f32s = self.x.len() + self.logits.len() + taps + self.part_o.len() + self.part_ml.len();
+        let b4 = f32s * 4 + self.tokens.len() * 16 + self.seq_slot.len() * 12;
         (b2.iter().sum::<usize>() + b4 + self.anc.as_ref().map_or(0, |a| a.len() * 8)) as u64
     }
 
@@ -171,13 +176,13 @@ impl StepBuffers {
             anc: self.anc.as_ref().map(|a| dbuf(a, s)),
             x: dbuf(&self.x, s),
             xn: dbuf(&self.xn, s),
+            qkv: dbuf(&self.qkv, s),
             q: dbuf(&self.q, s),
-            k: dbuf(&self.k, s),
-            v: dbuf(&self.v, s),
             attn: dbuf(&self.attn, s),
+            parts: (dbuf(&self.part_o, s), dbuf(&self.part_ml, s)),
             o: dbuf(&self.o, s),
-            gate: dbuf(&self.gate, s),
-            up: dbuf(&self.up, s),
+            gate_up: dbuf(&self.gate_up, s),
+            act: dbuf(&self.act, s),
             logits: dbuf(&self.logits, s),
             taps: self.taps.iter().map(|t| dbuf(t, s)).collect(),
         }

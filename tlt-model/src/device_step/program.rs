@@ -1,7 +1,7 @@
 //! The decoder forward as a program ([`StepProgram::record`]).
 
 use half::bf16;
-use tlt_kernels::cuda::plan::{self, Buf, GemmEx, GemmY, Launch, RowBufs, SeqBufs};
+use tlt_kernels::cuda::plan::{self, Buf, Chunks, GemmEx, GemmY, Launch, RowBufs, SeqBufs};
 use tlt_kernels::cuda::{CacheDims, TreeDims};
 
 use crate::config::LlamaConfig;
@@ -41,25 +41,19 @@ pub struct LinearBufs {
     pub inp: usize,
 }
 
-/// One decoder layer's weights.
+/// One decoder layer's weights, with the projections that read the same input concatenated (one GEMM each).
 #[derive(Debug, Clone)]
 pub struct LayerBufs {
     /// The attention input norm.
     pub in_norm: Buf<bf16>,
     /// The MLP input norm.
     pub post_norm: Buf<bf16>,
-    /// Query projection.
-    pub q: LinearBufs,
-    /// Key projection.
-    pub k: LinearBufs,
-    /// Value projection.
-    pub v: LinearBufs,
+    /// q, k and v projections stacked: `[q_dim + 2 kv_dim, hidden]`, with their biases stacked likewise (Qwen2).
+    pub qkv: LinearBufs,
     /// Attention output projection.
     pub o: LinearBufs,
-    /// MLP gate projection.
-    pub gate: LinearBufs,
-    /// MLP up projection.
-    pub up: LinearBufs,
+    /// MLP gate and up projections stacked: `[2 intermediate, hidden]`.
+    pub gate_up: LinearBufs,
     /// MLP down projection.
     pub down: LinearBufs,
     /// Qwen3's per-head q and k norms.
@@ -109,20 +103,21 @@ pub struct StepBufs {
     pub x: Buf<f32>,
     /// `[rows, hidden]`: normalised rows (the final ones are the LM head's input).
     pub xn: Buf<bf16>,
-    /// `[rows, q_dim]`.
+    /// `[rows, q_dim + 2 kv_dim]`: the fused q/k/v projection's output.
+    pub qkv: Buf<bf16>,
+    /// `[rows, q_dim]`: the rotated queries.
     pub q: Buf<bf16>,
-    /// `[rows, kv_dim]`.
-    pub k: Buf<bf16>,
-    /// `[rows, kv_dim]`.
-    pub v: Buf<bf16>,
     /// `[rows, q_dim]`: attention outputs.
     pub attn: Buf<bf16>,
+    /// Split attention's partial outputs and (max, sum) per chunk ([`tlt_kernels::cuda::plan::Chunks::part_lens`];
+    /// empty with one chunk).
+    pub parts: (Buf<f32>, Buf<f32>),
     /// `[rows, hidden]`: a layer's output projections.
     pub o: Buf<bf16>,
-    /// `[rows, intermediate]`.
-    pub gate: Buf<bf16>,
-    /// `[rows, intermediate]`.
-    pub up: Buf<bf16>,
+    /// `[rows, 2 intermediate]`: the fused gate/up projection's output.
+    pub gate_up: Buf<bf16>,
+    /// `[rows, intermediate]`: the MLP's activation.
+    pub act: Buf<bf16>,
     /// `[rows, vocab]` f32.
     pub logits: Buf<f32>,
     /// `[rows, hidden]` f32 each: the residual stream entering the tapped layers.
@@ -145,12 +140,23 @@ pub struct StepProgram<'a> {
     /// The layers whose input residual stream is copied into [`StepBufs::taps`] (`num_layers`: the last layer's
     /// output), in tap order.
     pub layer_taps: &'a [usize],
+    /// Blocks split attention aims for (twice the device's multiprocessors; [`Chunks::for_shape`]).
+    pub target_blocks: usize,
 }
 
 impl StepProgram<'_> {
-    fn linear(&self, ops: &mut dyn DeviceOps, rows: usize, x: Buf<bf16>, l: &LinearBufs, y: Buf<bf16>) -> Result<()> {
+    /// `y = x · wᵀ`, with the bias added when `bias` (else the caller's epilogue adds it).
+    fn linear(
+        &self,
+        ops: &mut dyn DeviceOps,
+        rows: usize,
+        x: Buf<bf16>,
+        l: &LinearBufs,
+        y: Buf<bf16>,
+        bias: bool,
+    ) -> Result<()> {
         ops.gemm(&plan::gemm(rows, l.out, l.inp, x, l.w, GemmY::Bf16(y))?)?;
-        if let Some(b) = l.b {
+        if let (Some(b), true) = (l.b, bias) {
             ops.launch(&plan::bias_add(rows, y, b)?)?;
         }
         Ok(())
@@ -165,9 +171,18 @@ impl StepProgram<'_> {
         Ok(())
     }
 
-    /// Issues the whole forward: embedding, every layer (RoPE + cache write, attention, MLP) and the LM head into
-    /// `b.logits`. Launches, GEMMs and device copies only: nothing allocates, synchronises or reads the host, so a
-    /// CUDA stream can capture it into a graph.
+    /// The attention chunking of step shape `b`.
+    #[must_use]
+    pub fn chunks(&self, batch: usize, n_max: usize) -> Chunks {
+        Chunks::for_shape(TreeDims { batch, n_max }, self.cache.attn.n_kv_heads, self.cache.max_len, self.target_blocks)
+    }
+
+    /// Issues the whole forward: embedding, every layer and the LM head into `b.logits`. Per decode layer at most
+    /// 10 launches: the fused q/k/v GEMM, its epilogue (bias, Qwen3 head norms, RoPE, cache write), split attention
+    /// and its combine, the output GEMM, the residual add fused with the MLP's norm, the fused gate/up GEMM, the
+    /// activation, the down GEMM, and the residual add fused with the next layer's norm (or the final one).
+    /// Launches, GEMMs and device copies only: nothing allocates, synchronises or reads the host, so a CUDA stream
+    /// can capture it into a graph.
     ///
     /// # Errors
     /// A plan's shape check, or the executor's error.
@@ -177,37 +192,34 @@ impl StepProgram<'_> {
         let rows = b.batch * b.n_max;
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps as f32);
         let tree = TreeDims { batch: b.batch, n_max: b.n_max };
+        let chunks = self.chunks(b.batch, b.n_max);
+        let parts = (chunks.n_splits > 1).then_some(b.parts);
+        let (kc, vc) = (self.k_cache, self.v_cache);
         ops.launch(&plan::embed_rows(rows, h, w.embed, b.tokens, b.x)?)?;
+        self.tap(ops, b, 0)?;
+        let first = w.layers.first().map_or(w.norm, |l| l.in_norm);
+        ops.launch(&plan::rms_norm(rows, h, eps, b.x, first, b.xn)?)?;
         for (li, lw) in w.layers.iter().enumerate() {
-            self.tap(ops, b, li)?;
-            ops.launch(&plan::rms_norm(rows, h, eps, b.x, lw.in_norm, b.xn)?)?;
-            self.linear(ops, rows, b.xn, &lw.q, b.q)?;
-            self.linear(ops, rows, b.xn, &lw.k, b.k)?;
-            self.linear(ops, rows, b.xn, &lw.v, b.v)?;
-            if let Some((qn, kn)) = lw.qk_norm {
-                // Qwen3: every head's query and key vector normalised before RoPE.
-                for (x, n) in [(b.q, qn), (b.k, kn)] {
-                    if let Some(l) = plan::head_rms_norm(cfg.head_dim(), eps, x, n)? {
-                        ops.launch(&l)?;
-                    }
-                }
-            }
+            self.linear(ops, rows, b.xn, &lw.qkv, b.qkv, false)?;
             let meta = RowBufs { slot: b.row_slot, pos: b.row_pos, dst: b.row_dst };
-            let (kc, vc) = (self.k_cache, self.v_cache);
-            ops.launch(&plan::rope_kv_write(self.cache, li, rows, b.q, b.k, b.v, kc, vc, meta, w.inv_freq)?)?;
+            let inv = w.inv_freq;
+            let bias = lw.qkv.b;
+            ops.launch(&plan::qkv_rope_kv_write(
+                self.cache, li, rows, b.qkv, bias, lw.qk_norm, b.q, kc, vc, meta, inv, eps,
+            )?)?;
             let seq = SeqBufs { slot: b.seq_slot, prefix_len: b.seq_prefix, n_nodes: b.seq_nodes };
-            ops.launch(&plan::tree_attention(self.cache, li, tree, b.q, kc, vc, b.attn, seq, b.anc)?)?;
-            self.linear(ops, rows, b.attn, &lw.o, b.o)?;
-            ops.launch(&plan::add_to_residual(b.x, b.o)?)?;
-            ops.launch(&plan::rms_norm(rows, h, eps, b.x, lw.post_norm, b.xn)?)?;
-            self.linear(ops, rows, b.xn, &lw.gate, b.gate)?;
-            self.linear(ops, rows, b.xn, &lw.up, b.up)?;
-            ops.launch(&plan::silu_mul(b.gate, b.up)?)?;
-            self.linear(ops, rows, b.gate, &lw.down, b.o)?;
-            ops.launch(&plan::add_to_residual(b.x, b.o)?)?;
+            for l in plan::attention(self.cache, li, tree, chunks, b.q, kc, vc, b.attn, seq, b.anc, parts)? {
+                ops.launch(&l)?;
+            }
+            self.linear(ops, rows, b.attn, &lw.o, b.o, true)?;
+            ops.launch(&plan::add_rms_norm(rows, h, eps, b.x, b.o, lw.post_norm, b.xn)?)?;
+            self.linear(ops, rows, b.xn, &lw.gate_up, b.gate_up, true)?;
+            ops.launch(&plan::silu_mul_packed(rows, cfg.intermediate_size, b.gate_up, b.act)?)?;
+            self.linear(ops, rows, b.act, &lw.down, b.o, true)?;
+            let next = w.layers.get(li + 1).map_or(w.norm, |l| l.in_norm);
+            ops.launch(&plan::add_rms_norm(rows, h, eps, b.x, b.o, next, b.xn)?)?;
+            self.tap(ops, b, li + 1)?;
         }
-        self.tap(ops, b, w.layers.len())?;
-        ops.launch(&plan::rms_norm(rows, h, eps, b.x, w.norm, b.xn)?)?;
         let head = w.head.unwrap_or(w.embed);
         ops.gemm(&plan::gemm(rows, cfg.vocab_size, h, b.xn, head, GemmY::F32(b.logits))?)?;
         Ok(())
