@@ -230,6 +230,25 @@ impl Llama {
         Ok(out)
     }
 
+    /// The same model with every parameter rounded to the nearest bf16 value (kept in f32, packed inference copies
+    /// dropped): exactly the weights a bf16 device holds, so a device-vs-CPU comparison measures only the device's
+    /// bf16 activations and caches.
+    ///
+    /// # Errors
+    /// A tensor conversion failure.
+    pub fn rounded_to_bf16(&self) -> Result<Self> {
+        let mut out = self.clone();
+        let dtype = out.weights().embed_tokens.dtype();
+        for (_, t) in out.weights_mut().entries_mut() {
+            *t = t.to_dtype(DType::BF16)?.to_dtype(dtype)?;
+        }
+        for (_, lin) in out.weights_mut().linears_mut() {
+            lin.packed = None;
+        }
+        out.weights_mut().head_packed = None;
+        Ok(out)
+    }
+
     /// Converts every parameter to `dtype` (e.g. f64 for gradient checks). Inference needs f32.
     pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
         let mut out = self.clone();

@@ -7,6 +7,7 @@
 
 use tlt_kernels::cuda::driver_available;
 use tlt_model::cuda::{CudaLlama, DeviceSeq};
+use tlt_model::device_step::{row_parity, BF16_ROW_TOL};
 use tlt_model::{KvCache, Llama, LlamaConfig, LogitsFor, SeqId, SeqInput};
 
 fn tiny(model_type: &str) -> Llama {
@@ -16,7 +17,8 @@ fn tiny(model_type: &str) -> Llama {
     if model_type == "qwen3" {
         cfg.head_dim = Some(32); // q/k head norms over heads of 32, decoupled from 64 / 4 heads
     }
-    Llama::random(cfg, 5).unwrap()
+    // bf16 weights on both sides: the comparison measures the device's bf16 activations only.
+    Llama::random(cfg, 5).unwrap().rounded_to_bf16().unwrap()
 }
 
 fn gpu_or_skip(test: &str) -> bool {
@@ -33,17 +35,19 @@ fn without_a_driver_construction_is_an_error() {
     assert!(err.to_string().contains("CUDA is unavailable"), "{err}");
 }
 
-/// Compares device rows (`[n_max]` rows of sequence `b` in a `[batch * n_max, vocab]` buffer) with CPU rows.
+/// Compares device rows (`[n_max]` rows of sequence `b` in a `[batch * n_max, vocab]` buffer) with CPU rows by
+/// [`row_parity`]: within [`BF16_ROW_TOL`] row standard deviations (the simulated device's bf16 path measured at
+/// most 0.027 on such models), the argmax equal unless the CPU row is a near tie. `stats`: rows, argmax agreements,
+/// the largest relative difference.
 fn compare(what: &str, gpu: &[f32], b: usize, n_max: usize, cpu: &[Vec<f32>], stats: &mut (usize, usize, f32)) {
     let vocab = cpu[0].len();
     for (j, want) in cpu.iter().enumerate() {
         let got = &gpu[(b * n_max + j) * vocab..(b * n_max + j + 1) * vocab];
-        let diff = got.iter().zip(want).map(|(a, c)| (a - c).abs()).fold(0f32, f32::max);
-        stats.2 = stats.2.max(diff);
-        let top = |r: &[f32]| r.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map(|(i, _)| i).unwrap();
+        let p = row_parity(got, want, 0.1);
         stats.0 += 1;
-        stats.1 += usize::from(top(got) == top(want));
-        assert!(diff < 0.15, "{what} row {j}: max |gpu - cpu| = {diff}");
+        stats.1 += usize::from(p.argmax_equal);
+        stats.2 = stats.2.max(p.rel_diff);
+        assert!(p.ok(BF16_ROW_TOL), "{what} row {j}: {p:?}");
     }
 }
 
@@ -112,8 +116,7 @@ fn parity(model_type: &str) {
         &mut stats,
     );
     let agreement = stats.1 as f64 / stats.0 as f64;
-    println!("{model_type}: {} rows, top-1 agreement {agreement:.3}, max |gpu - cpu| {:.4}", stats.0, stats.2);
-    assert!(agreement >= 0.95, "top-1 agreement {agreement} (bf16 weights and activations against f32)");
+    println!("{model_type}: {} rows, top-1 agreement {agreement:.3}, max |gpu - cpu| {:.4} row std", stats.0, stats.2);
 }
 
 #[test]
@@ -293,7 +296,8 @@ fn smollm2_real_weights_match_the_cpu_decoder() {
         return;
     };
     let loaded = tlt_model::load_gguf(&path).unwrap();
-    let (model, tok) = (loaded.model, loaded.tokenizer.unwrap());
+    // bf16 weights on both sides (the device rounds them on upload): the comparison measures bf16 activations.
+    let (model, tok) = (loaded.model.rounded_to_bf16().unwrap(), loaded.tokenizer.unwrap());
     let text = "<|im_start|>user\nA farmer has 17 sheep and buys 25 more, then sells 9. How many sheep are left? \
                 Explain step by step.<|im_end|>\n<|im_start|>assistant\n";
     let prompt = tlt_model::encode(&tok, text).unwrap();
@@ -306,11 +310,15 @@ fn smollm2_real_weights_match_the_cpu_decoder() {
     let host = gpu.logits_to_host(&out).unwrap();
     let want = cpu_rows(&model, &mut cache, seq, &prompt, None);
     let vocab = want[0].len();
-    let row_stats = |got: &[f32], want: &[f32], stats: &mut (usize, usize, f32)| {
-        let top = |r: &[f32]| r.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map(|(i, _)| i).unwrap();
+    // (rows, argmax agreements, largest |diff| in row std, argmax flips on rows that are no near tie).
+    let mut flips = 0usize;
+    let mut row_stats = |got: &[f32], want: &[f32], stats: &mut (usize, usize, f32)| {
+        let p = row_parity(got, want, 0.1);
         stats.0 += 1;
-        stats.1 += usize::from(top(got) == top(want));
-        stats.2 = stats.2.max(got.iter().zip(want).map(|(a, c)| (a - c).abs()).fold(0f32, f32::max));
+        stats.1 += usize::from(p.argmax_equal);
+        stats.2 = stats.2.max(p.rel_diff);
+        flips += usize::from(!p.argmax_equal && !p.near_tie);
+        let top = |r: &[f32]| r.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map(|(i, _)| i).unwrap();
         top(want) as u32
     };
     let mut next = 0;
@@ -327,8 +335,12 @@ fn smollm2_real_weights_match_the_cpu_decoder() {
     }
     let agreement = stats.1 as f64 / stats.0 as f64;
     println!(
-        "SmolLM2-135M real weights: {} positions, top-1 agreement {agreement:.4}, max |gpu - cpu| logit {:.3}",
+        "SmolLM2-135M real weights: {} positions, top-1 agreement {agreement:.4} ({flips} outside near ties), max \
+         |gpu - cpu| {:.3} row std",
         stats.0, stats.2
     );
-    assert!(agreement >= 0.99, "top-1 agreement {agreement} < 0.99 over {} positions", stats.0);
+    // 30 layers of bf16 activations: the argmax may flip only where the CPU's top two are within 0.1 row std (a
+    // single rounding flip among ~85 positions is expected there); no tolerance on the difference itself is asserted
+    // until a GPU run has measured it (the tiny models' rule is BF16_ROW_TOL).
+    assert_eq!(flips, 0, "the argmax differs on {flips} rows that are no near tie");
 }

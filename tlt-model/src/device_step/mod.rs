@@ -4,7 +4,9 @@
 //! device (`tlt-cuda-sim`) against the CPU decoder and count its launches. Host-side, no CUDA needed.
 
 mod layout;
+mod parity;
 mod program;
 
 pub use layout::{layout, DeviceSeq, StepLayout};
+pub use parity::{row_parity, RowParity, BF16_ROW_TOL};
 pub use program::{DeviceOps, LayerBufs, LinearBufs, StepBufs, StepProgram, WeightBufs};
