@@ -32,6 +32,7 @@ mod fuzz;
 mod gpu_bundle;
 mod graph;
 mod report;
+mod roofline;
 mod sysinfo;
 
 use std::io::IsTerminal;
@@ -129,6 +130,9 @@ enum Cmd {
         #[arg(long)]
         gguf: PathBuf,
     },
+    /// The predicted H100 time of the device decode step, op by op, at the benchmark shapes (a roofline of the
+    /// program `CudaLlama` runs); `target/bench/roofline.json` and `.md`.
+    Roofline,
     /// Run a benchmark suite; results go to `target/bench/<suite>.json` and `.md`.
     Bench {
         #[command(subcommand)]
@@ -395,6 +399,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Demo { steps, config } => demo(steps, config.as_deref()),
+        Cmd::Roofline => {
+            roofline::run(&workspace_root().join("target").join("bench"))?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Bench { suite: Suite::Decode(args) } => {
             bench_decode::run(&args)?;
             Ok(ExitCode::SUCCESS)
