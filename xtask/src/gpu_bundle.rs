@@ -10,57 +10,16 @@ use std::process::{Command, Stdio};
 use anyhow::{bail, Context, Result};
 use tracing::{info, warn};
 
-/// What `run.sh` does on the GPU machine.
-const RUN_SH: &str = r#"#!/usr/bin/env bash
-# The CUDA tests (TLT_REQUIRE_GPU=1: a missing driver fails them) and the decode benchmark, on a GPU machine with no
-# Rust toolchain. Libraries: NVRTC 13 and cuBLAS 13 from the Python environment's nvidia-* wheels or the toolkit.
-set -uo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-out=${OUT:-$here/out}
-mkdir -p "$out"
-libs=$(python3 - <<'PY' 2>/dev/null
-import glob, os, site
-dirs = set()
-for base in site.getsitepackages() + [site.getusersitepackages()]:
-    for name in ("libnvrtc.so.13", "libcublas.so.13", "libcublasLt.so.13"):
-        for so in glob.glob(os.path.join(base, "nvidia", "**", name), recursive=True):
-            dirs.add(os.path.dirname(so))
-print(":".join(sorted(dirs)))
-PY
-)
-export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-export TLT_REQUIRE_GPU=1 TLT_REQUIRE_NVRTC=1 RUST_BACKTRACE=1
-# SmolLM2's real weights, sent in parts by earlier calls (`cargo xtask gpu-bundle --weights`): reassembled and checked.
-parts=$(ls "$here"/../gpu-weights/part-*/smollm2.gguf.part 2>/dev/null | sort -V)
-if [ -n "$parts" ]; then
-    gguf="$here/../gpu-weights/SmolLM2-135M-Instruct.Q4_1.gguf"
-    cat $parts > "$gguf"
-    if echo "$(cat "$here"/../gpu-weights/part-1/sha256)  $gguf" | sha256sum -c - > "$out/weights.txt" 2>&1; then
-        export TLT_SMOLLM2_GGUF="$gguf" TLT_REQUIRE_SMOLLM2=1
-    else
-        echo "SmolLM2 parts do not reassemble to the expected file (see $out/weights.txt)"
-    fi
-fi
-{ nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; ldconfig -p | grep -E 'libcuda.so|nvrtc|cublas'; } > "$out/env.txt" 2>&1
-status=0
-for t in "$here"/bin/test-*; do
-    echo "== $(basename "$t")"
-    "$t" --nocapture --test-threads=1 > "$out/$(basename "$t").log" 2>&1 || { status=1; echo "FAILED (see $out/$(basename "$t").log)"; }
-    grep -E "^test |test result" "$out/$(basename "$t").log"
-done
-for arch in ${ARCHS:-smollm2-135m llama3-8b}; do
-    echo "== gpu-bench $arch"
-    "$here/bin/gpu-bench" --arch "$arch" --out "$out/decode-$arch.json" > "$out/decode-$arch.md" 2>&1 || status=1
-    cat "$out/decode-$arch.md"
-done
-# The peer: HF transformers + PyTorch on the same GPU (eager generate, static cache + torch.compile).
-for arch in ${HF_ARCHS:-smollm2-135m}; do
-    echo "== transformers $arch"
-    python3 "$here/hf_decode_bench.py" --arch "$arch" --batches "${HF_BATCHES:-1,64}" --out "$out/hf-$arch.json" > "$out/hf-$arch.md" 2>&1 || status=1
-    cat "$out/hf-$arch.md"
-done
-exit $status
-"#;
+/// One call of the GPU plan on the GPU machine (`run.sh CALL`; see the script's header).
+const RUN_SH: &str = include_str!("gpu_run.sh");
+
+/// The calls of the GPU plan, in order, each within the device tool's 10-minute command limit.
+pub const CALLS: [&str; 4] = ["tests", "decode-small", "decode-8b", "peer"];
+
+/// At most this many files come back from one call's `$OUT`.
+const MAX_FILES: usize = 8;
+/// At most this many lines of a call's summary (printed last, so it survives the tool's 12,000-character tail).
+const MAX_SUMMARY_LINES: usize = 40;
 
 /// Most bytes of one weights part: with the repository (~5 MB) it stays under the device tool's 64 MiB per call.
 const PART_BYTES: usize = 48 << 20;
@@ -129,6 +88,15 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
             std::fs::copy(from, to)?;
         }
     }
+    write_scripts(root, &dir)?;
+    let bytes: u64 = copied.iter().filter_map(|(_, to)| std::fs::metadata(to).ok()).map(|m| m.len()).sum();
+    info!(dir = %dir.display(), mb = bytes / 1_000_000, "GPU bundle ready: one call per `run.sh CALL`: {CALLS:?}");
+    Ok(dir)
+}
+
+/// Writes `run.sh` and the transformers peer's script into `dir`.
+fn write_scripts(root: &Path, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
     std::fs::copy(root.join("scripts/hf_decode_bench.py"), dir.join("hf_decode_bench.py"))?;
     let run = dir.join("run.sh");
     std::fs::write(&run, RUN_SH)?;
@@ -137,7 +105,54 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755))?;
     }
-    let bytes: u64 = copied.iter().filter_map(|(_, to)| std::fs::metadata(to).ok()).map(|m| m.len()).sum();
-    info!(dir = %dir.display(), mb = bytes / 1_000_000, "GPU bundle ready: send it and run gpu-bundle/run.sh");
-    Ok(dir)
+    Ok(())
+}
+
+/// `cargo xtask gpu-bundle --dry-run`: runs every call of the plan here with its GPU steps stubbed (`TLT_DRY_RUN=1`)
+/// and checks the rules of the device tool: at most 8 files under `$OUT`, a summary of at most 40 lines, printed
+/// last. Needs no GPU and no CUDA build.
+///
+/// # Errors
+/// When a call breaks a rule or the script fails.
+pub fn dry_run(root: &Path) -> Result<()> {
+    let dir = root.join("target").join("gpu-bundle-dry");
+    let _ = std::fs::remove_dir_all(&dir);
+    write_scripts(root, &dir)?;
+    for call in CALLS {
+        let out = dir.join("out").join(call);
+        std::fs::create_dir_all(&out)?;
+        let run = Command::new("bash")
+            .arg(dir.join("run.sh"))
+            .arg(call)
+            .env("OUT", &out)
+            .env("TLT_DRY_RUN", "1")
+            .output()
+            .with_context(|| format!("running run.sh {call}"))?;
+        if !run.status.success() {
+            bail!("dry run of `{call}` failed: {}", String::from_utf8_lossy(&run.stderr));
+        }
+        let files: Vec<String> = std::fs::read_dir(&out)?
+            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect();
+        if files.len() > MAX_FILES || files.len() != 2 {
+            bail!(
+                "`{call}` left {} files under $OUT ({files:?}); the plan's rule is 2 (at most {MAX_FILES})",
+                files.len()
+            );
+        }
+        let summary = std::fs::read_to_string(out.join(format!("{call}-summary.txt")))?;
+        let lines = summary.lines().count();
+        if lines > MAX_SUMMARY_LINES || lines == 0 {
+            bail!("`{call}`'s summary has {lines} lines (1..={MAX_SUMMARY_LINES})");
+        }
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        if !stdout.trim_end().ends_with(summary.trim_end()) {
+            bail!("`{call}` does not print its summary last");
+        }
+        if !out.join(format!("{call}.tar.gz")).exists() {
+            bail!("`{call}` wrote no archive");
+        }
+        println!("gpu-bundle dry run `{call}`: {} files, summary of {lines} lines printed last", files.len());
+    }
+    Ok(())
 }

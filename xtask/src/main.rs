@@ -91,6 +91,10 @@ enum Cmd {
         /// takes 64 MiB per call); `run.sh` reassembles them and runs the real-weights parity test.
         #[arg(long)]
         weights: bool,
+        /// Run every call of the plan here with the GPU steps stubbed and check the device tool's rules (files under
+        /// `$OUT`, the summary printed last); builds nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Fetch assets, then the main job: GRPO on SmolLM2-135M-Instruct with TLT rollouts and the baseline with
     /// the same seeds (steps interleaved), and a report (reward before/after, step-time split, TLT speedup). Output in `target/demo`.
@@ -285,6 +289,11 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
             assets::EXPORT_CHECK_FETCH
         ),
     }
+    // The GPU plan's calls, with their GPU steps stubbed: the device tool's file and output rules hold.
+    if let Err(e) = gpu_bundle::dry_run(&workspace_root()) {
+        eprintln!("error: gpu-bundle dry run: {e:#}");
+        return Ok(ExitCode::FAILURE);
+    }
     cuda_tests(gpu)
 }
 
@@ -379,7 +388,11 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),
         Cmd::TestCuda { gpu } => cuda_tests(gpu),
-        Cmd::GpuBundle { weights } => {
+        Cmd::GpuBundle { dry_run: true, .. } => {
+            gpu_bundle::dry_run(&workspace_root())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::GpuBundle { weights, dry_run: false } => {
             let root = workspace_root();
             println!("{}", gpu_bundle::build(&root, cargo)?.display());
             if weights {
