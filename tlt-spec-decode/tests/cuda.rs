@@ -25,6 +25,14 @@ fn tiny(vocab: usize) -> Llama {
     Llama::random(cfg, 9).unwrap()
 }
 
+/// `m` with its LM head scaled by 0.1: near-uniform next-token distributions.
+fn flat(m: Llama) -> Llama {
+    let mut w = m.weights().clone();
+    w.lm_head = w.lm_head.as_ref().map(|h| (h * 0.1).unwrap());
+    w.head_packed = None;
+    Llama::new(m.config().clone(), w).unwrap()
+}
+
 fn gpu_or_skip(test: &str) -> bool {
     tlt_kernels::cuda::gpu_or_skip(test).unwrap()
 }
@@ -164,8 +172,10 @@ impl Drafter for FixedTree {
     }
 }
 
-/// The biased control: the wrapped target verifies every round with the coins of output position 0, so tokens of
-/// later positions reuse earlier coins.
+/// The biased control: the wrapped target verifies every request's round with the first request's coins (a seeding
+/// bug: one coin stream shared by a batch), so the requests of a batch draw the same tokens and the empirical law
+/// clumps, whatever the rounds and however the tree is accepted. (The earlier control reused position 0's coins,
+/// which changed nothing while the first round accepted both tokens: no power.)
 struct ReusedCoins<'a>(&'a CudaTarget);
 
 impl Target for ReusedCoins<'_> {
@@ -198,7 +208,12 @@ impl Target for ReusedCoins<'_> {
         hidden: bool,
         spec: VerifySpec<'_>,
     ) -> Result<Option<Vec<Verified>>> {
-        let stuck: Vec<Coins> = spec.coins.iter().map(|c| Coins::new(c.stream().clone(), 0)).collect();
+        let first = spec.coins.first().map(|c| c.stream().clone());
+        let stuck: Vec<Coins> = spec
+            .coins
+            .iter()
+            .map(|c| Coins::new(first.clone().unwrap_or_else(|| c.stream().clone()), c.position()))
+            .collect();
         self.0.forward_verify(state, inputs, hidden, VerifySpec { params: spec.params, coins: &stuck })
     }
     fn commit(&self, state: &mut CudaState, seq: SeqHandle, path: &[usize]) -> Result<()> {
@@ -262,8 +277,9 @@ fn device_tree_acceptance_is_lossless_and_a_biased_variant_is_caught() {
     if !gpu_or_skip("device_tree_acceptance_is_lossless_and_a_biased_variant_is_caught") {
         return;
     }
-    // Vocabulary 6, so the 36 cells are well populated by 6,000 samples.
-    let target = CudaTarget::new(&tiny(6), 0, 32, 128, 1 << 28).unwrap();
+    // Vocabulary 6, so the 36 cells are well populated by 6,000 samples; a flat target (the LM head scaled by 0.1:
+    // every token between about 1/12 and 1/3), so both positions are real draws and the biased control clumps.
+    let target = CudaTarget::new(&flat(tiny(6)), 0, 32, 128, 1 << 28).unwrap();
     let prompt = [1u32, 4, 2, 5];
     let params = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
     let exact = exact_two(&target, &prompt, &params);
