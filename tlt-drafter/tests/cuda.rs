@@ -4,22 +4,16 @@
 
 mod common;
 
-use std::sync::Arc;
-
+use common::rollouts::*;
 use common::*;
 use tlt_drafter::cuda::{CudaDraftOptions, CudaDrafter};
-use tlt_drafter::online::WeightsSlot;
 use tlt_drafter::{
-    Attend, DraftExecutor, DraftRuntime, DrafterConfig, Eagle2Drafter, Eagle3Drafter, EagleProposer, FrozenTarget,
-    HostExecutor, Row, RuntimeOptions, VocabMap,
+    Attend, DraftExecutor, DraftRuntime, DrafterConfig, DrafterKind, Eagle2Drafter, Eagle3Drafter, FrozenTarget,
+    HostExecutor, Row, VocabMap,
 };
 use tlt_kernels::cuda::gpu_or_skip;
-use tlt_kernels::WeightDType;
 use tlt_model::{Llama, Tap};
-use tlt_spec_decode::{Engine, Plan, SpecParams, TappedLlama};
-
-const F32: RuntimeOptions =
-    RuntimeOptions { layer_dtype: WeightDType::F32, head_dtype: WeightDType::F32, hot_vocab: None };
+use tlt_spec_decode::Plan;
 
 fn runtimes(target: &Llama) -> Vec<(&'static str, DraftRuntime)> {
     let e2 =
@@ -114,46 +108,49 @@ fn device_forward_and_top_k_match_the_host_drafter() {
     }
 }
 
+/// Greedy SD on the CPU target is lossless for any drafter, so losslessness alone proves nothing about the device
+/// drafter: its acceptance is compared with the host executor's running the same trained drafter. The comparison has
+/// power because training moves acceptance far (measured on the host, 2026-11-25: tokens per round 1.02 -> 2.43 for
+/// EAGLE-2, 1.07 -> 1.91 for EAGLE-3); a device executor that drafted from the wrong weights, features or positions
+/// falls back towards the untrained drafter's rate. The allowance, a quarter of that gap, is for bf16 rounding:
+/// it flips a top-1 candidate where two log-probs nearly tie (the forward test allows 1 row in 10), and one flip
+/// changes at most the rest of that round.
 #[test]
-fn speculative_decoding_with_the_device_drafter_is_lossless() {
-    if !gpu_or_skip("speculative_decoding_with_the_device_drafter_is_lossless").unwrap() {
+fn the_device_drafter_accepts_like_the_host_executor_and_is_lossless() {
+    if !gpu_or_skip("the_device_drafter_accepts_like_the_host_executor_and_is_lossless").unwrap() {
         return;
     }
-    let target = target("llama", 8);
-    let prompts = tokens(3, 6, 5);
-    let n = 20;
-    let params = SpecParams { stop_token_ids: Some(vec![]), ..SpecParams::greedy(n) };
-    let plain = {
-        let mut e = Engine::new(&target, params.clone()).unwrap();
-        for p in &prompts {
-            e.add_request(p).unwrap();
-        }
-        e.run_to_completion(None, &Plan::chain(1)).unwrap();
-        let mut f = e.take_finished();
-        f.sort_by_key(|f| f.id);
-        f.into_iter().map(|f| f.tokens).collect::<Vec<_>>()
-    };
-    let taps = Tap::eagle3(LAYERS);
+    let target = target("llama", 25);
+    let prompts = tokens(4, 6, 3);
+    let n = 32;
+    let plain: Vec<Vec<u32>> = rollout(&target, &prompts, n, None).into_iter().map(|f| f.tokens).collect();
     let plan = Plan { steps: 3, top_k: 2, verify_tokens: 6 };
-    for (kind, rt) in runtimes(&target) {
-        let mut p = EagleProposer::with_executor(Arc::new(WeightsSlot::new(rt)), device());
-        let mut e = if kind == "eagle2" {
-            Engine::new(TappedLlama { model: &target, taps: &[Tap::FinalNorm] }, params.clone()).unwrap()
-        } else {
-            Engine::new(TappedLlama { model: &target, taps: &taps }, params.clone()).unwrap()
-        };
-        e.record_hidden(true);
-        for q in &prompts {
-            e.add_request(q).unwrap();
-        }
-        e.run_to_completion(Some(&mut p), &plan).unwrap();
-        assert!(e.counters().drafted > 0, "{kind} drafted");
-        let mut fin = e.take_finished();
-        fin.sort_by_key(|f| f.id);
-        for (f, r) in fin.iter().zip(&plain) {
-            assert_eq!(&f.tokens, r, "{kind}: greedy SD with the device drafter differs from plain decoding");
-        }
+    for kind in [DrafterKind::Eagle2, DrafterKind::Eagle3] {
+        let (untrained, trained) = untrained_and_trained(&target, kind, &prompts, n, 150);
+        let tau = |c: &tlt_spec_decode::Counters| c.mean_accept_len();
+        let (c_untrained, _) = greedy_sd(&target, kind, &mut proposer(untrained, HostExecutor), &prompts, n, &plan);
+        let (c_host, t_host) =
+            greedy_sd(&target, kind, &mut proposer(trained.clone(), HostExecutor), &prompts, n, &plan);
+        let mut dev = proposer(trained, device());
+        let (c_dev, t_dev) = greedy_sd(&target, kind, &mut dev, &prompts, n, &plan);
+        let gap = tau(&c_host) - tau(&c_untrained);
+        eprintln!(
+            "{kind:?}: tokens per round untrained {:.3}, host {:.3}, device {:.3}",
+            tau(&c_untrained),
+            tau(&c_host),
+            tau(&c_dev)
+        );
+        assert!(gap >= 0.5, "{kind:?}: training moved acceptance by {gap:.3} only: the comparison has no power");
+        assert!(
+            (tau(&c_dev) - tau(&c_host)).abs() <= 0.25 * gap,
+            "{kind:?}: device {:.3} vs host {:.3} tokens per round (allowed {:.3})",
+            tau(&c_dev),
+            tau(&c_host),
+            0.25 * gap
+        );
+        assert_eq!(t_host, plain, "{kind:?}: greedy SD with the host drafter differs from plain decoding");
+        assert_eq!(t_dev, plain, "{kind:?}: greedy SD with the device drafter differs from plain decoding");
         // Every finished sequence's slot went back to the drafter.
-        assert_eq!(p.executor().free_slots(), 8, "{kind}: device draft slots leaked");
+        assert_eq!(dev.executor().free_slots(), 8, "{kind:?}: device draft slots leaked");
     }
 }

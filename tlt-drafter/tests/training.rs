@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor, Var};
+use common::rollouts::*;
 use common::*;
 use parking_lot::Mutex;
 use tlt_drafter::online::{BackgroundTrainer, BufferConfig, FeatureSample, OnlineBuffer, WeightsSlot};
@@ -16,80 +17,16 @@ use tlt_drafter::train::{
     OnlineStepConfig,
 };
 use tlt_drafter::{
-    DraftRuntime, DrafterConfig, DrafterKind, DrafterTrainer, Eagle2Drafter, Eagle3Drafter, EagleProposer, Error,
-    FrozenTarget, RuntimeOptions, TrainConfig, TrainableDrafter, UniformNoise, VocabMap,
+    DrafterKind, DrafterTrainer, Eagle2Drafter, Eagle3Drafter, EagleProposer, Error, TrainConfig, TrainableDrafter,
+    UniformNoise,
 };
-use tlt_kernels::WeightDType;
 use tlt_model::optim::{clip_grad_norm, AdamW, AdamWParams, LrSchedule, ScheduleKind};
-use tlt_model::{Llama, Tap};
-use tlt_spec_decode::{Engine, Finished, HiddenStates, Plan, SpecParams, TappedLlama, Target};
-
-const F32: RuntimeOptions =
-    RuntimeOptions { layer_dtype: WeightDType::F32, head_dtype: WeightDType::F32, hot_vocab: None };
-
-fn eagle2(target: &Llama, seed: u64) -> Eagle2Drafter {
-    let cfg = DrafterConfig::eagle2_from_target(target.config(), false);
-    Eagle2Drafter::random(cfg, FrozenTarget::new(target), seed).unwrap()
-}
-
-fn eagle3(target: &Llama, seed: u64) -> Eagle3Drafter {
-    let cfg = DrafterConfig::eagle3_from_target(target.config(), 20);
-    let vocab = VocabMap::from_tokens(tokens(4, 20, 2).into_iter().flatten(), VOCAB, 20, &[2]).unwrap();
-    Eagle3Drafter::random(cfg, vocab, FrozenTarget::new(target), seed).unwrap()
-}
-
-fn trainer(target: &Llama, kind: DrafterKind, cfg: TrainConfig) -> DrafterTrainer {
-    match kind {
-        DrafterKind::Eagle2 => DrafterTrainer::new(eagle2(target, 11), cfg).unwrap(),
-        DrafterKind::Eagle3 => DrafterTrainer::new(eagle3(target, 11), cfg).unwrap(),
-    }
-}
+use tlt_model::Llama;
+use tlt_spec_decode::HiddenStates;
 
 /// A cosine schedule: peak `lr`, `warmup` steps, the floor `ratio * lr` at `total`.
 fn cosine(lr: f64, warmup: u64, total: u64, ratio: f64) -> LrSchedule {
     LrSchedule { lr, warmup_steps: warmup, total_steps: total, min_lr_ratio: ratio, kind: ScheduleKind::Cosine }
-}
-
-/// A small-model training config: windows of 32, rows of 64, 4 samples per step.
-fn small_cfg(lr: f64) -> TrainConfig {
-    TrainConfig {
-        schedule: LrSchedule::constant(lr),
-        window: 32,
-        row_len: 64,
-        tokens_per_step: 128,
-        samples_per_step: 4,
-        grad_clip: Some(1.0),
-        seed: 3,
-        ..TrainConfig::default()
-    }
-}
-
-fn params(n: usize) -> SpecParams {
-    SpecParams { stop_token_ids: Some(vec![]), ..SpecParams::greedy(n) }
-}
-
-/// Greedy rollouts of `prompts` (`n` tokens each) through the engine, recording hidden states.
-fn rollout<T: Target>(t: T, prompts: &[Vec<u32>], n: usize, drafter: Option<&mut EagleProposer>) -> Vec<Finished> {
-    let mut e = Engine::new(t, params(n)).unwrap();
-    e.record_hidden(true);
-    for p in prompts {
-        e.add_request(p).unwrap();
-    }
-    let plan = Plan { steps: 3, top_k: 2, verify_tokens: 6 };
-    e.run_to_completion(drafter.map(|d| d as &mut dyn tlt_spec_decode::Drafter), &plan).unwrap();
-    let mut f = e.take_finished();
-    f.sort_by_key(|f| f.id);
-    f
-}
-
-/// Samples recorded as `kind` needs them: final-norm rows for EAGLE-2, `Tap::eagle3` rows for EAGLE-3.
-fn samples(target: &Llama, kind: DrafterKind, prompts: &[Vec<u32>], n: usize) -> Vec<Arc<FeatureSample>> {
-    let taps = Tap::eagle3(LAYERS);
-    let fin = match kind {
-        DrafterKind::Eagle2 => rollout(target, prompts, n, None),
-        DrafterKind::Eagle3 => rollout(TappedLlama { model: target, taps: &taps }, prompts, n, None),
-    };
-    fin.iter().map(|f| Arc::new(FeatureSample::from_finished(f, 0).unwrap())).collect()
 }
 
 fn weight_bits(t: &DrafterTrainer) -> Vec<(String, Vec<u64>)> {
@@ -505,24 +442,6 @@ fn online_training_next_to_rollouts_loses_nothing_and_pauses_within_a_step() {
     for l in &latencies {
         assert!(l.as_secs_f64() <= 3.0 * max_step_s + 0.05, "pause took {l:?}, steps take up to {max_step_s}s");
     }
-}
-
-/// Acceptance rate (accepted / drafted) of `rt` on greedy rollouts of `prompts`.
-fn acceptance(target: &Llama, kind: DrafterKind, rt: DraftRuntime, prompts: &[Vec<u32>], n: usize) -> f64 {
-    let mut p = EagleProposer::fixed(rt);
-    let taps = Tap::eagle3(LAYERS);
-    let mut e = match kind {
-        DrafterKind::Eagle2 => Engine::new(TappedLlama { model: target, taps: &[Tap::FinalNorm] }, params(n)),
-        DrafterKind::Eagle3 => Engine::new(TappedLlama { model: target, taps: &taps }, params(n)),
-    }
-    .unwrap();
-    e.record_hidden(true);
-    for q in prompts {
-        e.add_request(q).unwrap();
-    }
-    e.run_to_completion(Some(&mut p), &Plan::chain(3)).unwrap();
-    let c = e.counters();
-    c.accepted as f64 / c.drafted.max(1) as f64
 }
 
 #[test]

@@ -2,6 +2,7 @@
 #![allow(dead_code, clippy::unwrap_used)] // Tests: a panic is the failure report; not every test uses every helper.
 
 pub mod reference;
+pub mod rollouts;
 
 use candle_core::{DType, Device, Tensor, Var};
 use tlt_model::{Llama, LlamaConfig, LogitsFor, SeqInput, Tap};
