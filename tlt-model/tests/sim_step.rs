@@ -13,8 +13,8 @@ use tlt_kernels::cuda::plan::{Buf, GemmEx, Launch};
 use tlt_kernels::cuda::CacheDims;
 use tlt_kernels::AttnShape;
 use tlt_model::device_step::{
-    layout, row_parity, DeviceOps, DeviceSeq, LayerBufs, LinearBufs, StepBufs, StepLayout, StepProgram, WeightBufs,
-    BF16_ROW_TOL,
+    layout, row_parity, DeviceOps, DeviceSeq, LayerBufs, LinearBufs, StepBufs, StepLayout, StepMeta, StepProgram,
+    WeightBufs, BF16_ROW_TOL,
 };
 use tlt_model::{Llama, LlamaConfig, LogitsFor, SeqInput};
 
@@ -60,9 +60,8 @@ struct Mem {
     dev: SimDevice,
     bf16: Vec<SimBuf<bf16>>,
     f32: Vec<SimBuf<f32>>,
-    i32: Vec<SimBuf<i32>>,
     other: Vec<SimBuf<f64>>,
-    masks: Vec<SimBuf<u64>>,
+    bytes: Vec<SimBuf<u8>>,
 }
 
 impl Mem {
@@ -80,11 +79,6 @@ impl Mem {
     fn zeros_f(&mut self, n: usize) -> Buf<f32> {
         self.f32.push(self.dev.zeros(n));
         self.f32.last().unwrap().buf()
-    }
-
-    fn ints(&mut self, v: &[i32]) -> Buf<i32> {
-        self.i32.push(self.dev.upload(v));
-        self.i32.last().unwrap().buf()
     }
 }
 
@@ -137,24 +131,19 @@ fn weights(mem: &mut Mem, m: &Llama) -> WeightBufs {
 fn step_bufs(mem: &mut Mem, program: &StepProgram<'_>, l: &StepLayout, batch: usize) -> StepBufs {
     let cfg = program.cfg;
     let rows = batch * l.n_max;
-    let anc = l.anc.as_ref().map(|a| {
-        mem.masks.push(mem.dev.upload(a));
-        mem.masks.last().unwrap().buf()
-    });
+    // The metadata packed as `CudaLlama` packs it (one buffer, one copy), padding rows slot-less.
+    let meta = StepMeta::new(batch, l.n_max, l.anc.is_some());
+    let mut host = vec![0u8; meta.bytes()];
+    meta.write(l, &mut host).unwrap();
+    mem.bytes.push(mem.dev.upload(&host));
+    let meta = meta.bufs(mem.bytes.last().unwrap().buf()).unwrap();
     let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
     let tree = tlt_kernels::cuda::TreeDims { batch, n_max: l.n_max };
     let (po, pml) = program.chunks(batch, l.n_max).part_lens(tree, cfg.num_attention_heads, cfg.head_dim());
     StepBufs {
         batch,
         n_max: l.n_max,
-        tokens: mem.ints(&l.tokens),
-        row_slot: mem.ints(&l.row_slot),
-        row_pos: mem.ints(&l.row_pos),
-        row_dst: mem.ints(&l.row_dst),
-        seq_slot: mem.ints(&l.seq_slot),
-        seq_prefix: mem.ints(&l.seq_prefix),
-        seq_nodes: mem.ints(&l.seq_nodes),
-        anc,
+        meta,
         x: mem.zeros_f(rows * h),
         xn: mem.zeros_bf(rows * h),
         qkv: mem.zeros_bf(rows * (cfg.q_dim() + 2 * cfg.kv_dim())),
@@ -186,7 +175,7 @@ fn the_step_program_on_the_simulated_device_matches_the_cpu_decoder() {
         let cpu = tiny(arch, 7);
         let cfg = cpu.config().clone();
         let dev = SimDevice::new();
-        let mut mem = Mem { dev: dev.clone(), bf16: vec![], f32: vec![], i32: vec![], other: vec![], masks: vec![] };
+        let mut mem = Mem { dev: dev.clone(), bf16: vec![], f32: vec![], other: vec![], bytes: vec![] };
         let w = weights(&mut mem, &cpu);
         let attn = AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
         let cache = CacheDims { layers: cfg.num_hidden_layers, slots: 2, max_len: 512, attn };
@@ -275,7 +264,7 @@ fn launches_per_decode_layer() {
         let cpu = tiny(arch, 3);
         let cfg = cpu.config().clone();
         let dev = SimDevice::new();
-        let mut mem = Mem { dev: dev.clone(), bf16: vec![], f32: vec![], i32: vec![], other: vec![], masks: vec![] };
+        let mut mem = Mem { dev: dev.clone(), bf16: vec![], f32: vec![], other: vec![], bytes: vec![] };
         let w = weights(&mut mem, &cpu);
         let attn = AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
         let cache = CacheDims { layers: cfg.num_hidden_layers, slots: 1, max_len: 4096, attn };

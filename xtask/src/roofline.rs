@@ -13,7 +13,7 @@ use serde::Serialize;
 use tlt_kernels::cuda::plan::{Buf, GemmEx, Launch};
 use tlt_kernels::cuda::{CacheDims, TreeDims};
 use tlt_kernels::AttnShape;
-use tlt_model::device_step::{DeviceOps, LayerBufs, LinearBufs, StepBufs, StepProgram, WeightBufs};
+use tlt_model::device_step::{DeviceOps, LayerBufs, LinearBufs, StepBufs, StepMeta, StepProgram, WeightBufs};
 use tlt_model::LlamaConfig;
 
 /// H100 SXM: HBM3 bandwidth (bytes/s).
@@ -215,14 +215,10 @@ fn step(name: &str, cfg: &LlamaConfig, batch: usize, n_max: usize, context: usiz
     let b = StepBufs {
         batch,
         n_max,
-        tokens: fake(rows),
-        row_slot: fake(rows),
-        row_pos: fake(rows),
-        row_dst: fake(rows),
-        seq_slot: fake(batch),
-        seq_prefix: fake(batch),
-        seq_nodes: fake(batch),
-        anc: (n_max > 1).then(|| fake(rows)),
+        meta: {
+            let meta = StepMeta::new(batch, n_max, n_max > 1);
+            meta.bufs(fake(meta.bytes())).map_err(|e| anyhow::anyhow!("{e}"))?
+        },
         x: fake(rows * h),
         xn: fake(rows * h),
         qkv: fake(rows * (qd + 2 * kvd)),

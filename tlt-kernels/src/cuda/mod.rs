@@ -15,6 +15,7 @@ mod draft;
 mod layer;
 #[cfg(feature = "cuda")]
 mod nvrtc;
+pub mod packing;
 pub mod plan;
 mod shapes;
 

@@ -634,7 +634,7 @@ impl CudaLlama {
             layer_taps: &layer_taps,
             target_blocks: self.target_blocks,
         };
-        let step = bufs.bufs(s);
+        let step = bufs.bufs(s)?;
         let mut ops = CudaOps { kernels: &self.kernels, blas: &self.blas, stream: s };
         program.record(&mut ops, &step)?;
         let (Some(key), Some(g)) = (key, self.graphs.as_mut()) else { return Ok(StepMode::Eager) };

@@ -6,14 +6,14 @@
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 use half::bf16;
 use tlt_kernels::cuda::plan::{Buf, Chunks, GemmEx, Launch};
 use tlt_kernels::cuda::{run_gemm, CudaKernels, TreeDims};
 
 use super::cuda_err;
 use crate::config::LlamaConfig;
-use crate::device_step::{DeviceOps, StepBufs, StepLayout};
+use crate::device_step::{DeviceOps, StepBufs, StepLayout, StepMeta};
 use crate::Result;
 
 /// Buffers of one `(batch, n_max, tree)` shape.
@@ -21,14 +21,11 @@ use crate::Result;
 pub(crate) struct StepBuffers {
     pub(crate) batch: usize,
     pub(crate) n_max: usize,
-    tokens: CudaSlice<i32>,
-    row_slot: CudaSlice<i32>,
-    row_pos: CudaSlice<i32>,
-    row_dst: CudaSlice<i32>,
-    seq_slot: CudaSlice<i32>,
-    seq_prefix: CudaSlice<i32>,
-    seq_nodes: CudaSlice<i32>,
-    anc: Option<CudaSlice<u64>>,
+    /// The packing of the step's metadata, its pinned host staging buffer (written by the host, sent in one copy)
+    /// and the device buffer it lands in.
+    meta_layout: StepMeta,
+    staging: PinnedHostSlice<u8>,
+    meta: CudaSlice<u8>,
     x: CudaSlice<f32>,
     pub(crate) xn: CudaSlice<bf16>,
     qkv: CudaSlice<bf16>,
@@ -63,17 +60,14 @@ impl StepBuffers {
         let rows = batch * n_max;
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         let (po, pml) = chunks.part_lens(TreeDims { batch, n_max }, cfg.num_attention_heads, cfg.head_dim());
+        let meta_layout = StepMeta::new(batch, n_max, tree);
+        let staging = pinned(s, meta_layout.bytes(), sys::CU_MEMHOSTALLOC_WRITECOMBINED)?;
         Ok(Self {
             batch,
             n_max,
-            tokens: zeros(s, rows)?,
-            row_slot: zeros(s, rows)?,
-            row_pos: zeros(s, rows)?,
-            row_dst: zeros(s, rows)?,
-            seq_slot: zeros(s, batch)?,
-            seq_prefix: zeros(s, batch)?,
-            seq_nodes: zeros(s, batch)?,
-            anc: if tree { Some(zeros(s, rows)?) } else { None },
+            meta: zeros(s, meta_layout.bytes())?,
+            meta_layout,
+            staging,
             x: zeros(s, rows * h)?,
             xn: zeros(s, rows * h)?,
             qkv: zeros(s, rows * (cfg.q_dim() + 2 * cfg.kv_dim()))?,
@@ -94,35 +88,27 @@ impl StepBuffers {
         let b2 = [&self.xn, &self.qkv, &self.q, &self.attn, &self.o, &self.gate_up, &self.act].map(|b| b.len() * 2);
         let taps: usize = self.taps.iter().map(CudaSlice::len).sum();
         let f32s = self.x.len() + self.logits.len() + taps + self.part_o.len() + self.part_ml.len();
-        let b4 = f32s * 4 + self.tokens.len() * 16 + self.seq_slot.len() * 12;
-        (b2.iter().sum::<usize>() + b4 + self.anc.as_ref().map_or(0, |a| a.len() * 8)) as u64
+        (b2.iter().sum::<usize>() + f32s * 4 + self.meta.len()) as u64
     }
 
-    /// Writes a step's metadata (its shape must be this buffer's: `layout.n_max == n_max` and `batch` sequences,
-    /// padded with empty sequences in slot-less rows). Outside any capture.
+    /// Writes a step's metadata (its shape must be this buffer's: `layout.n_max == n_max` and at most `batch`
+    /// sequences; the rest is padding that every kernel skips) into the pinned staging buffer and sends it in one
+    /// asynchronous copy. Outside any capture. Waits first for the previous copy from the staging buffer.
     pub(crate) fn write(&mut self, s: &Arc<CudaStream>, l: &StepLayout) -> Result<()> {
-        let pad = |v: &[i32], n: usize, fill: i32| -> Vec<i32> {
-            let mut v = v.to_vec();
-            v.resize(n, fill);
-            v
-        };
-        let rows = self.batch * self.n_max;
-        let up = |dst: &mut CudaSlice<i32>, v: Vec<i32>| s.memcpy_htod(&v, dst).map_err(cuda_err("upload"));
-        up(&mut self.tokens, pad(&l.tokens, rows, 0))?;
-        up(&mut self.row_slot, pad(&l.row_slot, rows, -1))?;
-        up(&mut self.row_pos, pad(&l.row_pos, rows, 0))?;
-        up(&mut self.row_dst, pad(&l.row_dst, rows, 0))?;
-        // Padded sequences: slot 0, no committed keys, no nodes (every kernel skips them).
-        up(&mut self.seq_slot, pad(&l.seq_slot, self.batch, 0))?;
-        up(&mut self.seq_prefix, pad(&l.seq_prefix, self.batch, 0))?;
-        up(&mut self.seq_nodes, pad(&l.seq_nodes, self.batch, 0))?;
-        if let (Some(dst), Some(a)) = (self.anc.as_mut(), l.anc.as_ref()) {
-            let mut v = a.clone();
-            v.resize(rows, 0);
-            s.memcpy_htod(&v, dst).map_err(cuda_err("upload"))?;
-        }
-        Ok(())
+        let host = self.staging.as_mut_slice().map_err(cuda_err("staging buffer"))?;
+        self.meta_layout.write(l, host)?;
+        s.memcpy_htod(&self.staging, &mut self.meta).map_err(cuda_err("upload"))
     }
+}
+
+/// A pinned host buffer of `bytes` bytes, zeroed (`flags`: `cuMemHostAlloc`'s; write-combined for buffers the
+/// host only writes).
+pub(crate) fn pinned(s: &Arc<CudaStream>, bytes: usize, flags: u32) -> Result<PinnedHostSlice<u8>> {
+    // SAFETY: the memory is zeroed right below, before anything reads it.
+    let mut p =
+        unsafe { s.context().alloc_pinned_with_flags::<u8>(bytes.max(1), flags) }.map_err(cuda_err("pinned alloc"))?;
+    p.as_mut_slice().map_err(cuda_err("pinned alloc"))?.fill(0);
+    Ok(p)
 }
 
 /// A CUDA stream as the executor of a step program (event tracking is off for the model's context: every buffer
@@ -162,18 +148,11 @@ pub(crate) fn dbuf<T>(s: &CudaSlice<T>, stream: &CudaStream) -> Buf<T> {
 
 impl StepBuffers {
     /// The buffers as a step program sees them.
-    pub(crate) fn bufs(&self, s: &CudaStream) -> StepBufs {
-        StepBufs {
+    pub(crate) fn bufs(&self, s: &CudaStream) -> Result<StepBufs> {
+        Ok(StepBufs {
             batch: self.batch,
             n_max: self.n_max,
-            tokens: dbuf(&self.tokens, s),
-            row_slot: dbuf(&self.row_slot, s),
-            row_pos: dbuf(&self.row_pos, s),
-            row_dst: dbuf(&self.row_dst, s),
-            seq_slot: dbuf(&self.seq_slot, s),
-            seq_prefix: dbuf(&self.seq_prefix, s),
-            seq_nodes: dbuf(&self.seq_nodes, s),
-            anc: self.anc.as_ref().map(|a| dbuf(a, s)),
+            meta: self.meta_layout.bufs(dbuf(&self.meta, s))?,
             x: dbuf(&self.x, s),
             xn: dbuf(&self.xn, s),
             qkv: dbuf(&self.qkv, s),
@@ -185,6 +164,6 @@ impl StepBuffers {
             act: dbuf(&self.act, s),
             logits: dbuf(&self.logits, s),
             taps: self.taps.iter().map(|t| dbuf(t, s)).collect(),
-        }
+        })
     }
 }

@@ -1,6 +1,8 @@
 //! The host side of a device forward: the batch's padded layout and the metadata the kernels read, validated.
 
 use tlt_kernels::cuda::ancestor_masks;
+use tlt_kernels::cuda::packing::Packing;
+use tlt_kernels::cuda::plan::Buf;
 
 use crate::{Error, Result};
 
@@ -113,6 +115,108 @@ pub fn layout(seqs: &[DeviceSeq<'_>], vocab: usize, slots: usize, max_len: usize
     Ok(l)
 }
 
+/// The metadata buffers a step's kernels read, segments of one packed buffer ([`StepMeta`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MetaBufs {
+    /// `[rows]` tokens.
+    pub tokens: Buf<i32>,
+    /// `[rows]` cache slots (-1: padding).
+    pub row_slot: Buf<i32>,
+    /// `[rows]` RoPE positions.
+    pub row_pos: Buf<i32>,
+    /// `[rows]` cache positions.
+    pub row_dst: Buf<i32>,
+    /// `[batch]` cache slots.
+    pub seq_slot: Buf<i32>,
+    /// `[batch]` committed positions.
+    pub seq_prefix: Buf<i32>,
+    /// `[batch]` new tokens.
+    pub seq_nodes: Buf<i32>,
+    /// `[rows]` ancestor masks (tree shapes).
+    pub anc: Option<Buf<u64>>,
+}
+
+/// A step shape's metadata packed into one buffer, so the host sends it in one copy (from a pinned staging buffer
+/// on a GPU): the [`StepLayout`] arrays padded to `batch` sequences of `n_max` rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepMeta {
+    batch: usize,
+    n_max: usize,
+    tree: bool,
+    packing: Packing,
+}
+
+impl StepMeta {
+    /// The packing of a `(batch, n_max)` shape, with ancestor masks when `tree`.
+    #[must_use]
+    pub fn new(batch: usize, n_max: usize, tree: bool) -> Self {
+        let rows = batch * n_max;
+        let mut segs = vec![rows * 4, rows * 4, rows * 4, rows * 4, batch * 4, batch * 4, batch * 4];
+        if tree {
+            segs.push(rows * 8);
+        }
+        Self { batch, n_max, tree, packing: Packing::new(&segs) }
+    }
+
+    /// Bytes of the packed buffer.
+    #[must_use]
+    pub fn bytes(&self) -> usize {
+        self.packing.bytes()
+    }
+
+    /// Writes `l` into the host bytes `host`, padded: padding rows are slot-less (slot -1) at position 0 with token
+    /// 0, padded sequences have slot 0, no committed keys and no nodes (every kernel skips them), padding masks 0.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when `l` is not of this shape (more sequences, another `n_max`, masks on a causal
+    /// shape or none on a tree shape); [`Error::Kernel`] (the packing's) when `host` is shorter than
+    /// [`StepMeta::bytes`].
+    pub fn write(&self, l: &StepLayout, host: &mut [u8]) -> Result<()> {
+        if l.n_max != self.n_max || l.seq_slot.len() > self.batch || l.anc.is_some() != self.tree {
+            return Err(Error::InvalidInput(format!(
+                "a layout of {} sequences x {} rows (tree: {}) in a step shape of {} x {} (tree: {})",
+                l.seq_slot.len(),
+                l.n_max,
+                l.anc.is_some(),
+                self.batch,
+                self.n_max,
+                self.tree
+            )));
+        }
+        let p = &self.packing;
+        let put = |host: &mut [u8], seg: usize, v: &[i32], fill: i32| p.put(host, seg, v, fill);
+        put(host, 0, &l.tokens, 0)?;
+        put(host, 1, &l.row_slot, -1)?;
+        put(host, 2, &l.row_pos, 0)?;
+        put(host, 3, &l.row_dst, 0)?;
+        put(host, 4, &l.seq_slot, 0)?;
+        put(host, 5, &l.seq_prefix, 0)?;
+        put(host, 6, &l.seq_nodes, 0)?;
+        if let Some(a) = &l.anc {
+            p.put(host, 7, a, 0u64)?;
+        }
+        Ok(())
+    }
+
+    /// The metadata segments of the packed device buffer `base`.
+    ///
+    /// # Errors
+    /// [`Error::Kernel`] when `base` is shorter than [`StepMeta::bytes`].
+    pub fn bufs(&self, base: Buf<u8>) -> Result<MetaBufs> {
+        let p = &self.packing;
+        Ok(MetaBufs {
+            tokens: p.buf(base, 0)?,
+            row_slot: p.buf(base, 1)?,
+            row_pos: p.buf(base, 2)?,
+            row_dst: p.buf(base, 3)?,
+            seq_slot: p.buf(base, 4)?,
+            seq_prefix: p.buf(base, 5)?,
+            seq_nodes: p.buf(base, 6)?,
+            anc: if self.tree { Some(p.buf(base, 7)?) } else { None },
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,5 +254,34 @@ mod tests {
         let tree = DeviceSeq { slot: 1, prefix_len: 0, tokens: &t, parents: Some(&[-1, 0]) };
         assert!(layout(&[DeviceSeq { tokens: &long, ..ok }, tree], 10, 2, 128).is_err(), "long chunk beside a tree");
         assert!(layout(&[DeviceSeq { tokens: &long, ..ok }], 10, 2, 128).is_ok(), "a long causal chunk alone");
+    }
+
+    #[test]
+    fn step_meta_packs_the_layout_padded_and_refuses_other_shapes() {
+        let (a, t) = ([5u32, 6], [1u32, 2]);
+        let seqs = [
+            DeviceSeq { slot: 2, prefix_len: 10, tokens: &a, parents: None },
+            DeviceSeq { slot: 0, prefix_len: 4, tokens: &t, parents: Some(&[-1, 0]) },
+        ];
+        let l = layout(&seqs, 100, 3, 64).unwrap();
+        let meta = StepMeta::new(3, 2, true);
+        let mut host = vec![0xFFu8; meta.bytes()];
+        meta.write(&l, &mut host).unwrap();
+        let p = &meta.packing;
+        assert_eq!(p.get::<i32>(&host, 0).unwrap(), [5, 6, 1, 2, 0, 0]);
+        assert_eq!(p.get::<i32>(&host, 1).unwrap(), [2, 2, 0, 0, -1, -1]);
+        assert_eq!(p.get::<i32>(&host, 2).unwrap(), [10, 11, 4, 5, 0, 0]);
+        assert_eq!(p.get::<i32>(&host, 4).unwrap(), [2, 0, 0]);
+        assert_eq!(p.get::<i32>(&host, 5).unwrap(), [10, 4, 0]);
+        assert_eq!(p.get::<i32>(&host, 6).unwrap(), [2, 2, 0]);
+        assert_eq!(p.get::<u64>(&host, 7).unwrap(), [0b1, 0b11, 0b1, 0b11, 0, 0]);
+        let b = meta.bufs(Buf::new(1 << 20, meta.bytes())).unwrap();
+        assert_eq!((b.tokens.len(), b.seq_slot.len(), b.anc.map(|a| a.len())), (6, 3, Some(6)));
+        assert!(b.anc.unwrap().addr().is_multiple_of(16) && b.row_slot.addr().is_multiple_of(16));
+        assert!(StepMeta::new(1, 2, true).write(&l, &mut host).is_err(), "more sequences than the shape");
+        assert!(StepMeta::new(3, 3, true).write(&l, &mut host).is_err(), "another n_max");
+        assert!(StepMeta::new(3, 2, false).write(&l, &mut host).is_err(), "masks on a causal shape");
+        assert!(meta.write(&l, &mut host[..8]).is_err(), "host bytes too short");
+        assert!(meta.bufs(Buf::new(0, 8)).is_err(), "device buffer too short");
     }
 }

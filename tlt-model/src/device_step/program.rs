@@ -4,6 +4,7 @@ use half::bf16;
 use tlt_kernels::cuda::plan::{self, Buf, Chunks, GemmEx, GemmY, Launch, RowBufs, SeqBufs};
 use tlt_kernels::cuda::{CacheDims, TreeDims};
 
+use super::MetaBufs;
 use crate::config::LlamaConfig;
 use crate::{Error, Result};
 
@@ -83,22 +84,8 @@ pub struct StepBufs {
     pub batch: usize,
     /// Rows per sequence.
     pub n_max: usize,
-    /// `[rows]` tokens.
-    pub tokens: Buf<i32>,
-    /// `[rows]` cache slots (-1: padding).
-    pub row_slot: Buf<i32>,
-    /// `[rows]` RoPE positions.
-    pub row_pos: Buf<i32>,
-    /// `[rows]` cache positions.
-    pub row_dst: Buf<i32>,
-    /// `[batch]` cache slots.
-    pub seq_slot: Buf<i32>,
-    /// `[batch]` committed positions.
-    pub seq_prefix: Buf<i32>,
-    /// `[batch]` new tokens.
-    pub seq_nodes: Buf<i32>,
-    /// `[rows]` ancestor masks (tree shapes).
-    pub anc: Option<Buf<u64>>,
+    /// The metadata the host writes ([`super::StepMeta`]).
+    pub meta: MetaBufs,
     /// `[rows, hidden]` f32: the residual stream.
     pub x: Buf<f32>,
     /// `[rows, hidden]`: normalised rows (the final ones are the LM head's input).
@@ -195,20 +182,21 @@ impl StepProgram<'_> {
         let chunks = self.chunks(b.batch, b.n_max);
         let parts = (chunks.n_splits > 1).then_some(b.parts);
         let (kc, vc) = (self.k_cache, self.v_cache);
-        ops.launch(&plan::embed_rows(rows, h, w.embed, b.tokens, b.x)?)?;
+        ops.launch(&plan::embed_rows(rows, h, w.embed, b.meta.tokens, b.x)?)?;
         self.tap(ops, b, 0)?;
         let first = w.layers.first().map_or(w.norm, |l| l.in_norm);
         ops.launch(&plan::rms_norm(rows, h, eps, b.x, first, b.xn)?)?;
         for (li, lw) in w.layers.iter().enumerate() {
             self.linear(ops, rows, b.xn, &lw.qkv, b.qkv, false)?;
-            let meta = RowBufs { slot: b.row_slot, pos: b.row_pos, dst: b.row_dst };
+            let m = &b.meta;
+            let meta = RowBufs { slot: m.row_slot, pos: m.row_pos, dst: m.row_dst };
             let inv = w.inv_freq;
             let bias = lw.qkv.b;
             ops.launch(&plan::qkv_rope_kv_write(
                 self.cache, li, rows, b.qkv, bias, lw.qk_norm, b.q, kc, vc, meta, inv, eps,
             )?)?;
-            let seq = SeqBufs { slot: b.seq_slot, prefix_len: b.seq_prefix, n_nodes: b.seq_nodes };
-            for l in plan::attention(self.cache, li, tree, chunks, b.q, kc, vc, b.attn, seq, b.anc, parts)? {
+            let seq = SeqBufs { slot: m.seq_slot, prefix_len: m.seq_prefix, n_nodes: m.seq_nodes };
+            for l in plan::attention(self.cache, li, tree, chunks, b.q, kc, vc, b.attn, seq, m.anc, parts)? {
                 ops.launch(&l)?;
             }
             self.linear(ops, rows, b.attn, &lw.o, b.o, true)?;
