@@ -13,12 +13,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use half::bf16;
-use tlt_kernels::cuda::{AcceptIn, AcceptOut, TreeDims, MAX_TREE_NODES};
+use tlt_kernels::cuda::{buf_of, Fetched, Staged, MAX_TREE_NODES};
 use tlt_model::cuda::{CudaLlama, DeviceSeq, StepOutput};
 use tlt_model::{Llama, Tap};
 
-use crate::{Accepted, Error, Result, SeqHandle, Target, TargetInput, TargetOutput, Verified, VerifySpec};
+use crate::device_verify::{HiddenRows, VerifyBufs, VerifyProgram};
+use crate::{Error, Result, SeqHandle, Target, TargetInput, TargetOutput, Verified, VerifySpec};
 
 fn dev_err(e: impl std::fmt::Display) -> Error {
     Error::Target(e.to_string())
@@ -28,22 +28,17 @@ fn drv_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Target(format!("CUDA {op}: {e}"))
 }
 
-/// Device buffers of the verification of one `(batch, n_max)` shape, reused across rounds.
+/// Device buffers of the verification of one `(batch, n_max)` shape, reused across rounds: the packed trees and
+/// coins (sent in one copy from pinned memory), the packed results (read back in one copy into pinned memory) and
+/// the per-node scratch.
 #[derive(Debug)]
 struct VerifyBuffers {
-    coins: CudaSlice<f64>,
+    program: VerifyProgram,
+    input: Staged,
+    output: Fetched,
     target_tok: CudaSlice<i32>,
     target_lp: CudaSlice<f32>,
     target_pm: CudaSlice<f32>,
-    parent: CudaSlice<i32>,
-    draft_tok: CudaSlice<i32>,
-    n_nodes: CudaSlice<i32>,
-    path: CudaSlice<i32>,
-    n_acc: CudaSlice<i32>,
-    tokens: CudaSlice<i32>,
-    logprobs: CudaSlice<f32>,
-    pmax: CudaSlice<f32>,
-    hidden: CudaSlice<bf16>,
 }
 
 fn zeros<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
@@ -52,21 +47,15 @@ fn zeros<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, n: usize) -> Resu
 
 impl VerifyBuffers {
     fn new(s: &Arc<CudaStream>, batch: usize, n_max: usize, hidden: usize) -> Result<Self> {
+        let program = VerifyProgram::new(batch, n_max, hidden);
         let n = batch * n_max;
         Ok(Self {
-            coins: zeros(s, n)?,
+            input: Staged::new(s, program.input_bytes()).map_err(dev_err)?,
+            output: Fetched::new(s, program.output_bytes()).map_err(dev_err)?,
+            program,
             target_tok: zeros(s, n)?,
             target_lp: zeros(s, n)?,
             target_pm: zeros(s, n)?,
-            parent: zeros(s, n)?,
-            draft_tok: zeros(s, n)?,
-            n_nodes: zeros(s, batch)?,
-            path: zeros(s, n)?,
-            n_acc: zeros(s, batch)?,
-            tokens: zeros(s, n)?,
-            logprobs: zeros(s, n)?,
-            pmax: zeros(s, n)?,
-            hidden: zeros(s, n * hidden)?,
         })
     }
 }
@@ -302,7 +291,7 @@ impl CudaTarget {
         Ok(out)
     }
 
-    /// Verification of `out` on the device (see the module docs).
+    /// Verification of `out` on the device (see the module docs and [`VerifyProgram`]).
     fn verify_on_device(
         &self,
         dev: &mut Device,
@@ -311,132 +300,49 @@ impl CudaTarget {
         hidden: bool,
         spec: VerifySpec<'_>,
     ) -> Result<Vec<Verified>> {
-        let (batch, n_max) = (out.batch, out.n_max);
-        let rows = batch * n_max;
-        let stream = dev.model.stream().clone();
+        let Device { model, verify } = dev;
+        let stream = model.stream().clone();
         let h = self.hidden_size;
-        let bufs = match dev.verify.entry((batch, n_max)) {
+        let bufs = match verify.entry((out.batch, out.n_max)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(VerifyBuffers::new(&stream, batch, n_max, h)?),
-        };
-        // Trees and coins, padded to the device batch (padded sequences have no nodes).
-        let (mut parent, mut draft, mut n_nodes) = (vec![-1i32; rows], vec![0i32; rows], vec![0i32; batch]);
-        let mut coins = vec![0.5f64; rows];
-        for (b, input) in inputs.iter().enumerate() {
-            let parents = input.tree.ok_or_else(|| Error::Target("target-side verification needs trees".into()))?;
-            let mut depth = vec![0usize; parents.len()];
-            for (j, (&tok, p)) in input.tokens.iter().zip(parents).enumerate() {
-                parent[b * n_max + j] = p.map_or(-1, |p| p as i32);
-                draft[b * n_max + j] = tok as i32;
-                if let Some(p) = *p {
-                    depth[j] = depth[p] + 1;
-                }
-                coins[b * n_max + j] = spec.coins[b].uniform(depth[j]);
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(VerifyBuffers::new(&stream, out.batch, out.n_max, h)?)
             }
-            n_nodes[b] = parents.len() as i32;
-        }
-        let up = |v: &[i32], dst: &mut CudaSlice<i32>| stream.memcpy_htod(v, dst).map_err(drv_err("upload"));
-        up(&parent, &mut bufs.parent)?;
-        up(&draft, &mut bufs.draft_tok)?;
-        up(&n_nodes, &mut bufs.n_nodes)?;
-        let t = spec.params.temperature;
-        if t > 0.0 {
-            stream.memcpy_htod(&coins, &mut bufs.coins).map_err(drv_err("upload"))?;
-        }
-        let model = &dev.model;
-        let kernels = model.kernels();
-        let logits = model.logits(out).map_err(dev_err)?;
-        let coins_dev = (t > 0.0).then_some(&bufs.coins);
-        kernels
-            .sample_rows(
-                &stream,
-                rows,
-                self.vocab,
-                t,
-                logits,
-                coins_dev,
-                &mut bufs.target_tok,
-                &mut bufs.target_lp,
-                &mut bufs.target_pm,
-            )
+        };
+        let program = &bufs.program;
+        let input = bufs
+            .input
+            .send(&stream, program.input_bytes(), |host| {
+                program
+                    .write_inputs(inputs, spec.coins, host)
+                    .map_err(|e| tlt_kernels::Error::InvalidArgument(e.to_string()))
+            })
             .map_err(dev_err)?;
-        let tree = TreeDims { batch, n_max };
-        let input = AcceptIn {
-            parent: &bufs.parent,
-            draft_tok: &bufs.draft_tok,
-            target_tok: &bufs.target_tok,
-            target_lp: &bufs.target_lp,
-            target_pmax: &bufs.target_pm,
-            n_nodes: &bufs.n_nodes,
-        };
-        let accept = AcceptOut {
-            path: &mut bufs.path,
-            n_acc: &mut bufs.n_acc,
-            tokens: &mut bufs.tokens,
-            logprobs: &mut bufs.logprobs,
-            pmax: &mut bufs.pmax,
-        };
-        kernels.tree_accept(&stream, tree, input, accept).map_err(dev_err)?;
         // The final norm alone (the default): the accepted nodes' rows are packed on the device. Other taps: every
-        // row comes back and the accepted ones are picked here.
+        // row comes back and the accepted ones are picked on the host.
         let final_norm_only = model.taps() == [Tap::FinalNorm];
-        if hidden && final_norm_only {
-            let src = model.hidden(out).map_err(dev_err)?;
-            kernels
-                .gather_path_rows(&stream, tree, n_max, h, src, &mut bufs.hidden, &bufs.path, &bufs.n_acc)
-                .map_err(dev_err)?;
-        }
-        let down_i = |s: &CudaSlice<i32>| stream.clone_dtoh(s).map_err(drv_err("download"));
-        let down_f = |s: &CudaSlice<f32>| stream.clone_dtoh(s).map_err(drv_err("download"));
-        let (path, n_acc, tokens) = (down_i(&bufs.path)?, down_i(&bufs.n_acc)?, down_i(&bufs.tokens)?);
-        let (logprobs, pmax) = (down_f(&bufs.logprobs)?, down_f(&bufs.pmax)?);
-        let width = h * model.taps().len();
-        let hidden_rows: Option<Vec<f32>> = match (hidden, final_norm_only) {
-            (false, _) => None,
-            (true, true) => {
-                Some(stream.clone_dtoh(&bufs.hidden).map_err(drv_err("download"))?.iter().map(|x| x.to_f32()).collect())
-            }
-            (true, false) => Some(model.hidden_to_host(out).map_err(dev_err)?),
+        let packed = hidden && final_norm_only;
+        let logits = buf_of(model.logits(out).map_err(dev_err)?, &stream);
+        let hidden_src = if packed { Some(buf_of(model.hidden(out).map_err(dev_err)?, &stream)) } else { None };
+        let b = VerifyBufs {
+            input,
+            output: bufs.output.buf(&stream),
+            target_tok: buf_of(&bufs.target_tok, &stream),
+            target_lp: buf_of(&bufs.target_lp, &stream),
+            target_pmax: buf_of(&bufs.target_pm, &stream),
         };
-        let mut verified = Vec::with_capacity(inputs.len());
-        for (b, &acc) in n_acc.iter().enumerate().take(inputs.len()) {
-            let n = usize::try_from(acc)
-                .ok()
-                .filter(|&n| (1..=n_max).contains(&n))
-                .ok_or_else(|| Error::Target(format!("device acceptance returned {acc} nodes for sequence {b}")))?;
-            let o = b * n_max;
-            let next = tokens[o + n - 1];
-            let accepted = Accepted {
-                path: path[o..o + n].iter().map(|&p| p.max(0) as usize).collect(),
-                next_token: u32::try_from(next).map_err(|_| {
-                    Error::Target(format!(
-                        "sequence {b}: the device sampler returned token {next} (a row of logits with a NaN or +inf, \
-                         or none above -inf)"
-                    ))
-                })?,
-            };
-            let hidden = hidden_rows.as_ref().map(|rows| {
-                if final_norm_only {
-                    // Packed: row k of sequence b is the k-th accepted node's.
-                    rows[o * h..(o + n) * h].to_vec()
-                } else {
-                    accepted
-                        .path
-                        .iter()
-                        .flat_map(|&node| &rows[(o + node) * width..(o + node + 1) * width])
-                        .copied()
-                        .collect()
-                }
-            });
-            verified.push(Verified {
-                accepted,
-                logprobs: logprobs[o..o + n].to_vec(),
-                p_max: pmax[o..o + n].to_vec(),
-                hidden_size: if hidden.is_some() { width } else { 0 },
-                hidden,
-            });
+        for launch in program.launches(self.vocab, spec.params.temperature, logits, hidden_src, &b)? {
+            model.kernels().run(&stream, &launch).map_err(dev_err)?;
         }
-        Ok(verified)
+        let all_rows =
+            if hidden && !final_norm_only { Some(model.hidden_to_host(out).map_err(dev_err)?) } else { None };
+        let results = bufs.output.fetch(&stream, program.result_bytes(packed)?).map_err(dev_err)?;
+        let rows = match (&all_rows, hidden) {
+            (_, false) => HiddenRows::None,
+            (None, true) => HiddenRows::Packed,
+            (Some(rows), true) => HiddenRows::All { rows, width: h * model.taps().len() },
+        };
+        program.read(results, inputs.len(), rows)
     }
 }
 

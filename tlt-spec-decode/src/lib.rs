@@ -45,6 +45,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device_verify;
 mod drafter;
 mod engine;
 mod error;

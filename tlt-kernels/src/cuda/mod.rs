@@ -18,6 +18,8 @@ mod nvrtc;
 pub mod packing;
 pub mod plan;
 mod shapes;
+#[cfg(feature = "cuda")]
+mod transfer;
 
 #[cfg(feature = "cuda")]
 pub use device::{driver_available, gpu_or_skip, AcceptIn, AcceptOut, CudaKernels, RowMeta, SeqMeta};
@@ -30,6 +32,8 @@ pub use nvrtc::{compile, nvrtc_available, Compiled};
 pub use shapes::{
     ancestor_masks, check_device_attn, CacheDims, TreeDims, MAX_GROUP, MAX_HEAD_DIM, MAX_TOP_K, MAX_TREE_NODES,
 };
+#[cfg(feature = "cuda")]
+pub use transfer::{buf_of, Fetched, Staged};
 
 /// The header every source is compiled with (bf16 helpers, warp reductions).
 pub const PRELUDE: &str = include_str!("../../cuda/prelude.cuh");

@@ -13,14 +13,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
 use tlt_cudagraph::{BucketPolicy, GraphKey, GraphPool, PoolStats};
-use tlt_kernels::cuda::plan::Chunks;
-use tlt_kernels::cuda::{CacheDims, CudaKernels, DeviceLinear, SeqMeta, TreeDims};
+use tlt_kernels::cuda::packing::Packing;
+use tlt_kernels::cuda::plan::{self, Chunks, SeqBufs};
+use tlt_kernels::cuda::{buf_of, CacheDims, CudaKernels, DeviceLinear, Staged, TreeDims};
 use tlt_kernels::AttnShape;
 
-use self::step::{dbuf, CudaOps, StepBuffers};
+use self::step::{CudaOps, StepBuffers};
 use crate::config::LlamaConfig;
 pub use crate::device_step::DeviceSeq;
 use crate::device_step::{layout, LayerBufs, LinearBufs, StepLayout, StepProgram, WeightBufs};
@@ -83,29 +84,29 @@ impl DevWeights {
     /// The weights as a step program sees them.
     fn bufs(&self, s: &CudaStream) -> WeightBufs {
         let lin = |l: &DeviceLinear| LinearBufs {
-            w: dbuf(&l.w, s),
-            b: l.b.as_ref().map(|b| dbuf(b, s)),
+            w: buf_of(&l.w, s),
+            b: l.b.as_ref().map(|b| buf_of(b, s)),
             out: l.out,
             inp: l.inp,
         };
         WeightBufs {
-            embed: dbuf(&self.embed, s),
-            head: self.head.as_ref().map(|h| dbuf(h, s)),
-            norm: dbuf(&self.norm, s),
+            embed: buf_of(&self.embed, s),
+            head: self.head.as_ref().map(|h| buf_of(h, s)),
+            norm: buf_of(&self.norm, s),
             layers: self
                 .layers
                 .iter()
                 .map(|l| LayerBufs {
-                    in_norm: dbuf(&l.in_norm, s),
-                    post_norm: dbuf(&l.post_norm, s),
+                    in_norm: buf_of(&l.in_norm, s),
+                    post_norm: buf_of(&l.post_norm, s),
                     qkv: lin(&l.qkv),
                     o: lin(&l.o),
                     gate_up: lin(&l.gate_up),
                     down: lin(&l.down),
-                    qk_norm: l.qk_norm.as_ref().map(|(q, k)| (dbuf(q, s), dbuf(k, s))),
+                    qk_norm: l.qk_norm.as_ref().map(|(q, k)| (buf_of(q, s), buf_of(k, s))),
                 })
                 .collect(),
-            inv_freq: dbuf(&self.inv_freq, s),
+            inv_freq: buf_of(&self.inv_freq, s),
         }
     }
 }
@@ -263,6 +264,8 @@ pub struct CudaLlama {
     taps: Vec<Tap>,
     /// Blocks split attention aims for: twice the device's multiprocessors.
     target_blocks: usize,
+    /// The packed metadata of commits (one copy from pinned memory).
+    commit_staging: Staged,
 }
 
 impl CudaLlama {
@@ -444,6 +447,7 @@ impl CudaLlama {
         let k_cache = stream.alloc_zeros::<bf16>(cache.len()).map_err(cuda_err("alloc k cache"))?;
         let v_cache = stream.alloc_zeros::<bf16>(cache.len()).map_err(cuda_err("alloc v cache"))?;
         let w = DevWeights { embed, head, norm, layers, inv_freq };
+        let commit_staging = Staged::new(&stream, 4096)?;
         Ok(Self {
             cfg,
             kernels,
@@ -458,6 +462,7 @@ impl CudaLlama {
             graphs: None,
             taps: vec![Tap::FinalNorm],
             target_blocks,
+            commit_staging,
         })
     }
 
@@ -495,10 +500,6 @@ impl CudaLlama {
     /// The KV cache's shape.
     pub fn cache_dims(&self) -> CacheDims {
         self.cache
-    }
-
-    fn upload<T: DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
-        self.stream.clone_htod(v).map_err(cuda_err("upload"))
     }
 
     /// Turns on CUDA graphs for decode and verify shapes: batches up to `max_batch` pad to SGLang's bucket ladder,
@@ -628,8 +629,8 @@ impl CudaLlama {
         let program = StepProgram {
             cfg: &self.cfg,
             cache: self.cache,
-            k_cache: dbuf(&self.k_cache, s),
-            v_cache: dbuf(&self.v_cache, s),
+            k_cache: buf_of(&self.k_cache, s),
+            v_cache: buf_of(&self.v_cache, s),
             w: &weights,
             layer_taps: &layer_taps,
             target_blocks: self.target_blocks,
@@ -744,21 +745,20 @@ impl CudaLlama {
         let slot: Vec<i32> = seqs.iter().map(|&(s, _)| s as i32).collect();
         let prefix: Vec<i32> = seqs.iter().map(|&(_, p)| p as i32).collect();
         let n_acc: Vec<i32> = paths.iter().map(|p| p.len() as i32).collect();
-        let (slot, prefix, n_acc, path) =
-            (self.upload(&slot)?, self.upload(&prefix)?, self.upload(&n_acc)?, self.upload(&flat)?);
-        let seq = SeqMeta { slot: &slot, prefix_len: &prefix, n_nodes: &n_acc };
-        let s = self.stream.clone();
-        self.kernels.commit_path(
-            &s,
-            self.cache,
-            seqs.len(),
-            max_path,
-            &mut self.k_cache,
-            &mut self.v_cache,
-            seq,
-            &path,
-            &n_acc,
-        )?;
+        // One packed buffer, one copy from the pinned staging buffer.
+        let batch = seqs.len();
+        let pack = Packing::new(&[batch * 4, batch * 4, batch * 4, flat.len() * 4]);
+        let base = self.commit_staging.send(&self.stream, pack.bytes(), |host| {
+            pack.put(host, 0, &slot, 0)?;
+            pack.put(host, 1, &prefix, 0)?;
+            pack.put(host, 2, &n_acc, 0)?;
+            pack.put(host, 3, &flat, 0)
+        })?;
+        let seq = SeqBufs { slot: pack.buf(base, 0)?, prefix_len: pack.buf(base, 1)?, n_nodes: pack.buf(base, 2)? };
+        let s = &self.stream;
+        let (k, v) = (buf_of(&self.k_cache, s), buf_of(&self.v_cache, s));
+        let launch = plan::commit_path(self.cache, batch, max_path, k, v, seq, pack.buf(base, 3)?, seq.n_nodes)?;
+        self.kernels.run(s, &launch)?;
         Ok(())
     }
 }

@@ -6,10 +6,10 @@
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use tlt_kernels::cuda::plan::{Buf, Chunks, GemmEx, Launch};
-use tlt_kernels::cuda::{run_gemm, CudaKernels, TreeDims};
+use tlt_kernels::cuda::{buf_of, run_gemm, CudaKernels, Staged, TreeDims};
 
 use super::cuda_err;
 use crate::config::LlamaConfig;
@@ -24,8 +24,7 @@ pub(crate) struct StepBuffers {
     /// The packing of the step's metadata, its pinned host staging buffer (written by the host, sent in one copy)
     /// and the device buffer it lands in.
     meta_layout: StepMeta,
-    staging: PinnedHostSlice<u8>,
-    meta: CudaSlice<u8>,
+    meta: Staged,
     x: CudaSlice<f32>,
     pub(crate) xn: CudaSlice<bf16>,
     qkv: CudaSlice<bf16>,
@@ -61,13 +60,11 @@ impl StepBuffers {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         let (po, pml) = chunks.part_lens(TreeDims { batch, n_max }, cfg.num_attention_heads, cfg.head_dim());
         let meta_layout = StepMeta::new(batch, n_max, tree);
-        let staging = pinned(s, meta_layout.bytes(), sys::CU_MEMHOSTALLOC_WRITECOMBINED)?;
         Ok(Self {
             batch,
             n_max,
-            meta: zeros(s, meta_layout.bytes())?,
+            meta: Staged::new(s, meta_layout.bytes())?,
             meta_layout,
-            staging,
             x: zeros(s, rows * h)?,
             xn: zeros(s, rows * h)?,
             qkv: zeros(s, rows * (cfg.q_dim() + 2 * cfg.kv_dim()))?,
@@ -88,27 +85,19 @@ impl StepBuffers {
         let b2 = [&self.xn, &self.qkv, &self.q, &self.attn, &self.o, &self.gate_up, &self.act].map(|b| b.len() * 2);
         let taps: usize = self.taps.iter().map(CudaSlice::len).sum();
         let f32s = self.x.len() + self.logits.len() + taps + self.part_o.len() + self.part_ml.len();
-        (b2.iter().sum::<usize>() + f32s * 4 + self.meta.len()) as u64
+        (b2.iter().sum::<usize>() + f32s * 4 + self.meta.bytes()) as u64
     }
 
     /// Writes a step's metadata (its shape must be this buffer's: `layout.n_max == n_max` and at most `batch`
     /// sequences; the rest is padding that every kernel skips) into the pinned staging buffer and sends it in one
     /// asynchronous copy. Outside any capture. Waits first for the previous copy from the staging buffer.
     pub(crate) fn write(&mut self, s: &Arc<CudaStream>, l: &StepLayout) -> Result<()> {
-        let host = self.staging.as_mut_slice().map_err(cuda_err("staging buffer"))?;
-        self.meta_layout.write(l, host)?;
-        s.memcpy_htod(&self.staging, &mut self.meta).map_err(cuda_err("upload"))
+        let meta = &self.meta_layout;
+        self.meta.send(s, meta.bytes(), |host| {
+            meta.write(l, host).map_err(|e| tlt_kernels::Error::InvalidArgument(e.to_string()))
+        })?;
+        Ok(())
     }
-}
-
-/// A pinned host buffer of `bytes` bytes, zeroed (`flags`: `cuMemHostAlloc`'s; write-combined for buffers the
-/// host only writes).
-pub(crate) fn pinned(s: &Arc<CudaStream>, bytes: usize, flags: u32) -> Result<PinnedHostSlice<u8>> {
-    // SAFETY: the memory is zeroed right below, before anything reads it.
-    let mut p =
-        unsafe { s.context().alloc_pinned_with_flags::<u8>(bytes.max(1), flags) }.map_err(cuda_err("pinned alloc"))?;
-    p.as_mut_slice().map_err(cuda_err("pinned alloc"))?.fill(0);
-    Ok(p)
 }
 
 /// A CUDA stream as the executor of a step program (event tracking is off for the model's context: every buffer
@@ -140,30 +129,24 @@ impl DeviceOps for CudaOps<'_> {
     }
 }
 
-/// `s` as a step program's buffer (its device address; no guard: event tracking is off for the model).
-pub(crate) fn dbuf<T>(s: &CudaSlice<T>, stream: &CudaStream) -> Buf<T> {
-    let (ptr, _) = s.device_ptr(stream);
-    Buf::new(ptr, s.len())
-}
-
 impl StepBuffers {
     /// The buffers as a step program sees them.
     pub(crate) fn bufs(&self, s: &CudaStream) -> Result<StepBufs> {
         Ok(StepBufs {
             batch: self.batch,
             n_max: self.n_max,
-            meta: self.meta_layout.bufs(dbuf(&self.meta, s))?,
-            x: dbuf(&self.x, s),
-            xn: dbuf(&self.xn, s),
-            qkv: dbuf(&self.qkv, s),
-            q: dbuf(&self.q, s),
-            attn: dbuf(&self.attn, s),
-            parts: (dbuf(&self.part_o, s), dbuf(&self.part_ml, s)),
-            o: dbuf(&self.o, s),
-            gate_up: dbuf(&self.gate_up, s),
-            act: dbuf(&self.act, s),
-            logits: dbuf(&self.logits, s),
-            taps: self.taps.iter().map(|t| dbuf(t, s)).collect(),
+            meta: self.meta_layout.bufs(self.meta.buf(s))?,
+            x: buf_of(&self.x, s),
+            xn: buf_of(&self.xn, s),
+            qkv: buf_of(&self.qkv, s),
+            q: buf_of(&self.q, s),
+            attn: buf_of(&self.attn, s),
+            parts: (buf_of(&self.part_o, s), buf_of(&self.part_ml, s)),
+            o: buf_of(&self.o, s),
+            gate_up: buf_of(&self.gate_up, s),
+            act: buf_of(&self.act, s),
+            logits: buf_of(&self.logits, s),
+            taps: self.taps.iter().map(|t| buf_of(t, s)).collect(),
         })
     }
 }
