@@ -17,11 +17,11 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use tlt_kernels::cuda::{
-    gemm_bf16, CacheDims, CudaKernels, DeviceLinear, RowMeta, RowSource, SeqMeta, TreeDims, MAX_TOP_K, MAX_TREE_NODES,
+    gemm_bf16, Blas, CacheDims, CudaKernels, DeviceLinear, RowMeta, RowSource, SeqMeta, TreeDims, MAX_TOP_K,
+    MAX_TREE_NODES,
 };
 
 use crate::config::DrafterKind;
@@ -109,13 +109,14 @@ struct DevCache {
 /// round and again whenever the proposer's slot publishes a new version.
 #[derive(Debug)]
 pub struct CudaDrafter {
-    opts: CudaDraftOptions,
-    kernels: CudaKernels,
-    stream: Arc<CudaStream>,
-    blas: CudaBlas,
-    free: Arc<Mutex<Vec<usize>>>,
+    // Fields drop in declaration order: buffers first, then the cuBLAS handle and the kernels' modules.
     w: Option<DevWeights>,
     cache: Option<DevCache>,
+    blas: Blas,
+    kernels: CudaKernels,
+    stream: Arc<CudaStream>,
+    opts: CudaDraftOptions,
+    free: Arc<Mutex<Vec<usize>>>,
 }
 
 /// Where a forward's row `j` sits in the padded `[batch, n_max]` layout, per group.
@@ -230,10 +231,9 @@ impl CudaDrafter {
         }
         let kernels = CudaKernels::new(opts.ordinal).map_err(kern)?;
         let stream = kernels.context().new_stream().map_err(drv("new_stream"))?;
-        let blas = CudaBlas::new(stream.clone())
-            .map_err(|e| kern(tlt_kernels::Error::Cuda { op: "cublasCreate", message: format!("{e:?}") }))?;
+        let blas = Blas::new(&stream).map_err(kern)?;
         let free = Arc::new(Mutex::new((0..opts.slots).rev().collect()));
-        Ok(Self { opts, kernels, stream, blas, free, w: None, cache: None })
+        Ok(Self { w: None, cache: None, blas, kernels, stream, opts, free })
     }
 
     /// Cache slots not lent to a sequence.
@@ -258,7 +258,7 @@ impl CudaDrafter {
     /// `y = x · wᵀ (+ b)` for `rows` rows, bf16 out.
     fn apply(&self, lin: &DeviceLinear, rows: usize, x: &CudaSlice<bf16>) -> Result<CudaSlice<bf16>> {
         let mut y = self.zeros::<bf16>(rows * lin.out)?;
-        lin.forward(&self.kernels, &self.blas, &self.stream, rows, x, &mut y).map_err(kern)?;
+        lin.forward(&self.kernels, self.blas.cublas(), &self.stream, rows, x, &mut y).map_err(kern)?;
         Ok(y)
     }
 
@@ -286,7 +286,7 @@ impl CudaDrafter {
         .map_err(kern)?;
         let dv = w.head.out;
         let mut logits = self.zeros::<f32>(rows * dv)?;
-        gemm_bf16(&self.blas, &self.stream, rows, dv, h, &x, &w.head.w, &mut logits).map_err(kern)?;
+        gemm_bf16(self.blas.cublas(), &self.stream, rows, dv, h, &x, &w.head.w, &mut logits).map_err(kern)?;
         let (mut idx, mut lp) = (self.zeros::<i32>(rows * k)?, self.zeros::<f32>(rows * k)?);
         self.kernels.top_k_rows(&self.stream, rows, dv, k, &logits, &mut idx, &mut lp).map_err(kern)?;
         let idx = self.stream.clone_dtoh(&idx).map_err(drv("download"))?;

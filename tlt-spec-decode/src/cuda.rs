@@ -63,8 +63,9 @@ impl VerifyBuffers {
 /// The device model and its per-shape verification buffers, used by one forward at a time.
 #[derive(Debug)]
 struct Device {
-    model: CudaLlama,
+    // Dropped before the model, whose context and stream they were allocated on.
     verify: HashMap<(usize, usize), VerifyBuffers>,
+    model: CudaLlama,
 }
 
 /// Which of the cache's slots are lent out.

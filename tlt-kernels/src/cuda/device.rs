@@ -123,6 +123,7 @@ impl CudaKernels {
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|_| Error::CudaUnavailable("the CUDA driver library lacks a required symbol".into()))?
             .map_err(drv("cuCtxCreate"))?;
+        keep_pool_memory(&ctx)?;
         let (major, minor) = ctx.compute_capability().map_err(drv("compute_capability"))?;
         let arch = u32::try_from(major * 10 + minor)
             .map_err(|_| Error::Cuda { op: "compute_capability", message: format!("{major}.{minor}") })?;
@@ -326,6 +327,37 @@ impl CudaKernels {
         };
         self.run(stream, &plan::tree_accept(tree, inp, out)?)
     }
+}
+
+/// Sets the release threshold of the device's default memory pool (the one cudarc's stream-ordered allocations
+/// use) to "never": with the default of 0 the driver returns freed memory to the OS at every synchronisation (each
+/// download), and the next allocation pays for it again.
+/// Devices without memory pools (cudarc then allocates synchronously) are left alone.
+fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
+    let pools = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)
+        .map_err(drv("memory pools supported"))?;
+    if pools == 0 {
+        return Ok(());
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: `pool` receives the device's default pool handle; the attribute is a 64-bit value read from
+    // `threshold`, which outlives the call. The context is current on this thread (cudarc binds it on creation).
+    unsafe {
+        ctx.bind_to_thread().map_err(drv("bind context"))?;
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(drv("cuDeviceGetDefaultMemPool"))?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .result()
+        .map_err(drv("cuMemPoolSetAttribute"))?;
+    }
+    Ok(())
 }
 
 /// Device addresses of a launch's buffers, with cudarc's stream-ordering guards held until the launch is enqueued.

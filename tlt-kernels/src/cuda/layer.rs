@@ -1,10 +1,12 @@
 //! Launches of the decoder layer's element-wise and row-wise kernels (`layer.cu`) and the bf16 GEMM (cuBLAS).
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{CudaSlice, CudaStream};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 
-use super::device::{CudaKernels, Ptrs};
+use super::device::{drv, CudaKernels, Ptrs};
 use super::plan::{self, Buf, GemmEx, GemmY};
 use crate::error::{Error, Result};
 
@@ -202,6 +204,54 @@ pub fn gemm_bf16<Y: GemmOut>(
     let mut p = Ptrs::new(stream);
     let (x, w, y) = (p.r(x), p.r(w), p.w(y));
     run_gemm(blas, &plan::gemm(m, n, k, x, w, Y::gemm_y(y))?)
+}
+
+/// Bytes of the workspace every [`Blas`] hands cuBLAS: 32 MiB, NVIDIA's recommendation for Hopper (what
+/// `CUBLAS_WORKSPACE_CONFIG=:4096:8` gives).
+pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// A cuBLAS handle on one stream with an explicit workspace (`cublasSetWorkspace`): GEMMs recorded into a CUDA
+/// graph then use memory that lives as long as the handle instead of cuBLAS's own pool. The handle is declared
+/// first, so it is destroyed before its workspace is freed.
+#[derive(Debug)]
+pub struct Blas {
+    handle: CudaBlas,
+    workspace: CudaSlice<u8>,
+}
+
+impl Blas {
+    /// A handle on `stream` with a workspace of [`CUBLAS_WORKSPACE_BYTES`].
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when cuBLAS cannot be loaded or created, or the workspace cannot be allocated or set.
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        let handle =
+            CudaBlas::new(stream.clone()).map_err(|e| Error::Cuda { op: "cublasCreate", message: format!("{e:?}") })?;
+        let workspace = stream.alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES).map_err(drv("alloc cuBLAS workspace"))?;
+        let (ptr, _) = workspace.device_ptr(stream);
+        // SAFETY: the handle is live and bound to `stream` (cudarc set it at creation; nothing resets it later, which
+        // would also reset the workspace); the workspace is a live device allocation of the stated size, owned next
+        // to the handle and freed after it.
+        let status = unsafe {
+            blas_sys::cublasSetWorkspace_v2(*handle.handle(), ptr as *mut std::ffi::c_void, CUBLAS_WORKSPACE_BYTES)
+        };
+        if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(Error::Cuda { op: "cublasSetWorkspace", message: format!("{status:?}") });
+        }
+        Ok(Self { handle, workspace })
+    }
+
+    /// The handle.
+    #[must_use]
+    pub fn cublas(&self) -> &CudaBlas {
+        &self.handle
+    }
+
+    /// Bytes of its workspace.
+    #[must_use]
+    pub fn workspace_bytes(&self) -> usize {
+        self.workspace.len()
+    }
 }
 
 /// Runs one planned `cublasGemmEx` on `blas`'s stream.

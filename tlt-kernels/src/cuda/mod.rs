@@ -26,7 +26,7 @@ pub use device::{driver_available, gpu_or_skip, AcceptIn, AcceptOut, CudaKernels
 #[cfg(feature = "cuda")]
 pub use draft::RowSource;
 #[cfg(feature = "cuda")]
-pub use layer::{gemm_bf16, run_gemm, DeviceLinear, GemmOut};
+pub use layer::{gemm_bf16, run_gemm, Blas, DeviceLinear, GemmOut, CUBLAS_WORKSPACE_BYTES};
 #[cfg(feature = "cuda")]
 pub use nvrtc::{compile, nvrtc_available, Compiled};
 pub use shapes::{

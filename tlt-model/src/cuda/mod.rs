@@ -12,13 +12,12 @@ mod step;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
 use tlt_cudagraph::{BucketPolicy, GraphKey, GraphPool, PoolStats};
 use tlt_kernels::cuda::packing::Packing;
 use tlt_kernels::cuda::plan::{self, Chunks, SeqBufs};
-use tlt_kernels::cuda::{buf_of, CacheDims, CudaKernels, DeviceLinear, Staged, TreeDims};
+use tlt_kernels::cuda::{buf_of, Blas, CacheDims, CudaKernels, DeviceLinear, Staged, TreeDims};
 use tlt_kernels::AttnShape;
 
 use self::step::{CudaOps, StepBuffers};
@@ -249,23 +248,25 @@ impl std::fmt::Debug for Graphs {
 /// ladder) and replayed after; prefill chunks always run eagerly on transient buffers.
 #[derive(Debug)]
 pub struct CudaLlama {
-    cfg: LlamaConfig,
-    kernels: CudaKernels,
-    stream: Arc<CudaStream>,
-    blas: CudaBlas,
-    w: DevWeights,
-    cache: CacheDims,
-    k_cache: CudaSlice<bf16>,
-    v_cache: CudaSlice<bf16>,
+    // Fields drop in declaration order: the graphs first, then the buffers they read and write, then the cuBLAS
+    // handle and the kernels' modules they launch.
+    graphs: Option<Graphs>,
     steps: HashMap<(usize, usize, bool), StepBuffers>,
     transient: Option<StepBuffers>,
-    graphs: Option<Graphs>,
+    /// The packed metadata of commits (one copy from pinned memory).
+    commit_staging: Staged,
+    k_cache: CudaSlice<bf16>,
+    v_cache: CudaSlice<bf16>,
+    w: DevWeights,
+    blas: Blas,
+    kernels: CudaKernels,
+    stream: Arc<CudaStream>,
+    cfg: LlamaConfig,
+    cache: CacheDims,
     /// The hidden features a forward keeps (default: the final norm).
     taps: Vec<Tap>,
     /// Blocks split attention aims for: twice the device's multiprocessors.
     target_blocks: usize,
-    /// The packed metadata of commits (one copy from pinned memory).
-    commit_staging: Staged,
 }
 
 impl CudaLlama {
@@ -386,8 +387,7 @@ impl CudaLlama {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_err("multiprocessor count"))?;
         let target_blocks = 2 * usize::try_from(sms).unwrap_or(1).max(1);
-        let blas = CudaBlas::new(stream.clone())
-            .map_err(|e| Error::Kernel(tlt_kernels::Error::Cuda { op: "cublasCreate", message: format!("{e:?}") }))?;
+        let blas = Blas::new(&stream)?;
         let mut get = |w: Weight| source(&stream, &kernels, w);
         let need = |w: Weight, got: Option<CudaSlice<bf16>>| {
             got.ok_or_else(|| Error::InvalidInput(format!("weight {w:?} is missing")))
@@ -449,20 +449,20 @@ impl CudaLlama {
         let w = DevWeights { embed, head, norm, layers, inv_freq };
         let commit_staging = Staged::new(&stream, 4096)?;
         Ok(Self {
-            cfg,
-            kernels,
-            stream,
-            blas,
-            w,
-            cache,
-            k_cache,
-            v_cache,
+            graphs: None,
             steps: HashMap::new(),
             transient: None,
-            graphs: None,
+            commit_staging,
+            k_cache,
+            v_cache,
+            w,
+            blas,
+            kernels,
+            stream,
+            cfg,
+            cache,
             taps: vec![Tap::FinalNorm],
             target_blocks,
-            commit_staging,
         })
     }
 
@@ -636,7 +636,7 @@ impl CudaLlama {
             target_blocks: self.target_blocks,
         };
         let step = bufs.bufs(s)?;
-        let mut ops = CudaOps { kernels: &self.kernels, blas: &self.blas, stream: s };
+        let mut ops = CudaOps { kernels: &self.kernels, blas: self.blas.cublas(), stream: s };
         program.record(&mut ops, &step)?;
         let (Some(key), Some(g)) = (key, self.graphs.as_mut()) else { return Ok(StepMode::Eager) };
         // The eager run above produced this step's results (and warmed cuBLAS up); capture the same launches.
