@@ -58,6 +58,7 @@ mod error;
 mod executor;
 mod key;
 mod pool;
+mod shapes;
 
 /// The CUDA graph backend (real with the `cuda` feature, a stand-in that errors without it).
 #[cfg(feature = "cuda")]
@@ -72,6 +73,7 @@ pub use error::{BoxError, Error, Result};
 pub use executor::{Captured, EagerExecutor, Executor, GraphBackend, GraphExecutor, RunInfo, RunMode};
 pub use key::{GraphKey, GraphPhase, TreeShape};
 pub use pool::{FallbackReason, GraphPool, PoolStats, Rejected};
+pub use shapes::{ShapeCache, ShapeEntry, ShapePlan, ShapeStats};
 
 /// The README's examples, compiled and run as doc tests.
 #[cfg(doctest)]

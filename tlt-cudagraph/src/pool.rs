@@ -1,6 +1,7 @@
 //! The graph pool: captured graphs under one byte budget, least recently used evicted first.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 
 use serde::{Deserialize, Serialize};
 
@@ -88,7 +89,8 @@ pub struct Rejected<G> {
 }
 
 /// Graphs by key, holding at most `budget` bytes in total: admitting a graph evicts the least recently used
-/// ones until it fits. Generic over the graph type (`cudarc`'s `CudaGraph`, a test double...).
+/// ones until it fits. Generic over the graph type (`cudarc`'s `CudaGraph`, a test double, a shape's buffers
+/// with its graph...) and the key (a [`GraphKey`] by default).
 ///
 /// ```
 /// use tlt_cudagraph::{GraphKey, GraphPool};
@@ -101,21 +103,21 @@ pub struct Rejected<G> {
 /// assert!(pool.stats().bytes_in_use <= 100);
 /// ```
 #[derive(Debug)]
-pub struct GraphPool<G> {
+pub struct GraphPool<G, K = GraphKey> {
     budget: u64,
-    slots: HashMap<GraphKey, Slot<G>>,
+    slots: HashMap<K, Slot<G>>,
     tick: u64,
     stats: PoolStats,
 }
 
-impl<G> GraphPool<G> {
+impl<G, K: Hash + Eq + Copy> GraphPool<G, K> {
     /// An empty pool of `budget` bytes.
     pub fn new(budget: u64) -> Self {
         Self { budget, slots: HashMap::new(), tick: 0, stats: PoolStats::default() }
     }
 
     /// The graph for `key`, marking it most recently used; counts a hit or a miss.
-    pub fn get(&mut self, key: &GraphKey) -> Option<&G> {
+    pub fn get(&mut self, key: &K) -> Option<&G> {
         self.tick += 1;
         match self.slots.get_mut(key) {
             Some(s) => {
@@ -131,7 +133,7 @@ impl<G> GraphPool<G> {
     }
 
     /// Whether `key` is resident (no counting, no LRU update).
-    pub fn contains(&self, key: &GraphKey) -> bool {
+    pub fn contains(&self, key: &K) -> bool {
         self.slots.contains_key(key)
     }
 
@@ -140,7 +142,7 @@ impl<G> GraphPool<G> {
     ///
     /// # Errors
     /// [`Rejected`] (nothing is evicted) if `bytes` exceeds the whole budget.
-    pub fn insert(&mut self, key: GraphKey, graph: G, bytes: u64) -> std::result::Result<Vec<GraphKey>, Rejected<G>> {
+    pub fn insert(&mut self, key: K, graph: G, bytes: u64) -> std::result::Result<Vec<K>, Rejected<G>> {
         if bytes > self.budget {
             return Err(Rejected { graph, need: bytes, budget: self.budget });
         }
@@ -165,6 +167,19 @@ impl<G> GraphPool<G> {
         Ok(evicted)
     }
 
+    /// The graph of `key` without counting or marking it used.
+    pub fn peek(&self, key: &K) -> Option<&G> {
+        self.slots.get(key).map(|s| &s.graph)
+    }
+
+    /// Takes the graph of `key` out of the pool (its bytes are freed; nothing is counted).
+    pub fn remove(&mut self, key: &K) -> Option<G> {
+        let s = self.slots.remove(key)?;
+        self.stats.bytes_in_use -= s.bytes;
+        self.stats.graphs = self.slots.len() as u64;
+        Some(s.graph)
+    }
+
     /// Drops every graph.
     pub fn clear(&mut self) {
         self.slots.clear();
@@ -187,9 +202,9 @@ impl<G> GraphPool<G> {
     }
 
     /// Resident keys, least recently used first.
-    pub fn keys_by_recency(&self) -> Vec<GraphKey> {
-        let mut v: Vec<(u64, GraphKey)> = self.slots.iter().map(|(k, s)| (s.last_used, *k)).collect();
-        v.sort_unstable();
+    pub fn keys_by_recency(&self) -> Vec<K> {
+        let mut v: Vec<(u64, K)> = self.slots.iter().map(|(k, s)| (s.last_used, *k)).collect();
+        v.sort_unstable_by_key(|(t, _)| *t);
         v.into_iter().map(|(_, k)| k).collect()
     }
 }
