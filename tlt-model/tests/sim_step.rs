@@ -13,8 +13,8 @@ use tlt_kernels::cuda::plan::{Buf, GemmEx, Launch};
 use tlt_kernels::cuda::CacheDims;
 use tlt_kernels::AttnShape;
 use tlt_model::device_step::{
-    layout, row_parity, DeviceOps, DeviceSeq, LayerBufs, LinearBufs, StepBufs, StepLayout, StepMeta, StepProgram,
-    WeightBufs, BF16_ROW_TOL,
+    layout, row_parity, tree_rows_bucket, DeviceOps, DeviceSeq, LayerBufs, LinearBufs, StepBufs, StepLayout, StepMeta,
+    StepProgram, WeightBufs, BF16_ROW_TOL,
 };
 use tlt_model::{Llama, LlamaConfig, LogitsFor, SeqInput};
 
@@ -186,9 +186,14 @@ fn the_step_program_on_the_simulated_device_matches_the_cpu_decoder() {
             StepProgram { cfg: &cfg, cache, k_cache: kc, v_cache: vc, w: &w, layer_taps: &[], target_blocks: 1 << 20 };
         assert_eq!(program.chunks(2, 1).n_splits, 4);
         let mut ops = SimOps { dev: dev.clone(), launches: vec![], gemms: 0 };
-        let mut run = |mem: &mut Mem, seqs: &[DeviceSeq<'_>]| {
-            let l = layout(seqs, cfg.vocab_size, cache.slots, cache.max_len).unwrap();
-            let b = step_bufs(mem, &program, &l, seqs.len());
+        // `padded`: as `CudaLlama` runs trees under graphs, rows bucketed to a power of two and one more sequence
+        // of padding (a graph bucket's).
+        let mut run = |mem: &mut Mem, seqs: &[DeviceSeq<'_>], padded: bool| {
+            let mut l = layout(seqs, cfg.vocab_size, cache.slots, cache.max_len).unwrap();
+            if padded {
+                l = l.padded_to(tree_rows_bucket(l.n_max)).unwrap();
+            }
+            let b = step_bufs(mem, &program, &l, seqs.len() + usize::from(padded));
             program.record(&mut ops, &b).unwrap();
             (read_f32(mem, b.logits), l.n_max)
         };
@@ -208,7 +213,7 @@ fn the_step_program_on_the_simulated_device_matches_the_cpu_decoder() {
             DeviceSeq { slot: 0, prefix_len: 0, tokens: &pa, parents: None },
             DeviceSeq { slot: 1, prefix_len: 0, tokens: &pb, parents: None },
         ];
-        let (logits, n_max) = run(&mut mem, &seqs);
+        let (logits, n_max) = run(&mut mem, &seqs, false);
         let v = cfg.vocab_size;
         let row = |r: usize| &logits[r * v..(r + 1) * v];
         let dev_rows: Vec<&[f32]> = (0..pa.len()).map(row).chain((0..pb.len()).map(|j| row(n_max + j))).collect();
@@ -221,14 +226,15 @@ fn the_step_program_on_the_simulated_device_matches_the_cpu_decoder() {
             DeviceSeq { slot: 0, prefix_len: pa.len(), tokens: &ta, parents: None },
             DeviceSeq { slot: 1, prefix_len: pb.len(), tokens: &tb, parents: None },
         ];
-        let (logits, _) = run(&mut mem, &seqs);
+        let (logits, _) = run(&mut mem, &seqs, false);
         let dec = cpu.decode(&mut cc, &[(sa, ta[0]), (sb, tb[0])]).unwrap().to_vec2::<f32>().unwrap();
         let (decode, ok2) = compare(&[&logits[..v], &logits[v..2 * v]], &dec);
 
-        // 3. A draft tree of 5 nodes after sequence a's 10 committed tokens.
+        // 3. A draft tree of 5 nodes after sequence a's committed tokens, run padded (8 rows, a padding sequence).
         let (tree_tok, parents) = ([30u32, 2, 8, 44, 1], [-1i32, 0, 0, 1, 1]);
         let seqs = [DeviceSeq { slot: 0, prefix_len: pa.len() + 1, tokens: &tree_tok, parents: Some(&parents) }];
-        let (logits, _) = run(&mut mem, &seqs);
+        let (logits, n_max) = run(&mut mem, &seqs, true);
+        assert_eq!(n_max, 8);
         let cpu_parents: Vec<Option<usize>> = parents.iter().map(|&p| usize::try_from(p).ok()).collect();
         let inp = [SeqInput { seq: sa, tokens: &tree_tok, tree: Some(&cpu_parents), logits: LogitsFor::All }];
         let ver = cpu.forward(&mut cc, &inp, &[]).unwrap().logits.to_vec2::<f32>().unwrap();
@@ -238,7 +244,7 @@ fn the_step_program_on_the_simulated_device_matches_the_cpu_decoder() {
         // Negative control: the same tree verified without its ancestor masks (a causal chunk) is off by far more.
         if arch == "llama" {
             let seqs = [DeviceSeq { slot: 0, prefix_len: pa.len() + 1, tokens: &tree_tok, parents: None }];
-            let (wrong, _) = run(&mut mem, &seqs);
+            let (wrong, _) = run(&mut mem, &seqs, false);
             let rows: Vec<&[f32]> = (0..tree_tok.len()).map(|r| &wrong[r * v..(r + 1) * v]).collect();
             let (off, _) = compare(&rows, &ver);
             println!("negative control: the tree read as a causal chunk is off by {off:.3} row std");

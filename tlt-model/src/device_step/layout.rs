@@ -115,6 +115,52 @@ pub fn layout(seqs: &[DeviceSeq<'_>], vocab: usize, slots: usize, max_len: usize
     Ok(l)
 }
 
+/// The `n_max` a batch of trees runs at: its largest tree rounded up to a power of two (at most 64 nodes), so a
+/// handful of verification shapes (and graphs) serve every tree size.
+#[must_use]
+pub fn tree_rows_bucket(n_max: usize) -> usize {
+    n_max.next_power_of_two().min(tlt_kernels::cuda::MAX_TREE_NODES).max(n_max)
+}
+
+impl StepLayout {
+    /// The same batch laid out with `n_max` rows per sequence (at least its own): the extra rows are padding
+    /// (token 0, no slot, position 0, ancestor mask 0), which every kernel skips.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for an `n_max` below the layout's.
+    pub fn padded_to(&self, n_max: usize) -> Result<Self> {
+        if n_max < self.n_max {
+            return Err(Error::InvalidInput(format!("{} rows per sequence padded to {n_max}", self.n_max)));
+        }
+        let (batch, old) = (self.seq_slot.len(), self.n_max);
+        let pad = |v: &[i32], fill: i32| -> Vec<i32> {
+            let mut out = vec![fill; batch * n_max];
+            for b in 0..batch {
+                out[b * n_max..b * n_max + old].copy_from_slice(&v[b * old..(b + 1) * old]);
+            }
+            out
+        };
+        let anc = self.anc.as_ref().map(|a| {
+            let mut out = vec![0u64; batch * n_max];
+            for b in 0..batch {
+                out[b * n_max..b * n_max + old].copy_from_slice(&a[b * old..(b + 1) * old]);
+            }
+            out
+        });
+        Ok(Self {
+            n_max,
+            tokens: pad(&self.tokens, 0),
+            row_slot: pad(&self.row_slot, -1),
+            row_pos: pad(&self.row_pos, 0),
+            row_dst: pad(&self.row_dst, 0),
+            seq_slot: self.seq_slot.clone(),
+            seq_prefix: self.seq_prefix.clone(),
+            seq_nodes: self.seq_nodes.clone(),
+            anc,
+        })
+    }
+}
+
 /// The metadata buffers a step's kernels read, segments of one packed buffer ([`StepMeta`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MetaBufs {
@@ -254,6 +300,28 @@ mod tests {
         let tree = DeviceSeq { slot: 1, prefix_len: 0, tokens: &t, parents: Some(&[-1, 0]) };
         assert!(layout(&[DeviceSeq { tokens: &long, ..ok }, tree], 10, 2, 128).is_err(), "long chunk beside a tree");
         assert!(layout(&[DeviceSeq { tokens: &long, ..ok }], 10, 2, 128).is_ok(), "a long causal chunk alone");
+    }
+
+    #[test]
+    fn padding_rows_keeps_every_sequence_in_place() {
+        let (a, t) = ([5u32, 6], [1u32, 2, 3]);
+        let seqs = [
+            DeviceSeq { slot: 2, prefix_len: 10, tokens: &a, parents: Some(&[-1, 0]) },
+            DeviceSeq { slot: 0, prefix_len: 4, tokens: &t, parents: Some(&[-1, 0, 0]) },
+        ];
+        let l = layout(&seqs, 100, 3, 64).unwrap();
+        assert_eq!(tree_rows_bucket(l.n_max), 4);
+        let p = l.padded_to(4).unwrap();
+        assert_eq!(p.tokens, [5, 6, 0, 0, 1, 2, 3, 0]);
+        assert_eq!(p.row_slot, [2, 2, -1, -1, 0, 0, 0, -1]);
+        assert_eq!(p.row_pos, [10, 11, 0, 0, 4, 5, 5, 0]);
+        assert_eq!(p.anc.unwrap(), [0b1, 0b11, 0, 0, 0b1, 0b11, 0b101, 0]);
+        assert_eq!((p.seq_nodes, p.n_max), (vec![2, 3], 4));
+        assert!(l.padded_to(2).is_err());
+        assert_eq!(
+            [tree_rows_bucket(1), tree_rows_bucket(5), tree_rows_bucket(33), tree_rows_bucket(64)],
+            [1, 8, 64, 64]
+        );
     }
 
     #[test]

@@ -7,6 +7,6 @@ mod layout;
 mod parity;
 mod program;
 
-pub use layout::{layout, DeviceSeq, MetaBufs, StepLayout, StepMeta};
+pub use layout::{layout, tree_rows_bucket, DeviceSeq, MetaBufs, StepLayout, StepMeta};
 pub use parity::{row_parity, RowParity, BF16_ROW_TOL};
 pub use program::{DeviceOps, LayerBufs, LinearBufs, StepBufs, StepProgram, WeightBufs};
