@@ -48,6 +48,8 @@ pub struct ShapeStats {
     pub over_budget: u64,
     /// Eager check-outs (capture off or not possible).
     pub eager_runs: u64,
+    /// Resident shapes.
+    pub entries: u64,
     /// Bytes of the resident entries (at most the budget).
     pub bytes_in_use: u64,
     /// Most bytes ever resident at once.
@@ -68,12 +70,17 @@ pub struct ShapeStats {
 /// let (e, plan) = cache.checkout::<()>(1, true, || unreachable!()).unwrap();
 /// assert_eq!((plan, e.graph), (ShapePlan::Replay, Some("graph of 1")));
 /// ```
-#[derive(Debug)]
 pub struct ShapeCache<K, B, G> {
     pool: GraphPool<ShapeEntry<B, G>, K>,
     eager: HashMap<K, FallbackReason>,
     spare: Option<(K, ShapeEntry<B, G>, u64)>,
     stats: ShapeStats,
+}
+
+impl<K: Hash + Eq + Copy, B, G> std::fmt::Debug for ShapeCache<K, B, G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShapeCache").field("budget", &self.pool.budget()).field("stats", &self.stats).finish()
+    }
 }
 
 impl<K: Hash + Eq + Copy, B, G> ShapeCache<K, B, G> {
@@ -195,6 +202,7 @@ impl<K: Hash + Eq + Copy, B, G> ShapeCache<K, B, G> {
     fn sync_bytes(&mut self) {
         let s = self.pool.stats();
         self.stats.bytes_in_use = s.bytes_in_use;
+        self.stats.entries = s.graphs;
         self.stats.peak_bytes = self.stats.peak_bytes.max(s.bytes_in_use);
     }
 }

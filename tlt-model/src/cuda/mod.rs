@@ -9,12 +9,11 @@
 
 mod step;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
-use tlt_cudagraph::{BucketPolicy, GraphKey, GraphPool, PoolStats};
+use tlt_cudagraph::{BucketPolicy, FallbackReason, ShapeCache, ShapeEntry, ShapePlan, ShapeStats};
 use tlt_kernels::cuda::packing::Packing;
 use tlt_kernels::cuda::plan::{self, Chunks, SeqBufs};
 use tlt_kernels::cuda::{buf_of, Blas, CacheDims, CudaKernels, DeviceLinear, Staged, TreeDims};
@@ -23,7 +22,7 @@ use tlt_kernels::AttnShape;
 use self::step::{CudaOps, StepBuffers};
 use crate::config::LlamaConfig;
 pub use crate::device_step::DeviceSeq;
-use crate::device_step::{layout, LayerBufs, LinearBufs, StepLayout, StepProgram, WeightBufs};
+use crate::device_step::{layout, tree_rows_bucket, LayerBufs, LinearBufs, StepLayout, StepProgram, WeightBufs};
 use crate::model::{Llama, Tap};
 use crate::weights::{ProjectionShape, Projections};
 use crate::{Error, Result};
@@ -212,13 +211,13 @@ pub enum StepMode {
     Replayed,
 }
 
-/// What a forward produced: its logits live in the model's buffers for `(batch, n_max)` until the next forward of
-/// that shape ([`CudaLlama::logits`]).
+/// What a forward produced: its logits live in the model's buffers of its [`StepShape`] until the next forward
+/// ([`CudaLlama::logits`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepOutput {
     /// Sequences (after padding to a graph bucket: rows of padded sequences are garbage).
     pub batch: usize,
-    /// Rows per sequence: node `j` of sequence `b` is row `b * n_max + j`.
+    /// Rows per sequence (a tree's padded to a power of two): node `j` of sequence `b` is row `b * n_max + j`.
     pub n_max: usize,
     /// Vocabulary size.
     pub vocab: usize,
@@ -228,31 +227,33 @@ pub struct StepOutput {
     tree: bool,
 }
 
-/// CUDA graphs of decode and verify shapes.
-struct Graphs {
-    policy: BucketPolicy,
-    pool: GraphPool<CudaGraph>,
-    budget: u64,
-}
-
-impl std::fmt::Debug for Graphs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Graphs").field("policy", &self.policy).field("stats", self.pool.stats()).finish()
-    }
+/// The shape a forward's buffers (and graph) are kept for: sequences (padded to a graph bucket under graphs), rows
+/// per sequence (a tree's padded to [`crate::device_step::tree_rows_bucket`]), and whether it is a tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StepShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Rows per sequence.
+    pub n_max: usize,
+    /// Tree (ancestor masks) or causal.
+    pub tree: bool,
 }
 
 /// A Llama-family decoder resident on one CUDA device, with a KV cache of `slots` sequences of `max_len` positions.
 ///
-/// Decode steps (one token per sequence) and tree verifications keep their buffers per shape, so with
-/// [`CudaLlama::enable_graphs`] each such shape is captured once into a CUDA graph (batches padded to the bucket
-/// ladder) and replayed after; prefill chunks always run eagerly on transient buffers.
+/// Decode steps (one token per sequence) and tree verifications keep their buffers per shape ([`StepShape`]), so
+/// with [`CudaLlama::enable_graphs`] each such shape is captured once into a CUDA graph (batches padded to the bucket
+/// ladder) and replayed after. Buffers and graphs live under one memory budget ([`ShapeCache`]: least recently used
+/// shapes evicted, buffers and graph together); a shape whose capture fails or that cannot fit runs eagerly, with
+/// the reason kept ([`CudaLlama::eager_shapes`]). Prefill chunks always run eagerly, on one spare set of buffers.
 #[derive(Debug)]
 pub struct CudaLlama {
     // Fields drop in declaration order: the graphs first, then the buffers they read and write, then the cuBLAS
     // handle and the kernels' modules they launch.
-    graphs: Option<Graphs>,
-    steps: HashMap<(usize, usize, bool), StepBuffers>,
-    transient: Option<StepBuffers>,
+    /// Per-shape buffers and graphs.
+    shapes: ShapeCache<StepShape, StepBuffers, CudaGraph>,
+    /// The batch sizes graphs are captured for (`None`: graphs off).
+    graph_batches: Option<BucketPolicy>,
     /// The packed metadata of commits (one copy from pinned memory).
     commit_staging: Staged,
     k_cache: CudaSlice<bf16>,
@@ -448,10 +449,11 @@ impl CudaLlama {
         let v_cache = stream.alloc_zeros::<bf16>(cache.len()).map_err(cuda_err("alloc v cache"))?;
         let w = DevWeights { embed, head, norm, layers, inv_freq };
         let commit_staging = Staged::new(&stream, 4096)?;
+        // Step buffers may take half of what is left after weights and cache (graphs on: the budget given).
+        let (free, _) = cudarc::driver::result::mem_get_info().map_err(cuda_err("memory info"))?;
         Ok(Self {
-            graphs: None,
-            steps: HashMap::new(),
-            transient: None,
+            shapes: ShapeCache::new(free as u64 / 2),
+            graph_batches: None,
             commit_staging,
             k_cache,
             v_cache,
@@ -503,10 +505,12 @@ impl CudaLlama {
     }
 
     /// Turns on CUDA graphs for decode and verify shapes: batches up to `max_batch` pad to SGLang's bucket ladder,
-    /// and graphs live under `budget` bytes (least recently used evicted; the shapes' buffers count).
+    /// and the shapes' buffers and graphs live under `budget` bytes together (least recently used evicted; a graph
+    /// over static buffers holds little memory of its own, so each shape counts its buffers). Drops the shapes
+    /// kept so far.
     pub fn enable_graphs(&mut self, max_batch: usize, budget: u64) {
-        self.graphs =
-            Some(Graphs { policy: BucketPolicy::ladder(max_batch.max(1)), pool: GraphPool::new(budget), budget });
+        self.graph_batches = Some(BucketPolicy::ladder(max_batch.max(1)));
+        self.shapes = ShapeCache::new(budget);
     }
 
     /// Which hidden features forwards keep for [`CudaLlama::hidden_to_host`], in this order (default
@@ -521,11 +525,7 @@ impl CudaLlama {
             return Err(Error::InvalidInput(format!("taps {taps:?} for a model of {layers} layers")));
         }
         self.taps = taps.to_vec();
-        self.steps.clear();
-        self.transient = None;
-        if let Some(g) = self.graphs.as_mut() {
-            g.pool = GraphPool::new(g.budget);
-        }
+        self.shapes.clear();
         Ok(())
     }
 
@@ -572,56 +572,63 @@ impl CudaLlama {
         Ok(rows_out)
     }
 
-    /// The graph pool's counters, when graphs are on.
-    pub fn graph_stats(&self) -> Option<&PoolStats> {
-        self.graphs.as_ref().map(|g| g.pool.stats())
+    /// The shape cache's counters, when graphs are on.
+    pub fn graph_stats(&self) -> Option<&ShapeStats> {
+        self.graph_batches.as_ref().map(|_| self.shapes.stats())
     }
 
-    /// One forward over `seqs`: writes their new tokens' K/V into the cache (tree nodes stay behind the prefix
+    /// Shapes that run eagerly for a reason (their capture failed, or they cannot fit the budget), with the reason.
+    pub fn eager_shapes(&self) -> Vec<(StepShape, FallbackReason)> {
+        self.shapes.eager_shapes().map(|(k, r)| (*k, r.clone())).collect()
+    }
+
+    /// Runs one step: writes each sequence's new tokens' K/V into its slot at `prefix_len..` (tree nodes stay there
     /// until [`CudaLlama::commit`] moves the accepted ones) and computes the logits of every new token
     /// ([`CudaLlama::logits`]).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad batch (see [`DeviceSeq`]), [`Error::Kernel`] when a launch, a capture or
-    /// a graph launch fails.
+    /// [`Error::InvalidInput`] for a bad batch (see [`DeviceSeq`]), [`Error::Kernel`] when a launch or a graph
+    /// launch fails (a failed capture is not an error: the shape runs eagerly from then on).
     pub fn forward(&mut self, seqs: &[DeviceSeq<'_>]) -> Result<StepOutput> {
-        let l = layout(seqs, self.cfg.vocab_size, self.cache.slots, self.cache.max_len)?;
-        let (tree, n_max) = (l.anc.is_some(), l.n_max);
-        let reusable = tree || n_max == 1;
-        let graph_batch = self.graphs.as_ref().filter(|_| reusable).and_then(|g| g.policy.pad(seqs.len()));
-        let batch = graph_batch.unwrap_or(seqs.len());
-        let shape = (batch, n_max, tree);
-        let mut bufs = match (reusable, self.steps.remove(&shape), self.transient.take()) {
-            (true, Some(b), _) => b,
-            (false, _, Some(b)) if (b.batch, b.n_max) == (batch, n_max) => b,
-            _ => {
-                let chunks = Chunks::for_shape(
-                    TreeDims { batch, n_max },
-                    self.cache.attn.n_kv_heads,
-                    self.cache.max_len,
-                    self.target_blocks,
-                );
-                StepBuffers::new(&self.stream, &self.cfg, batch, n_max, tree, self.layer_taps().len(), chunks)?
-            }
-        };
-        let ran = self.run(&mut bufs, &l, graph_batch.map(|_| shape));
-        if reusable {
-            self.steps.insert(shape, bufs);
-        } else {
-            self.transient = Some(bufs);
+        let mut l = layout(seqs, self.cfg.vocab_size, self.cache.slots, self.cache.max_len)?;
+        let tree = l.anc.is_some();
+        if tree {
+            l = l.padded_to(tree_rows_bucket(l.n_max))?;
         }
-        let mode = ran?;
-        Ok(StepOutput { batch, n_max, vocab: self.cfg.vocab_size, mode, tree })
+        let n_max = l.n_max;
+        let reusable = tree || n_max == 1;
+        let graph_batch = self.graph_batches.as_ref().filter(|_| reusable).and_then(|p| p.pad(seqs.len()));
+        let batch = graph_batch.unwrap_or(seqs.len());
+        let shape = StepShape { batch, n_max, tree };
+        let (stream, cfg, taps) = (&self.stream, &self.cfg, self.layer_taps().len());
+        let chunks = Chunks::for_shape(
+            TreeDims { batch, n_max },
+            self.cache.attn.n_kv_heads,
+            self.cache.max_len,
+            self.target_blocks,
+        );
+        let (mut entry, plan) = self.shapes.checkout(shape, graph_batch.is_some(), || {
+            let b = StepBuffers::new(stream, cfg, batch, n_max, tree, taps, chunks)?;
+            let bytes = b.bytes();
+            Ok::<_, Error>((b, bytes))
+        })?;
+        let ran = self.run(shape, &mut entry, &l, &plan);
+        let bytes = entry.bufs.bytes();
+        self.shapes.checkin(shape, entry, bytes, reusable);
+        Ok(StepOutput { batch, n_max, vocab: self.cfg.vocab_size, mode: ran?, tree })
     }
 
-    fn run(&mut self, bufs: &mut StepBuffers, l: &StepLayout, shape: Option<(usize, usize, bool)>) -> Result<StepMode> {
-        bufs.write(&self.stream, l)?;
-        let key = shape.map(|(b, n, tree)| if tree { GraphKey::verify(b, n) } else { GraphKey::decode(b) });
-        if let (Some(key), Some(g)) = (key, self.graphs.as_mut()) {
-            if let Some(graph) = g.pool.get(&key) {
-                graph.launch().map_err(cuda_err("graph launch"))?;
-                return Ok(StepMode::Replayed);
-            }
+    fn run(
+        &mut self,
+        shape: StepShape,
+        entry: &mut ShapeEntry<StepBuffers, CudaGraph>,
+        l: &StepLayout,
+        plan: &ShapePlan,
+    ) -> Result<StepMode> {
+        entry.bufs.write(&self.stream, l)?;
+        if let (ShapePlan::Replay, Some(graph)) = (plan, entry.graph.as_ref()) {
+            graph.launch().map_err(cuda_err("graph launch"))?;
+            return Ok(StepMode::Replayed);
         }
         let layer_taps = self.layer_taps();
         let s = &self.stream;
@@ -635,44 +642,52 @@ impl CudaLlama {
             layer_taps: &layer_taps,
             target_blocks: self.target_blocks,
         };
-        let step = bufs.bufs(s)?;
+        let step = entry.bufs.bufs(s)?;
         let mut ops = CudaOps { kernels: &self.kernels, blas: self.blas.cublas(), stream: s };
         program.record(&mut ops, &step)?;
-        let (Some(key), Some(g)) = (key, self.graphs.as_mut()) else { return Ok(StepMode::Eager) };
-        // The eager run above produced this step's results (and warmed cuBLAS up); capture the same launches.
-        self.stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(cuda_err("begin_capture"))?;
-        let recorded = program.record(&mut ops, &step);
-        let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        recorded?;
-        let Some(graph) = ended.map_err(cuda_err("end_capture"))? else { return Ok(StepMode::Eager) };
-        graph.upload().map_err(cuda_err("graph upload"))?;
-        // A graph larger than the whole budget is simply not kept: the shape keeps running eagerly.
-        Ok(match g.pool.insert(key, graph, bufs.bytes()) {
-            Ok(_) => StepMode::Captured,
-            Err(_) => StepMode::Eager,
+        if *plan != ShapePlan::Capture {
+            return Ok(StepMode::Eager);
+        }
+        // The eager run above produced this step's results (and warmed cuBLAS up); capture the same launches. A
+        // failed capture leaves the stream usable (the capture is always ended) and the shape eager from now on.
+        let captured = (|| -> std::result::Result<CudaGraph, String> {
+            s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| format!("begin_capture: {e}"))?;
+            let recorded = program.record(&mut ops, &step);
+            let ended = s.end_capture(sys::CUgraphInstantiate_flags(0));
+            recorded.map_err(|e| format!("recording: {e}"))?;
+            let graph = ended.map_err(|e| format!("end_capture: {e}"))?.ok_or("the capture recorded nothing")?;
+            graph.upload().map_err(|e| format!("graph upload: {e}"))?;
+            Ok(graph)
+        })();
+        Ok(match captured {
+            Ok(graph) => {
+                entry.graph = Some(graph);
+                StepMode::Captured
+            }
+            Err(message) => {
+                tracing::warn!(?shape, %message, "CUDA graph capture failed; the shape runs eagerly");
+                self.shapes.capture_failed(shape, message);
+                StepMode::Eager
+            }
         })
     }
 
     fn buffers(&self, out: &StepOutput) -> Result<&StepBuffers> {
-        let shape = (out.batch, out.n_max, out.tree);
-        self.steps
-            .get(&shape)
-            .or(self.transient.as_ref().filter(|b| (b.batch, b.n_max) == (out.batch, out.n_max)))
-            .ok_or_else(|| Error::InvalidInput(format!("no buffers of shape {shape:?}")))
+        let shape = StepShape { batch: out.batch, n_max: out.n_max, tree: out.tree };
+        self.shapes.get(&shape).ok_or_else(|| Error::InvalidInput(format!("no buffers of shape {shape:?}")))
     }
 
-    /// The logits of `out` (`[batch * n_max, vocab]` f32), valid until the next forward of the same shape.
+    /// The logits of `out` (`[batch * n_max, vocab]` f32), valid until the next forward (which may evict its shape).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] when no forward of that shape has run.
+    /// [`Error::InvalidInput`] when the shape's buffers are gone (evicted, or never run).
     pub fn logits(&self, out: &StepOutput) -> Result<&CudaSlice<f32>> {
         self.buffers(out).map(|b| &b.logits)
     }
 
     /// The final-norm hidden states of `out` (`[batch * n_max, hidden_size]` bf16, the LM head's input), valid until
-    /// the next forward of the same shape.
+    /// the next forward.
     ///
     /// # Errors
     /// As [`CudaLlama::logits`].
