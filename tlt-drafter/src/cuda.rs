@@ -19,10 +19,13 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
+use tlt_kernels::cuda::packing::Packing;
+use tlt_kernels::cuda::plan::{self, Buf, Chunks, RowBuf, RowBufs, SeqBufs};
 use tlt_kernels::cuda::{
-    gemm_bf16, Blas, CacheDims, CudaKernels, DeviceLinear, RowMeta, RowSource, SeqMeta, TreeDims, MAX_TOP_K,
+    buf_of, gemm_bf16, Blas, CacheDims, CudaKernels, DeviceLinear, Fetched, RowSource, Staged, TreeDims, MAX_TOP_K,
     MAX_TREE_NODES,
 };
+use tlt_model::device_step::{StepLayout, StepMeta};
 
 use crate::config::DrafterKind;
 use crate::exec::{DraftExecutor, Forward, Group};
@@ -112,11 +115,18 @@ pub struct CudaDrafter {
     // Fields drop in declaration order: buffers first, then the cuBLAS handle and the kernels' modules.
     w: Option<DevWeights>,
     cache: Option<DevCache>,
+    /// A forward's packed metadata and its features, each sent in one copy from pinned memory.
+    meta: Staged,
+    features: Staged,
+    /// A forward's layer outputs and top-k, read back in one copy into pinned memory (grown on demand).
+    results: Fetched,
     blas: Blas,
     kernels: CudaKernels,
     stream: Arc<CudaStream>,
     opts: CudaDraftOptions,
     free: Arc<Mutex<Vec<usize>>>,
+    /// Blocks split attention aims for: twice the device's multiprocessors.
+    target_blocks: usize,
 }
 
 /// Where a forward's row `j` sits in the padded `[batch, n_max]` layout, per group.
@@ -143,6 +153,39 @@ struct GroupPlan<'p> {
     prior: usize,
     rows: Range<usize>,
     parents: Option<&'p [Option<usize>]>,
+}
+
+impl Layout {
+    /// The layout as the target's device step lays out its metadata ([`StepMeta`] packs it).
+    fn step_layout(&self) -> StepLayout {
+        StepLayout {
+            n_max: self.n_max,
+            tokens: self.tokens.clone(),
+            row_slot: self.row_slot.clone(),
+            row_pos: self.row_pos.clone(),
+            row_dst: self.row_dst.clone(),
+            seq_slot: self.seq_slot.clone(),
+            seq_prefix: self.seq_prefix.clone(),
+            seq_nodes: self.seq_nodes.clone(),
+            anc: self.anc.clone(),
+        }
+    }
+}
+
+/// `v` as bytes.
+fn bytemuck_f32(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every byte pattern of it is a valid u8; the length is the slice's in bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// Copies `src` into `dst` (same length) on `stream`.
+fn copy_f32(stream: &Arc<CudaStream>, src: Buf<f32>, dst: Buf<f32>) -> Result<()> {
+    if src.len() != dst.len() {
+        return Err(Error::InvalidArgument(format!("copy of {} values into {}", src.len(), dst.len())));
+    }
+    // SAFETY: both are live device buffers of this drafter's context, used on this one stream, of the same length.
+    unsafe { cudarc::driver::result::memcpy_dtod_async(dst.addr(), src.addr(), src.len() * 4, stream.cu_stream()) }
+        .map_err(drv("copy"))
 }
 
 fn i32_of(what: &str, v: usize) -> Result<i32> {
@@ -230,10 +273,22 @@ impl CudaDrafter {
             return Err(Error::InvalidArgument(format!("device drafter needs slots and positions: {opts:?}")));
         }
         let kernels = CudaKernels::new(opts.ordinal).map_err(kern)?;
+        // SAFETY: every buffer of the drafter is allocated on and used by its one stream (the target's features
+        // arrive from the host), so stream order alone keeps them correct; cudarc's per-buffer events would add a
+        // record and a wait to every launch.
+        unsafe { kernels.context().disable_event_tracking() };
         let stream = kernels.context().new_stream().map_err(drv("new_stream"))?;
+        let sms = kernels
+            .context()
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("multiprocessor count"))?;
+        let target_blocks = 2 * usize::try_from(sms).unwrap_or(1).max(1);
         let blas = Blas::new(&stream).map_err(kern)?;
+        let (meta, features) =
+            (Staged::new(&stream, 4096).map_err(kern)?, Staged::new(&stream, 1 << 16).map_err(kern)?);
+        let results = Fetched::new(&stream, 1 << 16).map_err(kern)?;
         let free = Arc::new(Mutex::new((0..opts.slots).rev().collect()));
-        Ok(Self { w: None, cache: None, blas, kernels, stream, opts, free })
+        Ok(Self { w: None, cache: None, meta, features, results, blas, kernels, stream, opts, free, target_blocks })
     }
 
     /// Cache slots not lent to a sequence.
@@ -273,25 +328,48 @@ impl CudaDrafter {
         Ok(r)
     }
 
-    /// The layer outputs `resid` (`[rows, H]` f32 on the device) through the final norm (EAGLE-3) and the draft
-    /// head, then each row's top `k`: `(draft ids, log-probs)`, `[rows, k]` each, on the host.
-    fn head_top_k(&self, rows: usize, resid: &CudaSlice<f32>, k: usize) -> Result<(Vec<i32>, Vec<f32>)> {
-        let w = self.weights()?;
-        let h = w.hidden;
-        let mut x = self.zeros::<bf16>(rows * h)?;
-        match &w.final_norm {
-            Some(n) => self.kernels.rms_norm(&self.stream, rows, h, w.eps, resid, n, &mut x),
-            None => self.kernels.concat_rows(&self.stream, rows, RowSource::F32(resid, h), None, &mut x),
+    /// Reads back, in one copy, the layer outputs `resid` (`[rows, H]` f32 on the device; `None`: not wanted)
+    /// and, for `k > 0`, each row's top `k` draft tokens after the final norm (EAGLE-3) and the draft head: (layer
+    /// outputs, draft ids, log-probs), the last two `[rows, k]`.
+    fn read_back(
+        &mut self,
+        rows: usize,
+        resid: &CudaSlice<f32>,
+        want_out: bool,
+        k: usize,
+    ) -> Result<(Vec<f32>, Vec<i32>, Vec<f32>)> {
+        let h = self.weights()?.hidden;
+        let out_len = if want_out { rows * h } else { 0 };
+        let pack = Packing::new(&[out_len * 4, rows * k * 4, rows * k * 4]);
+        if pack.bytes() > self.results.bytes() {
+            self.results = Fetched::new(&self.stream, pack.bytes().max(2 * self.results.bytes())).map_err(kern)?;
         }
-        .map_err(kern)?;
-        let dv = w.head.out;
-        let mut logits = self.zeros::<f32>(rows * dv)?;
-        gemm_bf16(self.blas.cublas(), &self.stream, rows, dv, h, &x, &w.head.w, &mut logits).map_err(kern)?;
-        let (mut idx, mut lp) = (self.zeros::<i32>(rows * k)?, self.zeros::<f32>(rows * k)?);
-        self.kernels.top_k_rows(&self.stream, rows, dv, k, &logits, &mut idx, &mut lp).map_err(kern)?;
-        let idx = self.stream.clone_dtoh(&idx).map_err(drv("download"))?;
-        let lp = self.stream.clone_dtoh(&lp).map_err(drv("download"))?;
-        Ok((idx, lp))
+        let s = &self.stream;
+        let base = self.results.buf(s);
+        if want_out {
+            copy_f32(s, buf_of(resid, s), pack.buf(base, 0).map_err(kern)?)?;
+        }
+        if k > 0 {
+            let w = self.weights()?;
+            let mut x = self.zeros::<bf16>(rows * h)?;
+            match &w.final_norm {
+                Some(n) => self.kernels.rms_norm(s, rows, h, w.eps, resid, n, &mut x),
+                None => self.kernels.concat_rows(s, rows, RowSource::F32(resid, h), None, &mut x),
+            }
+            .map_err(kern)?;
+            let dv = w.head.out;
+            let mut logits = self.zeros::<f32>(rows * dv)?;
+            gemm_bf16(self.blas.cublas(), s, rows, dv, h, &x, &w.head.w, &mut logits).map_err(kern)?;
+            let (idx, lp) = (pack.buf(base, 1).map_err(kern)?, pack.buf(base, 2).map_err(kern)?);
+            let launch = plan::top_k_rows(rows, dv, k, buf_of(&logits, s), idx, lp).map_err(kern)?;
+            self.kernels.run(s, &launch).map_err(kern)?;
+        }
+        let host = self.results.fetch(&self.stream, pack.bytes()).map_err(kern)?;
+        Ok((
+            pack.get::<f32>(host, 0).map_err(kern)?,
+            pack.get::<i32>(host, 1).map_err(kern)?,
+            pack.get::<f32>(host, 2).map_err(kern)?,
+        ))
     }
 
     /// The candidates of rows `which` (padded row indices) from a `[rows, k]` top-k.
@@ -312,47 +390,56 @@ impl CudaDrafter {
         Ok(k)
     }
 
-    /// The layer input (`[R, qkv_in]` bf16) and the residual stream (`[R, H]` f32) of the padded rows.
-    fn inputs(
-        &self,
-        rows: &[Row<'_>],
-        l: &Layout,
-        tokens: &CudaSlice<i32>,
-    ) -> Result<(CudaSlice<bf16>, CudaSlice<f32>)> {
-        let w = self.weights()?;
-        let (h, total) = (w.hidden, l.tokens.len());
+    /// The layer input (`[R, qkv_in]` bf16) and the residual stream (`[R, H]` f32) of the padded rows (`tokens`:
+    /// the packed metadata's token segment).
+    fn inputs(&mut self, rows: &[Row<'_>], l: &Layout, tokens: Buf<i32>) -> Result<(CudaSlice<bf16>, CudaSlice<f32>)> {
+        let (h, total) = (self.weights()?.hidden, l.tokens.len());
         let fw = rows.first().map_or(h, |r| r.feature.len());
         if let Some(r) = rows.iter().find(|r| r.feature.len() != fw) {
             return Err(Error::batch("feature", format!("widths {fw} and {} in one device forward", r.feature.len())));
         }
-        let mut feat = vec![0f32; total * fw];
-        for (r, &p) in rows.iter().zip(&l.row_of) {
-            feat[p * fw..(p + 1) * fw].copy_from_slice(r.feature);
-        }
-        let feat = self.stream.clone_htod(&feat).map_err(drv("upload"))?;
-        let mut emb = self.zeros::<f32>(total * h)?;
-        self.kernels.embed_rows(&self.stream, total, h, &w.embed, tokens, &mut emb).map_err(kern)?;
+        // The features, padded rows zero, in one copy from pinned memory.
+        let s = self.stream.clone();
+        let pack = Packing::new(&[total * fw * 4]);
+        let base = self
+            .features
+            .send(&s, pack.bytes(), |host| {
+                host.fill(0);
+                for (r, &p) in rows.iter().zip(&l.row_of) {
+                    host[p * fw * 4..(p + 1) * fw * 4].copy_from_slice(bytemuck_f32(r.feature));
+                }
+                Ok(())
+            })
+            .map_err(kern)?;
+        let feat: Buf<f32> = pack.buf(base, 0).map_err(kern)?;
+        let w = self.weights()?;
+        let emb = self.zeros::<f32>(total * h)?;
+        let launch = plan::embed_rows(total, h, buf_of(&w.embed, &s), tokens, buf_of(&emb, &s)).map_err(kern)?;
+        self.kernels.run(&s, &launch).map_err(kern)?;
+        let concat = |a: RowBuf, b: Option<RowBuf>, out: &CudaSlice<bf16>| -> Result<()> {
+            let launch = plan::concat_rows(total, a, b, buf_of(out, &s)).map_err(kern)?;
+            self.kernels.run(&s, &launch).map_err(kern)
+        };
         match w.kind {
             DrafterKind::Eagle2 => {
                 if fw != h || w.fc.inp != 2 * h {
                     return Err(Error::batch("feature", format!("width {fw}, EAGLE-2 reads {h}")));
                 }
-                let mut cat = self.zeros::<bf16>(total * 2 * h)?;
-                let (a, b) = (RowSource::F32(&emb, h), RowSource::F32(&feat, h));
-                self.kernels.concat_rows(&self.stream, total, a, Some(b), &mut cat).map_err(kern)?;
+                let cat = self.zeros::<bf16>(total * 2 * h)?;
+                concat(RowBuf::F32(buf_of(&emb, &s), h), Some(RowBuf::F32(feat, h)), &cat)?;
                 let x = self.apply(&w.fc, total, &cat)?;
                 let resid = self.residual_from(&x)?;
                 Ok((x, resid))
             }
             DrafterKind::Eagle3 => {
                 let resid = if fw == w.fc.inp {
-                    let mut f16 = self.zeros::<bf16>(total * fw)?;
-                    self.kernels
-                        .concat_rows(&self.stream, total, RowSource::F32(&feat, fw), None, &mut f16)
-                        .map_err(kern)?;
+                    let f16 = self.zeros::<bf16>(total * fw)?;
+                    concat(RowBuf::F32(feat, fw), None, &f16)?;
                     self.residual_from(&self.apply(&w.fc, total, &f16)?)?
                 } else if fw == h {
-                    feat
+                    let r = self.zeros::<f32>(total * h)?;
+                    copy_f32(&s, feat, buf_of(&r, &s))?;
+                    r
                 } else {
                     return Err(Error::batch("feature", format!("width {fw}, EAGLE-3 reads {} or {h}", w.fc.inp)));
                 };
@@ -360,53 +447,62 @@ impl CudaDrafter {
                     return Err(Error::config("midlayer", "no input/hidden norm", "EAGLE-3 needs both"));
                 };
                 let (mut en, mut gn) = (self.zeros::<bf16>(total * h)?, self.zeros::<bf16>(total * h)?);
-                self.kernels.rms_norm(&self.stream, total, h, w.eps, &emb, inorm, &mut en).map_err(kern)?;
-                self.kernels.rms_norm(&self.stream, total, h, w.eps, &resid, hnorm, &mut gn).map_err(kern)?;
-                let mut x = self.zeros::<bf16>(total * 2 * h)?;
-                let (a, b) = (RowSource::Bf16(&en, h), RowSource::Bf16(&gn, h));
-                self.kernels.concat_rows(&self.stream, total, a, Some(b), &mut x).map_err(kern)?;
+                self.kernels.rms_norm(&s, total, h, w.eps, &emb, inorm, &mut en).map_err(kern)?;
+                self.kernels.rms_norm(&s, total, h, w.eps, &resid, hnorm, &mut gn).map_err(kern)?;
+                let x = self.zeros::<bf16>(total * 2 * h)?;
+                concat(RowBuf::Bf16(buf_of(&en, &s), h), Some(RowBuf::Bf16(buf_of(&gn, &s), h)), &x)?;
                 Ok((x, resid))
             }
         }
     }
 
-    /// The layer over the padded rows: attention over the cache (writing the new rows' keys and values), MLP.
-    /// Returns the residual stream after the layer (`[R, H]` f32, on the device).
+    /// The layer over the padded rows: attention over the cache (writing the new rows' keys and values; split
+    /// over key chunks like the target's), MLP. Returns the residual stream after the layer (`[R, H]` f32, on the
+    /// device). The rows' metadata goes out in one copy from pinned memory.
     fn layer(&mut self, rows: &[Row<'_>], l: &Layout) -> Result<CudaSlice<f32>> {
-        let up_i32 = |v: &[i32]| self.stream.clone_htod(v).map_err(drv("upload"));
-        let (tokens, row_slot, row_pos, row_dst) =
-            (up_i32(&l.tokens)?, up_i32(&l.row_slot)?, up_i32(&l.row_pos)?, up_i32(&l.row_dst)?);
-        let (seq_slot, seq_prefix, seq_nodes) = (up_i32(&l.seq_slot)?, up_i32(&l.seq_prefix)?, up_i32(&l.seq_nodes)?);
-        let anc = l.anc.as_deref().map(|a| self.stream.clone_htod(a).map_err(drv("upload"))).transpose()?;
-        let (x_in, mut resid) = self.inputs(rows, l, &tokens)?;
+        let s = self.stream.clone();
+        let step = l.step_layout();
+        let packing = StepMeta::new(l.seq_slot.len(), l.n_max, l.anc.is_some());
+        let base = self
+            .meta
+            .send(&s, packing.bytes(), |host| {
+                packing.write(&step, host).map_err(|e| tlt_kernels::Error::InvalidArgument(e.to_string()))
+            })
+            .map_err(kern)?;
+        let meta = packing.bufs(base).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let (x_in, mut resid) = self.inputs(rows, l, meta.tokens)?;
         let total = l.tokens.len();
         let w = self.weights()?;
         let (h, eps) = (w.hidden, w.eps);
         let [q, k, v, ..] = &w.proj;
-        let (mut qx, kx, vx) =
-            (self.apply(q, total, &x_in)?, self.apply(k, total, &x_in)?, self.apply(v, total, &x_in)?);
-        let Some(c) = self.cache.as_mut() else {
-            return Err(Error::InvalidArgument("the device drafter has no cache".into()));
-        };
-        let w = self.w.as_ref().ok_or_else(|| Error::InvalidArgument("no weights".into()))?;
-        let meta = RowMeta { slot: &row_slot, pos: &row_pos, dst: &row_dst };
-        self.kernels
-            .rope_kv_write(&self.stream, c.dims, 0, total, &mut qx, &kx, &vx, &mut c.k, &mut c.v, meta, &w.inv_freq)
-            .map_err(kern)?;
-        let mut attn = self.stream.alloc_zeros::<bf16>(qx.len()).map_err(drv("alloc"))?;
+        let (qx, kx, vx) = (self.apply(q, total, &x_in)?, self.apply(k, total, &x_in)?, self.apply(v, total, &x_in)?);
+        let c = self.cache.as_ref().ok_or_else(|| Error::InvalidArgument("the device drafter has no cache".into()))?;
+        let (kc, vc) = (buf_of(&c.k, &s), buf_of(&c.v, &s));
+        let rows_meta = RowBufs { slot: meta.row_slot, pos: meta.row_pos, dst: meta.row_dst };
+        let inv = buf_of(&w.inv_freq, &s);
+        let (qb, kb, vb) = (buf_of(&qx, &s), buf_of(&kx, &s), buf_of(&vx, &s));
+        let rope = plan::rope_kv_write(c.dims, 0, total, qb, kb, vb, kc, vc, rows_meta, inv).map_err(kern)?;
+        self.kernels.run(&s, &rope).map_err(kern)?;
+        let attn = self.zeros::<bf16>(qx.len())?;
         let tree = TreeDims { batch: l.seq_slot.len(), n_max: l.n_max };
-        let seq = SeqMeta { slot: &seq_slot, prefix_len: &seq_prefix, n_nodes: &seq_nodes };
-        self.kernels
-            .tree_attention(&self.stream, c.dims, 0, tree, &qx, &c.k, &c.v, &mut attn, seq, anc.as_ref())
-            .map_err(kern)?;
-        let w = self.weights()?;
+        let a = c.dims.attn;
+        let chunks = Chunks::for_shape(tree, a.n_kv_heads, c.dims.max_len, self.target_blocks);
+        let (po, pml) = chunks.part_lens(tree, a.n_heads, a.head_dim);
+        let parts = if chunks.n_splits > 1 { Some((self.zeros::<f32>(po)?, self.zeros::<f32>(pml)?)) } else { None };
+        let seq = SeqBufs { slot: meta.seq_slot, prefix_len: meta.seq_prefix, n_nodes: meta.seq_nodes };
+        let part_bufs = parts.as_ref().map(|(o, ml)| (buf_of(o, &s), buf_of(ml, &s)));
+        for launch in plan::attention(c.dims, 0, tree, chunks, qb, kc, vc, buf_of(&attn, &s), seq, meta.anc, part_bufs)
+            .map_err(kern)?
+        {
+            self.kernels.run(&s, &launch).map_err(kern)?;
+        }
         let [_, _, _, o, gate, up, down] = &w.proj;
-        self.kernels.add_to_residual(&self.stream, &mut resid, &self.apply(o, total, &attn)?).map_err(kern)?;
+        self.kernels.add_to_residual(&s, &mut resid, &self.apply(o, total, &attn)?).map_err(kern)?;
         let mut normed = self.zeros::<bf16>(total * h)?;
-        self.kernels.rms_norm(&self.stream, total, h, eps, &resid, &w.post_norm, &mut normed).map_err(kern)?;
+        self.kernels.rms_norm(&s, total, h, eps, &resid, &w.post_norm, &mut normed).map_err(kern)?;
         let mut g = self.apply(gate, total, &normed)?;
-        self.kernels.silu_mul(&self.stream, &mut g, &self.apply(up, total, &normed)?).map_err(kern)?;
-        self.kernels.add_to_residual(&self.stream, &mut resid, &self.apply(down, total, &g)?).map_err(kern)?;
+        self.kernels.silu_mul(&s, &mut g, &self.apply(up, total, &normed)?).map_err(kern)?;
+        self.kernels.add_to_residual(&s, &mut resid, &self.apply(down, total, &g)?).map_err(kern)?;
         Ok(resid)
     }
 
@@ -504,17 +600,12 @@ impl DraftExecutor for CudaDrafter {
             };
         }
         let h = self.weights()?.hidden;
-        let all = self.stream.clone_dtoh(&resid).map_err(drv("download"))?;
+        let (all, idx, lp) = self.read_back(l.tokens.len(), &resid, true, k)?;
         let mut out = Vec::with_capacity(rows.len() * h);
         for &r in &l.row_of {
             out.extend_from_slice(&all[r * h..(r + 1) * h]);
         }
-        let candidates = if k > 0 {
-            let (idx, lp) = self.head_top_k(l.tokens.len(), &resid, k)?;
-            Self::candidates(rt, &idx, &lp, k, &l.row_of)
-        } else {
-            Vec::new()
-        };
+        let candidates = if k > 0 { Self::candidates(rt, &idx, &lp, k, &l.row_of) } else { Vec::new() };
         Ok(Forward { out, candidates })
     }
 
@@ -529,7 +620,7 @@ impl DraftExecutor for CudaDrafter {
         }
         let rows = a.len() / h;
         let resid = self.stream.clone_htod(a).map_err(drv("upload"))?;
-        let (idx, lp) = self.head_top_k(rows, &resid, k)?;
+        let (_, idx, lp) = self.read_back(rows, &resid, false, k)?;
         Ok(Self::candidates(rt, &idx, &lp, k, &(0..rows).collect::<Vec<_>>()))
     }
 
