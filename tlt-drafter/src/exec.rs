@@ -39,7 +39,7 @@ pub trait DraftExecutor: std::fmt::Debug + Send {
     /// When the weights cannot be copied where they run.
     fn load(&mut self, rt: &DraftRuntime, version: u64) -> Result<()>;
 
-    /// Runs `rows`, grouped per sequence (as [`DraftRuntime::forward`]); with `top_k > 0` also returns each row's
+    /// Runs `rows`, grouped per sequence (as the runtime's own forward); with `top_k > 0` also returns each row's
     /// `top_k` most probable draft tokens.
     ///
     /// # Errors

@@ -30,8 +30,8 @@ impl CudaKernels {
     /// `out[r] = [a[r]; b[r]]` as bf16 ([`plan::concat_rows`]).
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`] / [`Error::InvalidArgument`] for buffers that disagree with the shapes,
-    /// [`Error::Cuda`] when the launch fails.
+    /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) / [`Error::InvalidArgument`](crate::Error::InvalidArgument) for buffers that disagree with the shapes,
+    /// [`Error::Cuda`](crate::Error::Cuda) when the launch fails.
     pub fn concat_rows(
         &self,
         stream: &CudaStream,
@@ -49,7 +49,7 @@ impl CudaKernels {
     /// The `k` largest logits of every row of `logits` and their log-probabilities ([`plan::top_k_rows`]).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for `k` outside `1..=min(vocab, MAX_TOP_K)`; otherwise as
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for `k` outside `1..=min(vocab, MAX_TOP_K)`; otherwise as
     /// [`CudaKernels::concat_rows`].
     #[allow(clippy::too_many_arguments)]
     pub fn top_k_rows(

@@ -159,7 +159,7 @@ impl AdamW {
     /// Replaces the state (a resumed checkpoint's).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if the count or a moment's length does not match the parameters.
+    /// [`Error::InvalidInput`] if the count or a moment's length does not match the parameters.
     pub fn set_state(&mut self, state: Vec<ParamState>) -> Result<()> {
         if state.len() != self.params.len() {
             return Err(Error::InvalidInput(format!(

@@ -1,0 +1,372 @@
+//! Plans of the attention kernels: RoPE and the cache write, tree and split (flash-decoding) attention, commits
+//! and row gathers along accepted paths.
+
+use super::*;
+
+/// Threads per block of the attention-side kernels.
+const ATT_BLOCK: u32 = 128;
+
+/// RoPE at each row's position on `q` (in place) and on `k`, and the write of the rotated `k` and of `v` into
+/// layer `layer` of the caches at each row's slot and position (`rope_kv_write_bf16`).
+///
+/// `q`: `[rows, n_heads, head_dim]`, `k`, `v`: `[rows, n_kv_heads, head_dim]` (bf16 bits); `inv_freq`:
+/// `[head_dim / 2]`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] / [`Error::InvalidArgument`] for buffers that disagree with the shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_kv_write(
+    cache: CacheDims,
+    layer: usize,
+    rows: usize,
+    q: Buf<bf16>,
+    k: Buf<bf16>,
+    v: Buf<bf16>,
+    k_cache: Buf<bf16>,
+    v_cache: Buf<bf16>,
+    meta: RowBufs,
+    inv_freq: Buf<f64>,
+) -> Result<Launch> {
+    cache.check()?;
+    let a = cache.attn;
+    if layer >= cache.layers || rows == 0 {
+        return Err(Error::InvalidArgument(format!("layer {layer} of {} with {rows} rows", cache.layers)));
+    }
+    check_len("q", rows * a.n_heads * a.head_dim, q.len())?;
+    check_len("k", rows * cache.row(), k.len())?;
+    check_len("v", rows * cache.row(), v.len())?;
+    check_len("k_cache", cache.len(), k_cache.len())?;
+    check_len("v_cache", cache.len(), v_cache.len())?;
+    for (what, m) in [("row slot", meta.slot), ("row pos", meta.pos), ("row dst", meta.dst)] {
+        check_len(what, rows, m.len())?;
+    }
+    check_len("inv_freq", a.head_dim / 2, inv_freq.len())?;
+    let span = layer * cache.layer_len()..(layer + 1) * cache.layer_len();
+    let args = vec![
+        q.arg(),
+        k.arg(),
+        v.arg(),
+        k_cache.slice(span.clone())?.arg(),
+        v_cache.slice(span)?.arg(),
+        meta.slot.arg(),
+        meta.pos.arg(),
+        meta.dst.arg(),
+        inv_freq.arg(),
+        i32_arg("rows", rows)?,
+        i32_arg("n_heads", a.n_heads)?,
+        i32_arg("n_kv_heads", a.n_kv_heads)?,
+        i32_arg("head_dim", a.head_dim)?,
+        i32_arg("max_len", cache.max_len)?,
+    ];
+    Ok(Launch::new("rope_kv_write_bf16", [dim("rows", rows)?, 1, 1], ATT_BLOCK, args))
+}
+
+/// The largest `q_dim + kv_dim` of [`qkv_rope_kv_write`] (`QKV_MAX_QK`: the row's q and k staged in 40 KiB of shared
+/// memory).
+pub const MAX_QK_WIDTH: usize = 10_240;
+
+/// The epilogue of the fused q/k/v projection (`qkv_rope_kv_write_bf16`): for every row of `qkv` (`[rows, q_dim + 2
+/// kv_dim]`, one GEMM's output), the bias added (Qwen2), every head's q and k RMS-normalised with `qk_norm` (Qwen3),
+/// RoPE at the row's position on q (into `q_out`, `[rows, n_heads, head_dim]`) and on k, and k and v written into
+/// layer `layer` of the caches, as [`rope_kv_write`] does.
+///
+/// # Errors
+/// As [`rope_kv_write`]; also for `q_dim + kv_dim` above [`MAX_QK_WIDTH`] or a bias or norm of the wrong length.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_kv_write(
+    cache: CacheDims,
+    layer: usize,
+    rows: usize,
+    qkv: Buf<bf16>,
+    bias: Option<Buf<bf16>>,
+    qk_norm: Option<(Buf<bf16>, Buf<bf16>)>,
+    q_out: Buf<bf16>,
+    k_cache: Buf<bf16>,
+    v_cache: Buf<bf16>,
+    meta: RowBufs,
+    inv_freq: Buf<f64>,
+    eps: f32,
+) -> Result<Launch> {
+    cache.check()?;
+    let a = cache.attn;
+    if layer >= cache.layers || rows == 0 {
+        return Err(Error::InvalidArgument(format!("layer {layer} of {} with {rows} rows", cache.layers)));
+    }
+    let (qd, kvd) = (a.n_heads * a.head_dim, cache.row());
+    if qd + kvd > MAX_QK_WIDTH {
+        return Err(Error::InvalidArgument(format!("q_dim + kv_dim = {} exceeds {MAX_QK_WIDTH}", qd + kvd)));
+    }
+    check_len("qkv", rows * (qd + 2 * kvd), qkv.len())?;
+    if let Some(b) = bias {
+        check_len("qkv bias", qd + 2 * kvd, b.len())?;
+    }
+    if let Some((qn, kn)) = qk_norm {
+        check_len("q norm", a.head_dim, qn.len())?;
+        check_len("k norm", a.head_dim, kn.len())?;
+    }
+    check_len("q_out", rows * qd, q_out.len())?;
+    check_len("k_cache", cache.len(), k_cache.len())?;
+    check_len("v_cache", cache.len(), v_cache.len())?;
+    for (what, m) in [("row slot", meta.slot), ("row pos", meta.pos), ("row dst", meta.dst)] {
+        check_len(what, rows, m.len())?;
+    }
+    check_len("inv_freq", a.head_dim / 2, inv_freq.len())?;
+    let span = layer * cache.layer_len()..(layer + 1) * cache.layer_len();
+    let args = vec![
+        qkv.arg(),
+        bias.map_or_else(null, |b| b.arg()),
+        qk_norm.map_or_else(null, |n| n.0.arg()),
+        qk_norm.map_or_else(null, |n| n.1.arg()),
+        q_out.arg(),
+        k_cache.slice(span.clone())?.arg(),
+        v_cache.slice(span)?.arg(),
+        meta.slot.arg(),
+        meta.pos.arg(),
+        meta.dst.arg(),
+        inv_freq.arg(),
+        i32_arg("rows", rows)?,
+        i32_arg("n_heads", a.n_heads)?,
+        i32_arg("n_kv_heads", a.n_kv_heads)?,
+        i32_arg("head_dim", a.head_dim)?,
+        i32_arg("max_len", cache.max_len)?,
+        Arg::F32(eps),
+    ];
+    Ok(Launch::new("qkv_rope_kv_write_bf16", [dim("rows", rows)?, 1, 1], 256, args))
+}
+
+/// Attention of each sequence's nodes over layer `layer` of the cache (`tree_attention_bf16`): `out =
+/// softmax(q Kᵀ / sqrt(d)) V` over the committed prefix and the visible nodes (ancestors by `anc`, `[batch, n_max]`
+/// ancestor bits as [`crate::cuda::ancestor_masks`] makes them; `None`: causal among the nodes).
+///
+/// # Errors
+/// As [`rope_kv_write`].
+#[allow(clippy::too_many_arguments)]
+pub fn tree_attention(
+    cache: CacheDims,
+    layer: usize,
+    tree: TreeDims,
+    q: Buf<bf16>,
+    k_cache: Buf<bf16>,
+    v_cache: Buf<bf16>,
+    out: Buf<bf16>,
+    seq: SeqBufs,
+    anc: Option<Buf<u64>>,
+) -> Result<Launch> {
+    cache.check()?;
+    tree.check(anc.is_some())?;
+    let a = cache.attn;
+    if layer >= cache.layers {
+        return Err(Error::InvalidArgument(format!("layer {layer} of {}", cache.layers)));
+    }
+    let q_len = tree.nodes() * a.n_heads * a.head_dim;
+    check_len("q", q_len, q.len())?;
+    check_len("out", q_len, out.len())?;
+    check_len("k_cache", cache.len(), k_cache.len())?;
+    check_len("v_cache", cache.len(), v_cache.len())?;
+    for (what, m) in [("seq slot", seq.slot), ("prefix_len", seq.prefix_len), ("n_nodes", seq.n_nodes)] {
+        check_len(what, tree.batch, m.len())?;
+    }
+    if let Some(m) = anc {
+        check_len("ancestor masks", tree.nodes(), m.len())?;
+    }
+    let span = layer * cache.layer_len()..(layer + 1) * cache.layer_len();
+    let args = vec![
+        q.arg(),
+        k_cache.slice(span.clone())?.arg(),
+        v_cache.slice(span)?.arg(),
+        out.arg(),
+        seq.slot.arg(),
+        seq.prefix_len.arg(),
+        seq.n_nodes.arg(),
+        anc.map_or_else(null, |m| m.arg()),
+        i32_arg("n_max", tree.n_max)?,
+        i32_arg("n_heads", a.n_heads)?,
+        i32_arg("n_kv_heads", a.n_kv_heads)?,
+        i32_arg("head_dim", a.head_dim)?,
+        i32_arg("max_len", cache.max_len)?,
+        Arg::F32(1.0 / (a.head_dim as f32).sqrt()),
+    ];
+    let grid = [dim("n_kv_heads", a.n_kv_heads)?, dim("n_max", tree.n_max)?, dim("batch", tree.batch)?];
+    Ok(Launch::new("tree_attention_bf16", grid, ATT_BLOCK, args))
+}
+
+/// Keys a chunk of [`attention`] holds at least (4 tiles of 32).
+pub const MIN_SPLIT_LEN: usize = 128;
+
+/// How [`attention`] cuts each node's keys: `n_splits` chunks of `split_len` keys, one block per (KV head, chunk).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunks {
+    /// Keys per chunk (a multiple of 32).
+    pub split_len: usize,
+    /// Chunks, covering `max_len` keys.
+    pub n_splits: usize,
+}
+
+impl Chunks {
+    /// The chunking of a step shape: enough chunks that the grid holds about `target_blocks` blocks (twice the
+    /// device's multiprocessors), none shorter than [`MIN_SPLIT_LEN`] keys; one chunk when the (KV head, node)
+    /// blocks alone fill the device. Fixed per shape and `max_len`, so a captured graph replays it whatever the
+    /// context lengths.
+    #[must_use]
+    pub fn for_shape(tree: TreeDims, n_kv_heads: usize, max_len: usize, target_blocks: usize) -> Self {
+        let blocks = (n_kv_heads * tree.n_max * tree.batch).max(1);
+        let want = target_blocks.div_ceil(blocks).max(1);
+        let n = want.min(max_len.div_ceil(MIN_SPLIT_LEN)).max(1);
+        let split_len = max_len.div_ceil(n).next_multiple_of(32);
+        Self { split_len, n_splits: max_len.div_ceil(split_len).max(1) }
+    }
+
+    /// Elements of the partial buffers (`part_o`, `part_ml`) for `tree` with `n_heads` heads of `head_dim` (0 and 0
+    /// with one chunk, which writes the output directly).
+    #[must_use]
+    pub fn part_lens(&self, tree: TreeDims, n_heads: usize, head_dim: usize) -> (usize, usize) {
+        if self.n_splits == 1 {
+            return (0, 0);
+        }
+        let parts = tree.nodes() * n_heads * self.n_splits;
+        (parts * head_dim, parts * 2)
+    }
+}
+
+/// Split-K attention (`attention_split_bf16`, then `attention_combine_bf16` when there is more than one chunk): the
+/// same result as [`tree_attention`] with keys cut into [`Chunks`] across blocks, one warp per query head. `parts`:
+/// the partial buffers of [`Chunks::part_lens`] (ignored with one chunk).
+///
+/// # Errors
+/// As [`tree_attention`]; also for a `head_dim` that is not a multiple of 8 (16-byte loads) or partial buffers of
+/// the wrong size.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    cache: CacheDims,
+    layer: usize,
+    tree: TreeDims,
+    chunks: Chunks,
+    q: Buf<bf16>,
+    k_cache: Buf<bf16>,
+    v_cache: Buf<bf16>,
+    out: Buf<bf16>,
+    seq: SeqBufs,
+    anc: Option<Buf<u64>>,
+    parts: Option<(Buf<f32>, Buf<f32>)>,
+) -> Result<Vec<Launch>> {
+    let mut one = tree_attention(cache, layer, tree, q, k_cache, v_cache, out, seq, anc)?;
+    let a = cache.attn;
+    if !a.head_dim.is_multiple_of(8) {
+        return Err(Error::InvalidArgument(format!("split attention needs head_dim % 8 == 0, got {}", a.head_dim)));
+    }
+    if chunks.split_len == 0
+        || !chunks.split_len.is_multiple_of(32)
+        || chunks.n_splits * chunks.split_len < cache.max_len
+    {
+        return Err(Error::InvalidArgument(format!("chunks {chunks:?} do not cover {} keys", cache.max_len)));
+    }
+    let (po_len, pml_len) = chunks.part_lens(tree, a.n_heads, a.head_dim);
+    let (part_o, part_ml) = match (chunks.n_splits, parts) {
+        (1, _) => (null(), null()),
+        (_, Some((o, ml))) => {
+            check_len("part_o", po_len, o.len())?;
+            check_len("part_ml", pml_len, ml.len())?;
+            (o.arg(), ml.arg())
+        }
+        (_, None) => {
+            return Err(Error::InvalidArgument("split attention over several chunks needs partial buffers".into()))
+        }
+    };
+    // tree_attention's arguments: q, k, v, out, slot, prefix, nodes, anc, n_max, heads, kv, hd, max_len, scale.
+    let scale = one.args.pop().ok_or_else(|| Error::InvalidArgument("attention plan".into()))?;
+    let mut args = one.args[..3].to_vec();
+    args.push(if chunks.n_splits == 1 { out.arg() } else { null() });
+    args.extend([part_o, part_ml]);
+    args.extend_from_slice(&one.args[4..]);
+    args.extend([i32_arg("split_len", chunks.split_len)?, i32_arg("n_splits", chunks.n_splits)?, scale]);
+    let group = a.n_heads / a.n_kv_heads;
+    let grid = [dim("n_kv_heads x chunks", a.n_kv_heads * chunks.n_splits)?, one.grid[1], one.grid[2]];
+    let mut launches = vec![Launch::new("attention_split_bf16", grid, (group * 32) as u32, args)];
+    if chunks.n_splits > 1 {
+        let args = vec![
+            part_o,
+            part_ml,
+            out.arg(),
+            seq.n_nodes.arg(),
+            i32_arg("n_max", tree.n_max)?,
+            i32_arg("n_heads", a.n_heads)?,
+            i32_arg("head_dim", a.head_dim)?,
+            i32_arg("n_splits", chunks.n_splits)?,
+        ];
+        let grid = [dim("n_heads", a.n_heads)?, one.grid[1], one.grid[2]];
+        launches.push(Launch::new("attention_combine_bf16", grid, 128, args));
+    }
+    Ok(launches)
+}
+
+/// Moves the accepted path's K/V rows of every layer behind each sequence's committed prefix
+/// (`commit_path_bf16`; `path`: `[batch, max_path]` node indices from the root, increasing; `n_acc`: `[batch]`).
+///
+/// # Errors
+/// As [`rope_kv_write`].
+#[allow(clippy::too_many_arguments)]
+pub fn commit_path(
+    cache: CacheDims,
+    batch: usize,
+    max_path: usize,
+    k_cache: Buf<bf16>,
+    v_cache: Buf<bf16>,
+    seq: SeqBufs,
+    path: Buf<i32>,
+    n_acc: Buf<i32>,
+) -> Result<Launch> {
+    cache.check()?;
+    TreeDims { batch, n_max: max_path }.check(false)?;
+    check_len("k_cache", cache.len(), k_cache.len())?;
+    check_len("v_cache", cache.len(), v_cache.len())?;
+    check_len("seq slot", batch, seq.slot.len())?;
+    check_len("prefix_len", batch, seq.prefix_len.len())?;
+    check_len("path", batch * max_path, path.len())?;
+    check_len("n_acc", batch, n_acc.len())?;
+    let args = vec![
+        k_cache.arg(),
+        v_cache.arg(),
+        seq.slot.arg(),
+        seq.prefix_len.arg(),
+        path.arg(),
+        n_acc.arg(),
+        i32_arg("max_path", max_path)?,
+        i32_arg("slots", cache.slots)?,
+        i32_arg("max_len", cache.max_len)?,
+        i32_arg("row", cache.row())?,
+    ];
+    Ok(Launch::new("commit_path_bf16", [dim("batch", batch)?, dim("layers", cache.layers)?, 1], ATT_BLOCK, args))
+}
+
+/// Packs the hidden rows of the accepted nodes (`gather_path_rows_bf16`): `dst[b][kk] = src[b][path[b][kk]]` for
+/// `kk < n_acc[b]` (`src`: `[batch, n_max, width]`, `dst`: `[batch, max_path, width]`).
+///
+/// # Errors
+/// As [`rope_kv_write`].
+#[allow(clippy::too_many_arguments)]
+pub fn gather_path_rows(
+    tree: TreeDims,
+    max_path: usize,
+    width: usize,
+    src: Buf<bf16>,
+    dst: Buf<bf16>,
+    path: Buf<i32>,
+    n_acc: Buf<i32>,
+) -> Result<Launch> {
+    tree.check(false)?;
+    check_len("src", tree.nodes() * width, src.len())?;
+    check_len("dst", tree.batch * max_path * width, dst.len())?;
+    check_len("path", tree.batch * max_path, path.len())?;
+    check_len("n_acc", tree.batch, n_acc.len())?;
+    let args = vec![
+        src.arg(),
+        dst.arg(),
+        path.arg(),
+        n_acc.arg(),
+        i32_arg("n_max", tree.n_max)?,
+        i32_arg("max_path", max_path)?,
+        i32_arg("width", width)?,
+    ];
+    let grid = [dim("max_path", max_path)?, dim("batch", tree.batch)?, 1];
+    Ok(Launch::new("gather_path_rows_bf16", grid, ATT_BLOCK, args))
+}

@@ -1,0 +1,87 @@
+//! The cuBLAS GEMM as data: one `cublasGemmEx` call, column-major as cuBLAS reads it.
+
+use super::*;
+
+/// The output of a [`gemm`]: bf16 or f32 elements.
+#[derive(Debug, Clone, Copy)]
+pub enum GemmY {
+    /// bf16 output (rounded from the f32 accumulation).
+    Bf16(Buf<bf16>),
+    /// f32 output.
+    F32(Buf<f32>),
+}
+
+impl GemmY {
+    fn len(&self) -> usize {
+        match self {
+            Self::Bf16(b) => b.len(),
+            Self::F32(b) => b.len(),
+        }
+    }
+
+    fn addr(&self) -> u64 {
+        match self {
+            Self::Bf16(b) => b.addr(),
+            Self::F32(b) => b.addr(),
+        }
+    }
+}
+
+/// One `cublasGemmEx` call, column-major as cuBLAS reads it: `C (m x n) = op(A) (m x k) · op(B) (k x n)` with bf16
+/// `A` and `B`, f32 compute, `alpha = 1`, `beta = 0`, and a bf16 or f32 `C`. `op(X)` is `X` or, with `trans_*`, its
+/// transpose; column-major `X` of leading dimension `ld` holds element `(i, j)` at `i + j * ld`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmEx {
+    /// `op(A) = Aᵀ`.
+    pub trans_a: bool,
+    /// `op(B) = Bᵀ`.
+    pub trans_b: bool,
+    /// Rows of `C`.
+    pub m: i32,
+    /// Columns of `C`.
+    pub n: i32,
+    /// The inner dimension.
+    pub k: i32,
+    /// `A`'s address.
+    pub a: u64,
+    /// `A`'s leading dimension.
+    pub lda: i32,
+    /// `B`'s address.
+    pub b: u64,
+    /// `B`'s leading dimension.
+    pub ldb: i32,
+    /// `C`'s address.
+    pub c: u64,
+    /// `C`'s leading dimension.
+    pub ldc: i32,
+    /// `C` is f32 (else bf16).
+    pub c_f32: bool,
+}
+
+/// `y[m, n] = x[m, k] · w[n, k]ᵀ` (row-major, the layout of the CPU [`crate::gemm`]) as the cuBLAS call computing it:
+/// column-major `yᵀ (n x m) = op(w) · xᵀ`, where `w` read column-major with leading dimension `k` is `wᵀ` (`k x n`)
+/// and so needs `op = T`, and `x` read that way is already `xᵀ` (`k x m`).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] for buffers that disagree with the shapes, [`Error::InvalidArgument`] for sizes beyond
+/// cuBLAS's `int`.
+pub fn gemm(m: usize, n: usize, k: usize, x: Buf<bf16>, w: Buf<bf16>, y: GemmY) -> Result<GemmEx> {
+    check_len("x", m * k, x.len())?;
+    check_len("w", n * k, w.len())?;
+    check_len("y", m * n, y.len())?;
+    let (mi, ni, ki) = (int("m", m)?, int("n", n)?, int("k", k)?);
+    Ok(GemmEx {
+        trans_a: true,
+        trans_b: false,
+        m: ni,
+        n: mi,
+        k: ki,
+        a: w.addr(),
+        lda: ki,
+        b: x.addr(),
+        ldb: ki,
+        c: y.addr(),
+        ldc: ni,
+        c_f32: matches!(y, GemmY::F32(_)),
+    })
+}
