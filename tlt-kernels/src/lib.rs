@@ -32,7 +32,7 @@
 //! # Features
 //! - default: CPU only. Each kernel's instruction set is picked at run time ([`Isa::best`]) or explicitly
 //!   ([`GemmConfig`]), so every path is testable on one machine.
-//! - `cuda`: [`cuda::compile`] and [`cuda::CudaKernels`] through `cudarc` (NVRTC and the driver, loaded at run time:
+//! - `cuda`: `cuda::compile` and `cuda::CudaKernels` through `cudarc` (NVRTC and the driver, loaded at run time:
 //!   no toolkit needed to build; errors, never panics, without them).
 
 mod attention;

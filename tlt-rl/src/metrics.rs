@@ -87,7 +87,7 @@ pub struct StepMetrics {
     /// Wall seconds of drafter training done during this step (during the rollout's tail, or after it).
     #[serde(deserialize_with = "f64_or_nan")]
     pub drafter_s: f64,
-    /// The part of [`Self::drafter_s`] spent after the rollout ([`DrafterSchedule::Fixed`]
+    /// The part of [`Self::drafter_s`] spent after the rollout ([`crate::trainer::DrafterSchedule::Fixed`]
     /// (crate::trainer::DrafterSchedule::Fixed)), outside [`Self::rollout_s`].
     #[serde(default, deserialize_with = "f64_or_nan")]
     pub drafter_after_s: f64,

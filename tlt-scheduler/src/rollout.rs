@@ -83,7 +83,7 @@ impl RolloutConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RequestId(pub u64);
 
-/// A group of requests sampled from one prompt: the engine's [`GroupId`](tlt_spec_decode::GroupId), so a
+/// A group of requests sampled from one prompt: the engine's [`tlt_spec_decode::GroupId`], so a
 /// rollout's groups and the engine's are one id space.
 pub use tlt_spec_decode::GroupId;
 

@@ -1,4 +1,4 @@
-//! Verification on a device as data: what [`crate::cuda::CudaTarget`] sends, launches and reads back for one
+//! Verification on a device as data: what `cuda::CudaTarget` (feature `cuda`) sends, launches and reads back for one
 //! `(batch, n_max)` shape of draft trees. The trees and coins go out in one packed buffer (one copy from a pinned
 //! staging buffer); `sample_rows` draws the target's token at every node, `tree_accept` walks the trees,
 //! `gather_path_rows` packs the accepted nodes' hidden rows; the accepted paths, committed tokens, their

@@ -63,7 +63,7 @@ enum Cmd {
     /// Compare exported policies and drafters with Hugging Face transformers and the `speculators` package (the
     /// format vLLM reads): greedy tokens, final hidden states, draft logits. Needs `fetch-assets --python-checks`.
     CheckExport(export_check::CheckExportArgs),
-    /// Lints (`cargo fmt --check`, `cargo clippy -D warnings`), then fetch assets and run all tests of the
+    /// Lints (`cargo fmt --check`, `cargo clippy -D warnings`, `cargo doc` with warnings denied), then fetch assets and run all tests of the
     /// workspace (cargo nextest, or cargo test without it).
     Test {
         /// Require a CUDA driver for the CUDA tests (the packages with a `cuda` feature), which then run the kernels,
@@ -230,6 +230,19 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         let code = run(clippy_cuda)?;
         if !code.success() {
             return Ok(exit_code(code));
+        }
+        // Rustdoc's link checks (broken and private intra-doc links), with and without the CUDA features.
+        for features in [None, Some(CUDA_FEATURES)] {
+            let mut doc = cargo();
+            doc.env("RUSTDOCFLAGS", "-D warnings").args(["doc", "--no-deps"]);
+            match features {
+                None => doc.arg("--workspace"),
+                Some(f) => doc.args(cuda_package_args()).args(["--features", f]),
+            };
+            let code = run(doc)?;
+            if !code.success() {
+                return Ok(exit_code(code));
+            }
         }
         graph::check(cargo)?;
     }

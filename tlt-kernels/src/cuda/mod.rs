@@ -2,8 +2,8 @@
 //!
 //! What is here without any feature: the sources ([`SOURCES`]), the NVRTC options ([`nvrtc_options`]) and the
 //! parser of ptxas's resource report ([`parse_ptxas_log`]), so that host-side logic is testable anywhere. With the
-//! `cuda` feature: [`compile`] (NVRTC only, no GPU needed: this is what CI runs for sm_80 and sm_90, failing on a
-//! compile error or a register spill) and [`CudaKernels`] (the module loaded on a device, with checked launches).
+//! `cuda` feature: `compile` (NVRTC only, no GPU needed: this is what CI runs for sm_80 and sm_90, failing on a
+//! compile error or a register spill) and `CudaKernels` (the module loaded on a device, with checked launches).
 //! Nothing here has been executed on a GPU yet; every entry point returns an error, never panics, when the NVRTC
 //! library or the driver is missing.
 

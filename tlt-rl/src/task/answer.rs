@@ -150,7 +150,7 @@ pub(crate) fn last_number(text: &str) -> Option<&str> {
     text.get(start..end)
 }
 
-/// Whether a predicted answer matches a ground truth: [`numbers_equal`] of the two, or of their [`numeric_core`]s
+/// Whether a predicted answer matches a ground truth: [`numbers_equal`] of the two, or of their numeric cores (the number left after units, `\\text{}`, `x =` and the like are stripped)
 /// (`\boxed{12 apples}`, `\boxed{\text{12}}`, `12\%`, `x = 12` all state 12), or else the same text after removing
 /// whitespace, `$`, `\left`/`\right`, LaTeX spacing and a trailing `.` (for non-numeric MATH answers such as
 /// `\frac{\sqrt{3}}{2}`). Symmetric; empty answers never match.

@@ -71,7 +71,7 @@ impl Exported {
 }
 
 impl<E: Environment> Trainer<E> {
-    /// Exports the policy as it is now and its drafter to `dir` (see the [module docs](self)), replacing any
+    /// Exports the policy as it is now and its drafter to `dir` (see the module docs), replacing any
     /// export there.
     ///
     /// # Errors

@@ -59,7 +59,7 @@ pub struct RolloutOutput {
     /// How long stopping the drafter's background worker took.
     pub preempt_latency: Option<Duration>,
     /// Every finished request's tokens and hidden states as drafter training data, when the job asked for them
-    /// ([`RolloutJob::record_features`]; empty otherwise).
+    /// (when the job records features; empty otherwise).
     pub features: Vec<Arc<FeatureSample>>,
     /// What the speculative rounds committed and what an argmax-chain drafter would have expected in the very
     /// same rounds.
