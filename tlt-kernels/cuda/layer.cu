@@ -13,15 +13,11 @@ extern "C" __global__ void embed_rows_bf16(const bf16_t* table, const int* token
     for (int e = threadIdx.x; e < width; e += blockDim.x) dst[e] = tlt_bf2f(src[e]);
 }
 
-// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w (f32 in, bf16 out). Grid: rows blocks; block: ROW_THREADS.
-extern "C" __global__ void __launch_bounds__(ROW_THREADS) rms_norm_bf16(
-    const float* x, const bf16_t* w, bf16_t* out, int rows, int width, float eps)
+// Row r's RMSNorm once each thread holds its partial sum of squares `ss`: the block's sum, then
+// o[e] = xr[e] / sqrt(sum / width + eps) * w[e]. Every thread of the block calls it (it holds barriers).
+__device__ __forceinline__ void tlt_rms_store(
+    float ss, const float* xr, const bf16_t* w, bf16_t* o, int width, float eps)
 {
-    const int r = blockIdx.x;
-    if (r >= rows) return;
-    const float* xr = x + (size_t)r * width;
-    float ss = 0.f;
-    for (int e = threadIdx.x; e < width; e += ROW_THREADS) ss += xr[e] * xr[e];
     ss = tlt_warp_sum(ss);
     __shared__ float part[ROW_THREADS / 32];
     __shared__ float inv;
@@ -33,8 +29,19 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rms_norm_bf16(
         inv = rsqrtf(t / (float)width + eps);
     }
     __syncthreads();
-    bf16_t* o = out + (size_t)r * width;
     for (int e = threadIdx.x; e < width; e += ROW_THREADS) o[e] = tlt_f2bf(xr[e] * inv * tlt_bf2f(w[e]));
+}
+
+// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w (f32 in, bf16 out). Grid: rows blocks; block: ROW_THREADS.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) rms_norm_bf16(
+    const float* x, const bf16_t* w, bf16_t* out, int rows, int width, float eps)
+{
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (size_t)r * width;
+    float ss = 0.f;
+    for (int e = threadIdx.x; e < width; e += ROW_THREADS) ss += xr[e] * xr[e];
+    tlt_rms_store(ss, xr, w, out + (size_t)r * width, width, eps);
 }
 
 // Qwen3's q/k norms: each of `vectors` head vectors of x (bf16, [vectors, head_dim], in place) becomes
@@ -114,19 +121,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) add_rms_norm_bf16(
         xr[e] = v;
         ss += v * v;
     }
-    ss = tlt_warp_sum(ss);
-    __shared__ float part[ROW_THREADS / 32];
-    __shared__ float inv;
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float t = 0.f;
-        for (int i = 0; i < ROW_THREADS / 32; i++) t += part[i];
-        inv = rsqrtf(t / (float)width + eps);
-    }
-    __syncthreads();
-    bf16_t* o = out + (size_t)r * width;
-    for (int e = threadIdx.x; e < width; e += ROW_THREADS) o[e] = tlt_f2bf(xr[e] * inv * tlt_bf2f(w[e]));
+    tlt_rms_store(ss, xr, w, out + (size_t)r * width, width, eps);
 }
 
 // out[r, j] = silu(gu[r, j]) * gu[r, inter + j] for the packed gate/up rows of one GEMM (gu: [rows, 2 * inter]

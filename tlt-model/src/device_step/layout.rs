@@ -52,18 +52,7 @@ pub fn layout(seqs: &[DeviceSeq<'_>], vocab: usize, slots: usize, max_len: usize
     }
     let n_max = seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
     let any_tree = seqs.iter().any(|s| s.parents.is_some());
-    let rows = seqs.len() * n_max;
-    let mut l = StepLayout {
-        n_max,
-        tokens: vec![0; rows],
-        row_slot: vec![-1; rows],
-        row_pos: vec![0; rows],
-        row_dst: vec![0; rows],
-        seq_slot: Vec::with_capacity(seqs.len()),
-        seq_prefix: Vec::with_capacity(seqs.len()),
-        seq_nodes: Vec::with_capacity(seqs.len()),
-        anc: any_tree.then(|| vec![0u64; rows]),
-    };
+    let mut l = StepLayout::padding(seqs.len(), n_max, any_tree);
     for (b, s) in seqs.iter().enumerate() {
         let n = s.tokens.len();
         if n == 0 {
@@ -123,6 +112,24 @@ pub fn tree_rows_bucket(n_max: usize) -> usize {
 }
 
 impl StepLayout {
+    /// A layout of `batch` sequences of `n_max` rows that are all padding (token 0, no slot, position 0, masks 0
+    /// when `tree`), with room for `batch` sequences' entries: what a layout is filled in from.
+    #[must_use]
+    pub fn padding(batch: usize, n_max: usize, tree: bool) -> Self {
+        let rows = batch * n_max;
+        Self {
+            n_max,
+            tokens: vec![0; rows],
+            row_slot: vec![-1; rows],
+            row_pos: vec![0; rows],
+            row_dst: vec![0; rows],
+            seq_slot: Vec::with_capacity(batch),
+            seq_prefix: Vec::with_capacity(batch),
+            seq_nodes: Vec::with_capacity(batch),
+            anc: tree.then(|| vec![0u64; rows]),
+        }
+    }
+
     /// The same batch laid out with `n_max` rows per sequence (at least its own): the extra rows are padding
     /// (token 0, no slot, position 0, ancestor mask 0), which every kernel skips.
     ///

@@ -6,6 +6,44 @@ use super::*;
 /// Threads per block of the attention-side kernels.
 const ATT_BLOCK: u32 = 128;
 
+/// The checks and arguments both RoPE + cache-write kernels share: the layer and its cache spans, the rows'
+/// metadata, the RoPE frequencies, then `rows, n_heads, n_kv_heads, head_dim, max_len`.
+fn cache_write_args(
+    cache: CacheDims,
+    layer: usize,
+    rows: usize,
+    k_cache: Buf<bf16>,
+    v_cache: Buf<bf16>,
+    meta: RowBufs,
+    inv_freq: Buf<f64>,
+) -> Result<Vec<Arg>> {
+    cache.check()?;
+    let a = cache.attn;
+    if layer >= cache.layers || rows == 0 {
+        return Err(Error::InvalidArgument(format!("layer {layer} of {} with {rows} rows", cache.layers)));
+    }
+    check_len("k_cache", cache.len(), k_cache.len())?;
+    check_len("v_cache", cache.len(), v_cache.len())?;
+    for (what, m) in [("row slot", meta.slot), ("row pos", meta.pos), ("row dst", meta.dst)] {
+        check_len(what, rows, m.len())?;
+    }
+    check_len("inv_freq", a.head_dim / 2, inv_freq.len())?;
+    let span = layer * cache.layer_len()..(layer + 1) * cache.layer_len();
+    Ok(vec![
+        k_cache.slice(span.clone())?.arg(),
+        v_cache.slice(span)?.arg(),
+        meta.slot.arg(),
+        meta.pos.arg(),
+        meta.dst.arg(),
+        inv_freq.arg(),
+        i32_arg("rows", rows)?,
+        i32_arg("n_heads", a.n_heads)?,
+        i32_arg("n_kv_heads", a.n_kv_heads)?,
+        i32_arg("head_dim", a.head_dim)?,
+        i32_arg("max_len", cache.max_len)?,
+    ])
+}
+
 /// RoPE at each row's position on `q` (in place) and on `k`, and the write of the rotated `k` and of `v` into
 /// layer `layer` of the caches at each row's slot and position (`rope_kv_write_bf16`).
 ///
@@ -27,37 +65,12 @@ pub fn rope_kv_write(
     meta: RowBufs,
     inv_freq: Buf<f64>,
 ) -> Result<Launch> {
-    cache.check()?;
+    let tail = cache_write_args(cache, layer, rows, k_cache, v_cache, meta, inv_freq)?;
     let a = cache.attn;
-    if layer >= cache.layers || rows == 0 {
-        return Err(Error::InvalidArgument(format!("layer {layer} of {} with {rows} rows", cache.layers)));
-    }
     check_len("q", rows * a.n_heads * a.head_dim, q.len())?;
     check_len("k", rows * cache.row(), k.len())?;
     check_len("v", rows * cache.row(), v.len())?;
-    check_len("k_cache", cache.len(), k_cache.len())?;
-    check_len("v_cache", cache.len(), v_cache.len())?;
-    for (what, m) in [("row slot", meta.slot), ("row pos", meta.pos), ("row dst", meta.dst)] {
-        check_len(what, rows, m.len())?;
-    }
-    check_len("inv_freq", a.head_dim / 2, inv_freq.len())?;
-    let span = layer * cache.layer_len()..(layer + 1) * cache.layer_len();
-    let args = vec![
-        q.arg(),
-        k.arg(),
-        v.arg(),
-        k_cache.slice(span.clone())?.arg(),
-        v_cache.slice(span)?.arg(),
-        meta.slot.arg(),
-        meta.pos.arg(),
-        meta.dst.arg(),
-        inv_freq.arg(),
-        i32_arg("rows", rows)?,
-        i32_arg("n_heads", a.n_heads)?,
-        i32_arg("n_kv_heads", a.n_kv_heads)?,
-        i32_arg("head_dim", a.head_dim)?,
-        i32_arg("max_len", cache.max_len)?,
-    ];
+    let args: Vec<Arg> = [q.arg(), k.arg(), v.arg()].into_iter().chain(tail).collect();
     Ok(Launch::new("rope_kv_write_bf16", [dim("rows", rows)?, 1, 1], ATT_BLOCK, args))
 }
 
@@ -87,11 +100,8 @@ pub fn qkv_rope_kv_write(
     inv_freq: Buf<f64>,
     eps: f32,
 ) -> Result<Launch> {
-    cache.check()?;
+    let tail = cache_write_args(cache, layer, rows, k_cache, v_cache, meta, inv_freq)?;
     let a = cache.attn;
-    if layer >= cache.layers || rows == 0 {
-        return Err(Error::InvalidArgument(format!("layer {layer} of {} with {rows} rows", cache.layers)));
-    }
     let (qd, kvd) = (a.n_heads * a.head_dim, cache.row());
     if qd + kvd > MAX_QK_WIDTH {
         return Err(Error::InvalidArgument(format!("q_dim + kv_dim = {} exceeds {MAX_QK_WIDTH}", qd + kvd)));
@@ -105,32 +115,14 @@ pub fn qkv_rope_kv_write(
         check_len("k norm", a.head_dim, kn.len())?;
     }
     check_len("q_out", rows * qd, q_out.len())?;
-    check_len("k_cache", cache.len(), k_cache.len())?;
-    check_len("v_cache", cache.len(), v_cache.len())?;
-    for (what, m) in [("row slot", meta.slot), ("row pos", meta.pos), ("row dst", meta.dst)] {
-        check_len(what, rows, m.len())?;
-    }
-    check_len("inv_freq", a.head_dim / 2, inv_freq.len())?;
-    let span = layer * cache.layer_len()..(layer + 1) * cache.layer_len();
-    let args = vec![
+    let head = [
         qkv.arg(),
         bias.map_or_else(null, |b| b.arg()),
         qk_norm.map_or_else(null, |n| n.0.arg()),
         qk_norm.map_or_else(null, |n| n.1.arg()),
         q_out.arg(),
-        k_cache.slice(span.clone())?.arg(),
-        v_cache.slice(span)?.arg(),
-        meta.slot.arg(),
-        meta.pos.arg(),
-        meta.dst.arg(),
-        inv_freq.arg(),
-        i32_arg("rows", rows)?,
-        i32_arg("n_heads", a.n_heads)?,
-        i32_arg("n_kv_heads", a.n_kv_heads)?,
-        i32_arg("head_dim", a.head_dim)?,
-        i32_arg("max_len", cache.max_len)?,
-        Arg::F32(eps),
     ];
+    let args: Vec<Arg> = head.into_iter().chain(tail).chain([Arg::F32(eps)]).collect();
     Ok(Launch::new("qkv_rope_kv_write_bf16", [dim("rows", rows)?, 1, 1], 256, args))
 }
 
