@@ -22,8 +22,8 @@ use half::bf16;
 use tlt_kernels::cuda::packing::Packing;
 use tlt_kernels::cuda::plan::{self, Buf, Chunks, RowBuf, RowBufs, SeqBufs};
 use tlt_kernels::cuda::{
-    buf_of, gemm_bf16, Blas, CacheDims, CudaKernels, DeviceLinear, Fetched, RowSource, Staged, TreeDims, MAX_TOP_K,
-    MAX_TREE_NODES,
+    buf_of, gemm_bf16, Blas, CacheDims, CudaKernels, DeviceLinear, Fetched, Recycler, RowSource, Scratch, Staged,
+    TreeDims, MAX_TOP_K, MAX_TREE_NODES,
 };
 use tlt_model::device_step::{StepLayout, StepMeta};
 
@@ -107,6 +107,10 @@ struct DevCache {
     v: CudaSlice<bf16>,
 }
 
+/// Idle activation bytes the device drafter keeps for its next forwards (a few shapes' worth at SmolLM2 to 8B
+/// widths; beyond it a buffer handed back is freed).
+const SCRATCH_IDLE_BYTES: usize = 512 << 20;
+
 /// A [`DraftExecutor`] on a CUDA device. Build it once ([`CudaDrafter::new`]) and hand it to
 /// [`EagleProposer::with_executor`](crate::EagleProposer::with_executor); the weights are uploaded at the first
 /// round and again whenever the proposer's slot publishes a new version.
@@ -120,6 +124,8 @@ pub struct CudaDrafter {
     features: Staged,
     /// A forward's layer outputs and top-k, read back in one copy into pinned memory (grown on demand).
     results: Fetched,
+    /// Activations, recycled across forwards (one stream).
+    scratch: Recycler,
     blas: Blas,
     kernels: CudaKernels,
     stream: Arc<CudaStream>,
@@ -255,7 +261,21 @@ impl CudaDrafter {
             (Staged::new(&stream, 4096).map_err(kern)?, Staged::new(&stream, 1 << 16).map_err(kern)?);
         let results = Fetched::new(&stream, 1 << 16).map_err(kern)?;
         let free = Arc::new(Mutex::new((0..opts.slots).rev().collect()));
-        Ok(Self { w: None, cache: None, meta, features, results, blas, kernels, stream, opts, free, target_blocks })
+        let scratch = Recycler::new(SCRATCH_IDLE_BYTES);
+        Ok(Self {
+            w: None,
+            cache: None,
+            meta,
+            features,
+            results,
+            scratch,
+            blas,
+            kernels,
+            stream,
+            opts,
+            free,
+            target_blocks,
+        })
     }
 
     /// Cache slots not lent to a sequence.
@@ -265,6 +285,19 @@ impl CudaDrafter {
 
     fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         self.stream.alloc_zeros::<T>(n.max(1)).map_err(drv("alloc"))
+    }
+
+    /// A scratch buffer of `n` elements: recycled from an earlier forward of the same shape when one is idle (its
+    /// contents are then stale: every user below writes all its rows, or zeroes it first).
+    fn scratch<T: DeviceRepr + ValidAsZeroBits + 'static>(&self, n: usize) -> Result<Scratch<T>> {
+        self.scratch.take(&self.stream, n).map_err(kern)
+    }
+
+    /// A zeroed scratch buffer of `n` elements.
+    fn scratch_zeroed<T: DeviceRepr + ValidAsZeroBits + 'static>(&self, n: usize) -> Result<Scratch<T>> {
+        let mut b = self.scratch(n)?;
+        self.stream.memset_zeros(&mut *b).map_err(drv("memset"))?;
+        Ok(b)
     }
 
     fn upload_bf16(&self, v: &[f32]) -> Result<CudaSlice<bf16>> {
@@ -278,8 +311,8 @@ impl CudaDrafter {
     }
 
     /// `y = x · wᵀ (+ b)` for `rows` rows, bf16 out.
-    fn apply(&self, lin: &DeviceLinear, rows: usize, x: &CudaSlice<bf16>) -> Result<CudaSlice<bf16>> {
-        let mut y = self.zeros::<bf16>(rows * lin.out)?;
+    fn apply(&self, lin: &DeviceLinear, rows: usize, x: &CudaSlice<bf16>) -> Result<Scratch<bf16>> {
+        let mut y = self.scratch::<bf16>(rows * lin.out)?;
         lin.forward(&self.kernels, self.blas.cublas(), &self.stream, rows, x, &mut y).map_err(kern)?;
         Ok(y)
     }
@@ -289,8 +322,8 @@ impl CudaDrafter {
     }
 
     /// `[rows, H]` f32 from a zeroed buffer plus `x` (bf16): the residual stream's start.
-    fn residual_from(&self, x: &CudaSlice<bf16>) -> Result<CudaSlice<f32>> {
-        let mut r = self.zeros::<f32>(x.len())?;
+    fn residual_from(&self, x: &CudaSlice<bf16>) -> Result<Scratch<f32>> {
+        let mut r = self.scratch_zeroed::<f32>(x.len())?;
         self.kernels.add_to_residual(&self.stream, &mut r, x).map_err(kern)?;
         Ok(r)
     }
@@ -318,14 +351,14 @@ impl CudaDrafter {
         }
         if k > 0 {
             let w = self.weights()?;
-            let mut x = self.zeros::<bf16>(rows * h)?;
+            let mut x = self.scratch::<bf16>(rows * h)?;
             match &w.final_norm {
                 Some(n) => self.kernels.rms_norm(s, rows, h, w.eps, resid, n, &mut x),
                 None => self.kernels.concat_rows(s, rows, RowSource::F32(resid, h), None, &mut x),
             }
             .map_err(kern)?;
             let dv = w.head.out;
-            let mut logits = self.zeros::<f32>(rows * dv)?;
+            let mut logits = self.scratch::<f32>(rows * dv)?;
             gemm_bf16(self.blas.cublas(), s, rows, dv, h, &x, &w.head.w, &mut logits).map_err(kern)?;
             let (idx, lp) = (pack.buf(base, 1).map_err(kern)?, pack.buf(base, 2).map_err(kern)?);
             let launch = plan::top_k_rows(rows, dv, k, buf_of(&logits, s), idx, lp).map_err(kern)?;
@@ -359,7 +392,7 @@ impl CudaDrafter {
 
     /// The layer input (`[R, qkv_in]` bf16) and the residual stream (`[R, H]` f32) of the padded rows (`tokens`:
     /// the packed metadata's token segment).
-    fn inputs(&mut self, rows: &[Row<'_>], l: &Layout, tokens: Buf<i32>) -> Result<(CudaSlice<bf16>, CudaSlice<f32>)> {
+    fn inputs(&mut self, rows: &[Row<'_>], l: &Layout, tokens: Buf<i32>) -> Result<(Scratch<bf16>, Scratch<f32>)> {
         let (h, total) = (self.weights()?.hidden, l.step.tokens.len());
         let fw = rows.first().map_or(h, |r| r.feature.len());
         if let Some(r) = rows.iter().find(|r| r.feature.len() != fw) {
@@ -380,7 +413,7 @@ impl CudaDrafter {
             .map_err(kern)?;
         let feat: Buf<f32> = pack.buf(base, 0).map_err(kern)?;
         let w = self.weights()?;
-        let emb = self.zeros::<f32>(total * h)?;
+        let emb = self.scratch::<f32>(total * h)?;
         let launch = plan::embed_rows(total, h, buf_of(&w.embed, &s), tokens, buf_of(&emb, &s)).map_err(kern)?;
         self.kernels.run(&s, &launch).map_err(kern)?;
         let concat = |a: RowBuf, b: Option<RowBuf>, out: &CudaSlice<bf16>| -> Result<()> {
@@ -392,7 +425,7 @@ impl CudaDrafter {
                 if fw != h || w.fc.inp != 2 * h {
                     return Err(Error::batch("feature", format!("width {fw}, EAGLE-2 reads {h}")));
                 }
-                let cat = self.zeros::<bf16>(total * 2 * h)?;
+                let cat = self.scratch::<bf16>(total * 2 * h)?;
                 concat(RowBuf::F32(buf_of(&emb, &s), h), Some(RowBuf::F32(feat, h)), &cat)?;
                 let x = self.apply(&w.fc, total, &cat)?;
                 let resid = self.residual_from(&x)?;
@@ -400,11 +433,11 @@ impl CudaDrafter {
             }
             DrafterKind::Eagle3 => {
                 let resid = if fw == w.fc.inp {
-                    let f16 = self.zeros::<bf16>(total * fw)?;
+                    let f16 = self.scratch::<bf16>(total * fw)?;
                     concat(RowBuf::F32(feat, fw), None, &f16)?;
-                    self.residual_from(&self.apply(&w.fc, total, &f16)?)?
+                    self.residual_from(&*self.apply(&w.fc, total, &f16)?)?
                 } else if fw == h {
-                    let r = self.zeros::<f32>(total * h)?;
+                    let r = self.scratch::<f32>(total * h)?;
                     copy_f32(&s, feat, buf_of(&r, &s))?;
                     r
                 } else {
@@ -413,10 +446,10 @@ impl CudaDrafter {
                 let (Some(inorm), Some(hnorm)) = (&w.input_norm, &w.hidden_norm) else {
                     return Err(Error::config("midlayer", "no input/hidden norm", "EAGLE-3 needs both"));
                 };
-                let (mut en, mut gn) = (self.zeros::<bf16>(total * h)?, self.zeros::<bf16>(total * h)?);
+                let (mut en, mut gn) = (self.scratch::<bf16>(total * h)?, self.scratch::<bf16>(total * h)?);
                 self.kernels.rms_norm(&s, total, h, w.eps, &emb, inorm, &mut en).map_err(kern)?;
                 self.kernels.rms_norm(&s, total, h, w.eps, &resid, hnorm, &mut gn).map_err(kern)?;
-                let x = self.zeros::<bf16>(total * 2 * h)?;
+                let x = self.scratch::<bf16>(total * 2 * h)?;
                 concat(RowBuf::Bf16(buf_of(&en, &s), h), Some(RowBuf::Bf16(buf_of(&gn, &s), h)), &x)?;
                 Ok((x, resid))
             }
@@ -426,7 +459,7 @@ impl CudaDrafter {
     /// The layer over the padded rows: attention over the cache (writing the new rows' keys and values; split
     /// over key chunks like the target's), MLP. Returns the residual stream after the layer (`[R, H]` f32, on the
     /// device). The rows' metadata goes out in one copy from pinned memory.
-    fn layer(&mut self, rows: &[Row<'_>], l: &Layout) -> Result<CudaSlice<f32>> {
+    fn layer(&mut self, rows: &[Row<'_>], l: &Layout) -> Result<Scratch<f32>> {
         let s = self.stream.clone();
         let step = &l.step;
         let packing = StepMeta::new(step.seq_slot.len(), step.n_max, step.anc.is_some());
@@ -450,12 +483,15 @@ impl CudaDrafter {
         let (qb, kb, vb) = (buf_of(&qx, &s), buf_of(&kx, &s), buf_of(&vx, &s));
         let rope = plan::rope_kv_write(c.dims, 0, total, qb, kb, vb, kc, vc, rows_meta, inv).map_err(kern)?;
         self.kernels.run(&s, &rope).map_err(kern)?;
-        let attn = self.zeros::<bf16>(qx.len())?;
+        // Zeroed: rows of padding are never written by attention (their stale values would be harmless, zeros are
+        // tidier).
+        let attn = self.scratch_zeroed::<bf16>(qx.len())?;
         let tree = TreeDims { batch: step.seq_slot.len(), n_max: step.n_max };
         let a = c.dims.attn;
         let chunks = Chunks::for_shape(tree, a.n_kv_heads, c.dims.max_len, self.target_blocks);
         let (po, pml) = chunks.part_lens(tree, a.n_heads, a.head_dim);
-        let parts = if chunks.n_splits > 1 { Some((self.zeros::<f32>(po)?, self.zeros::<f32>(pml)?)) } else { None };
+        let parts =
+            if chunks.n_splits > 1 { Some((self.scratch::<f32>(po)?, self.scratch::<f32>(pml)?)) } else { None };
         let seq = SeqBufs { slot: meta.seq_slot, prefix_len: meta.seq_prefix, n_nodes: meta.seq_nodes };
         let part_bufs = parts.as_ref().map(|(o, ml)| (buf_of(o, &s), buf_of(ml, &s)));
         for launch in plan::attention(c.dims, 0, tree, chunks, qb, kc, vc, buf_of(&attn, &s), seq, meta.anc, part_bufs)
@@ -464,12 +500,12 @@ impl CudaDrafter {
             self.kernels.run(&s, &launch).map_err(kern)?;
         }
         let [_, _, _, o, gate, up, down] = &w.proj;
-        self.kernels.add_to_residual(&s, &mut resid, &self.apply(o, total, &attn)?).map_err(kern)?;
-        let mut normed = self.zeros::<bf16>(total * h)?;
+        self.kernels.add_to_residual(&s, &mut resid, &*self.apply(o, total, &attn)?).map_err(kern)?;
+        let mut normed = self.scratch::<bf16>(total * h)?;
         self.kernels.rms_norm(&s, total, h, eps, &resid, &w.post_norm, &mut normed).map_err(kern)?;
         let mut g = self.apply(gate, total, &normed)?;
-        self.kernels.silu_mul(&s, &mut g, &self.apply(up, total, &normed)?).map_err(kern)?;
-        self.kernels.add_to_residual(&s, &mut resid, &self.apply(down, total, &g)?).map_err(kern)?;
+        self.kernels.silu_mul(&s, &mut g, &*self.apply(up, total, &normed)?).map_err(kern)?;
+        self.kernels.add_to_residual(&s, &mut resid, &*self.apply(down, total, &g)?).map_err(kern)?;
         Ok(resid)
     }
 

@@ -17,6 +17,8 @@ mod layer;
 mod nvrtc;
 pub mod packing;
 pub mod plan;
+#[cfg(feature = "cuda")]
+mod recycle;
 mod shapes;
 #[cfg(feature = "cuda")]
 mod transfer;
@@ -29,6 +31,8 @@ pub use draft::RowSource;
 pub use layer::{gemm_bf16, run_gemm, Blas, DeviceLinear, GemmOut, CUBLAS_WORKSPACE_BYTES};
 #[cfg(feature = "cuda")]
 pub use nvrtc::{compile, nvrtc_available, Compiled};
+#[cfg(feature = "cuda")]
+pub use recycle::{Recycler, Scratch};
 pub use shapes::{
     ancestor_masks, check_device_attn, CacheDims, TreeDims, MAX_GROUP, MAX_HEAD_DIM, MAX_TOP_K, MAX_TREE_NODES,
 };
