@@ -231,12 +231,20 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         if !code.success() {
             return Ok(exit_code(code));
         }
-        // Rustdoc's link checks (broken and private intra-doc links), with and without the CUDA features.
-        for features in [None, Some(CUDA_FEATURES)] {
+        // The MPI engine is behind a feature the workspace build leaves off (it needs an MPI library): lint it too.
+        let mut clippy_mpi = cargo();
+        clippy_mpi.args(["clippy", "-p", "tlt-comm", "--all-targets", "--features", "mpi", "--", "-D", "warnings"]);
+        let code = run(clippy_mpi)?;
+        if !code.success() {
+            return Ok(exit_code(code));
+        }
+        // Rustdoc's link checks (broken and private intra-doc links), with and without the CUDA and MPI features.
+        for features in [None, Some(CUDA_FEATURES), Some("tlt-comm/mpi")] {
             let mut doc = cargo();
             doc.env("RUSTDOCFLAGS", "-D warnings").args(["doc", "--no-deps"]);
             match features {
                 None => doc.arg("--workspace"),
+                Some("tlt-comm/mpi") => doc.args(["-p", "tlt-comm", "--features", "mpi"]),
                 Some(f) => doc.args(cuda_package_args()).args(["--features", f]),
             };
             let code = run(doc)?;
@@ -301,6 +309,14 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
              policies and drafters): its Python packages are not installed; fetch them with `{}`",
             assets::EXPORT_CHECK_FETCH
         ),
+    }
+    // The MPI engine across processes (`mpirun -np 2` and 3); a missing runtime fails here rather than skipping.
+    let mut mpi = cargo();
+    mpi.args(["test", "--release", "-p", "tlt-comm", "--features", "mpi", "--test", "mpi", "--", "--nocapture"])
+        .env("TLT_REQUIRE_MPI", "1");
+    let code = run(mpi)?;
+    if !code.success() {
+        return Ok(exit_code(code));
     }
     // The GPU plan's calls, with their GPU steps stubbed: the device tool's file and output rules hold.
     if let Err(e) = gpu_bundle::dry_run(&workspace_root()) {

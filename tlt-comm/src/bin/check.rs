@@ -1,0 +1,53 @@
+//! `mpirun -np N tlt-comm-check`: every [`tlt_comm::Comm`] operation of [`tlt_comm::mpi::MpiComm`] across the ranks,
+//! each result checked on every rank; prints one line per rank and exits non-zero on the first wrong result.
+
+use std::process::ExitCode;
+
+use tlt_comm::mpi::MpiComm;
+use tlt_comm::Comm;
+
+fn run() -> Result<String, String> {
+    let c = MpiComm::init().map_err(|e| e.to_string())?;
+    let (r, n) = (c.rank(), c.size());
+    let e = |e: tlt_comm::Error| e.to_string();
+    let want = |ok: bool, what: &str| if ok { Ok(()) } else { Err(format!("rank {r}: {what}")) };
+    // Sums: f32 exact for small integers, f64 for counts.
+    let mut v = vec![r as f32 + 1.0, 0.5];
+    c.all_reduce_sum_f32(&mut v).map_err(e)?;
+    let total = (n * (n + 1) / 2) as f32;
+    want(v == [total, 0.5 * n as f32], &format!("all-reduce f32 gave {v:?}"))?;
+    let mut d = vec![1e15 + r as f64];
+    c.all_reduce_sum_f64(&mut d).map_err(e)?;
+    want(d[0] == 1e15 * n as f64 + (n * (n - 1) / 2) as f64, &format!("all-reduce f64 gave {d:?}"))?;
+    // Gathers of different lengths (rank r sends r bytes of value r, rank 0 none).
+    let all = c.all_gather_bytes(&vec![r as u8; r]).map_err(e)?;
+    want(all.iter().enumerate().all(|(k, b)| b == &vec![k as u8; k]), &format!("all-gather gave {all:?}"))?;
+    // A broadcast from the last rank replaces every other rank's buffer, whatever its length.
+    let mut b = if r == n - 1 { b"from the last rank".to_vec() } else { vec![7; r] };
+    c.broadcast_bytes(n - 1, &mut b).map_err(e)?;
+    want(b == b"from the last rank", "broadcast")?;
+    // Point to point: every rank sends to the next; nothing else has that tag.
+    if n > 1 {
+        let next = (r + 1) % n;
+        c.send(next, 3, format!("hello {next} from {r}").as_bytes()).map_err(e)?;
+        let (from, bytes) = c.recv(3).map_err(e)?;
+        want(from == (r + n - 1) % n && bytes == format!("hello {r} from {from}").as_bytes(), "point to point")?;
+    }
+    c.barrier().map_err(e)?;
+    want(c.try_recv(3).map_err(e)?.is_none(), "a message left over")?;
+    want(c.send(r, 3, b"x").is_err() && c.broadcast_bytes(n, &mut b).is_err(), "bad ranks accepted")?;
+    Ok(format!("rank {r} of {n}: all-reduce, all-gather, broadcast, point-to-point, barrier ok"))
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Err(msg) => {
+            eprintln!("tlt-comm-check: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! The MPI engine across processes: `mpirun -np 2` (and 3) runs `tlt-comm-check`, which checks every collective and
+//! message on every rank. Without `mpirun` on the PATH the test says SKIP (`TLT_REQUIRE_MPI=1`, set by
+//! `cargo xtask test`, turns that into a failure).
+
+use std::process::Command;
+
+fn mpirun() -> Option<&'static str> {
+    let found = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !found && std::env::var_os("TLT_REQUIRE_MPI").is_some() {
+        panic!("TLT_REQUIRE_MPI is set but `mpirun` is not on the PATH");
+    }
+    found.then_some("mpirun")
+}
+
+#[test]
+fn every_operation_across_two_and_three_processes() {
+    let Some(mpirun) = mpirun() else {
+        println!("SKIP every_operation_across_two_and_three_processes: no `mpirun` (install an MPI runtime)");
+        return;
+    };
+    for n in ["2", "3"] {
+        let out = Command::new(mpirun)
+            // Open MPI refuses root without these, and more ranks than cores without --oversubscribe (MPICH ignores
+            // the variables and takes the flag's absence fine).
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+            .args(["-np", n, env!("CARGO_BIN_EXE_tlt-comm-check")])
+            .output()
+            .unwrap_or_else(|e| panic!("mpirun: {e}"));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        print!("{stdout}");
+        assert!(out.status.success(), "mpirun -np {n} failed: {}{}", stdout, String::from_utf8_lossy(&out.stderr));
+        let n: usize = n.parse().unwrap_or(0);
+        for r in 0..n {
+            assert!(stdout.contains(&format!("rank {r} of {n}: ")), "rank {r} of {n} did not report: {stdout}");
+        }
+    }
+}
