@@ -118,6 +118,10 @@ impl Comm for MpiComm {
             total =
                 total.checked_add(l).ok_or_else(|| Error::Invalid("gathered bytes exceed MPI's int count".into()))?;
         }
+        if total == 0 {
+            // Every part empty: nothing to move (and MPI may reject a zero-length buffer's dangling address).
+            return Ok(vec![Vec::new(); self.size]);
+        }
         let mut all = vec![0u8; usize::try_from(total).unwrap_or(0)];
         {
             let mut part = PartitionMut::new(&mut all[..], &lens[..], &displs[..]);
@@ -139,7 +143,10 @@ impl Comm for MpiComm {
         p.broadcast_into(&mut len);
         buf.resize(usize::try_from(len).map_err(|_| Error::Invalid(format!("a broadcast of {len} bytes")))?, 0);
         count(buf.len())?;
-        p.broadcast_into(&mut buf[..]);
+        if !buf.is_empty() {
+            // A zero-length broadcast has nothing to move (and MPI may reject an empty buffer's dangling address).
+            p.broadcast_into(&mut buf[..]);
+        }
         Ok(())
     }
 

@@ -68,6 +68,9 @@ pub enum Error {
     /// checkpoint.
     #[error("the trainer stopped: {0}")]
     Stopped(String),
+    /// Communication between data-parallel ranks failed.
+    #[error(transparent)]
+    Comm(#[from] tlt_comm::Error),
     /// JSON (de)serialisation failed.
     #[error(transparent)]
     Json(#[from] serde_json::Error),

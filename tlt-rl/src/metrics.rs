@@ -177,6 +177,18 @@ pub struct StepMetrics {
     /// Accepted length of every speculative step.
     #[serde(deserialize_with = "vec_f64_or_nan")]
     pub accept_lens: Vec<f64>,
+    /// Data-parallel ranks of the run (0 in lines written before ranks existed; 1 for a one-process run). With
+    /// several, the rollout's trace fields (`active_requests`, `round_seconds`, `round_tokens`, `arms`,
+    /// `accept_lens`, `sd_on_fraction`, `idle_fraction`, the drafter's) are the logging rank's own, `rollout_s` is
+    /// the slowest rank's, and the samples' fields (rewards, lengths, accuracy) cover every rank.
+    pub ranks: usize,
+    /// Each rank's rollout seconds, in rank order (empty for one rank).
+    #[serde(deserialize_with = "vec_f64_or_nan")]
+    pub rank_rollout_s: Vec<f64>,
+    /// Each rank's wait for the slowest rank's rollout, `max(rank_rollout_s) - rank_rollout_s[r]`: the idle time
+    /// TLT puts to work.
+    #[serde(deserialize_with = "vec_f64_or_nan")]
+    pub rank_idle_s: Vec<f64>,
 }
 
 /// Reads an `f64` that `serde_json` may have written as `null` (non-finite) as `NaN`.

@@ -179,6 +179,8 @@ pub struct Engine<T: Target> {
     verify_on_target: bool,
     record_hidden: bool,
     next_id: usize,
+    /// The coin stream of the next request added, when keyed ([`Engine::key_streams_from`]); else its id.
+    next_stream: Option<u64>,
     next_group: u64,
     live: Vec<Live>,
     finished: Vec<Finished>,
@@ -206,6 +208,7 @@ impl<T: Target> Engine<T> {
             verify_on_target: true,
             record_hidden: false,
             next_id: 0,
+            next_stream: None,
             next_group: 0,
             live: Vec::new(),
             finished: Vec::new(),
@@ -240,6 +243,14 @@ impl<T: Target> Engine<T> {
     /// drafters ([`DraftContext::hidden`]). Feature-level drafters (EAGLE) need it.
     pub fn record_hidden(&mut self, on: bool) {
         self.record_hidden = on;
+    }
+
+    /// Keys the coin streams of the requests added from now on by `first`, `first + 1`, ... instead of their
+    /// request ids: a request's sampled tokens depend only on the seed, its stream key and the target, so a
+    /// data-parallel rank that decodes a shard of a step's requests keys them by their index in the whole step
+    /// and commits exactly the tokens a single engine decoding all of them would.
+    pub fn key_streams_from(&mut self, first: u64) {
+        self.next_stream = Some(first);
     }
 
     /// The target.
@@ -441,6 +452,10 @@ impl<T: Target> Engine<T> {
     ) -> RequestId {
         let id = RequestId(self.next_id);
         self.next_id += 1;
+        let key = self.next_stream.unwrap_or(id.0 as u64);
+        if let Some(k) = self.next_stream.as_mut() {
+            *k = k.wrapping_add(1);
+        }
         self.live.push(Live {
             id,
             group,
@@ -453,7 +468,7 @@ impl<T: Target> Engine<T> {
             p_max: Vec::new(),
             sd_rounds: Vec::new(),
             hidden,
-            stream: SeededRng::new(self.params.seed).fork(id.0 as u64),
+            stream: SeededRng::new(self.params.seed).fork(key),
         });
         id
     }

@@ -172,6 +172,39 @@ fn sampling_is_deterministic_per_seed() {
     assert_eq!(sample_all(&m, 5, Some(&mut d1)), sample_all(&m, 5, Some(&mut d2)));
 }
 
+/// A shard of the requests, its coin streams keyed by their indices in the whole batch
+/// ([`Engine::key_streams_from`]), samples exactly the tokens the whole batch's engine gave those requests, with
+/// and without a drafter; unkeyed (streams by the shard's own request ids) it does not: the negative control.
+#[test]
+fn keyed_streams_let_a_shard_reproduce_the_whole_batch() {
+    let m = model();
+    let whole = sample_all(&m, 13, None);
+    let params = SpecParams {
+        sampling: SamplingParams { temperature: 1.0, top_k: Some(20), top_p: Some(0.9) },
+        max_new_tokens: 16,
+        stop_token_ids: Some(vec![]),
+        seed: 13,
+        ..SpecParams::default()
+    };
+    let shard = |first: usize, keyed: bool, drafter: Option<&mut dyn Drafter>| -> Vec<Vec<u32>> {
+        let mut engine = Engine::new(&m, params.clone()).unwrap();
+        if keyed {
+            engine.key_streams_from(first as u64);
+        }
+        for p in &prompts()[first..] {
+            engine.add_request(p).unwrap();
+        }
+        engine.run_to_completion(drafter, &Plan { steps: 3, top_k: 2, verify_tokens: 6 }).unwrap();
+        let mut fin = engine.take_finished();
+        fin.sort_by_key(|f| f.id);
+        fin.into_iter().map(|f| f.tokens).collect()
+    };
+    assert_eq!(shard(3, true, None), whole[3..], "keyed streams reproduce the whole batch's samples");
+    let mut ngram = NgramDrafter::default();
+    assert_eq!(shard(3, true, Some(&mut ngram)), whole[3..], "and with speculative decoding");
+    assert_ne!(shard(3, false, None), whole[3..], "streams by the shard's own ids sample other tokens");
+}
+
 #[test]
 fn stop_tokens_end_sequences_inclusively() {
     let m = model();

@@ -233,7 +233,8 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         }
         // The MPI engine is behind a feature the workspace build leaves off (it needs an MPI library): lint it too.
         let mut clippy_mpi = cargo();
-        clippy_mpi.args(["clippy", "-p", "tlt-comm", "--all-targets", "--features", "mpi", "--", "-D", "warnings"]);
+        clippy_mpi.args(["clippy", "-p", "tlt-comm", "-p", "tlt-rl", "--all-targets", "--features"]);
+        clippy_mpi.args(["tlt-comm/mpi,tlt-rl/mpi", "--", "-D", "warnings"]);
         let code = run(clippy_mpi)?;
         if !code.success() {
             return Ok(exit_code(code));
@@ -244,7 +245,7 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
             doc.env("RUSTDOCFLAGS", "-D warnings").args(["doc", "--no-deps"]);
             match features {
                 None => doc.arg("--workspace"),
-                Some("tlt-comm/mpi") => doc.args(["-p", "tlt-comm", "--features", "mpi"]),
+                Some(f @ "tlt-comm/mpi") => doc.args(["-p", "tlt-comm", "-p", "tlt-rl", "--features", f]),
                 Some(f) => doc.args(cuda_package_args()).args(["--features", f]),
             };
             let code = run(doc)?;
@@ -310,13 +311,16 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
             assets::EXPORT_CHECK_FETCH
         ),
     }
-    // The MPI engine across processes (`mpirun -np 2` and 3); a missing runtime fails here rather than skipping.
-    let mut mpi = cargo();
-    mpi.args(["test", "--release", "-p", "tlt-comm", "--features", "mpi", "--test", "mpi", "--", "--nocapture"])
-        .env("TLT_REQUIRE_MPI", "1");
-    let code = run(mpi)?;
-    if !code.success() {
-        return Ok(exit_code(code));
+    // The MPI engine across processes (`mpirun -np 2` and 3), then data-parallel GRPO on 2 ranks against one; a
+    // missing runtime fails here rather than skipping.
+    for (package, test) in [("tlt-comm", "mpi"), ("tlt-rl", "data_parallel")] {
+        let mut mpi = cargo();
+        mpi.args(["test", "--release", "-p", package, "--features", "mpi", "--test", test, "--", "--nocapture"])
+            .env("TLT_REQUIRE_MPI", "1");
+        let code = run(mpi)?;
+        if !code.success() {
+            return Ok(exit_code(code));
+        }
     }
     // The GPU plan's calls, with their GPU steps stubbed: the device tool's file and output rules hold.
     if let Err(e) = gpu_bundle::dry_run(&workspace_root()) {

@@ -26,12 +26,22 @@ fn run() -> Result<String, String> {
     let mut b = if r == n - 1 { b"from the last rank".to_vec() } else { vec![7; r] };
     c.broadcast_bytes(n - 1, &mut b).map_err(e)?;
     want(b == b"from the last rank", "broadcast")?;
+    // Empty buffers: an empty broadcast empties every rank's buffer, an all-gather of nothing gives empty parts.
+    c.broadcast_bytes(0, &mut if r == 0 { Vec::new() } else { b.clone() }).map_err(e)?;
+    let mut empty = if r == 0 { Vec::new() } else { b.clone() };
+    c.broadcast_bytes(0, &mut empty).map_err(e)?;
+    want(empty.is_empty(), "empty broadcast")?;
+    let none = c.all_gather_bytes(&[]).map_err(e)?;
+    want(none.len() == n && none.iter().all(Vec::is_empty), "empty all-gather")?;
     // Point to point: every rank sends to the next; nothing else has that tag.
     if n > 1 {
         let next = (r + 1) % n;
         c.send(next, 3, format!("hello {next} from {r}").as_bytes()).map_err(e)?;
         let (from, bytes) = c.recv(3).map_err(e)?;
         want(from == (r + n - 1) % n && bytes == format!("hello {r} from {from}").as_bytes(), "point to point")?;
+        c.send(next, 4, &[]).map_err(e)?;
+        let (from, bytes) = c.recv(4).map_err(e)?;
+        want(from == (r + n - 1) % n && bytes.is_empty(), "empty message")?;
     }
     c.barrier().map_err(e)?;
     want(c.try_recv(3).map_err(e)?.is_none(), "a message left over")?;

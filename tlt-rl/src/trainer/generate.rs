@@ -30,6 +30,8 @@ pub(super) struct Generation {
     pub gen_batches: usize,
     /// Scoring time, all rollouts together.
     pub scoring: Collected,
+    /// Each data-parallel rank's rollout seconds (empty for one rank).
+    pub rank_rollout_s: Vec<f64>,
 }
 
 impl Generation {
@@ -58,7 +60,7 @@ impl<E: Environment> Trainer<E> {
                 0 => step_seed(self.cfg.seed, step),
                 _ => SplitMix64::new(step_seed(self.cfg.seed, step)).fork(k as u64).next_u64(),
             };
-            let (out, scoring) = self.rollout_and_score(step, &prompts, seed, obs)?;
+            let (out, scoring, rank_rollout_s) = self.rollout_and_score(step, &prompts, seed, obs)?;
             let rewards: Vec<f64> = out
                 .samples
                 .iter()
@@ -75,6 +77,7 @@ impl<E: Environment> Trainer<E> {
                     data_pos,
                     gen_batches: 1,
                     scoring,
+                    rank_rollout_s,
                 }),
                 Some(acc) => {
                     acc.out.append(out, offset);
@@ -112,11 +115,45 @@ impl<E: Environment> Trainer<E> {
     }
 
     /// One rollout of `prompts` with sampling seed `seed`, each answer handed to the scoring workers as it
-    /// finishes; then the scores (waiting for the last ones).
+    /// finishes; then the scores (waiting for the last ones). In a data-parallel job this rank decodes and scores
+    /// its [`shard`](super::shard) of the groups and the samples and scores of all ranks come back (with each
+    /// rank's rollout seconds; `seconds` is then the slowest rank's).
     fn rollout_and_score(
         &mut self,
         step: u64,
         prompts: &[Prompt],
+        seed: u64,
+        obs: &mut dyn Observer,
+    ) -> Result<(RolloutOutput, Collected, Vec<f64>)> {
+        let ranks = self.comm.size();
+        if ranks == 1 {
+            let (out, collected) = self.rollout_and_score_shard(step, prompts, None, seed, obs)?;
+            return Ok((out, collected, Vec::new()));
+        }
+        let mine = super::parallel::shard(prompts.len(), ranks, self.comm.rank());
+        let g = self.cfg.group_size as u64;
+        let keys: Vec<u64> = mine.clone().map(|i| i as u64 * g).collect();
+        let (mut out, mut collected) =
+            self.rollout_and_score_shard(step, &prompts[mine.clone()], Some(&keys), seed, obs)?;
+        for s in &mut out.samples {
+            s.group += mine.start;
+        }
+        let local = std::mem::take(&mut out.samples);
+        let scores = std::mem::take(&mut collected.scores);
+        let (samples, scores, seconds) =
+            super::parallel::gather_rollout(self.comm.as_ref(), local, scores, out.seconds)?;
+        out.samples = samples;
+        collected.scores = scores;
+        out.seconds = seconds.iter().copied().fold(0.0, f64::max);
+        Ok((out, collected, seconds))
+    }
+
+    /// One rollout of `prompts` (coin streams keyed by `stream_keys` when given), scored as answers finish.
+    fn rollout_and_score_shard(
+        &mut self,
+        step: u64,
+        prompts: &[Prompt],
+        stream_keys: Option<&[u64]>,
         seed: u64,
         obs: &mut dyn Observer,
     ) -> Result<(RolloutOutput, Collected)> {
@@ -132,6 +169,7 @@ impl<E: Environment> Trainer<E> {
             group_size: self.cfg.group_size,
             params,
             rl_step: step,
+            stream_keys,
             record_features: false,
             on_finish: Some(&mut submit),
         };
@@ -222,6 +260,12 @@ impl<E: Environment> Trainer<E> {
             sd_ceiling: out.sd_ceiling,
             response_lengths: lens,
             accept_lens: out.trace.accept_lens.clone(),
+            ranks: self.comm.size(),
+            rank_idle_s: {
+                let slowest = gen.rank_rollout_s.iter().copied().fold(0.0, f64::max);
+                gen.rank_rollout_s.iter().map(|s| slowest - s).collect()
+            },
+            rank_rollout_s: gen.rank_rollout_s.clone(),
             ..StepMetrics::default()
         }
     }

@@ -30,6 +30,7 @@ mod env;
 mod export;
 mod generate;
 mod head;
+mod parallel;
 mod reward;
 mod rollout;
 #[cfg(test)]
@@ -55,6 +56,7 @@ pub use export::{
     make_readable, serve_commands, serve_instructions, tokenizer_config, ExportConfig, Exported, EXPORT_DRAFTER_DIR,
     EXPORT_POLICY_DIR, SERVE_FILE,
 };
+pub use parallel::shard;
 pub use reward::ScoringConfig;
 pub use rollout::{Observer, Quiet, RolloutOutput, Sample, SdCeiling, CEILING_DEPTHS};
 pub use update::UpdateStats;
@@ -126,6 +128,8 @@ pub struct Trainer<E: Environment> {
     data_pos: u64,
     /// Why the trainer refuses to go on (a step failed); `None` while it is usable.
     stopped: Option<String>,
+    /// The data-parallel job this trainer is one rank of ([`Trainer::with_comm`]).
+    comm: parallel::SharedComm,
 }
 
 impl<E: Environment> std::fmt::Debug for Trainer<E> {
@@ -215,6 +219,7 @@ impl<E: Environment> Trainer<E> {
             step,
             data_pos,
             stopped: None,
+            comm: Arc::new(tlt_comm::SelfComm),
         })
     }
 
@@ -277,12 +282,88 @@ impl<E: Environment> Trainer<E> {
         Ok(t)
     }
 
-    /// Writes a checkpoint of the run so far to `dir` (atomically).
+    /// Makes this trainer rank [`Comm::rank`](tlt_comm::Comm::rank) of a data-parallel job of
+    /// [`Comm::size`](tlt_comm::Comm::size) ranks (see [`shard`]): every rank builds its trainer from the same
+    /// policy, config and checkpoint, then calls this (collectively: it checks that all ranks agree).
+    ///
+    /// Each rank decodes and scores its [`shard`] of every step's groups, with coins keyed by the requests'
+    /// indices in the whole step, so the tokens do not depend on the number of ranks; the shards are gathered,
+    /// each rank computes the gradients of its own groups, and the summed gradients make the same update on every
+    /// rank. Rank 0 writes checkpoints ([`Self::save_checkpoint`]); a resume rebuilds every rank from them.
+    ///
+    /// # Errors
+    /// With several ranks: dynamic sampling, or a drafter trained online (`hybrid`, `eagle2`), which data-parallel
+    /// runs do not support yet (model-free `suffix` and `ngram` drafting work); ranks whose configs or steps
+    /// differ; the communicator's failure.
+    pub fn with_comm(mut self, comm: Arc<dyn tlt_comm::Comm>) -> Result<Self> {
+        if comm.size() > 1 {
+            if self.cfg.dynamic_sampling.is_some() {
+                return Err(Error::config(
+                    "dynamic_sampling",
+                    "not supported across data-parallel ranks yet (each rank would need the others' informative groups)",
+                ));
+            }
+            if self.cfg.mode == Mode::Tlt && self.cfg.sd.has_eagle() {
+                return Err(Error::config(
+                    "sd.drafter",
+                    "a drafter trained online is not yet kept in step across data-parallel ranks: use `suffix` or \
+                     `ngram`, or one rank",
+                ));
+            }
+            parallel::check_same(comm.as_ref(), "trainer", &self.cfg)?;
+            parallel::check_same(comm.as_ref(), "step", &(self.step, self.data_pos))?;
+        }
+        self.comm = comm;
+        Ok(self)
+    }
+
+    /// The groups of a step whose sequences this rank trains on (every group for one rank).
+    fn owned_groups(&self) -> Range<usize> {
+        match self.comm.size() {
+            1 => 0..usize::MAX,
+            n => parallel::shard(self.cfg.prompts_per_step, n, self.comm.rank()),
+        }
+    }
+
+    /// This trainer's rank in its data-parallel job (0 for one process).
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Ranks in the data-parallel job (1 for one process).
+    pub fn ranks(&self) -> usize {
+        self.comm.size()
+    }
+
+    /// Writes a checkpoint of the run so far to `dir` (atomically). In a data-parallel job rank 0 writes it (every
+    /// rank holds the same state) and every rank returns its outcome: call it on every rank.
     ///
     /// # Errors
     /// On an I/O failure, or after a failed step ([`Error::Stopped`]: the state is no longer a step boundary's).
     pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
         self.check_usable()?;
+        if self.comm.size() == 1 {
+            return self.write_checkpoint(dir);
+        }
+        let mut outcome = match self.comm.rank() {
+            0 => match self.write_checkpoint(dir) {
+                Ok(()) => Vec::new(),
+                Err(e) => e.to_string().into_bytes(),
+            },
+            _ => Vec::new(),
+        };
+        self.comm.broadcast_bytes(0, &mut outcome)?;
+        if outcome.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Checkpoint {
+                path: dir.into(),
+                reason: format!("rank 0: {}", String::from_utf8_lossy(&outcome)),
+            })
+        }
+    }
+
+    fn write_checkpoint(&self, dir: &Path) -> Result<()> {
         tlt_model::write_dir_atomic(dir, |tmp| -> Result<()> {
             tlt_model::save_hf_dir(&self.policy, None, &tmp.join(POLICY_DIR), candle_core::DType::F32)?;
             checkpoint::save_optimizer(&self.opt, &tmp.join(OPTIMIZER_FILE))?;
@@ -346,6 +427,7 @@ impl<E: Environment> Trainer<E> {
             group_size: 1,
             params,
             rl_step: self.step,
+            stream_keys: None,
             record_features: false,
             on_finish: None,
         };
@@ -424,6 +506,8 @@ impl<E: Environment> Trainer<E> {
             shuffle_seed: SplitMix64::new(step_seed(self.cfg.seed, step)).fork(0x5eed).next_u64(),
             lr,
             max_grad_norm: self.cfg.optim.max_grad_norm,
+            comm: self.comm.as_ref(),
+            owned: self.owned_groups(),
         };
         // The rollout's copy of the weights is not needed until the next rollout: free it for the update's peak.
         self.rollout_model = None;

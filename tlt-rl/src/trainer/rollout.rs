@@ -27,7 +27,7 @@ pub struct Quiet;
 impl Observer for Quiet {}
 
 /// One generated sample.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sample {
     /// Index of its prompt in the step (its GRPO group).
     pub group: usize,
@@ -167,6 +167,10 @@ pub(crate) struct RolloutJob<'a> {
     pub group_size: usize,
     pub params: SpecParams,
     pub rl_step: u64,
+    /// Per prompt, the coin-stream key of its first sample (its siblings follow): the sample's index in the whole
+    /// step when a data-parallel rank decodes a shard of it, so its tokens do not depend on the rank. `None`: the
+    /// sample index in this job.
+    pub stream_keys: Option<&'a [u64]>,
     /// Keep each finished request's hidden states as a [`FeatureSample`] in [`RolloutOutput::features`].
     pub record_features: bool,
     /// Called as each sample finishes, with its index (group-major, as in [`RolloutOutput::samples`]), its group
@@ -186,7 +190,10 @@ pub(crate) fn run_rollout<T: Target>(
     mut drafter: Option<&mut RolloutDrafter>,
     obs: &mut dyn Observer,
 ) -> Result<RolloutOutput> {
-    let RolloutJob { limits, prompts, group_size, params, rl_step, record_features, mut on_finish } = job;
+    let RolloutJob { limits, prompts, group_size, params, rl_step, stream_keys, record_features, mut on_finish } = job;
+    if stream_keys.is_some_and(|k| k.len() != prompts.len()) {
+        return Err(Error::InvalidArgument("one stream key per prompt".into()));
+    }
     let t0 = Instant::now();
     let mut engine = Engine::new(target, params)?;
     engine.record_hidden(record_features || drafter.as_ref().is_some_and(|d| d.needs_hidden()));
@@ -203,10 +210,15 @@ pub(crate) fn run_rollout<T: Target>(
     let total = prompts.len() * group_size;
     let max_new = engine.params().max_new_tokens;
     let mut owner: Vec<usize> = Vec::with_capacity(total);
+    let mut started = vec![0u64; prompts.len()];
     let mut admit = |engine: &mut Engine<T>, owner: &mut Vec<usize>| -> Result<()> {
         let admitted = queue.admit(engine.num_live());
         for run in admitted.chunk_by(|a, b| a == b) {
             let g = run[0];
+            if let Some(keys) = stream_keys {
+                engine.key_streams_from(keys[g] + started[g]);
+                started[g] += run.len() as u64;
+            }
             let ids = engine.add_to_group(GroupId(g as u64), &prompts[g].ids, run.len(), max_new)?;
             if ids.first().is_some_and(|id| id.0 != owner.len()) {
                 return Err(Error::InvalidArgument("engine request ids are not dense".into()));

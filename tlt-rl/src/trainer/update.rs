@@ -132,6 +132,11 @@ pub(crate) struct UpdateContext<'a> {
     pub checkpoint: bool,
     pub lr: f64,
     pub max_grad_norm: Option<f64>,
+    /// The data-parallel job: gradients are summed over its ranks before each optimizer step.
+    pub comm: &'a dyn tlt_comm::Comm,
+    /// The groups whose sequences this rank runs forward and backward (every sequence still counts in the
+    /// loss's divisors on every rank).
+    pub owned: std::ops::Range<usize>,
 }
 
 impl UpdateContext<'_> {
@@ -152,13 +157,19 @@ impl UpdateContext<'_> {
     fn contributes(&self, s: &TrainSeq) -> bool {
         s.advantage != 0.0 || self.grpo.kl.is_some() || self.grpo.entropy_coef > 0.0
     }
+
+    /// Whether this rank computes `s`'s gradient: it [contributes](Self::contributes) and its group is this
+    /// rank's.
+    fn computes(&self, s: &TrainSeq) -> bool {
+        self.contributes(s) && self.owned.contains(&s.sample.group)
+    }
 }
 
 /// Response log-probabilities under the policy before any update (no gradient), trimmed to each response's length,
-/// of every sequence that [contributes](UpdateContext::contributes) (empty for the others): the PPO "old" policy
+/// of every sequence this rank [computes](UpdateContext::computes) (empty for the others): the PPO "old" policy
 /// when a step takes several optimizer steps.
 fn old_logprobs(ctx: &UpdateContext, seqs: &[TrainSeq]) -> Result<Vec<Vec<f32>>> {
-    let run: Vec<usize> = (0..seqs.len()).filter(|&i| ctx.contributes(&seqs[i])).collect();
+    let run: Vec<usize> = (0..seqs.len()).filter(|&i| ctx.computes(&seqs[i])).collect();
     let lengths: Vec<usize> =
         run.iter().map(|&i| seqs[i].sample.prompt.len() + seqs[i].sample.tokens.len() - 1).collect();
     let mut out = vec![Vec::new(); seqs.len()];
@@ -210,7 +221,7 @@ fn mini_batch_step(
     }
     let total_seqs = mb.iter().filter(|&&i| trained(&seqs[i]) > 0).count();
     let norm = LossNorm { total_tokens, total_seqs, max_response_len: ctx.max_new_tokens };
-    let mb: Vec<usize> = mb.iter().copied().filter(|&i| trained(&seqs[i]) > 0 && ctx.contributes(&seqs[i])).collect();
+    let mb: Vec<usize> = mb.iter().copied().filter(|&i| trained(&seqs[i]) > 0 && ctx.computes(&seqs[i])).collect();
     let mb = mb.as_slice();
     let lengths: Vec<usize> =
         mb.iter().map(|&i| seqs[i].sample.prompt.len() + seqs[i].sample.tokens.len() - 1).collect();
@@ -252,9 +263,13 @@ fn mini_batch_step(
         }
         micros += 1;
     }
-    let grads = match acc {
-        Some(g) => g,
-        None => zero_grads(opt)?,
+    let grads = match (ctx.comm.size(), acc) {
+        (1, Some(g)) => g,
+        (1, None) => zero_grads(opt)?,
+        (_, acc) => {
+            (stats, micros) = super::parallel::merge_stats(ctx.comm, stats, micros)?;
+            super::parallel::all_reduce_grads(ctx.comm, opt, acc)?
+        }
     };
     let norm = opt.step(&grads, ctx.lr, ctx.max_grad_norm)?;
     if !norm.applied() {

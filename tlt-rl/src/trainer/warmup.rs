@@ -192,6 +192,7 @@ impl<E: Environment> Trainer<E> {
             group_size: w.samples_per_prompt,
             params,
             rl_step: 0,
+            stream_keys: None,
             record_features: true,
             on_finish: None,
         };
