@@ -1,18 +1,58 @@
-//! Shared bits of the example programs (`generate`, `train`): where the default model lives, logging.
+//! Shared bits of the example programs (`generate`, `train`): where the default model lives, logging, and the
+//! data-parallel launch (MPI ranks).
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
+use std::sync::Arc;
 
-/// `tracing` to stderr, filtered by `RUST_LOG` (default `info`), coloured on a terminal.
+pub mod ranks;
+
+/// `tracing` to stderr, filtered by `RUST_LOG` (default `info`), coloured on a terminal; each line prefixed by
+/// `[rank r/n] ` when this process is one of several MPI ranks ([`ranks::launched`]).
 pub fn init_logging() {
+    let prefix: Arc<str> = match ranks::launched() {
+        Some((rank, size)) if size > 1 => format!("[rank {rank}/{size}] ").into(),
+        _ => "".into(),
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(move || Prefixed { prefix: prefix.clone(), line: Vec::new() })
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+}
+
+/// One log event, written to stderr in one piece after `prefix` when dropped (the formatter writes an event
+/// through a fresh writer).
+struct Prefixed {
+    prefix: Arc<str>,
+    line: Vec<u8>,
+}
+
+impl Write for Prefixed {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.line.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for Prefixed {
+    fn drop(&mut self) {
+        if self.line.is_empty() {
+            return;
+        }
+        let mut out = Vec::with_capacity(self.prefix.len() + self.line.len());
+        out.extend_from_slice(self.prefix.as_bytes());
+        out.extend_from_slice(&self.line);
+        // Logging has nowhere to report its own failure.
+        let _ = std::io::stderr().lock().write_all(&out);
+    }
 }
 
 pub use tlt_model::assets::SMOLLM2_GGUF;

@@ -163,6 +163,15 @@ impl RunDir {
     pub fn metrics(&self) -> PathBuf {
         self.0.join("metrics.jsonl")
     }
+    /// The metrics file rank `rank` of a data-parallel run writes: [`Self::metrics`] for rank 0 (whose lines hold
+    /// the whole step's samples and every rank's rollout time), `ranks/rank-<r>.jsonl` for the others (the same
+    /// lines with their own rollout traces).
+    pub fn metrics_of(&self, rank: usize) -> PathBuf {
+        match rank {
+            0 => self.metrics(),
+            r => self.0.join("ranks").join(format!("rank-{r}.jsonl")),
+        }
+    }
     /// The checkpoint directory.
     pub fn checkpoint(&self) -> PathBuf {
         self.0.join("checkpoint")
@@ -198,7 +207,8 @@ pub struct Session {
 impl Session {
     /// Opens `dir` for `trainer`: a fresh run warms its drafter up ([`Trainer::warm_up_drafter`]), evaluates and
     /// starts `metrics.jsonl`; a resumed one (steps done > 0) keeps the file's lines up to its checkpoint and
-    /// appends.
+    /// appends. In a data-parallel run every rank opens a session: rank 0 evaluates, exports and writes
+    /// `metrics.jsonl`, the others their own lines ([`RunDir::metrics_of`]).
     ///
     /// # Errors
     /// I/O, warm-up or evaluation failures.
@@ -214,10 +224,14 @@ impl Session {
             Mode::Baseline => "baseline",
         };
         let mut out = RunOutcome { mode: mode.into(), ..RunOutcome::default() };
+        let metrics = dir.metrics_of(trainer.rank());
+        if let Some(parent) = metrics.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
         let writer = if trainer.steps_done() > 0 {
-            truncate_after(dir.metrics(), trainer.steps_done().saturating_sub(1))?;
-            out.metrics = read_metrics(dir.metrics())?;
-            MetricsWriter::append(dir.metrics())?
+            truncate_after(&metrics, trainer.steps_done().saturating_sub(1))?;
+            out.metrics = read_metrics(&metrics)?;
+            MetricsWriter::append(&metrics)?
         } else {
             out.warmup = trainer.warm_up_drafter(obs)?;
             if let Some(w) = &out.warmup {
@@ -232,11 +246,11 @@ impl Session {
                     "drafter warmed up"
                 );
             }
-            if cfg.eval.prompts > 0 {
+            if cfg.eval.prompts > 0 && trainer.rank() == 0 {
                 obs.on_phase(0, "eval");
                 out.before = Some(trainer.evaluate(Self::eval_range(cfg), cfg.eval.max_new_tokens)?);
             }
-            MetricsWriter::create(dir.metrics())?
+            MetricsWriter::create(&metrics)?
         };
         Ok(Self { cfg: cfg.clone(), dir: dir.clone(), writer, out, seconds: 0.0 })
     }
@@ -274,7 +288,7 @@ impl Session {
         if every > 0 && (n.is_multiple_of(every) || n == self.cfg.trainer.steps) {
             obs.on_phase(n, "checkpoint");
             trainer.save_checkpoint(&self.dir.checkpoint())?;
-            if self.cfg.export.at_checkpoints {
+            if self.cfg.export.at_checkpoints && trainer.rank() == 0 {
                 obs.on_phase(n, "export");
                 trainer.export(&self.dir.step_export(n), &self.cfg.export)?;
             }
@@ -290,6 +304,10 @@ impl Session {
     /// Export or evaluation failures.
     pub fn finish<E: Environment>(mut self, trainer: &Trainer<E>, obs: &mut dyn Observer) -> Result<RunOutcome> {
         self.out.seconds = self.seconds;
+        if trainer.rank() > 0 {
+            // Rank 0 exports and evaluates the policy every rank holds.
+            return Ok(self.out);
+        }
         if self.cfg.export.at_end {
             obs.on_phase(trainer.steps_done(), "export");
             self.out.export = Some(trainer.export(&self.dir.export(), &self.cfg.export)?.dir);

@@ -105,6 +105,11 @@ enum Cmd {
         /// A run config instead of the embedded demo config.
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Data-parallel ranks (MPI processes, `mpirun -np N`; the `train` binary is then built with `--features
+        /// mpi`). Above 1, TLT's rollouts use group (suffix) drafting: the online EAGLE drafter is not yet kept in
+        /// step across ranks.
+        #[arg(long, default_value_t = 1)]
+        ranks: usize,
     },
     /// Fuzz a loader with structure-aware mutations of real files for `--minutes`; findings (panics, aborts,
     /// oversized allocations, hangs) go to `target/fuzz/<target>/findings/`, the summary to `summary.json`.
@@ -233,8 +238,8 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         }
         // The MPI engine is behind a feature the workspace build leaves off (it needs an MPI library): lint it too.
         let mut clippy_mpi = cargo();
-        clippy_mpi.args(["clippy", "-p", "tlt-comm", "-p", "tlt-rl", "--all-targets", "--features"]);
-        clippy_mpi.args(["tlt-comm/mpi,tlt-rl/mpi", "--", "-D", "warnings"]);
+        clippy_mpi.args(["clippy", "-p", "tlt-comm", "-p", "tlt-rl", "-p", "tlt-examples", "--all-targets"]);
+        clippy_mpi.args(["--features", "tlt-comm/mpi,tlt-rl/mpi,tlt-examples/mpi", "--", "-D", "warnings"]);
         let code = run(clippy_mpi)?;
         if !code.success() {
             return Ok(exit_code(code));
@@ -245,7 +250,10 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
             doc.env("RUSTDOCFLAGS", "-D warnings").args(["doc", "--no-deps"]);
             match features {
                 None => doc.arg("--workspace"),
-                Some(f @ "tlt-comm/mpi") => doc.args(["-p", "tlt-comm", "-p", "tlt-rl", "--features", f]),
+                Some(f @ "tlt-comm/mpi") => {
+                    doc.args(["-p", "tlt-comm", "-p", "tlt-rl", "-p", "tlt-examples", "--features", f]);
+                    doc.args(["--features", "tlt-rl/mpi,tlt-examples/mpi"])
+                }
                 Some(f) => doc.args(cuda_package_args()).args(["--features", f]),
             };
             let code = run(doc)?;
@@ -361,16 +369,20 @@ pub(crate) fn cuda_package_args() -> Vec<&'static str> {
     CUDA_PACKAGES.iter().flat_map(|p| ["-p", p]).collect()
 }
 
-fn demo(steps: Option<u64>, config: Option<&Path>) -> Result<ExitCode> {
+fn demo(steps: Option<u64>, config: Option<&Path>, ranks: usize) -> Result<ExitCode> {
     let gguf = assets::fetch_assets()?;
     let out = workspace_root().join("target").join("demo");
     let mut cmd = cargo();
-    cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "train", "--", "--mode", "compare", "--model"])
-        .arg(&gguf)
-        .arg("--out")
-        .arg(&out)
-        .env("TLT_SMOLLM2_GGUF", &gguf)
-        .current_dir(workspace_root());
+    cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "train"]);
+    if ranks > 1 {
+        println!("{ranks} data-parallel ranks: TLT's rollouts use group (suffix) drafting (the online EAGLE drafter is not yet kept in step across ranks)");
+        cmd.args(["--features", "mpi"]);
+    }
+    cmd.args(["--", "--mode", "compare", "--ranks", &ranks.to_string()]);
+    if ranks > 1 {
+        cmd.args(["--drafter", "suffix"]);
+    }
+    cmd.arg("--model").arg(&gguf).arg("--out").arg(&out).env("TLT_SMOLLM2_GGUF", &gguf).current_dir(workspace_root());
     if let Some(s) = steps {
         cmd.arg("--steps").arg(s.to_string());
     }
@@ -444,7 +456,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             fuzz::worker(target, seed, from, &gguf)?;
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Demo { steps, config } => demo(steps, config.as_deref()),
+        Cmd::Demo { steps, config, ranks } => demo(steps, config.as_deref(), ranks),
         Cmd::Roofline => {
             roofline::run(&workspace_root().join("target").join("bench"))?;
             Ok(ExitCode::SUCCESS)

@@ -77,6 +77,14 @@ struct Args {
     /// Print the effective config as TOML and exit.
     #[arg(long)]
     print_config: bool,
+    /// One drafter kind for TLT's rollouts (`hybrid`, `eagle2`, `suffix`, `ngram`), replacing the config's
+    /// `[trainer.sd] drafter` and `drafters` (data-parallel runs support the model-free `suffix` and `ngram`).
+    #[arg(long)]
+    drafter: Option<String>,
+    /// Data-parallel ranks: runs this program again as that many MPI processes (`mpirun -np N`; needs a build
+    /// with `--features mpi`). Launching it with `mpirun -np N` directly does the same.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
 }
 
 /// Progress bars: one per rollout (finished requests), a spinner for the other phases.
@@ -146,6 +154,12 @@ fn load_config(args: &Args) -> Result<RunConfig> {
     if args.export_at_checkpoints {
         cfg.export.at_checkpoints = true;
     }
+    if let Some(kind) = &args.drafter {
+        cfg.trainer.sd.drafter = toml::Value::String(kind.clone())
+            .try_into()
+            .with_context(|| format!("--drafter {kind}: expected hybrid, eagle2, suffix or ngram"))?;
+        cfg.trainer.sd.drafters.clear();
+    }
     if args.no_export {
         cfg.export.at_end = false;
         cfg.export.at_checkpoints = false;
@@ -154,18 +168,21 @@ fn load_config(args: &Args) -> Result<RunConfig> {
     Ok(cfg)
 }
 
-/// A trainer for `mode` in `dir` (resumed from its checkpoint when asked and present).
+/// A trainer for `mode` in `dir` (resumed from its checkpoint when asked and present), one rank of this
+/// process's job.
 fn trainer(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &RunDir, resume: bool) -> Result<Trainer<TextEnv>> {
+    let comm = tlt_examples::ranks::communicator()?;
     let loaded = tlt_model::load(model_path).with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = loaded.tokenizer.context("the checkpoint carries no tokenizer")?;
     let env = text_env(&cfg.task, tokenizer, loaded.chat_template.as_deref())?;
     let tcfg = TrainerConfig { mode, ..cfg.trainer.clone() };
-    Ok(if resume && dir.has_checkpoint() {
+    let t = if resume && dir.has_checkpoint() {
         tracing::info!(checkpoint = %dir.checkpoint().display(), "resuming");
         Trainer::resume(&dir.checkpoint(), loaded.model, env, tcfg)?
     } else {
         Trainer::new(loaded.model, env, tcfg)?
-    })
+    };
+    Ok(t.with_comm(comm)?)
 }
 
 fn label(mode: Mode) -> &'static str {
@@ -179,7 +196,11 @@ fn label(mode: Mode) -> &'static str {
 /// Stops the trainer's workers and writes its plots.
 fn finish(t: Trainer<TextEnv>, out: &RunOutcome, dir: &RunDir) -> Result<()> {
     let mode = t.config().mode;
+    let rank = t.rank();
     t.shutdown()?;
+    if rank > 0 {
+        return Ok(());
+    }
     let plots = tlt_rl::plot::training_plots(&out.metrics, None, &dir.plots())?;
     tracing::info!(run = label(mode), plots = plots.len(), dir = %dir.0.display(), "run finished");
     if let Some(e) = &out.export {
@@ -192,17 +213,27 @@ fn finish(t: Trainer<TextEnv>, out: &RunOutcome, dir: &RunDir) -> Result<()> {
 fn run_mode(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &Path, resume: bool) -> Result<RunOutcome> {
     let dir = RunDir(dir.to_path_buf());
     let mut t = trainer(model_path, cfg, mode, &dir, resume)?;
+    let rank = t.rank();
     let mut out = run(&mut t, cfg, &dir, &mut Progress::new(label(mode)))?;
     finish(t, &out, &dir)?;
     out.peak_rss_gb = peak_rss_gb();
-    std::fs::write(dir.0.join(OUTCOME_FILE), serde_json::to_string_pretty(&out)?)?;
+    if rank == 0 {
+        std::fs::write(dir.0.join(OUTCOME_FILE), serde_json::to_string_pretty(&out)?)?;
+    }
     Ok(out)
 }
 
 /// TLT, then the baseline, each in a fresh process of this binary with the same (effective) config: the runs see
 /// the same process warm-up (allocator growth and page faults made the first update of a process 27-89% slower
 /// than later ones on the 2-vCPU VM), and one trainer is resident at a time.
-fn compare(model_path: &Path, cfg: &RunConfig, out: &Path, resume: bool) -> Result<Comparison> {
+fn compare(
+    model_path: &Path,
+    cfg: &RunConfig,
+    out: &Path,
+    resume: bool,
+    ranks: usize,
+    drafter: Option<&str>,
+) -> Result<Comparison> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let config = out.join("config.toml");
     std::fs::write(&config, toml::to_string_pretty(cfg)?)?;
@@ -213,6 +244,10 @@ fn compare(model_path: &Path, cfg: &RunConfig, out: &Path, resume: bool) -> Resu
         cmd.args(["--mode", mode, "--config"]).arg(&config).arg("--model").arg(model_path).arg("--out").arg(out);
         if resume {
             cmd.arg("--resume");
+        }
+        cmd.args(["--ranks", &ranks.to_string()]);
+        if let Some(kind) = drafter {
+            cmd.args(["--drafter", kind]);
         }
         let status = cmd.status().with_context(|| format!("starting the {mode} run"))?;
         if !status.success() {
@@ -242,8 +277,14 @@ fn rss_gb(field: &str) -> Option<f64> {
 }
 
 fn main() -> Result<()> {
+    tlt_examples::ranks::share_cores();
     tlt_examples::init_logging();
     let args = Args::parse();
+    if args.mode != RunMode::Compare {
+        if let Some(status) = tlt_examples::ranks::relaunch(args.ranks)? {
+            std::process::exit(status.code().unwrap_or(1));
+        }
+    }
     let cfg = load_config(&args)?;
     if args.print_config {
         print!("{}", toml::to_string_pretty(&cfg)?);
@@ -258,7 +299,7 @@ fn main() -> Result<()> {
             run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), args.resume)?;
         }
         RunMode::Compare => {
-            let cmp = compare(&model, &cfg, &args.out, args.resume)?;
+            let cmp = compare(&model, &cfg, &args.out, args.resume, args.ranks, args.drafter.as_deref())?;
             let plots =
                 tlt_rl::plot::training_plots(&cmp.tlt.metrics, Some(&cmp.baseline.metrics), &args.out.join("plots"))?;
             let summary = args.out.join("summary.json");
