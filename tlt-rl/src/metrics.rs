@@ -189,6 +189,8 @@ pub struct StepMetrics {
     /// TLT puts to work.
     #[serde(deserialize_with = "vec_f64_or_nan")]
     pub rank_idle_s: Vec<f64>,
+    /// Groups decoded by a rank other than their owner (work stealing; 0 for one rank).
+    pub stolen_groups: usize,
 }
 
 /// Reads an `f64` that `serde_json` may have written as `null` (non-finite) as `NaN`.

@@ -7,6 +7,8 @@
 //! - both ranks hold the same weights bit for bit, and they agree with one rank's within a float-summation
 //!   tolerance after every step (the gradients are summed per rank, then across ranks); tokens of later steps
 //!   that flip because of that rounding are counted and printed;
+//! - with rank 1 slow (5 ms more per round) and one group decoding at a time per rank, rank 0 takes groups rank 1
+//!   has not started in every step, the imbalance falls, and the tokens and weights equal the balanced run's;
 //! - rank 1 dying at the start of step 2 makes `mpirun` return an error well within 60 s, the checkpoint rank 0
 //!   wrote after step 1 is intact, and resuming it on 2 ranks ends with the uninterrupted run's weights.
 //!
@@ -19,12 +21,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use common::{base_config, tiny_model, Count};
 use serde::{Deserialize, Serialize};
 use tlt_comm::{Comm, SelfComm};
-use tlt_rl::trainer::{DrafterChoice, Mode, Quiet, Trainer, TrainerConfig};
+use tlt_rl::trainer::{DrafterChoice, Mode, Observer, Quiet, Trainer, TrainerConfig};
 
 const STEPS: u64 = 4;
 
@@ -36,36 +38,77 @@ struct RunLog {
     rewards: Vec<Vec<f64>>,
     /// Per step: each rank's rollout seconds.
     rank_rollout_s: Vec<Vec<f64>>,
+    /// Per step: groups decoded by a rank other than their owner.
+    stolen: Vec<usize>,
     /// The final weights by name.
     weights: BTreeMap<String, Vec<f32>>,
 }
 
-fn config(mode: &str) -> TrainerConfig {
-    let mut cfg = match mode {
+/// The run's settings: the mode, and for the skewed runs one group decoding at a time per rank (`max_running`
+/// = group size, so the rest of a rank's groups wait in its queue) and whether ranks steal queued groups.
+#[derive(Debug, Clone, Copy)]
+struct Setup<'a> {
+    mode: &'a str,
+    one_group_at_a_time: bool,
+    steal: bool,
+}
+
+fn config(setup: Setup) -> TrainerConfig {
+    let mut cfg = match setup.mode {
         "baseline" => base_config(Mode::Baseline),
         _ => base_config(Mode::Tlt),
     };
     cfg.sd.drafter = DrafterChoice::Suffix;
     cfg.ppo_mini_batch_size = Some(4);
+    if setup.one_group_at_a_time {
+        cfg.rollout.max_running = cfg.group_size;
+    }
+    cfg.steal_queued_groups = setup.steal;
     cfg
 }
 
-/// Runs steps up to [`STEPS`] as one rank of `comm`: resuming from `ckpt` if asked, checkpointing there after every
-/// step, and (rank 1, when `die_at` says so) exiting abruptly at the start of that step.
-fn run_rank(comm: Arc<dyn Comm>, mode: &str, ckpt: Option<&Path>, resume: bool, die_at: Option<u64>) -> RunLog {
-    let cfg = config(mode);
+/// A rollout observer that takes `0` per engine round (a slow rank).
+struct Slow(Duration);
+
+impl Observer for Slow {
+    fn on_round(&mut self, _: usize, _: usize, _: usize, _: usize) {
+        std::thread::sleep(self.0);
+    }
+}
+
+/// How a rank runs: checkpoint directory, resume from it, the step at whose start rank 1 exits, rank 1's delay per
+/// rollout round.
+#[derive(Debug, Default)]
+struct RankOpts {
+    ckpt: Option<PathBuf>,
+    resume: bool,
+    die_at: Option<u64>,
+    slow: Option<Duration>,
+}
+
+/// Runs steps up to [`STEPS`] as one rank of `comm`: resuming from the checkpoint if asked, checkpointing after every
+/// step, and (rank 1, when asked) exiting abruptly at the start of a step or taking longer per round.
+fn run_rank(comm: Arc<dyn Comm>, setup: Setup, opts: &RankOpts) -> RunLog {
+    let cfg = config(setup);
+    let (ckpt, resume, die_at) = (opts.ckpt.as_deref(), opts.resume, opts.die_at);
     let trainer = match (resume, ckpt) {
         (true, Some(dir)) => Trainer::resume(dir, tiny_model(11), Count, cfg).unwrap(),
         _ => Trainer::new(tiny_model(11), Count, cfg).unwrap(),
     };
     let mut t = trainer.with_comm(comm.clone()).unwrap();
-    let mut log = RunLog { tokens: vec![], rewards: vec![], rank_rollout_s: vec![], weights: BTreeMap::new() };
+    let mut log =
+        RunLog { tokens: vec![], rewards: vec![], rank_rollout_s: vec![], stolen: vec![], weights: BTreeMap::new() };
+    let mut obs: Box<dyn Observer> = match opts.slow {
+        Some(d) if comm.rank() == 1 => Box::new(Slow(d)),
+        _ => Box::new(Quiet),
+    };
     while t.steps_done() < STEPS {
         if die_at == Some(t.steps_done()) && comm.rank() == 1 {
             eprintln!("rank 1: dying at the start of step {}", t.steps_done());
             std::process::exit(3);
         }
-        let r = t.step(&mut Quiet).unwrap();
+        let r = t.step(obs.as_mut()).unwrap();
+        log.stolen.push(r.metrics.stolen_groups);
         log.tokens.push(r.samples.iter().map(|(s, _, _)| s.tokens.clone()).collect());
         log.rewards.push(r.samples.iter().map(|(_, _, w)| *w).collect());
         log.rank_rollout_s.push(r.metrics.rank_rollout_s.clone());
@@ -83,9 +126,18 @@ fn rank_main(out: &Path) {
     let comm: Arc<dyn Comm> = Arc::new(tlt_comm::mpi::MpiComm::init().unwrap());
     let var = |k: &str| std::env::var(k).ok();
     let mode = var("TLT_DP_MODE").unwrap_or_else(|| "baseline".into());
-    let ckpt = var("TLT_DP_CKPT").map(PathBuf::from);
-    let die_at = var("TLT_DP_DIE_AT").map(|s| s.parse().unwrap());
-    let log = run_rank(comm.clone(), &mode, ckpt.as_deref(), var("TLT_DP_RESUME").is_some(), die_at);
+    let setup = Setup {
+        mode: &mode,
+        one_group_at_a_time: var("TLT_DP_SKEW").is_some(),
+        steal: var("TLT_DP_NOSTEAL").is_none(),
+    };
+    let opts = RankOpts {
+        ckpt: var("TLT_DP_CKPT").map(PathBuf::from),
+        resume: var("TLT_DP_RESUME").is_some(),
+        die_at: var("TLT_DP_DIE_AT").map(|s| s.parse().unwrap()),
+        slow: var("TLT_DP_SKEW").map(|ms| Duration::from_millis(ms.parse().unwrap())),
+    };
+    let log = run_rank(comm.clone(), setup, &opts);
     let path = out.join(format!("rank{}.json", comm.rank()));
     std::fs::write(path, serde_json::to_vec(&log).unwrap()).unwrap();
 }
@@ -144,7 +196,8 @@ fn flips(a: &[Vec<u32>], b: &[Vec<u32>]) -> usize {
 
 /// Two ranks against one, in `mode`.
 fn against_one_rank(mode: &str, root: &Path) -> RunLog {
-    let one = run_rank(Arc::new(SelfComm), mode, None, false, None);
+    let setup = Setup { mode, one_group_at_a_time: false, steal: true };
+    let one = run_rank(Arc::new(SelfComm), setup, &RankOpts::default());
     let out = root.join(mode);
     let (ok, secs, err) = mpirun(&out, &[("TLT_DP_MODE", mode.to_string())]);
     assert!(ok, "mpirun -np 2 ({mode}) failed:\n{err}");
@@ -169,6 +222,52 @@ fn against_one_rank(mode: &str, root: &Path) -> RunLog {
     r0
 }
 
+/// Rollout imbalance of a run: per step, the slowest rank's rollout time over the mean.
+fn imbalance(log: &RunLog) -> Vec<f64> {
+    log.rank_rollout_s.iter().map(|r| r.iter().copied().fold(0.0, f64::max) / (r.iter().sum::<f64>() / 2.0)).collect()
+}
+
+/// Rank 1 takes 5 ms more per round and each rank decodes one group at a time: without stealing rank 0 idles
+/// while rank 1's queued groups wait; with it rank 0 takes them, and the tokens and weights stay those of the
+/// balanced run (coins keyed by request, gradients by the groups' owners).
+fn stealing_is_lossless(root: &Path, balanced: &RunLog) {
+    let mut runs = Vec::new();
+    for steal in [false, true] {
+        let out = root.join(format!("skew-steal-{steal}"));
+        let mut env = vec![("TLT_DP_SKEW", "5".to_string())];
+        if !steal {
+            env.push(("TLT_DP_NOSTEAL", "1".into()));
+        }
+        let (ok, secs, err) = mpirun(&out, &env);
+        assert!(ok, "mpirun -np 2 (skewed, steal {steal}) failed:\n{err}");
+        let (r0, r1) = (read_log(&out, 0), read_log(&out, 1));
+        assert_eq!(r0.tokens, balanced.tokens, "skewed (steal {steal}): other tokens than the balanced run's");
+        assert_eq!(r0.weights, balanced.weights, "skewed (steal {steal}): other weights than the balanced run's");
+        assert_eq!(r0.weights, r1.weights);
+        let imb = imbalance(&r0);
+        println!(
+            "skewed, steal {steal} (mpirun {secs:.1} s): groups stolen per step {:?}; rollout imbalance (slowest / \
+             mean rank) per step {imb:.2?}; rank rollout seconds {:.3?}",
+            r0.stolen, r0.rank_rollout_s
+        );
+        runs.push((r0.stolen.clone(), imb));
+    }
+    let (no_steal, steal) = (&runs[0], &runs[1]);
+    assert!(no_steal.0.iter().all(|&n| n == 0), "nothing is stolen when stealing is off");
+    assert!(steal.0.iter().all(|&n| n > 0), "a rank out of work takes queued groups every step: {:?}", steal.0);
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    assert!(
+        median(&steal.1) < median(&no_steal.1),
+        "stealing did not reduce the imbalance: {:?} vs {:?}",
+        steal.1,
+        no_steal.1
+    );
+}
+
 fn main() {
     if let Some(out) = std::env::var_os("TLT_DP_OUT") {
         rank_main(Path::new(&out));
@@ -181,6 +280,7 @@ fn main() {
     let root = std::env::temp_dir().join(format!("tlt-dp-{}", std::process::id()));
     let uninterrupted = against_one_rank("baseline", &root);
     against_one_rank("tlt", &root);
+    stealing_is_lossless(&root, &uninterrupted);
 
     // Rank 1 dies at the start of step 2; rank 0 waits in that step's gather until mpirun ends the job.
     let ckpt = root.join("ckpt");

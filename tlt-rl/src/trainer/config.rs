@@ -261,6 +261,10 @@ pub struct TrainerConfig {
     pub scoring: super::reward::ScoringConfig,
     /// DAPO dynamic sampling (`[dynamic_sampling]`); absent (the default): every group of the step is trained on.
     pub dynamic_sampling: Option<DynamicSampling>,
+    /// Data-parallel runs ([`Trainer::with_comm`](super::Trainer::with_comm)): a rank out of work takes groups
+    /// that other ranks have not started (lossless: a request's coins are keyed by its index in the step, and the
+    /// gradients stay with the groups' owners). Default true; ignored on one rank.
+    pub steal_queued_groups: bool,
 }
 
 impl Default for TrainerConfig {
@@ -285,6 +289,7 @@ impl Default for TrainerConfig {
             device: Device::Cpu,
             scoring: super::reward::ScoringConfig::default(),
             dynamic_sampling: None,
+            steal_queued_groups: true,
         }
     }
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use tlt_kernels::SplitMix64;
 
 use super::reward::Collected;
-use super::rollout::{spec_params, Observer, RolloutJob, RolloutOutput};
+use super::rollout::{spec_params, GiveAway, Observer, RolloutJob, RolloutOutput};
 use super::{inference_copy, step_seed, Environment, Mode, Prompt, RolloutDrafter, Trainer, UpdateStats};
 use crate::metrics::{mean_std, percentile, StepMetrics};
 use crate::task::{Score, Split};
@@ -32,6 +32,8 @@ pub(super) struct Generation {
     pub scoring: Collected,
     /// Each data-parallel rank's rollout seconds (empty for one rank).
     pub rank_rollout_s: Vec<f64>,
+    /// Groups a data-parallel rank decoded for another (work stealing).
+    pub stolen_groups: usize,
 }
 
 impl Generation {
@@ -60,7 +62,7 @@ impl<E: Environment> Trainer<E> {
                 0 => step_seed(self.cfg.seed, step),
                 _ => SplitMix64::new(step_seed(self.cfg.seed, step)).fork(k as u64).next_u64(),
             };
-            let (out, scoring, rank_rollout_s) = self.rollout_and_score(step, &prompts, seed, obs)?;
+            let (out, scoring, rank_rollout_s, stolen_groups) = self.rollout_and_score(step, &prompts, seed, obs)?;
             let rewards: Vec<f64> = out
                 .samples
                 .iter()
@@ -78,6 +80,7 @@ impl<E: Environment> Trainer<E> {
                     gen_batches: 1,
                     scoring,
                     rank_rollout_s,
+                    stolen_groups,
                 }),
                 Some(acc) => {
                     acc.out.append(out, offset);
@@ -85,10 +88,7 @@ impl<E: Environment> Trainer<E> {
                     acc.rewards.extend(rewards);
                     acc.data_pos = data_pos;
                     acc.gen_batches += 1;
-                    acc.scoring.busy_s += scoring.busy_s;
-                    acc.scoring.hidden_s += scoring.hidden_s;
-                    acc.scoring.wait_s += scoring.wait_s;
-                    acc.scoring.timeouts += scoring.timeouts;
+                    acc.scoring.merge(scoring);
                     acc
                 }
             };
@@ -124,28 +124,62 @@ impl<E: Environment> Trainer<E> {
         prompts: &[Prompt],
         seed: u64,
         obs: &mut dyn Observer,
-    ) -> Result<(RolloutOutput, Collected, Vec<f64>)> {
+    ) -> Result<(RolloutOutput, Collected, Vec<f64>, usize)> {
         let ranks = self.comm.size();
         if ranks == 1 {
-            let (out, collected) = self.rollout_and_score_shard(step, prompts, None, seed, obs)?;
-            return Ok((out, collected, Vec::new()));
+            let (out, collected) = self.rollout_and_score_shard(step, prompts, None, seed, None, obs)?;
+            return Ok((out, collected, Vec::new(), 0));
         }
-        let mine = super::parallel::shard(prompts.len(), ranks, self.comm.rank());
+        let t0 = Instant::now();
+        let comm = self.comm.clone();
+        let mine = super::parallel::shard(prompts.len(), ranks, comm.rank());
+        let steal = self.cfg.steal_queued_groups;
         let g = self.cfg.group_size as u64;
-        let keys: Vec<u64> = mine.clone().map(|i| i as u64 * g).collect();
+        let keys = |groups: &[usize]| -> Vec<u64> { groups.iter().map(|&i| i as u64 * g).collect() };
+        let own: Vec<usize> = mine.clone().collect();
+        let to_step = |local: usize| mine.start + local;
+        let mut give = |waiting: &[usize]| super::parallel::answer_steals(comm.as_ref(), waiting, &to_step, steal);
         let (mut out, mut collected) =
-            self.rollout_and_score_shard(step, &prompts[mine.clone()], Some(&keys), seed, obs)?;
+            self.rollout_and_score_shard(step, &prompts[mine.clone()], Some(&keys(&own)), seed, Some(&mut give), obs)?;
         for s in &mut out.samples {
             s.group += mine.start;
         }
+        // Out of work: steal groups other ranks have not started, until none is left, then wait for every rank.
+        let mut stolen = 0;
+        let mut done = vec![false; ranks];
+        let ask = |done: &mut [bool]| match steal {
+            true => super::parallel::ask_for_work(comm.as_ref(), done),
+            false => Ok(Vec::new()),
+        };
+        let mut granted = ask(&mut done)?;
+        while !granted.is_empty() {
+            tracing::debug!(step, groups = ?granted, "decoding groups stolen from busier ranks");
+            stolen += granted.len();
+            let taken: Vec<Prompt> = granted.iter().map(|&i| prompts[i].clone()).collect();
+            let to_step = |local: usize| granted[local];
+            let mut refuse =
+                |waiting: &[usize]| super::parallel::answer_steals(comm.as_ref(), waiting, &to_step, false);
+            let (mut more, c) =
+                self.rollout_and_score_shard(step, &taken, Some(&keys(&granted)), seed, Some(&mut refuse), obs)?;
+            for s in &mut more.samples {
+                s.group = granted[s.group];
+            }
+            out.append(more, 0);
+            collected.merge(c);
+            granted = ask(&mut done)?;
+        }
+        // This rank's rollout time: until it had nothing left to decode (not its wait for the others).
+        out.seconds = t0.elapsed().as_secs_f64();
+        if steal {
+            super::parallel::finish_stealing(comm.as_ref(), &mut done)?;
+        }
         let local = std::mem::take(&mut out.samples);
         let scores = std::mem::take(&mut collected.scores);
-        let (samples, scores, seconds) =
-            super::parallel::gather_rollout(self.comm.as_ref(), local, scores, out.seconds)?;
-        out.samples = samples;
-        collected.scores = scores;
-        out.seconds = seconds.iter().copied().fold(0.0, f64::max);
-        Ok((out, collected, seconds))
+        let all = super::parallel::gather_rollout(comm.as_ref(), local, scores, out.seconds, stolen)?;
+        out.samples = all.samples;
+        collected.scores = all.scores;
+        out.seconds = all.rollout_s.iter().copied().fold(0.0, f64::max);
+        Ok((out, collected, all.rollout_s, all.stolen))
     }
 
     /// One rollout of `prompts` (coin streams keyed by `stream_keys` when given), scored as answers finish.
@@ -155,6 +189,7 @@ impl<E: Environment> Trainer<E> {
         prompts: &[Prompt],
         stream_keys: Option<&[u64]>,
         seed: u64,
+        give_away: Option<&mut GiveAway>,
         obs: &mut dyn Observer,
     ) -> Result<(RolloutOutput, Collected)> {
         obs.on_phase(step, "rollout");
@@ -172,6 +207,11 @@ impl<E: Environment> Trainer<E> {
             stream_keys,
             record_features: false,
             on_finish: Some(&mut submit),
+            // Re-borrowed for the job's (shorter) lifetime: `Option` does not coerce its contents.
+            give_away: match give_away {
+                Some(g) => Some(g),
+                None => None,
+            },
         };
         let drafter = if self.cfg.mode == Mode::Tlt { self.drafter.as_mut() } else { None };
         let model = inference_copy(&self.rollout_model)?;
@@ -266,6 +306,7 @@ impl<E: Environment> Trainer<E> {
                 gen.rank_rollout_s.iter().map(|s| slowest - s).collect()
             },
             rank_rollout_s: gen.rank_rollout_s.clone(),
+            stolen_groups: gen.stolen_groups,
             ..StepMetrics::default()
         }
     }

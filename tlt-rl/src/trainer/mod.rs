@@ -430,6 +430,7 @@ impl<E: Environment> Trainer<E> {
             stream_keys: None,
             record_features: false,
             on_finish: None,
+            give_away: None,
         };
         let out = self.rollouts.rollout(self.rollout_model()?, job, &mut plain, None, &mut Quiet)?;
         let mut e = Evaluation { prompts: prompts.len(), ..Evaluation::default() };

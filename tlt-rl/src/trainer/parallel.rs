@@ -6,18 +6,22 @@
 //! by the global token and sequence counts), and every rank applies the same AdamW update.
 //!
 //! A request's coins are keyed by its index in the whole step ([`RolloutJob::stream_keys`]), so its tokens do
-//! not depend on which rank decodes it. What differs from one rank is the order of the float sums of the
+//! not depend on which rank decodes it; that makes **work stealing** lossless: a rank out of work asks the others,
+//! which give it the back half of the groups they have not started ([`answer_steals`]), between rounds, without
+//! ever blocking one. The gradients stay with the groups' owners, so stealing changes who decodes, never the
+//! update. What differs from one rank is the order of the float sums of the
 //! gradients (per rank, then across ranks): weights agree to rounding, not bit for bit.
 //!
 //! [`RolloutJob::stream_keys`]: super::rollout::RolloutJob
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Duration;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
-use tlt_comm::Comm;
+use tlt_comm::{Comm, Tag};
 use tlt_model::optim::AdamW;
 
 use super::rollout::Sample;
@@ -37,6 +41,20 @@ struct ShardPart {
     samples: Vec<Sample>,
     scores: Vec<Score>,
     rollout_s: f64,
+    /// Groups it decoded for another rank.
+    stolen: usize,
+}
+
+/// The step's rollout as every rank holds it after [`gather_rollout`].
+pub(super) struct Gathered {
+    /// Every sample, group-major in the step's group order (a group's samples in their stream-key order).
+    pub samples: Vec<Sample>,
+    /// Their scores.
+    pub scores: Vec<Score>,
+    /// Each rank's rollout seconds.
+    pub rollout_s: Vec<f64>,
+    /// Groups decoded by a rank other than their owner.
+    pub stolen: usize,
 }
 
 /// CBOR bytes of `v` (binary, so every f32/f64 round-trips bit for bit, NaN included).
@@ -50,19 +68,23 @@ fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8], rank: usize) -> Result<T> 
     ciborium::from_reader(bytes).map_err(|e| Error::InvalidArgument(format!("decoding rank {rank}'s part: {e}")))
 }
 
-/// Every rank's samples and scores, in rank order (so group-major over the whole step: rank `r`'s groups come
-/// from [`shard`]), and each rank's rollout seconds. `samples[i].group` is already the group's index in the step.
+/// Every rank's samples and scores (`samples[i].group` already the group's index in the step; a group's samples
+/// all on one rank, in stream-key order), put in the step's group order, with each rank's rollout seconds and
+/// how many groups it `stole`.
 pub(super) fn gather_rollout(
     comm: &dyn Comm,
     samples: Vec<Sample>,
     scores: Vec<Score>,
     rollout_s: f64,
-) -> Result<(Vec<Sample>, Vec<Score>, Vec<f64>)> {
-    let mine = encode(&ShardPart { samples, scores, rollout_s })?;
+    stolen: usize,
+) -> Result<Gathered> {
+    let mine = encode(&ShardPart { samples, scores, rollout_s, stolen })?;
     let parts = comm.all_gather_bytes(&mine)?;
     let (mut samples, mut scores, mut seconds) = (Vec::new(), Vec::new(), Vec::with_capacity(parts.len()));
+    let mut stolen = 0;
     for (r, bytes) in parts.iter().enumerate() {
         let part: ShardPart = decode(bytes, r)?;
+        stolen += part.stolen;
         if part.samples.len() != part.scores.len() {
             return Err(Error::InvalidArgument(format!(
                 "rank {r} sent {} samples and {} scores",
@@ -74,7 +96,11 @@ pub(super) fn gather_rollout(
         scores.extend(part.scores);
         seconds.push(part.rollout_s);
     }
-    Ok((samples, scores, seconds))
+    // Stable: each group's samples keep their order.
+    let mut pairs: Vec<(Sample, Score)> = samples.into_iter().zip(scores).collect();
+    pairs.sort_by_key(|(s, _)| s.group);
+    let (samples, scores) = pairs.into_iter().unzip();
+    Ok(Gathered { samples, scores, rollout_s: seconds, stolen })
 }
 
 /// `grads` (this rank's, possibly partial) summed over every rank: on return every rank holds the same gradient
@@ -143,6 +169,89 @@ pub(super) fn check_same<T: Serialize>(comm: &dyn Comm, what: &str, value: &T) -
 
 /// The trainer's communicator: the job's ranks ([`tlt_comm::SelfComm`] for one).
 pub(super) type SharedComm = Arc<dyn Comm>;
+
+/// Work stealing's messages: a rank out of work asks every other rank (`STEAL`), each answers once (`GRANT`, the
+/// groups it gives, maybe none), and a rank with nothing left to decode or steal says so (`DONE`) and keeps
+/// answering requests until every rank has. Every request is answered before its sender's `DONE`, so no message
+/// outlives the step.
+const TAG_STEAL: Tag = 1;
+const TAG_GRANT: Tag = 2;
+const TAG_DONE: Tag = 3;
+
+/// How long a waiting rank sleeps between polls.
+const POLL: Duration = Duration::from_micros(200);
+
+/// The busy side, between rounds: answers every request that has arrived with the back half (rounded up) of the
+/// groups still `waiting` that nothing was granted from yet (job-local indices; `to_step` maps them to the step's),
+/// and returns the job-local groups given away. With `give` false every request gets an empty grant.
+pub(super) fn answer_steals(
+    comm: &dyn Comm,
+    waiting: &[usize],
+    to_step: &dyn Fn(usize) -> usize,
+    give: bool,
+) -> Result<Vec<usize>> {
+    let mut pool = waiting.to_vec();
+    let mut given = Vec::new();
+    while let Some((from, _)) = comm.try_recv(TAG_STEAL)? {
+        let n = if give { pool.len().div_ceil(2) } else { 0 };
+        let grant = pool.split_off(pool.len() - n);
+        let groups: Vec<usize> = grant.iter().map(|&g| to_step(g)).collect();
+        comm.send(from, TAG_GRANT, &encode(&groups)?)?;
+        given.extend(grant);
+    }
+    Ok(given)
+}
+
+/// Answers requests with empty grants and records `DONE`s; whether anything arrived.
+fn serve_idle(comm: &dyn Comm, done: &mut [bool]) -> Result<bool> {
+    let mut any = false;
+    while let Some((from, _)) = comm.try_recv(TAG_STEAL)? {
+        comm.send(from, TAG_GRANT, &encode(&Vec::<usize>::new())?)?;
+        any = true;
+    }
+    while let Some((from, _)) = comm.try_recv(TAG_DONE)? {
+        if let Some(d) = done.get_mut(from) {
+            *d = true;
+        }
+        any = true;
+    }
+    Ok(any)
+}
+
+/// The idle side: asks every rank not yet done for work and returns the step's groups granted (empty: nothing
+/// left to steal). `done[r]` records the ranks that said `DONE`.
+pub(super) fn ask_for_work(comm: &dyn Comm, done: &mut [bool]) -> Result<Vec<usize>> {
+    let me = comm.rank();
+    let peers: Vec<usize> = (0..comm.size()).filter(|&r| r != me && !done[r]).collect();
+    for &p in &peers {
+        comm.send(p, TAG_STEAL, &[])?;
+    }
+    let (mut pending, mut granted) = (peers.len(), Vec::new());
+    while pending > 0 {
+        if let Some((from, bytes)) = comm.try_recv(TAG_GRANT)? {
+            granted.extend(decode::<Vec<usize>>(&bytes, from)?);
+            pending -= 1;
+        } else if !serve_idle(comm, done)? {
+            std::thread::sleep(POLL);
+        }
+    }
+    Ok(granted)
+}
+
+/// Says `DONE` to every rank and answers requests until every rank has said it.
+pub(super) fn finish_stealing(comm: &dyn Comm, done: &mut [bool]) -> Result<()> {
+    let me = comm.rank();
+    for r in (0..comm.size()).filter(|&r| r != me) {
+        comm.send(r, TAG_DONE, &[])?;
+    }
+    done[me] = true;
+    while !done.iter().all(|&d| d) {
+        if !serve_idle(comm, done)? {
+            std::thread::sleep(POLL);
+        }
+    }
+    Ok(())
+}
 
 #[cfg(test)]
 mod tests {

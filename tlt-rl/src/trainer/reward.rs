@@ -98,6 +98,17 @@ pub(crate) struct Collected {
     pub timeouts: usize,
 }
 
+impl Collected {
+    /// Adds a later rollout's scoring of the same step: its scores after these, its times and timeouts summed.
+    pub(crate) fn merge(&mut self, other: Collected) {
+        self.scores.extend(other.scores);
+        self.busy_s += other.busy_s;
+        self.hidden_s += other.hidden_s;
+        self.wait_s += other.wait_s;
+        self.timeouts += other.timeouts;
+    }
+}
+
 /// The pool; see the [module docs](self).
 pub(crate) struct RewardPool<E: Environment> {
     env: Arc<E>,

@@ -176,7 +176,13 @@ pub(crate) struct RolloutJob<'a> {
     /// Called as each sample finishes, with its index (group-major, as in [`RolloutOutput::samples`]), its group
     /// and its tokens: the trainer scores answers while the rest decode.
     pub on_finish: Option<&'a mut OnFinish<'a>>,
+    /// Called between rounds with the groups none of whose samples has started (queue order); the groups it
+    /// returns leave the queue and the output (another data-parallel rank decodes them).
+    pub give_away: Option<&'a mut GiveAway<'a>>,
 }
+
+/// A callback between rounds: given the groups not yet started, the ones to give away.
+pub(crate) type GiveAway<'a> = dyn FnMut(&[usize]) -> Result<Vec<usize>> + 'a;
 
 /// A callback on each finished sample: `(sample index, group, tokens)`.
 pub(crate) type OnFinish<'a> = dyn FnMut(usize, usize, &[u32]) + 'a;
@@ -190,7 +196,17 @@ pub(crate) fn run_rollout<T: Target>(
     mut drafter: Option<&mut RolloutDrafter>,
     obs: &mut dyn Observer,
 ) -> Result<RolloutOutput> {
-    let RolloutJob { limits, prompts, group_size, params, rl_step, stream_keys, record_features, mut on_finish } = job;
+    let RolloutJob {
+        limits,
+        prompts,
+        group_size,
+        params,
+        rl_step,
+        stream_keys,
+        record_features,
+        mut on_finish,
+        mut give_away,
+    } = job;
     if stream_keys.is_some_and(|k| k.len() != prompts.len()) {
         return Err(Error::InvalidArgument("one stream key per prompt".into()));
     }
@@ -207,18 +223,24 @@ pub(crate) fn run_rollout<T: Target>(
             queue.submit(g, p.ids.len()).map_err(|e| Error::config("rollout limits", e.to_string()))?;
         }
     }
-    let total = prompts.len() * group_size;
+    let mut total = prompts.len() * group_size;
+    let mut given = vec![false; prompts.len()];
     let max_new = engine.params().max_new_tokens;
     let mut owner: Vec<usize> = Vec::with_capacity(total);
+    // Samples of each group admitted so far.
     let mut started = vec![0u64; prompts.len()];
-    let mut admit = |engine: &mut Engine<T>, owner: &mut Vec<usize>| -> Result<()> {
+    let admit = |engine: &mut Engine<T>,
+                 owner: &mut Vec<usize>,
+                 queue: &mut AdmissionQueue<usize>,
+                 started: &mut [u64]|
+     -> Result<()> {
         let admitted = queue.admit(engine.num_live());
         for run in admitted.chunk_by(|a, b| a == b) {
             let g = run[0];
             if let Some(keys) = stream_keys {
                 engine.key_streams_from(keys[g] + started[g]);
-                started[g] += run.len() as u64;
             }
+            started[g] += run.len() as u64;
             let ids = engine.add_to_group(GroupId(g as u64), &prompts[g].ids, run.len(), max_new)?;
             if ids.first().is_some_and(|id| id.0 != owner.len()) {
                 return Err(Error::InvalidArgument("engine request ids are not dense".into()));
@@ -227,12 +249,12 @@ pub(crate) fn run_rollout<T: Target>(
         }
         Ok(())
     };
-    admit(&mut engine, &mut owner)?;
+    admit(&mut engine, &mut owner, &mut queue, &mut started)?;
     let mut proposer = drafter.as_ref().map(|d| d.proposer()).transpose()?;
     if let Some(d) = drafter.as_deref_mut() {
         d.begin_rollout(rl_step);
     }
-    let mut done: Vec<Option<Finished>> = vec![None; total];
+    let mut done: Vec<Option<Finished>> = Vec::with_capacity(total);
     let mut sd_ceiling = SdCeiling::default();
     let (mut finished, mut tokens) = (0usize, 0usize);
     while !engine.is_idle() {
@@ -254,6 +276,9 @@ pub(crate) fn run_rollout<T: Target>(
             sd_ceiling.add(&f.p_max, &f.sd_rounds);
             tokens += f.tokens.len();
             finished += 1;
+            if done.len() < owner.len() {
+                done.resize(owner.len(), None);
+            }
             let slot = done.get_mut(f.id.0).ok_or_else(|| Error::InvalidArgument("unknown request id".into()))?;
             *slot = Some(f);
         }
@@ -261,7 +286,18 @@ pub(crate) fn run_rollout<T: Target>(
             d.on_round(engine.num_live());
         }
         obs.on_round(engine.num_live(), finished, total, tokens);
-        admit(&mut engine, &mut owner)?;
+        if let Some(hook) = give_away.as_mut() {
+            let waiting: Vec<usize> = (0..prompts.len()).filter(|&g| started[g] == 0 && !given[g]).collect();
+            for g in hook(&waiting)? {
+                if !waiting.contains(&g) {
+                    return Err(Error::InvalidArgument(format!("group {g} cannot be given away")));
+                }
+                queue.remove(g);
+                given[g] = true;
+                total -= group_size;
+            }
+        }
+        admit(&mut engine, &mut owner, &mut queue, &mut started)?;
     }
     let seconds = t0.elapsed().as_secs_f64();
     let (drafter_s, preempt_latency) = match drafter {
@@ -269,6 +305,7 @@ pub(crate) fn run_rollout<T: Target>(
         None => (0.0, None),
     };
     let drafter_after_s = (t0.elapsed().as_secs_f64() - seconds).min(drafter_s);
+    done.resize(owner.len(), None);
     let mut samples = Vec::with_capacity(total);
     for (f, group) in done.into_iter().zip(owner) {
         let f = f.ok_or_else(|| Error::InvalidArgument("a request never finished".into()))?;

@@ -195,6 +195,7 @@ impl<E: Environment> Trainer<E> {
             stream_keys: None,
             record_features: true,
             on_finish: None,
+            give_away: None,
         };
         let out = self.rollouts.rollout(self.rollout_model()?, job, &mut AdaptiveDecoder::plain()?, None, obs)?;
         let tokens = out.samples.iter().map(|s| s.tokens.len()).sum();
