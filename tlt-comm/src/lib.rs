@@ -6,7 +6,8 @@
 //! tagged point-to-point messages that a busy rank polls without blocking (new drafter versions, stolen work).
 //!
 //! Engines, not a home-made transport: [`SelfComm`] is the one-rank job (every collective is the identity), and
-//! [`mpi::MpiComm`] (feature `mpi`) runs ranks as MPI processes launched by `mpirun`/`srun`.
+//! `mpi::MpiComm` (feature `mpi`) runs ranks as MPI processes launched by `mpirun`/`srun`. Device tensors go
+//! through NCCL: `nccl::NcclComm` (feature `nccl`), one rank per GPU, its unique id broadcast over a [`Comm`].
 //!
 //! ```
 //! use tlt_comm::{Comm, SelfComm};
@@ -23,6 +24,8 @@
 
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 
 /// A point-to-point message tag (which kind of control message).
 pub type Tag = u16;
@@ -31,13 +34,21 @@ pub type Tag = u16;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The MPI runtime could not be initialised (not launched by `mpirun`, no MPI library, or MPI already
-    /// initialised in this process).
-    #[error("MPI is unavailable: {0}")]
+    /// An engine could not start: MPI could not be initialised (already initialised in this process, or without
+    /// the threading level needed), or no CUDA driver or NCCL library loads.
+    #[error("communication engine unavailable: {0}")]
     Unavailable(String),
     /// A rank out of range, a message to oneself, or buffers whose lengths differ across ranks.
     #[error("invalid communication: {0}")]
     Invalid(String),
+    /// A device collective (NCCL) or the CUDA driver under it failed.
+    #[error("{op} failed: {message}")]
+    Device {
+        /// What was being done.
+        op: &'static str,
+        /// The library's message.
+        message: String,
+    },
 }
 
 /// `Result` with this crate's [`Error`].

@@ -73,6 +73,20 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     if copied.len() != crate::CUDA_PACKAGES.len() {
         bail!("expected {} CUDA test executables, found {}", crate::CUDA_PACKAGES.len(), copied.len());
     }
+    // NCCL on the device (tlt-comm's `nccl` feature): a one-rank communicator, as one GPU allows.
+    let mut nccl = cargo();
+    nccl.args(["test", "--release", "--no-run", "--message-format=json", "-p", "tlt-comm", "--features", "nccl"])
+        .args(["--test", "nccl"])
+        .stderr(Stdio::inherit());
+    let out = nccl.output().context("cargo test --no-run (tlt-comm nccl)")?;
+    let exe = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from));
+    match (out.status.success(), exe) {
+        (true, Some(exe)) => copied.push((exe, bin.join("test-tlt-comm-nccl"))),
+        _ => bail!("building tlt-comm's NCCL test failed"),
+    }
     let status = cargo()
         .args(["build", "--release", "-p", "tlt-examples", "--features", "cuda", "--bin", "gpu-bench"])
         .status()

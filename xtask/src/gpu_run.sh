@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call of the GPU plan (`cargo xtask gpu-bundle`; the procedure is in xtask/README.md): run.sh CALL, where CALL is
-#   tests          the CUDA test executables (TLT_REQUIRE_GPU=1: a missing driver fails them)
+#   tests          the CUDA test executables, NCCL's one-rank test among them (TLT_REQUIRE_GPU=1: a missing driver or
+#                  NCCL fails them)
 #   decode-small   gpu-bench: SmolLM2-135M decode (batches 1-256), oracle SD at tau 2/4/6, one EAGLE draft level
 #   decode-8b      gpu-bench: the Llama-3-8B shape (synthetic weights), decode and verify
 #   peer           HF transformers on the same GPU: eager generate, static cache + torch.compile
@@ -42,13 +43,18 @@ libs=$(python3 - <<'PY' 2>/dev/null
 import glob, os, site
 dirs = set()
 for base in site.getsitepackages() + [site.getusersitepackages()]:
-    for name in ("libnvrtc.so.13", "libcublas.so.13", "libcublasLt.so.13"):
+    for name in ("libnvrtc.so.13", "libcublas.so.13", "libcublasLt.so.13", "libnccl.so.2"):
         for so in glob.glob(os.path.join(base, "nvidia", "**", name), recursive=True):
             dirs.add(os.path.dirname(so))
 print(":".join(sorted(dirs)))
 PY
 )
-export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+# cudarc loads NCCL as `libnccl.so`; the wheel ships only `libnccl.so.2`: a link to it in a directory of our own.
+nccl_link=$(mktemp -d)
+for d in ${libs//:/ }; do
+    [ -e "$d/libnccl.so.2" ] && ln -sf "$d/libnccl.so.2" "$nccl_link/libnccl.so"
+done
+export LD_LIBRARY_PATH="${libs}:${nccl_link}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export TLT_REQUIRE_GPU=1 TLT_REQUIRE_NVRTC=1 RUST_BACKTRACE=1
 
 # The machine, and which libcuda / NVRTC / cuBLAS files a process really loads (the dynamic loader's own record).

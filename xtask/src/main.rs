@@ -239,7 +239,13 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         // The MPI engine is behind a feature the workspace build leaves off (it needs an MPI library): lint it too.
         let mut clippy_mpi = cargo();
         clippy_mpi.args(["clippy", "-p", "tlt-comm", "-p", "tlt-rl", "-p", "tlt-examples", "--all-targets"]);
-        clippy_mpi.args(["--features", "tlt-comm/mpi,tlt-rl/mpi,tlt-examples/mpi", "--", "-D", "warnings"]);
+        clippy_mpi.args([
+            "--features",
+            "tlt-comm/mpi,tlt-comm/nccl,tlt-rl/mpi,tlt-examples/mpi",
+            "--",
+            "-D",
+            "warnings",
+        ]);
         let code = run(clippy_mpi)?;
         if !code.success() {
             return Ok(exit_code(code));
@@ -252,7 +258,7 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
                 None => doc.arg("--workspace"),
                 Some(f @ "tlt-comm/mpi") => {
                     doc.args(["-p", "tlt-comm", "-p", "tlt-rl", "-p", "tlt-examples", "--features", f]);
-                    doc.args(["--features", "tlt-rl/mpi,tlt-examples/mpi"])
+                    doc.args(["--features", "tlt-comm/nccl,tlt-rl/mpi,tlt-examples/mpi"])
                 }
                 Some(f) => doc.args(cuda_package_args()).args(["--features", f]),
             };
@@ -319,11 +325,13 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
             assets::EXPORT_CHECK_FETCH
         ),
     }
-    // The MPI engine across processes (`mpirun -np 2` and 3), then data-parallel GRPO on 2 ranks against one; a
-    // missing runtime fails here rather than skipping.
-    for (package, test) in [("tlt-comm", "mpi"), ("tlt-rl", "data_parallel")] {
+    // The MPI engine across processes (`mpirun -np 2` and 3), then data-parallel GRPO on 2 ranks against one (a
+    // missing MPI runtime fails here rather than skipping), and NCCL's error without a driver.
+    for (package, feature, test) in
+        [("tlt-comm", "mpi", "mpi"), ("tlt-rl", "mpi", "data_parallel"), ("tlt-comm", "nccl", "nccl")]
+    {
         let mut mpi = cargo();
-        mpi.args(["test", "--release", "-p", package, "--features", "mpi", "--test", test, "--", "--nocapture"])
+        mpi.args(["test", "--release", "-p", package, "--features", feature, "--test", test, "--", "--nocapture"])
             .env("TLT_REQUIRE_MPI", "1");
         let code = run(mpi)?;
         if !code.success() {
