@@ -191,6 +191,12 @@ pub struct StepMetrics {
     pub rank_idle_s: Vec<f64>,
     /// Groups decoded by a rank other than their owner (work stealing; 0 for one rank).
     pub stolen_groups: usize,
+    /// Seconds of the update spent summing gradients across ranks once all ranks were ready (0 for one rank).
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub grad_sync_s: f64,
+    /// Seconds of the update this rank waited for the slowest rank's backward (0 for one rank).
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub grad_wait_s: f64,
 }
 
 /// Reads an `f64` that `serde_json` may have written as `null` (non-finite) as `NaN`.

@@ -307,6 +307,8 @@ impl<E: Environment> Trainer<E> {
             },
             rank_rollout_s: gen.rank_rollout_s.clone(),
             stolen_groups: gen.stolen_groups,
+            grad_sync_s: update.grad_sync_s,
+            grad_wait_s: update.grad_wait_s,
             ..StepMetrics::default()
         }
     }

@@ -31,6 +31,13 @@ pub struct UpdateStats {
     pub micro_batches: usize,
     /// Sequences that took part (zero-variance groups dropped).
     pub sequences: usize,
+    /// Seconds spent summing gradients and loss statistics across data-parallel ranks, once every rank's
+    /// backward was done (0 for one rank).
+    #[serde(default)]
+    pub grad_sync_s: f64,
+    /// Seconds this rank waited for the slowest rank's backward before the sums (0 for one rank).
+    #[serde(default)]
+    pub grad_wait_s: f64,
 }
 
 /// One training sequence: the sample and its advantage.
@@ -192,6 +199,9 @@ struct MiniStep {
     micros: usize,
     /// False when the gradient norm was not finite and AdamW skipped the step.
     applied: bool,
+    /// Seconds waiting for the other ranks, then in the cross-rank sums.
+    wait_s: f64,
+    sync_s: f64,
 }
 
 #[cfg(test)]
@@ -263,7 +273,13 @@ fn mini_batch_step(
         }
         micros += 1;
     }
-    let grads = match (ctx.comm.size(), acc) {
+    let ranks = ctx.comm.size();
+    let t_wait = std::time::Instant::now();
+    if ranks > 1 {
+        ctx.comm.barrier()?;
+    }
+    let (wait_s, t_sync) = (t_wait.elapsed().as_secs_f64(), std::time::Instant::now());
+    let grads = match (ranks, acc) {
         (1, Some(g)) => g,
         (1, None) => zero_grads(opt)?,
         (_, acc) => {
@@ -271,11 +287,13 @@ fn mini_batch_step(
             super::parallel::all_reduce_grads(ctx.comm, opt, acc)?
         }
     };
+    let sync_s = t_sync.elapsed().as_secs_f64();
+    let (wait_s, sync_s) = if ranks > 1 { (wait_s, sync_s) } else { (0.0, 0.0) };
     let norm = opt.step(&grads, ctx.lr, ctx.max_grad_norm)?;
     if !norm.applied() {
         tracing::warn!(grad_norm = norm.before, "non-finite gradient norm: optimizer step skipped, weights unchanged");
     }
-    Ok(Some(MiniStep { stats, grad_norm: norm.before, micros, applied: norm.applied() }))
+    Ok(Some(MiniStep { stats, grad_norm: norm.before, micros, applied: norm.applied(), wait_s, sync_s }))
 }
 
 /// Zero gradients for every parameter of `opt` (an optimizer step whose loss has no gradient). Inserted directly:
@@ -339,6 +357,8 @@ pub(crate) fn policy_update(
             let Some(m) = mini_batch_step(ctx, opt, seqs, mb, old.as_deref())? else { continue };
             stats.loss.merge(&m.stats);
             stats.micro_batches += m.micros;
+            stats.grad_sync_s += m.sync_s;
+            stats.grad_wait_s += m.wait_s;
             passes += 1;
             if m.applied {
                 grad_norm_sum += m.grad_norm;
