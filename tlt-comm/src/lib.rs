@@ -94,7 +94,8 @@ pub trait Comm: Send + Sync {
     /// [`Error::Invalid`] for a root out of range; the engine's failure.
     fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) -> Result<()>;
 
-    /// Sends `bytes` to rank `to` with `tag` (returns once the bytes may be reused).
+    /// Sends `bytes` to rank `to` with `tag`, without waiting for the receiver (a copy goes out): two ranks may
+    /// send each other messages of any size before either receives.
     ///
     /// # Errors
     /// [`Error::Invalid`] for a rank out of range or this rank.

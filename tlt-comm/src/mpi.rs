@@ -8,22 +8,63 @@ use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
 use mpi::point_to_point::MatchedReceiveVec;
+use mpi::request::{Request, StaticScope};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use mpi::{Count, Threading};
 
 use crate::{check_rank, Comm, Error, Result, Tag};
 
-/// The MPI handles; the world communicator is declared first so it goes before the universe, whose drop finalises
-/// MPI.
+/// A message on its way: MPI's request and the buffer it reads, owned here until the request completes.
+struct Pending {
+    request: Request<'static, [u8]>,
+    buf: *mut [u8],
+}
+
+impl Pending {
+    /// Frees the buffer of a completed request.
+    fn free(buf: *mut [u8]) {
+        // SAFETY: `buf` came from `Box::leak` in `send`, and its request has completed, so MPI no longer reads it.
+        drop(unsafe { Box::from_raw(buf) });
+    }
+}
+
+/// The MPI handles; the pending sends go first (completed on drop), then the world communicator, then the universe,
+/// whose drop finalises MPI.
 struct Handles {
+    pending: Vec<Pending>,
     world: SimpleCommunicator,
     _universe: Universe,
 }
 
+impl Handles {
+    /// Completes what it can of the pending sends (never blocks).
+    fn progress(&mut self) {
+        let mut still = Vec::with_capacity(self.pending.len());
+        for p in self.pending.drain(..) {
+            match p.request.test() {
+                Ok(_) => Pending::free(p.buf),
+                Err(request) => still.push(Pending { request, buf: p.buf }),
+            }
+        }
+        self.pending = still;
+    }
+}
+
+impl Drop for Handles {
+    fn drop(&mut self) {
+        // Every message must be delivered before MPI is finalised (its receiver takes it).
+        for p in self.pending.drain(..) {
+            p.request.wait();
+            Pending::free(p.buf);
+        }
+    }
+}
+
 /// `MPI_COMM_WORLD` as a [`Comm`]. Every call holds one lock, so the MPI library needs only
-/// `MPI_THREAD_SERIALIZED` (checked at [`MpiComm::init`]). Messages go out with standard-mode sends: a large message
-/// may wait until its receiver polls for it.
+/// `MPI_THREAD_SERIALIZED` (checked at [`MpiComm::init`]). Messages go out as immediate (non-blocking) sends of a
+/// copy of the bytes, completed by later calls: two ranks sending each other large messages never wait on each
+/// other (a blocking send of a large message waits until its receiver polls for it).
 pub struct MpiComm {
     handles: Mutex<Handles>,
     rank: usize,
@@ -66,7 +107,7 @@ impl MpiComm {
         Ok(Self {
             rank: as_usize(rank)?,
             size: as_usize(size)?,
-            handles: Mutex::new(Handles { world, _universe: universe }),
+            handles: Mutex::new(Handles { pending: Vec::new(), world, _universe: universe }),
         })
     }
 
@@ -156,12 +197,17 @@ impl Comm for MpiComm {
         }
         let to = self.peer(to)?;
         count(bytes.len())?;
-        self.world().world.process_at_rank(to).send_with_tag(bytes, i32::from(tag));
+        let mut h = self.world();
+        h.progress();
+        let buf: &'static [u8] = Box::leak(bytes.to_vec().into_boxed_slice());
+        let request = h.world.process_at_rank(to).immediate_send_with_tag(StaticScope, buf, i32::from(tag));
+        h.pending.push(Pending { request, buf: std::ptr::from_ref(buf).cast_mut() });
         Ok(())
     }
 
     fn try_recv(&self, tag: Tag) -> Result<Option<(usize, Vec<u8>)>> {
-        let h = self.world();
+        let mut h = self.world();
+        h.progress();
         let Some(probed) = h.world.any_process().immediate_matched_probe_with_tag(i32::from(tag)) else {
             return Ok(None);
         };

@@ -191,6 +191,9 @@ pub struct StepMetrics {
     pub rank_idle_s: Vec<f64>,
     /// Groups decoded by a rank other than their owner (work stealing; 0 for one rank).
     pub stolen_groups: usize,
+    /// Drafter versions that ranks installed while decoding, trained meanwhile by the trainer rank (rank 0) in its
+    /// idle time (0 for one rank).
+    pub drafter_swaps: u64,
     /// Seconds of the update spent summing gradients across ranks once all ranks were ready (0 for one rank).
     #[serde(deserialize_with = "f64_or_nan")]
     pub grad_sync_s: f64,

@@ -9,6 +9,9 @@
 //!   that flip because of that rounding are counted and printed;
 //! - with rank 1 slow (5 ms more per round) and one group decoding at a time per rank, rank 0 takes groups rank 1
 //!   has not started in every step, the imbalance falls, and the tokens and weights equal the balanced run's;
+//! - with the online EAGLE-2 drafter and rank 1 slow, rank 0 trains the drafter once its share is decoded and rank 1
+//!   installs new versions mid-rollout in every step; both ranks end each step on the same version, and the tokens
+//!   and policy are the plain run's;
 //! - rank 1 dying at the start of step 2 makes `mpirun` return an error well within 60 s, the checkpoint rank 0
 //!   wrote after step 1 is intact, and resuming it on 2 ranks ends with the uninterrupted run's weights.
 //!
@@ -40,6 +43,9 @@ struct RunLog {
     rank_rollout_s: Vec<Vec<f64>>,
     /// Per step: groups decoded by a rank other than their owner.
     stolen: Vec<usize>,
+    /// Per step: drafter versions installed mid-rollout (all ranks), and this rank's drafter version at its end.
+    swaps: Vec<u64>,
+    drafter_version: Vec<u64>,
     /// The final weights by name.
     weights: BTreeMap<String, Vec<f32>>,
 }
@@ -59,6 +65,11 @@ fn config(setup: Setup) -> TrainerConfig {
         _ => base_config(Mode::Tlt),
     };
     cfg.sd.drafter = DrafterChoice::Suffix;
+    if setup.mode == "eagle" {
+        // The online EAGLE-2 drafter, a version published after every drafter step.
+        cfg.sd.drafter = DrafterChoice::Eagle2;
+        cfg.sd.publish_every = 1;
+    }
     cfg.ppo_mini_batch_size = Some(4);
     if setup.one_group_at_a_time {
         cfg.rollout.max_running = cfg.group_size;
@@ -96,8 +107,15 @@ fn run_rank(comm: Arc<dyn Comm>, setup: Setup, opts: &RankOpts) -> RunLog {
         _ => Trainer::new(tiny_model(11), Count, cfg).unwrap(),
     };
     let mut t = trainer.with_comm(comm.clone()).unwrap();
-    let mut log =
-        RunLog { tokens: vec![], rewards: vec![], rank_rollout_s: vec![], stolen: vec![], weights: BTreeMap::new() };
+    let mut log = RunLog {
+        tokens: vec![],
+        rewards: vec![],
+        rank_rollout_s: vec![],
+        stolen: vec![],
+        swaps: vec![],
+        drafter_version: vec![],
+        weights: BTreeMap::new(),
+    };
     let mut obs: Box<dyn Observer> = match opts.slow {
         Some(d) if comm.rank() == 1 => Box::new(Slow(d)),
         _ => Box::new(Quiet),
@@ -109,6 +127,8 @@ fn run_rank(comm: Arc<dyn Comm>, setup: Setup, opts: &RankOpts) -> RunLog {
         }
         let r = t.step(obs.as_mut()).unwrap();
         log.stolen.push(r.metrics.stolen_groups);
+        log.swaps.push(r.metrics.drafter_swaps);
+        log.drafter_version.push(r.metrics.drafter_version);
         log.tokens.push(r.samples.iter().map(|(s, _, _)| s.tokens.clone()).collect());
         log.rewards.push(r.samples.iter().map(|(_, _, w)| *w).collect());
         log.rank_rollout_s.push(r.metrics.rank_rollout_s.clone());
@@ -268,6 +288,29 @@ fn stealing_is_lossless(root: &Path, balanced: &RunLog) {
     );
 }
 
+/// Rank 1 slow and no stealing, with the online EAGLE-2 drafter: rank 0 decodes its share, then trains the drafter
+/// on the features of both ranks while rank 1 still decodes; rank 1 hot-swaps the versions mid-rollout; both ranks
+/// end every step on the same drafter version, and the tokens and policy are those of the suffix-drafted and plain
+/// runs (speculation is lossless, and the drafter never touches the update).
+fn idle_rank_trains_the_drafter(root: &Path, balanced: &RunLog) {
+    let out = root.join("eagle");
+    let env = [("TLT_DP_MODE", "eagle".to_string()), ("TLT_DP_SKEW", "5".into()), ("TLT_DP_NOSTEAL", "1".into())];
+    let (ok, secs, err) = mpirun(&out, &env);
+    assert!(ok, "mpirun -np 2 (eagle) failed:\n{err}");
+    let (r0, r1) = (read_log(&out, 0), read_log(&out, 1));
+    println!(
+        "eagle, rank 1 slow (mpirun {secs:.1} s): drafter versions installed mid-rollout per step {:?}; drafter \
+         version at each step's end [rank 0] {:?} [rank 1] {:?}; rank rollout seconds {:.3?}",
+        r0.swaps, r0.drafter_version, r1.drafter_version, r0.rank_rollout_s
+    );
+    assert!(r0.swaps.iter().all(|&n| n > 0), "rank 1 hot-swapped no version in some step: {:?}", r0.swaps);
+    assert_eq!(r0.drafter_version, r1.drafter_version, "the ranks end a step on different drafter versions");
+    assert!(r0.drafter_version.windows(2).all(|w| w[1] > w[0]), "the drafter is trained every step");
+    assert_eq!(r0.tokens, balanced.tokens, "the drafted run sampled other tokens");
+    assert_eq!(r0.weights, balanced.weights, "the drafted run's policy differs");
+    assert_eq!(r0.weights, r1.weights);
+}
+
 fn main() {
     if let Some(out) = std::env::var_os("TLT_DP_OUT") {
         rank_main(Path::new(&out));
@@ -281,6 +324,7 @@ fn main() {
     let uninterrupted = against_one_rank("baseline", &root);
     against_one_rank("tlt", &root);
     stealing_is_lossless(&root, &uninterrupted);
+    idle_rank_trains_the_drafter(&root, &uninterrupted);
 
     // Rank 1 dies at the start of step 2; rank 0 waits in that step's gather until mpirun ends the job.
     let ckpt = root.join("ckpt");

@@ -39,6 +39,13 @@ fn run() -> Result<String, String> {
         c.send(next, 3, format!("hello {next} from {r}").as_bytes()).map_err(e)?;
         let (from, bytes) = c.recv(3).map_err(e)?;
         want(from == (r + n - 1) % n && bytes == format!("hello {r} from {from}").as_bytes(), "point to point")?;
+        // Large messages both ways before any receive: a blocking send would wait for a receiver that is itself
+        // sending (the data-parallel drafter's features and weights cross like this).
+        let big = vec![r as u8; 8 << 20];
+        c.send(next, 5, &big).map_err(e)?;
+        let prev = (r + n - 1) % n;
+        let (from, bytes) = c.recv(5).map_err(e)?;
+        want(from == prev && bytes.len() == 8 << 20 && bytes.iter().all(|&b| b == prev as u8), "8 MB each way")?;
         c.send(next, 4, &[]).map_err(e)?;
         let (from, bytes) = c.recv(4).map_err(e)?;
         want(from == (r + n - 1) % n && bytes.is_empty(), "empty message")?;

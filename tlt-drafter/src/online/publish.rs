@@ -46,6 +46,19 @@ impl<W> WeightsSlot<W> {
         version
     }
 
+    /// Publishes `weights` as `version`, the numbering of another slot this one replicates (a data-parallel
+    /// rank installing the weights another rank trained). Returns false, changing nothing, unless `version` is
+    /// newer than the current one.
+    pub fn publish_as(&self, weights: W, version: u64) -> bool {
+        let mut g = self.current.write();
+        if version <= g.version {
+            return false;
+        }
+        *g = Arc::new(Versioned { version, weights });
+        self.version.store(version, Ordering::Release);
+        true
+    }
+
     /// The newest snapshot.
     pub fn latest(&self) -> Arc<Versioned<W>> {
         self.current.read().clone()
@@ -89,6 +102,17 @@ impl<W> WeightsReader<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replica_follows_another_slots_numbering_forward_only() {
+        let slot = WeightsSlot::new(0u8);
+        assert!(slot.publish_as(7, 5));
+        assert_eq!((slot.version(), slot.latest().weights), (5, 7));
+        assert!(!slot.publish_as(9, 5), "not newer");
+        assert!(!slot.publish_as(9, 2), "older");
+        assert_eq!((slot.version(), slot.latest().weights), (5, 7));
+        assert_eq!(slot.publish(8), 6, "own publications continue from there");
+    }
 
     #[test]
     fn readers_swap_only_on_refresh_and_never_see_torn_weights() {

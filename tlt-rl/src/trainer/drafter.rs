@@ -20,6 +20,9 @@ use tlt_spec_decode::{Drafter, DrafterSet, Finished, HybridDrafter, NgramDrafter
 use super::config::{DrafterChoice, DrafterSchedule, SdConfig};
 use crate::{Error, Result};
 
+#[path = "drafter_replica.rs"]
+mod replica;
+
 /// The online EAGLE-2 drafter: trainer, sample buffer, weights slot and background worker.
 pub(crate) struct OnlineEagle {
     trainer: Arc<Mutex<DrafterTrainer>>,
@@ -34,6 +37,8 @@ pub(crate) struct OnlineEagle {
     /// Wall seconds the worker ran in the current rollout.
     train_since: Option<Instant>,
     train_s: f64,
+    /// Its part in a data-parallel job ([`RolloutDrafter::replicate`]).
+    replica: Option<replica::Replica>,
 }
 
 /// The device executor EAGLE proposers share when rollouts run on a GPU (built once: kernels, cache).
@@ -140,6 +145,7 @@ impl RolloutDrafter {
             training: false,
             train_since: None,
             train_s: 0.0,
+            replica: None,
         };
         Ok(Self { kinds: cfg.kinds(), suffix: cfg.suffix, eagle: Some(Box::new(eagle)), device: None })
     }
@@ -209,16 +215,21 @@ impl RolloutDrafter {
     pub(crate) fn on_finished(&self, f: &Finished, step: u64) -> Result<()> {
         if let Some(e) = self.eagle.as_ref() {
             let sample = FeatureSample::from_finished(f, step)?;
-            if sample.train_positions() > 0 {
+            if sample.train_positions() > 0 && !Self::send_features(e, &sample)? {
                 e.buffer.push(sample)?;
             }
         }
         Ok(())
     }
 
-    /// After each round: in the tail (at most `tail_batch` running) the background worker trains.
-    pub(crate) fn on_round(&mut self, running: usize) {
+    /// After each round: in the tail (at most `tail_batch` running) the background worker trains; a data-parallel
+    /// replica takes in what other ranks sent (features on the trainer, new versions elsewhere).
+    ///
+    /// # Errors
+    /// A replica's message that fails to decode or install; the communicator's failure.
+    pub(crate) fn on_round(&mut self, running: usize) -> Result<()> {
         if let Some(e) = self.eagle.as_mut() {
+            Self::poll_replica(e)?;
             if let Some(w) = &e.worker {
                 if !e.training && running <= e.tail_batch && running > 0 {
                     w.resume();
@@ -227,6 +238,7 @@ impl RolloutDrafter {
                 }
             }
         }
+        Ok(())
     }
 
     /// The rollout ended: stop the worker (or run the fixed steps). Returns drafter training seconds of this
@@ -241,7 +253,8 @@ impl RolloutDrafter {
                 e.train_s += t.elapsed().as_secs_f64();
             }
         }
-        if let DrafterSchedule::Fixed { steps } = e.schedule {
+        // A data-parallel replica trains in the trainer rank's idle time and at the step's end instead.
+        if let (DrafterSchedule::Fixed { steps }, None) = (e.schedule, &e.replica) {
             let t = Instant::now();
             let step_cfg = OnlineStepConfig { publish_every: e.publish_every, runtime: RuntimeOptions::default() };
             let mut step = online_step_fn(e.trainer.clone(), e.buffer.clone(), e.slot.clone(), step_cfg)?;

@@ -34,6 +34,8 @@ pub(super) struct Generation {
     pub rank_rollout_s: Vec<f64>,
     /// Groups a data-parallel rank decoded for another (work stealing).
     pub stolen_groups: usize,
+    /// Drafter versions data-parallel ranks installed mid-rollout (trained by the trainer rank while they decoded).
+    pub drafter_swaps: u64,
 }
 
 impl Generation {
@@ -62,7 +64,8 @@ impl<E: Environment> Trainer<E> {
                 0 => step_seed(self.cfg.seed, step),
                 _ => SplitMix64::new(step_seed(self.cfg.seed, step)).fork(k as u64).next_u64(),
             };
-            let (out, scoring, rank_rollout_s, stolen_groups) = self.rollout_and_score(step, &prompts, seed, obs)?;
+            let (out, scoring, rank_rollout_s, stolen_groups, drafter_swaps) =
+                self.rollout_and_score(step, &prompts, seed, obs)?;
             let rewards: Vec<f64> = out
                 .samples
                 .iter()
@@ -81,6 +84,7 @@ impl<E: Environment> Trainer<E> {
                     scoring,
                     rank_rollout_s,
                     stolen_groups,
+                    drafter_swaps,
                 }),
                 Some(acc) => {
                     acc.out.append(out, offset);
@@ -124,11 +128,11 @@ impl<E: Environment> Trainer<E> {
         prompts: &[Prompt],
         seed: u64,
         obs: &mut dyn Observer,
-    ) -> Result<(RolloutOutput, Collected, Vec<f64>, usize)> {
+    ) -> Result<(RolloutOutput, Collected, Vec<f64>, usize, u64)> {
         let ranks = self.comm.size();
         if ranks == 1 {
             let (out, collected) = self.rollout_and_score_shard(step, prompts, None, seed, None, obs)?;
-            return Ok((out, collected, Vec::new(), 0));
+            return Ok((out, collected, Vec::new(), 0, 0));
         }
         let t0 = Instant::now();
         let comm = self.comm.clone();
@@ -170,16 +174,25 @@ impl<E: Environment> Trainer<E> {
         }
         // This rank's rollout time: until it had nothing left to decode (not its wait for the others).
         out.seconds = t0.elapsed().as_secs_f64();
-        if steal {
-            super::parallel::finish_stealing(comm.as_ref(), &mut done)?;
-        }
+        // Then wait for every rank, the trainer rank training the drafter meanwhile, and agree on its version.
+        let mut drafter = if self.cfg.mode == Mode::Tlt { self.drafter.as_mut() } else { None };
+        let mut idle = |busy: &[bool]| drafter.as_deref_mut().map_or(Ok(false), |d| d.idle_step(busy));
+        super::parallel::finish_rollout(comm.as_ref(), &mut done, &mut idle)?;
+        let min_steps = match self.cfg.sd.schedule {
+            super::DrafterSchedule::Fixed { steps } => steps,
+            super::DrafterSchedule::Tail | super::DrafterSchedule::Off => 0,
+        };
+        let swaps = match drafter {
+            Some(d) => d.sync_replicas(min_steps)?,
+            None => 0,
+        };
         let local = std::mem::take(&mut out.samples);
         let scores = std::mem::take(&mut collected.scores);
-        let all = super::parallel::gather_rollout(comm.as_ref(), local, scores, out.seconds, stolen)?;
+        let all = super::parallel::gather_rollout(comm.as_ref(), local, scores, out.seconds, stolen, swaps)?;
         out.samples = all.samples;
         collected.scores = all.scores;
         out.seconds = all.rollout_s.iter().copied().fold(0.0, f64::max);
-        Ok((out, collected, all.rollout_s, all.stolen))
+        Ok((out, collected, all.rollout_s, all.stolen, all.swaps))
     }
 
     /// One rollout of `prompts` (coin streams keyed by `stream_keys` when given), scored as answers finish.
@@ -307,6 +320,7 @@ impl<E: Environment> Trainer<E> {
             },
             rank_rollout_s: gen.rank_rollout_s.clone(),
             stolen_groups: gen.stolen_groups,
+            drafter_swaps: gen.drafter_swaps,
             grad_sync_s: update.grad_sync_s,
             grad_wait_s: update.grad_wait_s,
             ..StepMetrics::default()

@@ -303,15 +303,11 @@ impl<E: Environment> Trainer<E> {
                     "not supported across data-parallel ranks yet (each rank would need the others' informative groups)",
                 ));
             }
-            if self.cfg.mode == Mode::Tlt && self.cfg.sd.has_eagle() {
-                return Err(Error::config(
-                    "sd.drafter",
-                    "a drafter trained online is not yet kept in step across data-parallel ranks: use `suffix` or \
-                     `ngram`, or one rank",
-                ));
-            }
             parallel::check_same(comm.as_ref(), "trainer", &self.cfg)?;
             parallel::check_same(comm.as_ref(), "step", &(self.step, self.data_pos))?;
+            if let Some(d) = self.drafter.as_mut() {
+                d.replicate(comm.clone())?;
+            }
         }
         self.comm = comm;
         Ok(self)

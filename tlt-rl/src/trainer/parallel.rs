@@ -43,6 +43,8 @@ struct ShardPart {
     rollout_s: f64,
     /// Groups it decoded for another rank.
     stolen: usize,
+    /// Drafter versions it installed mid-rollout.
+    swaps: u64,
 }
 
 /// The step's rollout as every rank holds it after [`gather_rollout`].
@@ -55,16 +57,18 @@ pub(super) struct Gathered {
     pub rollout_s: Vec<f64>,
     /// Groups decoded by a rank other than their owner.
     pub stolen: usize,
+    /// Drafter versions installed mid-rollout, all ranks.
+    pub swaps: u64,
 }
 
 /// CBOR bytes of `v` (binary, so every f32/f64 round-trips bit for bit, NaN included).
-fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>> {
+pub(super) fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>> {
     let mut out = Vec::new();
     ciborium::into_writer(v, &mut out).map_err(|e| Error::InvalidArgument(format!("encoding a rank's part: {e}")))?;
     Ok(out)
 }
 
-fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8], rank: usize) -> Result<T> {
+pub(super) fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8], rank: usize) -> Result<T> {
     ciborium::from_reader(bytes).map_err(|e| Error::InvalidArgument(format!("decoding rank {rank}'s part: {e}")))
 }
 
@@ -77,14 +81,16 @@ pub(super) fn gather_rollout(
     scores: Vec<Score>,
     rollout_s: f64,
     stolen: usize,
+    swaps: u64,
 ) -> Result<Gathered> {
-    let mine = encode(&ShardPart { samples, scores, rollout_s, stolen })?;
+    let mine = encode(&ShardPart { samples, scores, rollout_s, stolen, swaps })?;
     let parts = comm.all_gather_bytes(&mine)?;
     let (mut samples, mut scores, mut seconds) = (Vec::new(), Vec::new(), Vec::with_capacity(parts.len()));
-    let mut stolen = 0;
+    let (mut stolen, mut swaps) = (0, 0);
     for (r, bytes) in parts.iter().enumerate() {
         let part: ShardPart = decode(bytes, r)?;
         stolen += part.stolen;
+        swaps += part.swaps;
         if part.samples.len() != part.scores.len() {
             return Err(Error::InvalidArgument(format!(
                 "rank {r} sent {} samples and {} scores",
@@ -100,7 +106,7 @@ pub(super) fn gather_rollout(
     let mut pairs: Vec<(Sample, Score)> = samples.into_iter().zip(scores).collect();
     pairs.sort_by_key(|(s, _)| s.group);
     let (samples, scores) = pairs.into_iter().unzip();
-    Ok(Gathered { samples, scores, rollout_s: seconds, stolen })
+    Ok(Gathered { samples, scores, rollout_s: seconds, stolen, swaps })
 }
 
 /// `grads` (this rank's, possibly partial) summed over every rank: on return every rank holds the same gradient
@@ -238,8 +244,14 @@ pub(super) fn ask_for_work(comm: &dyn Comm, done: &mut [bool]) -> Result<Vec<usi
     Ok(granted)
 }
 
-/// Says `DONE` to every rank and answers requests until every rank has said it.
-pub(super) fn finish_stealing(comm: &dyn Comm, done: &mut [bool]) -> Result<()> {
+/// Says `DONE` to every rank and answers requests until every rank has said it, running `idle` (given which ranks
+/// are still busy; it returns whether it did anything) while there is nothing to answer: the drafter's training on
+/// the trainer rank.
+pub(super) fn finish_rollout(
+    comm: &dyn Comm,
+    done: &mut [bool],
+    idle: &mut dyn FnMut(&[bool]) -> Result<bool>,
+) -> Result<()> {
     let me = comm.rank();
     for r in (0..comm.size()).filter(|&r| r != me) {
         comm.send(r, TAG_DONE, &[])?;
@@ -247,7 +259,10 @@ pub(super) fn finish_stealing(comm: &dyn Comm, done: &mut [bool]) -> Result<()> 
     done[me] = true;
     while !done.iter().all(|&d| d) {
         if !serve_idle(comm, done)? {
-            std::thread::sleep(POLL);
+            let busy: Vec<bool> = done.iter().map(|d| !d).collect();
+            if !idle(&busy)? {
+                std::thread::sleep(POLL);
+            }
         }
     }
     Ok(())

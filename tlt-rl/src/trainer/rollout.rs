@@ -283,7 +283,7 @@ pub(crate) fn run_rollout<T: Target>(
             *slot = Some(f);
         }
         if let Some(d) = drafter.as_deref_mut() {
-            d.on_round(engine.num_live());
+            d.on_round(engine.num_live())?;
         }
         obs.on_round(engine.num_live(), finished, total, tokens);
         if let Some(hook) = give_away.as_mut() {

@@ -1,0 +1,267 @@
+//! The online EAGLE drafter across data-parallel ranks: **rank 0 trains, the others replicate**. Every rank's
+//! finished requests stream their tokens and hidden states to rank 0 as they finish (point-to-point, `FEATURES`);
+//! once rank 0 has nothing left to decode or steal it trains the drafter on them while the others still decode, and
+//! sends each version it publishes to the ranks still busy (`WEIGHTS`), which poll between rounds, never blocking one,
+//! and hot-swap it as one process does. At the step's end every rank installs rank 0's final weights and version
+//! ([`RolloutDrafter::sync_replicas`]), so checkpoints (rank 0's) and the publication after the update agree.
+//!
+//! The schedule's meaning across ranks: `off` trains nothing; `tail` and `fixed` train in the trainer's idle time,
+//! `fixed { steps }` at least `steps` per RL step (the rest at the step's end).
+//!
+//! One trainer, not several: with several idle ranks only rank 0 trains and the others wait. On this 2-core
+//! machine every rank has one core, so a second trainer would need a gradient all-reduce per drafter step (a
+//! collective among ranks that become idle at different times) to gain at most the other ranks' idle seconds.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+use tlt_comm::Tag;
+use tlt_drafter::online::{FeatureSample, OnlineBuffer};
+use tlt_drafter::RuntimeOptions;
+use tlt_spec_decode::HiddenStates;
+
+use super::{DrafterSchedule, OnlineEagle, RolloutDrafter};
+use crate::trainer::parallel::{decode, encode, SharedComm};
+use crate::{Error, Result};
+
+/// A finished request's features, rank -> rank 0.
+const TAG_FEATURES: Tag = 4;
+/// A drafter version, rank 0 -> a busy rank.
+const TAG_WEIGHTS: Tag = 5;
+
+/// The rank that trains.
+const TRAINER: usize = 0;
+
+/// [`FeatureSample`] on the wire.
+#[derive(Serialize, Deserialize)]
+struct WireSample {
+    tokens: Vec<u32>,
+    width: usize,
+    hidden: Vec<f32>,
+    response_start: usize,
+    rl_step: u64,
+}
+
+/// A drafter version on the wire: its number and every trainable tensor (flat, in the trainer's order).
+#[derive(Serialize, Deserialize)]
+struct WireWeights {
+    version: u64,
+    tensors: Vec<(String, Vec<f32>)>,
+}
+
+/// One rank's part in the replicated drafter.
+pub(super) struct Replica {
+    comm: SharedComm,
+    /// Features this rank sent to the trainer this step.
+    sent_features: AtomicU64,
+    /// Features the trainer received this step.
+    received_features: u64,
+    /// Versions the trainer sent to each rank this step.
+    sent_weights: Vec<u64>,
+    /// Versions this rank received this step.
+    received_weights: u64,
+    /// Versions this rank installed mid-rollout this step.
+    swaps: u64,
+    /// Drafter steps the trainer took in its idle time this step.
+    idle_steps: u64,
+}
+
+impl Replica {
+    fn is_trainer(&self) -> bool {
+        self.comm.rank() == TRAINER
+    }
+}
+
+/// Rank 0's weights and version, encoded.
+fn weights_of(e: &OnlineEagle) -> Result<Vec<u8>> {
+    let t = e.trainer.lock();
+    let tensors = t
+        .drafter()
+        .vars()?
+        .into_iter()
+        .map(|(n, v)| Ok((n, v.as_tensor().flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?)))
+        .collect::<Result<Vec<_>>>()?;
+    encode(&WireWeights { version: e.slot.version(), tensors })
+}
+
+/// Sets the trainer's weights to `w` and publishes them as `w.version`; whether the version was new.
+fn install(e: &OnlineEagle, w: WireWeights) -> Result<bool> {
+    let t = e.trainer.lock();
+    let vars = t.drafter().vars()?;
+    if vars.len() != w.tensors.len() {
+        return Err(Error::InvalidArgument(format!("a drafter of {} tensors sent {}", vars.len(), w.tensors.len())));
+    }
+    for ((name, var), (sent, data)) in vars.iter().zip(w.tensors) {
+        if *name != sent || var.elem_count() != data.len() {
+            return Err(Error::InvalidArgument(format!("drafter tensor `{sent}` does not match `{name}`")));
+        }
+        var.set(&Tensor::from_vec(data, var.shape(), var.device())?.to_dtype(var.dtype())?)?;
+    }
+    let runtime = t.runtime(&RuntimeOptions::default())?;
+    drop(t);
+    Ok(e.slot.publish_as(runtime, w.version))
+}
+
+fn push_wire(buffer: &OnlineBuffer, bytes: &[u8], from: usize) -> Result<()> {
+    let w: WireSample = decode(bytes, from)?;
+    let hidden = HiddenStates::from_flat(w.width, w.hidden)?;
+    let s = FeatureSample { tokens: w.tokens, hidden, response_start: w.response_start, rl_step: w.rl_step };
+    s.validate()?;
+    buffer.push(s)?;
+    Ok(())
+}
+
+impl RolloutDrafter {
+    /// Makes the online EAGLE drafter one replica of a data-parallel job over `comm` (rank 0 trains; see the
+    /// module docs); no background worker runs. A no-op for the model-free drafters.
+    pub(crate) fn replicate(&mut self, comm: SharedComm) -> Result<()> {
+        let size = comm.size();
+        self.shutdown()?;
+        if let Some(e) = self.eagle.as_mut() {
+            e.replica = Some(Replica {
+                comm,
+                sent_features: AtomicU64::new(0),
+                received_features: 0,
+                sent_weights: vec![0; size],
+                received_weights: 0,
+                swaps: 0,
+                idle_steps: 0,
+            });
+        }
+        Ok(())
+    }
+
+    /// A finished request's features go to the trainer rank; `false` when this rank keeps them (rank 0, or no
+    /// replication).
+    pub(super) fn send_features(e: &OnlineEagle, sample: &FeatureSample) -> Result<bool> {
+        let Some(r) = e.replica.as_ref().filter(|r| !r.is_trainer()) else { return Ok(false) };
+        let wire = WireSample {
+            tokens: sample.tokens.clone(),
+            width: sample.hidden.width(),
+            hidden: sample.hidden.as_flat().to_vec(),
+            response_start: sample.response_start,
+            rl_step: sample.rl_step,
+        };
+        r.comm.send(TRAINER, TAG_FEATURES, &encode(&wire)?)?;
+        r.sent_features.fetch_add(1, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Between rounds: the trainer takes in the features that arrived; another rank installs the newest version
+    /// that arrived. Never blocks.
+    pub(super) fn poll_replica(e: &mut OnlineEagle) -> Result<()> {
+        let Some(r) = e.replica.as_mut() else { return Ok(()) };
+        if r.is_trainer() {
+            while let Some((from, bytes)) = r.comm.try_recv(TAG_FEATURES)? {
+                push_wire(&e.buffer, &bytes, from)?;
+                r.received_features += 1;
+            }
+            return Ok(());
+        }
+        let mut newest = None;
+        while let Some((from, bytes)) = r.comm.try_recv(TAG_WEIGHTS)? {
+            r.received_weights += 1;
+            newest = Some(decode::<WireWeights>(&bytes, from)?);
+        }
+        if let Some(w) = newest {
+            if install(e, w)? {
+                if let Some(r) = e.replica.as_mut() {
+                    r.swaps += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The trainer rank's idle time (its share decoded, nothing to steal): takes in arrived features, runs one
+    /// drafter step, and sends each version it publishes to the ranks still decoding (`busy[r]`). Returns whether
+    /// it trained (false: not the trainer, no replication, or no data yet).
+    pub(crate) fn idle_step(&mut self, busy: &[bool]) -> Result<bool> {
+        let Some(e) = self.eagle.as_mut() else { return Ok(false) };
+        if !e.replica.as_ref().is_some_and(Replica::is_trainer) || e.schedule == DrafterSchedule::Off {
+            return Ok(false);
+        }
+        Self::poll_replica(e)?;
+        let t0 = std::time::Instant::now();
+        let published = {
+            let mut t = e.trainer.lock();
+            let drawn = t.draw_from_buffer(&e.buffer);
+            if drawn.is_empty() {
+                return Ok(false);
+            }
+            let samples: Vec<_> = drawn.into_iter().map(|(_, s)| s).collect();
+            t.step(&samples)?;
+            if t.steps_done().is_multiple_of(e.publish_every) {
+                e.slot.publish(t.runtime(&RuntimeOptions::default())?);
+                true
+            } else {
+                false
+            }
+        };
+        e.train_s += t0.elapsed().as_secs_f64();
+        let bytes = if published { Some(weights_of(e)?) } else { None };
+        if let Some(r) = e.replica.as_mut() {
+            r.idle_steps += 1;
+            if let Some(bytes) = bytes {
+                for (rank, _) in busy.iter().enumerate().filter(|&(k, &b)| b && k != TRAINER) {
+                    r.comm.send(rank, TAG_WEIGHTS, &bytes)?;
+                    r.sent_weights[rank] += 1;
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// The step's end, on every rank (collective): the trainer takes in every feature still in flight, runs the
+    /// drafter steps a `fixed` schedule still owes (`min_steps` minus its idle steps), and every rank installs its
+    /// final weights and version, after draining the versions still in flight to it. Returns this rank's mid-rollout
+    /// swaps (the versions it installed while decoding).
+    pub(crate) fn sync_replicas(&mut self, min_steps: u64) -> Result<u64> {
+        let Some(e) = self.eagle.as_mut() else { return Ok(0) };
+        let Some(r) = e.replica.as_ref() else { return Ok(0) };
+        let comm = r.comm.clone();
+        let sent = r.sent_features.load(Ordering::Relaxed);
+        let counts = comm.all_gather_bytes(&sent.to_le_bytes())?;
+        let in_flight: u64 = counts.iter().map(|b| b.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0)).sum();
+        let mut payload = Vec::new();
+        if comm.rank() == TRAINER {
+            while e.replica.as_ref().map_or(0, |r| r.received_features) < in_flight {
+                let (from, bytes) = comm.recv(TAG_FEATURES)?;
+                push_wire(&e.buffer, &bytes, from)?;
+                if let Some(r) = e.replica.as_mut() {
+                    r.received_features += 1;
+                }
+            }
+            let owed = min_steps.saturating_sub(e.replica.as_ref().map_or(0, |r| r.idle_steps));
+            for _ in 0..owed {
+                let none: Vec<bool> = Vec::new();
+                if !self.idle_step(&none)? {
+                    break;
+                }
+            }
+            let Some(e) = self.eagle.as_mut() else { return Ok(0) };
+            let sent_weights = e.replica.as_ref().map(|r| r.sent_weights.clone()).unwrap_or_default();
+            payload = encode(&(sent_weights, weights_of(e)?))?;
+        }
+        comm.broadcast_bytes(TRAINER, &mut payload)?;
+        let Some(e) = self.eagle.as_mut() else { return Ok(0) };
+        let (sent_weights, bytes): (Vec<u64>, Vec<u8>) = decode(&payload, TRAINER)?;
+        if comm.rank() != TRAINER {
+            let owed = sent_weights.get(comm.rank()).copied().unwrap_or(0);
+            while e.replica.as_ref().map_or(owed, |r| r.received_weights) < owed {
+                comm.recv(TAG_WEIGHTS)?;
+                if let Some(r) = e.replica.as_mut() {
+                    r.received_weights += 1;
+                }
+            }
+            install(e, decode(&bytes, TRAINER)?)?;
+        }
+        let Some(r) = e.replica.as_mut() else { return Ok(0) };
+        let swaps = r.swaps;
+        r.sent_features.store(0, Ordering::Relaxed);
+        (r.received_features, r.received_weights, r.swaps, r.idle_steps) = (0, 0, 0, 0);
+        r.sent_weights.iter_mut().for_each(|n| *n = 0);
+        Ok(swaps)
+    }
+}
