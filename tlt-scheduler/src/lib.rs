@@ -17,7 +17,8 @@
 //!   `tlt_cudagraph::BucketPolicy`.
 //! - [`sim`]: a discrete-event simulator of `W` workers decoding long-tailed lengths with a calibratable
 //!   cost model; [`sim::simulate`] takes a serde [`sim::SimConfig`] and returns a serde [`sim::SimReport`]
-//!   comparing plain decoding, adaptive SD, and adaptive SD with an online drafter.
+//!   comparing plain decoding, adaptive SD, and adaptive SD with an online drafter, optionally with work
+//!   stealing between workers ([`sim::SimConfig::steal`]).
 //!
 //! ```
 //! use tlt_scheduler::{Phase, Rollout, RolloutConfig, StepOutcome};

@@ -57,7 +57,7 @@ pub struct RolloutArgs {
 }
 
 /// Least-squares line `y = a + b x`.
-fn fit(points: &[(f64, f64)]) -> Linear {
+pub(crate) fn fit(points: &[(f64, f64)]) -> Linear {
     let n = points.len() as f64;
     let (sx, sy) = points.iter().fold((0.0, 0.0), |(a, b), (x, y)| (a + x, b + y));
     let (mx, my) = (sx / n, sy / n);

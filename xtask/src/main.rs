@@ -22,6 +22,7 @@ mod bench_gpu;
 mod bench_group;
 mod bench_kernels;
 mod bench_llamacpp;
+mod bench_ranks;
 mod bench_rollout;
 mod bench_spec;
 mod candle_ref;
@@ -170,6 +171,9 @@ enum Suite {
     /// Batch-1 decode against llama.cpp's `llama-bench` (built beside the project) on the same weights
     /// (f32 and Q8_0 GGUFs written from the model's), threads and context, interleaved.
     Llamacpp(bench_llamacpp::LlamaCppArgs),
+    /// Data-parallel ranks measured beside the cluster simulator calibrated on them, and its labelled predictions
+    /// for GPU clusters (`target/bench/ranks.json` and `.md`).
+    Ranks(bench_ranks::RanksArgs),
 }
 
 /// The suites that measure CPU code in this process take `--device` too, so that every suite reads the same
@@ -499,6 +503,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Bench { suite: Suite::Spec(args) } => {
             bench_spec::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench { suite: Suite::Ranks(args) } => {
+            bench_ranks::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Kernels(args) } => {

@@ -177,7 +177,7 @@ fn linear(out: usize, inp: usize, bias: bool) -> LinearBufs {
 }
 
 /// The predicted step of `cfg` for `batch` sequences of `n_max` new tokens over `context` keys.
-fn step(name: &str, cfg: &LlamaConfig, batch: usize, n_max: usize, context: usize) -> Result<StepCost> {
+pub(crate) fn step(name: &str, cfg: &LlamaConfig, batch: usize, n_max: usize, context: usize) -> Result<StepCost> {
     let (h, i, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
     let bias = cfg.attention_bias()?.qkv;
     let layer = LayerBufs {
