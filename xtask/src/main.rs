@@ -107,8 +107,7 @@ enum Cmd {
         #[arg(long)]
         config: Option<PathBuf>,
         /// Data-parallel ranks (MPI processes, `mpirun -np N`; the `train` binary is then built with `--features
-        /// mpi`). Above 1, TLT's rollouts use group (suffix) drafting: the online EAGLE drafter is not yet kept in
-        /// step across ranks.
+        /// mpi`).
         #[arg(long, default_value_t = 1)]
         ranks: usize,
     },
@@ -387,13 +386,9 @@ fn demo(steps: Option<u64>, config: Option<&Path>, ranks: usize) -> Result<ExitC
     let mut cmd = cargo();
     cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "train"]);
     if ranks > 1 {
-        println!("{ranks} data-parallel ranks: TLT's rollouts use group (suffix) drafting (the online EAGLE drafter is not yet kept in step across ranks)");
         cmd.args(["--features", "mpi"]);
     }
     cmd.args(["--", "--mode", "compare", "--ranks", &ranks.to_string()]);
-    if ranks > 1 {
-        cmd.args(["--drafter", "suffix"]);
-    }
     cmd.arg("--model").arg(&gguf).arg("--out").arg(&out).env("TLT_SMOLLM2_GGUF", &gguf).current_dir(workspace_root());
     if let Some(s) = steps {
         cmd.arg("--steps").arg(s.to_string());

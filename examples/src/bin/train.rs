@@ -78,7 +78,7 @@ struct Args {
     #[arg(long)]
     print_config: bool,
     /// One drafter kind for TLT's rollouts (`hybrid`, `eagle2`, `suffix`, `ngram`), replacing the config's
-    /// `[trainer.sd] drafter` and `drafters` (data-parallel runs support the model-free `suffix` and `ngram`).
+    /// `[trainer.sd] drafter` and `drafters`.
     #[arg(long)]
     drafter: Option<String>,
     /// Data-parallel ranks: runs this program again as that many MPI processes (`mpirun -np N`; needs a build

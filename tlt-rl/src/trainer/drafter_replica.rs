@@ -63,8 +63,9 @@ pub(super) struct Replica {
     received_weights: u64,
     /// Versions this rank installed mid-rollout this step.
     swaps: u64,
-    /// Drafter steps the trainer took in its idle time this step.
+    /// Drafter steps the trainer took in its idle time this step, and their seconds.
     idle_steps: u64,
+    idle_s: f64,
 }
 
 impl Replica {
@@ -127,6 +128,7 @@ impl RolloutDrafter {
                 received_weights: 0,
                 swaps: 0,
                 idle_steps: 0,
+                idle_s: 0.0,
             });
         }
         Ok(())
@@ -199,10 +201,10 @@ impl RolloutDrafter {
                 false
             }
         };
-        e.train_s += t0.elapsed().as_secs_f64();
         let bytes = if published { Some(weights_of(e)?) } else { None };
         if let Some(r) = e.replica.as_mut() {
             r.idle_steps += 1;
+            r.idle_s += t0.elapsed().as_secs_f64();
             if let Some(bytes) = bytes {
                 for (rank, _) in busy.iter().enumerate().filter(|&(k, &b)| b && k != TRAINER) {
                     r.comm.send(rank, TAG_WEIGHTS, &bytes)?;
@@ -216,10 +218,10 @@ impl RolloutDrafter {
     /// The step's end, on every rank (collective): the trainer takes in every feature still in flight, runs the
     /// drafter steps a `fixed` schedule still owes (`min_steps` minus its idle steps), and every rank installs its
     /// final weights and version, after draining the versions still in flight to it. Returns this rank's mid-rollout
-    /// swaps (the versions it installed while decoding).
-    pub(crate) fn sync_replicas(&mut self, min_steps: u64) -> Result<u64> {
-        let Some(e) = self.eagle.as_mut() else { return Ok(0) };
-        let Some(r) = e.replica.as_ref() else { return Ok(0) };
+    /// swaps (the versions it installed while decoding) and its seconds of drafter training this step.
+    pub(crate) fn sync_replicas(&mut self, min_steps: u64) -> Result<(u64, f64)> {
+        let Some(e) = self.eagle.as_mut() else { return Ok((0, 0.0)) };
+        let Some(r) = e.replica.as_ref() else { return Ok((0, 0.0)) };
         let comm = r.comm.clone();
         let sent = r.sent_features.load(Ordering::Relaxed);
         let counts = comm.all_gather_bytes(&sent.to_le_bytes())?;
@@ -240,12 +242,12 @@ impl RolloutDrafter {
                     break;
                 }
             }
-            let Some(e) = self.eagle.as_mut() else { return Ok(0) };
+            let Some(e) = self.eagle.as_mut() else { return Ok((0, 0.0)) };
             let sent_weights = e.replica.as_ref().map(|r| r.sent_weights.clone()).unwrap_or_default();
             payload = encode(&(sent_weights, weights_of(e)?))?;
         }
         comm.broadcast_bytes(TRAINER, &mut payload)?;
-        let Some(e) = self.eagle.as_mut() else { return Ok(0) };
+        let Some(e) = self.eagle.as_mut() else { return Ok((0, 0.0)) };
         let (sent_weights, bytes): (Vec<u64>, Vec<u8>) = decode(&payload, TRAINER)?;
         if comm.rank() != TRAINER {
             let owed = sent_weights.get(comm.rank()).copied().unwrap_or(0);
@@ -257,11 +259,11 @@ impl RolloutDrafter {
             }
             install(e, decode(&bytes, TRAINER)?)?;
         }
-        let Some(r) = e.replica.as_mut() else { return Ok(0) };
-        let swaps = r.swaps;
+        let Some(r) = e.replica.as_mut() else { return Ok((0, 0.0)) };
+        let done = (r.swaps, r.idle_s);
         r.sent_features.store(0, Ordering::Relaxed);
-        (r.received_features, r.received_weights, r.swaps, r.idle_steps) = (0, 0, 0, 0);
+        (r.received_features, r.received_weights, r.swaps, r.idle_steps, r.idle_s) = (0, 0, 0, 0, 0.0);
         r.sent_weights.iter_mut().for_each(|n| *n = 0);
-        Ok(swaps)
+        Ok(done)
     }
 }

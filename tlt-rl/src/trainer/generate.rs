@@ -182,10 +182,13 @@ impl<E: Environment> Trainer<E> {
             super::DrafterSchedule::Fixed { steps } => steps,
             super::DrafterSchedule::Tail | super::DrafterSchedule::Off => 0,
         };
-        let swaps = match drafter {
+        let (swaps, drafter_s) = match drafter {
             Some(d) => d.sync_replicas(min_steps)?,
-            None => 0,
+            None => (0, 0.0),
         };
+        // The trainer rank's drafter training while the others decoded and at the step's end.
+        out.drafter_s += drafter_s;
+        out.drafter_after_s += drafter_s;
         let local = std::mem::take(&mut out.samples);
         let scores = std::mem::take(&mut collected.scores);
         let all = super::parallel::gather_rollout(comm.as_ref(), local, scores, out.seconds, stolen, swaps)?;

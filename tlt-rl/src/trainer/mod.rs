@@ -287,14 +287,16 @@ impl<E: Environment> Trainer<E> {
     /// policy, config and checkpoint, then calls this (collectively: it checks that all ranks agree).
     ///
     /// Each rank decodes and scores its [`shard`] of every step's groups, with coins keyed by the requests'
-    /// indices in the whole step, so the tokens do not depend on the number of ranks; the shards are gathered,
-    /// each rank computes the gradients of its own groups, and the summed gradients make the same update on every
-    /// rank. Rank 0 writes checkpoints ([`Self::save_checkpoint`]); a resume rebuilds every rank from them.
+    /// indices in the whole step, so the tokens do not depend on the number of ranks; a rank out of work takes
+    /// groups others have not started ([`TrainerConfig::steal_queued_groups`]); the shards are gathered, each rank
+    /// computes the gradients of its own groups, and the summed gradients make the same update on every rank. The
+    /// online EAGLE drafter is replicated: rank 0 trains it on every rank's features once its own share is decoded,
+    /// and the ranks still decoding hot-swap its versions between rounds; every rank ends the step on rank 0's
+    /// version. Rank 0 writes checkpoints ([`Self::save_checkpoint`]); a resume rebuilds every rank from them.
     ///
     /// # Errors
-    /// With several ranks: dynamic sampling, or a drafter trained online (`hybrid`, `eagle2`), which data-parallel
-    /// runs do not support yet (model-free `suffix` and `ngram` drafting work); ranks whose configs or steps
-    /// differ; the communicator's failure.
+    /// With several ranks: dynamic sampling (not supported across ranks yet); ranks whose configs or steps differ;
+    /// the communicator's failure.
     pub fn with_comm(mut self, comm: Arc<dyn tlt_comm::Comm>) -> Result<Self> {
         if comm.size() > 1 {
             if self.cfg.dynamic_sampling.is_some() {

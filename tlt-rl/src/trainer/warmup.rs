@@ -164,6 +164,21 @@ impl<E: Environment> Trainer<E> {
         if self.cfg.mode != Mode::Tlt || !self.cfg.sd.has_eagle() || w.prompts == 0 || self.step != 0 {
             return Ok(None);
         }
+        // Data-parallel: rank 0 warms up (and fills the cache) while the others wait, then they load its cache (or,
+        // without a cache, warm up the same way after it).
+        let ranks = self.comm.size();
+        if ranks > 1 && self.comm.rank() != 0 {
+            self.comm.barrier()?;
+        }
+        let report = self.warm_up_here(&w, obs);
+        if ranks > 1 && self.comm.rank() == 0 {
+            self.comm.barrier()?;
+        }
+        report
+    }
+
+    /// [`Self::warm_up_drafter`] on this rank.
+    fn warm_up_here(&mut self, w: &WarmupConfig, obs: &mut dyn Observer) -> Result<Option<WarmupReport>> {
         obs.on_phase(0, "drafter warm-up");
         let t0 = Instant::now();
         let prompts = (0..w.prompts as u64)
@@ -174,7 +189,11 @@ impl<E: Environment> Trainer<E> {
         if let Some(dir) = cached.as_ref().filter(|d| d.join(DRAFTER_STATE).exists()) {
             let trainer = DrafterTrainer::resume(dir, self.rollout_model()?)?;
             let buffer = tlt_drafter::online::OnlineBuffer::new(self.cfg.sd.buffer)?;
-            self.drafter = Some(RolloutDrafter::eagle(&self.cfg.sd, trainer, 1, buffer)?);
+            let mut drafter = RolloutDrafter::eagle(&self.cfg.sd, trainer, 1, buffer)?;
+            if self.comm.size() > 1 {
+                drafter.replicate(self.comm.clone())?;
+            }
+            self.drafter = Some(drafter);
             tracing::info!(dir = %dir.display(), "warm drafter loaded from the cache");
             return Ok(Some(WarmupReport {
                 key,
