@@ -51,12 +51,25 @@ impl Handles {
     }
 }
 
+/// How long a closing rank waits for its last messages to be taken before it aborts the job.
+const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Drop for Handles {
     fn drop(&mut self) {
-        // Every message must be delivered before MPI is finalised (its receiver takes it).
-        for p in self.pending.drain(..) {
-            p.request.wait();
-            Pending::free(p.buf);
+        // Every message must be delivered before MPI is finalised. A receiver that never takes one (a rank leaving
+        // on an error while the others wait elsewhere) would hang this rank and then the job: abort it instead, so
+        // the launcher stops every rank with an error.
+        let deadline = std::time::Instant::now() + DRAIN_TIMEOUT;
+        while !self.pending.is_empty() && std::time::Instant::now() < deadline {
+            self.progress();
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        if !self.pending.is_empty() {
+            eprintln!(
+                "tlt-comm: {} message(s) not taken by their receivers within {DRAIN_TIMEOUT:?}: aborting the MPI job",
+                self.pending.len()
+            );
+            self.world.abort(70);
         }
     }
 }

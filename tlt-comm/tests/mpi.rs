@@ -37,3 +37,30 @@ fn every_operation_across_two_and_three_processes() {
         }
     }
 }
+
+/// A rank that closes with a message nobody takes aborts the job within `DRAIN_TIMEOUT` (10 s) instead of hanging
+/// it (a rank leaving on an error while the others wait elsewhere).
+#[test]
+fn a_rank_closing_with_an_undelivered_message_aborts_the_job() {
+    let Some(mpirun) = mpirun() else {
+        println!(
+            "SKIP a_rank_closing_with_an_undelivered_message_aborts_the_job: no `mpirun` (install an MPI runtime)"
+        );
+        return;
+    };
+    let t = std::time::Instant::now();
+    let out = Command::new(mpirun)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("TLT_COMM_CHECK_UNDELIVERED", "1")
+        .args(["-np", "2", env!("CARGO_BIN_EXE_tlt-comm-check")])
+        .output()
+        .unwrap_or_else(|e| panic!("mpirun: {e}"));
+    let secs = t.elapsed().as_secs_f64();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("undelivered message: mpirun returned {:?} after {secs:.1} s", out.status.code());
+    assert!(!out.status.success(), "the job ended normally with an undelivered message");
+    assert!(stderr.contains("aborting the MPI job"), "{stderr}");
+    assert!(secs < 40.0, "took {secs:.1} s");
+}
