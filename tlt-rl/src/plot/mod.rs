@@ -54,7 +54,9 @@ fn active_series(name: String, s: &StepMetrics) -> Series {
 /// - `response_length`: histogram of response lengths at the first and the last step, overlaid;
 /// - `active_requests`: running requests per decode step within the last step's rollout (both runs when given);
 /// - `accept_length`: mean accept length per step, i.e. tokens emitted per verify step of speculative decoding;
-/// - `step_time`: rollout, train and total seconds per step (plus the baseline's rollout and total).
+/// - `step_time`: rollout, train and total seconds per step (plus the baseline's rollout and total);
+/// - `rank_times`, only for a data-parallel run (`ranks > 1` in a line): each rank's rollout seconds and its idle
+///   wait for the slowest rank, per step.
 ///
 /// The x axes of the per-step charts and of `active_requests` show integer ticks only. Empty inputs give empty
 /// charts. Returns the written paths (`<chart>.svg`, `<chart>.png` for each chart, in the order above).
@@ -153,6 +155,25 @@ pub fn training_plots(
         y_scale: Scale::Real,
     };
     written.extend(chart.save(&out_dir.join("step_time"))?);
+
+    let ranks = metrics.iter().map(|m| m.rank_rollout_s.len()).max().unwrap_or(0);
+    if ranks > 1 {
+        let at = |v: &[f64], r: usize| v.get(r).copied().unwrap_or(f64::NAN);
+        let mut series = Vec::with_capacity(2 * ranks);
+        for r in 0..ranks {
+            series.push(per_step(format!("rank {r} rollout_s"), metrics, |s| at(&s.rank_rollout_s, r)));
+            series.push(per_step(format!("rank {r} idle_s"), metrics, |s| at(&s.rank_idle_s, r)));
+        }
+        let chart = LineChart {
+            title: format!("Rollout and idle time per rank ({name})"),
+            x_label: "RL step".into(),
+            y_label: "seconds".into(),
+            series,
+            x_scale: Scale::Integer,
+            y_scale: Scale::Real,
+        };
+        written.extend(chart.save(&out_dir.join("rank_times"))?);
+    }
     Ok(written)
 }
 

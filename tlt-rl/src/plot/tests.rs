@@ -325,6 +325,27 @@ fn plot_training_plots_writes_all_charts() {
 }
 
 #[test]
+fn a_data_parallel_run_gets_a_chart_of_each_ranks_rollout_and_idle_time() {
+    let dir = std::env::temp_dir().join(format!("tlt-rl-plot-ranks-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut two = run("tlt", 3);
+    for m in &mut two {
+        m.ranks = 2;
+        m.rank_rollout_s = vec![6.0, 9.0];
+        m.rank_idle_s = vec![3.0, 0.0];
+    }
+    let paths = training_plots(&two, None, &dir).unwrap();
+    assert_eq!(paths.len(), 12, "the five charts and rank_times");
+    let texts = svg_texts(&std::fs::read_to_string(dir.join("rank_times.svg")).unwrap());
+    for t in ["rank 0 rollout_s", "rank 0 idle_s", "rank 1 rollout_s", "rank 1 idle_s"] {
+        assert!(texts.iter().any(|s| s == t), "{t}: {texts:?}");
+    }
+    let one = training_plots(&run("tlt", 3), None, &dir.join("one")).unwrap();
+    assert_eq!(one.len(), 10, "no rank chart for one rank");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn plot_training_plots_empty_and_single_step() {
     let dir = std::env::temp_dir().join(format!("tlt-rl-plot-empty-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
