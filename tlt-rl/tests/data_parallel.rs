@@ -8,8 +8,9 @@
 //!   tolerance after every step (the gradients are summed per rank, then across ranks); tokens of later steps
 //!   that flip because of that rounding are counted and printed;
 //! - with rank 1 slow (5 ms more per round) and one group decoding at a time per rank, rank 0 takes groups rank 1
-//!   has not started in every step, the imbalance falls, and the tokens and weights equal the balanced run's;
-//! - with the online EAGLE-2 drafter and rank 1 slow, rank 0 trains the drafter once its share is decoded and rank 1
+//!   has not started in every step, the rollout's makespan falls below 0.6x, and the tokens and weights equal the
+//!   balanced run's;
+//! - with the online EAGLE-2 drafter and rank 1 slow (20 ms per round), rank 0 trains the drafter once its share is decoded and rank 1
 //!   installs new versions mid-rollout in every step; both ranks end each step on the same version, and the tokens
 //!   and policy are the plain run's;
 //! - rank 1 dying at the start of step 2 makes `mpirun` return an error well within 60 s, the checkpoint rank 0
@@ -265,12 +266,13 @@ fn stealing_is_lossless(root: &Path, balanced: &RunLog) {
         assert_eq!(r0.weights, balanced.weights, "skewed (steal {steal}): other weights than the balanced run's");
         assert_eq!(r0.weights, r1.weights);
         let imb = imbalance(&r0);
+        let makespan: Vec<f64> = r0.rank_rollout_s.iter().map(|r| r.iter().copied().fold(0.0, f64::max)).collect();
         println!(
-            "skewed, steal {steal} (mpirun {secs:.1} s): groups stolen per step {:?}; rollout imbalance (slowest / \
-             mean rank) per step {imb:.2?}; rank rollout seconds {:.3?}",
+            "skewed, steal {steal} (mpirun {secs:.1} s): groups stolen per step {:?}; rollout makespan per step \
+             {makespan:.3?} s; imbalance (slowest / mean rank's decoding) {imb:.2?}; rank rollout seconds {:.3?}",
             r0.stolen, r0.rank_rollout_s
         );
-        runs.push((r0.stolen.clone(), imb));
+        runs.push((r0.stolen.clone(), makespan));
     }
     let (no_steal, steal) = (&runs[0], &runs[1]);
     assert!(no_steal.0.iter().all(|&n| n == 0), "nothing is stolen when stealing is off");
@@ -280,21 +282,24 @@ fn stealing_is_lossless(root: &Path, balanced: &RunLog) {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
+    // Rank 1 keeps 1-2 of its 4 groups: its rollout, the step's makespan, at most about half of what it was.
     assert!(
-        median(&steal.1) < median(&no_steal.1),
-        "stealing did not reduce the imbalance: {:?} vs {:?}",
+        median(&steal.1) < 0.6 * median(&no_steal.1),
+        "stealing did not shorten the rollout: makespans {:?} vs {:?}",
         steal.1,
         no_steal.1
     );
 }
 
-/// Rank 1 slow and no stealing, with the online EAGLE-2 drafter: rank 0 decodes its share, then trains the drafter
+/// Rank 1 slow (20 ms more per round) and no stealing, with the online EAGLE-2 drafter: rank 0 decodes its share, then trains the drafter
 /// on the features of both ranks while rank 1 still decodes; rank 1 hot-swaps the versions mid-rollout; both ranks
 /// end every step on the same drafter version, and the tokens and policy are those of the suffix-drafted and plain
 /// runs (speculation is lossless, and the drafter never touches the update).
 fn idle_rank_trains_the_drafter(root: &Path, balanced: &RunLog) {
     let out = root.join("eagle");
-    let env = [("TLT_DP_MODE", "eagle".to_string()), ("TLT_DP_SKEW", "5".into()), ("TLT_DP_NOSTEAL", "1".into())];
+    // 20 ms per round: rank 0 (drafting and then training the EAGLE drafter) finishes its share well before rank 1
+    // in every step, even on a loaded machine.
+    let env = [("TLT_DP_MODE", "eagle".to_string()), ("TLT_DP_SKEW", "20".into()), ("TLT_DP_NOSTEAL", "1".into())];
     let (ok, secs, err) = mpirun(&out, &env);
     assert!(ok, "mpirun -np 2 (eagle) failed:\n{err}");
     let (r0, r1) = (read_log(&out, 0), read_log(&out, 1));

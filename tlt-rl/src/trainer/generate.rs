@@ -134,7 +134,6 @@ impl<E: Environment> Trainer<E> {
             let (out, collected) = self.rollout_and_score_shard(step, prompts, None, seed, None, obs)?;
             return Ok((out, collected, Vec::new(), 0, 0));
         }
-        let t0 = Instant::now();
         let comm = self.comm.clone();
         let mine = super::parallel::shard(prompts.len(), ranks, comm.rank());
         let steal = self.cfg.steal_queued_groups;
@@ -172,8 +171,8 @@ impl<E: Environment> Trainer<E> {
             collected.merge(c);
             granted = ask(&mut done)?;
         }
-        // This rank's rollout time: until it had nothing left to decode (not its wait for the others).
-        out.seconds = t0.elapsed().as_secs_f64();
+        // This rank's rollout time (`out.seconds`) is its decoding, its own share and what it stole: not its waits
+        // for grants or for the others.
         // Then wait for every rank, the trainer rank training the drafter meanwhile, and agree on its version.
         let mut drafter = if self.cfg.mode == Mode::Tlt { self.drafter.as_mut() } else { None };
         let mut idle = |busy: &[bool]| drafter.as_deref_mut().map_or(Ok(false), |d| d.idle_step(busy));
