@@ -59,6 +59,11 @@ impl Drop for Handles {
         // Every message must be delivered before MPI is finalised. A receiver that never takes one (a rank leaving
         // on an error while the others wait elsewhere) would hang this rank and then the job: abort it instead, so
         // the launcher stops every rank with an error.
+        if std::thread::panicking() {
+            // Finalising would wait for ranks that wait for this one: end the job instead.
+            eprintln!("tlt-comm: a rank is panicking: aborting the MPI job");
+            self.world.abort(101);
+        }
         let deadline = std::time::Instant::now() + DRAIN_TIMEOUT;
         while !self.pending.is_empty() && std::time::Instant::now() < deadline {
             self.progress();

@@ -13,8 +13,9 @@
 //! - with the online EAGLE-2 drafter and rank 1 slow (20 ms per round), rank 0 trains the drafter once its share is decoded and rank 1
 //!   installs new versions mid-rollout in every step; both ranks end each step on the same version, and the tokens
 //!   and policy are the plain run's;
-//! - rank 1 dying at the start of step 2 makes `mpirun` return an error well within 60 s, the checkpoint rank 0
-//!   wrote after step 1 is intact, and resuming it on 2 ranks ends with the uninterrupted run's weights.
+//! - rank 1 dying at the start of step 2 (TLT with suffix drafting) makes `mpirun` return an error well within
+//!   60 s, the checkpoint rank 0 wrote after step 1 is intact and holds both ranks' SD gate and bandit, and resuming
+//!   it on 2 ranks gives each rank its own and ends with the uninterrupted run's tokens and weights.
 //!
 //! Without `mpirun` on the PATH it says SKIP (`TLT_REQUIRE_MPI=1`, set by `cargo xtask test`, makes that a failure).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Tests: a panic is the failure report.
@@ -108,6 +109,19 @@ fn run_rank(comm: Arc<dyn Comm>, setup: Setup, opts: &RankOpts) -> RunLog {
         _ => Trainer::new(tiny_model(11), Count, cfg).unwrap(),
     };
     let mut t = trainer.with_comm(comm.clone()).unwrap();
+    if let (true, Some(dir)) = (resume, ckpt) {
+        // Each rank resumes its own SD gate and bandit, which the checkpoint keeps by rank.
+        let state: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join(tlt_rl::trainer::STATE_FILE)).unwrap()).unwrap();
+        let saved = state["rank_decoders"].as_array().unwrap();
+        assert_eq!(saved.len(), comm.size(), "one gate and bandit state per rank");
+        assert_eq!(serde_json::to_value(t.decoder_state()).unwrap(), saved[comm.rank()], "rank {}", comm.rank());
+        println!(
+            "rank {} resumed its own gate and bandit (the ranks' saved states differ: {})",
+            comm.rank(),
+            saved[0] != saved[1]
+        );
+    }
     let mut log = RunLog {
         tokens: vec![],
         rewards: vec![],
@@ -335,7 +349,7 @@ fn main() {
     let ckpt = root.join("ckpt");
     let out = root.join("killed");
     let env = |extra: Vec<(&'static str, String)>| {
-        let mut v = vec![("TLT_DP_MODE", "baseline".to_string()), ("TLT_DP_CKPT", ckpt.display().to_string())];
+        let mut v = vec![("TLT_DP_MODE", "tlt".to_string()), ("TLT_DP_CKPT", ckpt.display().to_string())];
         v.extend(extra);
         v
     };
@@ -348,6 +362,7 @@ fn main() {
     assert_eq!(state["step"], 2, "the last checkpoint is step 1's: {state}");
     let (ok, _, err) = mpirun(&out, &env(vec![("TLT_DP_RESUME", "1".into())]));
     assert!(ok, "resuming on 2 ranks failed:\n{err}");
+    print!("{}", err.lines().filter(|l| l.contains("resumed its own")).map(|l| format!("{l}\n")).collect::<String>());
     let resumed = read_log(&out, 0);
     assert_eq!(resumed.tokens, uninterrupted.tokens[2..], "the resumed steps sampled other tokens");
     assert_eq!(resumed.weights, uninterrupted.weights, "the resumed run ends with other weights");

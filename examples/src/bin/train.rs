@@ -277,6 +277,19 @@ fn rss_gb(field: &str) -> Option<f64> {
 }
 
 fn main() -> Result<()> {
+    let result = run_main();
+    if let (Err(e), Some((rank, size))) = (&result, tlt_examples::ranks::launched()) {
+        if size > 1 {
+            // Leave without finalising MPI (the other ranks may wait in a collective for this one): the launcher
+            // sees the failure and stops the job.
+            eprintln!("error (rank {rank} of {size}): {e:#}");
+            std::process::exit(1);
+        }
+    }
+    result
+}
+
+fn run_main() -> Result<()> {
     tlt_examples::ranks::share_cores();
     tlt_examples::init_logging();
     let args = Args::parse();

@@ -52,6 +52,10 @@ pub struct TrainerState {
     pub data_pos: u64,
     /// The SD gate's and the plan bandit's state.
     pub decoder: DecoderState,
+    /// In a data-parallel run, every rank's gate and bandit state, by rank (`decoder` is rank 0's); empty for one
+    /// rank.
+    #[serde(default)]
+    pub rank_decoders: Vec<DecoderState>,
 }
 
 impl TrainerState {
@@ -65,7 +69,16 @@ impl TrainerState {
         decoder: DecoderState,
     ) -> Self {
         let param_steps = opt.params().iter().zip(opt.state()).map(|((n, _), s)| (n.clone(), s.steps)).collect();
-        Self { format: FORMAT.into(), step, config, param_steps, drafter_version, data_pos, decoder }
+        Self {
+            format: FORMAT.into(),
+            step,
+            config,
+            param_steps,
+            drafter_version,
+            data_pos,
+            decoder,
+            rank_decoders: vec![],
+        }
     }
 
     /// Reads and checks `dir/state.json`.

@@ -130,6 +130,8 @@ pub struct Trainer<E: Environment> {
     stopped: Option<String>,
     /// The data-parallel job this trainer is one rank of ([`Trainer::with_comm`]).
     comm: parallel::SharedComm,
+    /// Every rank's gate and bandit state from the checkpoint this trainer resumed, for [`Trainer::with_comm`].
+    resumed_decoders: Vec<tlt_scheduler::DecoderState>,
 }
 
 impl<E: Environment> std::fmt::Debug for Trainer<E> {
@@ -220,6 +222,7 @@ impl<E: Environment> Trainer<E> {
             data_pos,
             stopped: None,
             comm: Arc::new(tlt_comm::SelfComm),
+            resumed_decoders: Vec::new(),
         })
     }
 
@@ -263,6 +266,7 @@ impl<E: Environment> Trainer<E> {
         let mut t = Self::assemble(initial, env, cfg, drafter, state.step)?;
         t.data_pos = state.data_pos;
         t.decoder.restore(&state.decoder).map_err(|e| Error::Checkpoint { path: dir.into(), reason: e.to_string() })?;
+        t.resumed_decoders = state.rank_decoders.clone();
         let saved_w: std::collections::HashMap<String, candle_core::Tensor> =
             saved.weights().named_tensors().into_iter().collect();
         for (name, var) in t.opt.params() {
@@ -310,7 +314,18 @@ impl<E: Environment> Trainer<E> {
             if let Some(d) = self.drafter.as_mut() {
                 d.replicate(comm.clone())?;
             }
+            match self.resumed_decoders.get(comm.rank()) {
+                Some(own) if self.resumed_decoders.len() == comm.size() => self.decoder.restore(own)?,
+                Some(_) => tracing::warn!(
+                    saved = self.resumed_decoders.len(),
+                    ranks = comm.size(),
+                    "the checkpoint holds the SD gate and bandit of another number of ranks: every rank resumes rank \
+                     0's"
+                ),
+                None => {}
+            }
         }
+        self.resumed_decoders.clear();
         self.comm = comm;
         Ok(self)
     }
@@ -341,10 +356,18 @@ impl<E: Environment> Trainer<E> {
     pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
         self.check_usable()?;
         if self.comm.size() == 1 {
-            return self.write_checkpoint(dir);
+            return self.write_checkpoint(dir, Vec::new());
         }
+        // Every rank's gate and bandit (they learn from their own rollouts), for a resume on as many ranks.
+        let parts = self.comm.all_gather_bytes(&parallel::encode(&self.decoder.state())?)?;
         let mut outcome = match self.comm.rank() {
-            0 => match self.write_checkpoint(dir) {
+            0 => match parts
+                .iter()
+                .enumerate()
+                .map(|(r, b)| parallel::decode(b, r))
+                .collect::<Result<Vec<_>>>()
+                .and_then(|decoders| self.write_checkpoint(dir, decoders))
+            {
                 Ok(()) => Vec::new(),
                 Err(e) => e.to_string().into_bytes(),
             },
@@ -361,7 +384,7 @@ impl<E: Environment> Trainer<E> {
         }
     }
 
-    fn write_checkpoint(&self, dir: &Path) -> Result<()> {
+    fn write_checkpoint(&self, dir: &Path, rank_decoders: Vec<tlt_scheduler::DecoderState>) -> Result<()> {
         tlt_model::write_dir_atomic(dir, |tmp| -> Result<()> {
             tlt_model::save_hf_dir(&self.policy, None, &tmp.join(POLICY_DIR), candle_core::DType::F32)?;
             checkpoint::save_optimizer(&self.opt, &tmp.join(OPTIMIZER_FILE))?;
@@ -370,10 +393,24 @@ impl<E: Environment> Trainer<E> {
                 d.save_buffer(&tmp.join(DRAFTER_BUFFER_FILE))?;
             }
             let version = self.drafter.as_ref().map_or(0, RolloutDrafter::version);
-            let state =
-                TrainerState::new(self.step, self.cfg.clone(), &self.opt, version, self.data_pos, self.decoder.state());
+            let state = TrainerState {
+                rank_decoders,
+                ..TrainerState::new(
+                    self.step,
+                    self.cfg.clone(),
+                    &self.opt,
+                    version,
+                    self.data_pos,
+                    self.decoder.state(),
+                )
+            };
             state.write(tmp)
         })
+    }
+
+    /// The SD gate's and the plan bandit's state now (what a checkpoint saves of them).
+    pub fn decoder_state(&self) -> tlt_scheduler::DecoderState {
+        self.decoder.state()
     }
 
     /// RL steps completed.
