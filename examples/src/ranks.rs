@@ -68,26 +68,12 @@ pub fn relaunch(ranks: usize) -> Result<Option<std::process::ExitStatus>> {
     if !cfg!(feature = "mpi") {
         bail!("--ranks {ranks} needs a build with `--features mpi` (MPI ranks)");
     }
-    let found = std::process::Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
-    if !found {
+    if !tlt_comm::launch::mpirun_on_path() {
         bail!("--ranks {ranks} runs `mpirun`, which is not on the PATH: install an MPI runtime (Debian: openmpi-bin)");
     }
     let exe = std::env::current_exe().context("locating this binary")?;
-    let mut cmd = std::process::Command::new("mpirun");
-    // Open MPI refuses more ranks than cores without oversubscription, and root without an explicit opt-in.
-    cmd.env("OMPI_MCA_rmaps_base_oversubscribe", "1").env(RELAUNCHED, "1");
-    if is_root() {
-        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-    }
-    cmd.args(["-np", &ranks.to_string()]).arg(exe).args(std::env::args_os().skip(1));
+    let mut cmd = tlt_comm::launch::mpirun(ranks);
+    cmd.env(RELAUNCHED, "1").arg(exe).args(std::env::args_os().skip(1));
     tracing::info!(ranks, "re-launching under mpirun");
     Ok(Some(cmd.status().context("running mpirun")?))
-}
-
-/// Whether this process runs as root (Open MPI then needs an explicit opt-in).
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(1) == Some("0")))
-        .unwrap_or(false)
 }

@@ -22,6 +22,7 @@
 //! **Where it sits:** depends on thiserror and, with `mpi`, rsmpi; used by `tlt-rl` (data-parallel GRPO, work in
 //! progress: issue 28).
 
+pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

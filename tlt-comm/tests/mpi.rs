@@ -2,36 +2,28 @@
 //! message on every rank. Without `mpirun` on the PATH the test says SKIP (`TLT_REQUIRE_MPI=1`, set by
 //! `cargo xtask test`, turns that into a failure).
 
-use std::process::Command;
+use tlt_comm::launch::mpirun;
 
-fn mpirun() -> Option<&'static str> {
-    let found = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
+fn mpirun_found() -> bool {
+    let found = tlt_comm::launch::mpirun_on_path();
     if !found && std::env::var_os("TLT_REQUIRE_MPI").is_some() {
         panic!("TLT_REQUIRE_MPI is set but `mpirun` is not on the PATH");
     }
-    found.then_some("mpirun")
+    found
 }
 
 #[test]
 fn every_operation_across_two_and_three_processes() {
-    let Some(mpirun) = mpirun() else {
+    if !mpirun_found() {
         println!("SKIP every_operation_across_two_and_three_processes: no `mpirun` (install an MPI runtime)");
         return;
-    };
-    for n in ["2", "3"] {
-        let out = Command::new(mpirun)
-            // Open MPI refuses root without these, and more ranks than cores without --oversubscribe (MPICH ignores
-            // the variables and takes the flag's absence fine).
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-            .args(["-np", n, env!("CARGO_BIN_EXE_tlt-comm-check")])
-            .output()
-            .unwrap_or_else(|e| panic!("mpirun: {e}"));
+    }
+    for n in [2, 3] {
+        let out =
+            mpirun(n).arg(env!("CARGO_BIN_EXE_tlt-comm-check")).output().unwrap_or_else(|e| panic!("mpirun: {e}"));
         let stdout = String::from_utf8_lossy(&out.stdout);
         print!("{stdout}");
         assert!(out.status.success(), "mpirun -np {n} failed: {}{}", stdout, String::from_utf8_lossy(&out.stderr));
-        let n: usize = n.parse().unwrap_or(0);
         for r in 0..n {
             assert!(stdout.contains(&format!("rank {r} of {n}: ")), "rank {r} of {n} did not report: {stdout}");
         }
@@ -42,19 +34,16 @@ fn every_operation_across_two_and_three_processes() {
 /// it (a rank leaving on an error while the others wait elsewhere).
 #[test]
 fn a_rank_closing_with_an_undelivered_message_aborts_the_job() {
-    let Some(mpirun) = mpirun() else {
+    if !mpirun_found() {
         println!(
             "SKIP a_rank_closing_with_an_undelivered_message_aborts_the_job: no `mpirun` (install an MPI runtime)"
         );
         return;
-    };
+    }
     let t = std::time::Instant::now();
-    let out = Command::new(mpirun)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    let out = mpirun(2)
         .env("TLT_COMM_CHECK_UNDELIVERED", "1")
-        .args(["-np", "2", env!("CARGO_BIN_EXE_tlt-comm-check")])
+        .arg(env!("CARGO_BIN_EXE_tlt-comm-check"))
         .output()
         .unwrap_or_else(|e| panic!("mpirun: {e}"));
     let secs = t.elapsed().as_secs_f64();

@@ -24,7 +24,6 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -178,7 +177,7 @@ fn rank_main(out: &Path) {
 }
 
 fn mpirun_found() -> bool {
-    let found = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
+    let found = tlt_comm::launch::mpirun_on_path();
     if !found && std::env::var_os("TLT_REQUIRE_MPI").is_some() {
         panic!("TLT_REQUIRE_MPI is set but `mpirun` is not on the PATH");
     }
@@ -189,14 +188,8 @@ fn mpirun_found() -> bool {
 fn mpirun(out: &Path, env: &[(&str, String)]) -> (bool, f64, String) {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out).unwrap();
-    let mut cmd = Command::new("mpirun");
-    // Open MPI refuses root without these, and more ranks than cores without oversubscription.
-    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("TLT_DP_OUT", out)
-        .args(["-np", "2"])
-        .arg(std::env::current_exe().unwrap());
+    let mut cmd = tlt_comm::launch::mpirun(2);
+    cmd.env("TLT_DP_OUT", out).arg(std::env::current_exe().unwrap());
     for (k, v) in env {
         cmd.env(k, v);
     }
