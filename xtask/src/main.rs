@@ -224,50 +224,25 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         if !code.success() {
             return Ok(exit_code(code));
         }
-        let mut clippy = cargo();
-        clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
-        let code = run(clippy)?;
-        if !code.success() {
-            return Ok(exit_code(code));
-        }
-        // The CUDA code is behind features the workspace build leaves off: lint it too.
-        let mut clippy_cuda = cargo();
-        clippy_cuda.arg("clippy").args(cuda_package_args()).arg("--all-targets");
-        clippy_cuda.args(["-p", "tlt-examples", "--features"]);
-        clippy_cuda.args([&format!("{CUDA_FEATURES},tlt-examples/cuda"), "--", "-D", "warnings"]);
-        let code = run(clippy_cuda)?;
-        if !code.success() {
-            return Ok(exit_code(code));
-        }
-        // The MPI engine is behind a feature the workspace build leaves off (it needs an MPI library): lint it too.
-        let mut clippy_mpi = cargo();
-        clippy_mpi.args(["clippy", "-p", "tlt-comm", "-p", "tlt-rl", "-p", "tlt-examples", "--all-targets"]);
-        clippy_mpi.args([
-            "--features",
-            "tlt-comm/mpi,tlt-comm/nccl,tlt-rl/mpi,tlt-examples/mpi",
-            "--",
-            "-D",
-            "warnings",
-        ]);
-        let code = run(clippy_mpi)?;
-        if !code.success() {
-            return Ok(exit_code(code));
-        }
-        // Rustdoc's link checks (broken and private intra-doc links), with and without the CUDA and MPI features.
-        for features in [None, Some(CUDA_FEATURES), Some("tlt-comm/mpi")] {
+        // Clippy, then rustdoc's link checks (broken and private intra-doc links): once as the workspace builds, once
+        // with the CUDA and MPI code that its features leave off. The whole workspace is selected both times, so the
+        // dependencies resolve (and build) alike.
+        let all_features = format!("{CUDA_FEATURES},tlt-examples/cuda,{MPI_FEATURES}");
+        for features in [None, Some(all_features.as_str())] {
+            let mut clippy = cargo();
+            clippy.args(["clippy", "--workspace", "--all-targets"]);
             let mut doc = cargo();
-            doc.env("RUSTDOCFLAGS", "-D warnings").args(["doc", "--no-deps"]);
-            match features {
-                None => doc.arg("--workspace"),
-                Some(f @ "tlt-comm/mpi") => {
-                    doc.args(["-p", "tlt-comm", "-p", "tlt-rl", "-p", "tlt-examples", "--features", f]);
-                    doc.args(["--features", "tlt-comm/nccl,tlt-rl/mpi,tlt-examples/mpi"])
+            doc.env("RUSTDOCFLAGS", "-D warnings").args(["doc", "--no-deps", "--workspace"]);
+            if let Some(f) = features {
+                clippy.args(["--features", f]);
+                doc.args(["--features", f]);
+            }
+            clippy.args(["--", "-D", "warnings"]);
+            for cmd in [clippy, doc] {
+                let code = run(cmd)?;
+                if !code.success() {
+                    return Ok(exit_code(code));
                 }
-                Some(f) => doc.args(cuda_package_args()).args(["--features", f]),
-            };
-            let code = run(doc)?;
-            if !code.success() {
-                return Ok(exit_code(code));
             }
         }
         graph::check(cargo)?;
@@ -328,18 +303,16 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
             assets::EXPORT_CHECK_FETCH
         ),
     }
-    // The MPI engine across processes (`mpirun -np 2` and 3), then data-parallel GRPO on 2 ranks against one (a
-    // missing MPI runtime fails here rather than skipping), and NCCL's error without a driver.
-    for (package, feature, test) in
-        [("tlt-comm", "mpi", "mpi"), ("tlt-rl", "mpi", "data_parallel"), ("tlt-comm", "nccl", "nccl")]
-    {
-        let mut mpi = cargo();
-        mpi.args(["test", "--release", "-p", package, "--features", feature, "--test", test, "--", "--nocapture"])
-            .env("TLT_REQUIRE_MPI", "1");
-        let code = run(mpi)?;
-        if !code.success() {
-            return Ok(exit_code(code));
-        }
+    // The MPI engine across processes (`mpirun -np 2` and 3), data-parallel GRPO on 2 ranks against one (a missing
+    // MPI runtime fails here rather than skipping), and NCCL's error without a driver. The whole workspace is selected
+    // so that the dependencies are the ones the run above built.
+    let mut mpi = cargo();
+    mpi.args(["test", "--release", "--workspace", "--features", MPI_FEATURES]);
+    mpi.args(["--test", "mpi", "--test", "data_parallel", "--test", "nccl", "--", "--nocapture"]);
+    mpi.env("TLT_REQUIRE_MPI", "1");
+    let code = run(mpi)?;
+    if !code.success() {
+        return Ok(exit_code(code));
     }
     // The GPU plan's calls, with their GPU steps stubbed: the device tool's file and output rules hold.
     if let Err(e) = gpu_bundle::dry_run(&workspace_root()) {
@@ -370,6 +343,9 @@ fn cuda_tests(gpu: bool) -> Result<ExitCode> {
 /// The features that turn the CUDA code on, for the packages that have it.
 pub(crate) const CUDA_FEATURES: &str =
     "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda,tlt-spec-decode/cuda,tlt-drafter/cuda,tlt-rl/cuda";
+
+/// The features that turn the MPI and NCCL engines on, and data-parallel training with them.
+pub(crate) const MPI_FEATURES: &str = "tlt-comm/mpi,tlt-comm/nccl,tlt-rl/mpi,tlt-examples/mpi";
 
 /// The packages with CUDA code (each has a `cuda` test target).
 pub(crate) const CUDA_PACKAGES: [&str; 6] =
