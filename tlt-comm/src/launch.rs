@@ -9,10 +9,11 @@ pub fn mpirun_on_path() -> bool {
 }
 
 /// `mpirun -np <ranks>`, ready for the program and its arguments. Open MPI refuses more ranks than cores without
-/// oversubscription, and root (containers, CI) without an explicit opt-in: both are given (MPICH ignores them).
+/// oversubscription, and root (containers, CI) without an explicit opt-in: both are given, as Open MPI 4 and 5
+/// (PRRTE) read them (MPICH ignores them).
 pub fn mpirun(ranks: usize) -> Command {
     let mut cmd = Command::new("mpirun");
-    cmd.env("OMPI_MCA_rmaps_base_oversubscribe", "1");
+    cmd.env("OMPI_MCA_rmaps_base_oversubscribe", "1").env("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe");
     if is_root() {
         cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
     }

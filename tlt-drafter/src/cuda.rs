@@ -133,6 +133,8 @@ pub struct CudaDrafter {
     free: Arc<Mutex<Vec<usize>>>,
     /// Blocks split attention aims for: twice the device's multiprocessors.
     target_blocks: usize,
+    /// Weight versions uploaded so far.
+    uploads: u64,
 }
 
 /// A forward's padded `[batch, n_max]` layout, per group, as the target's device step lays out its metadata
@@ -275,7 +277,14 @@ impl CudaDrafter {
             opts,
             free,
             target_blocks,
+            uploads: 0,
         })
+    }
+
+    /// Weight versions uploaded to the device so far: the first round's, then one per version the proposer's slot
+    /// published and a later round drafted with.
+    pub fn uploads(&self) -> u64 {
+        self.uploads
     }
 
     /// Cache slots not lent to a sequence.
@@ -579,6 +588,7 @@ impl DraftExecutor for CudaDrafter {
             self.cache = Some(DevCache { dims, k, v });
         }
         self.w = Some(w);
+        self.uploads += 1;
         Ok(())
     }
 

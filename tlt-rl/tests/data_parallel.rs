@@ -13,6 +13,10 @@
 //! - with the online EAGLE-2 drafter and rank 1 slow (20 ms per round), rank 0 trains the drafter once its share is decoded and rank 1
 //!   installs new versions mid-rollout in every step; both ranks end each step on the same version, and the tokens
 //!   and policy are the plain run's;
+//! - on a GPU (`TLT_DP_DEVICE=<ordinal>`, with tlt-rl's `cuda` feature; the GPU bundle's `ranks` call runs it, and
+//!   only it): both ranks roll out on that one device, plainly and then with the EAGLE scenario above, and agree in
+//!   tokens and policy; rank 1 uploads drafter versions it received over MPI to the device mid-rollout and drafts
+//!   with them;
 //! - rank 1 dying at the start of step 2 (TLT with suffix drafting) makes `mpirun` return an error well within
 //!   60 s, the checkpoint rank 0 wrote after step 1 is intact and holds both ranks' SD gate and bandit, and resuming
 //!   it on 2 ranks gives each rank its own and ends with the uninterrupted run's tokens and weights.
@@ -47,17 +51,21 @@ struct RunLog {
     /// Per step: drafter versions installed mid-rollout (all ranks), and this rank's drafter version at its end.
     swaps: Vec<u64>,
     drafter_version: Vec<u64>,
+    /// Per step: EAGLE weight versions this rank had uploaded to its rollout device by the step's end (0 on the CPU).
+    device_uploads: Vec<u64>,
     /// The final weights by name.
     weights: BTreeMap<String, Vec<f32>>,
 }
 
-/// The run's settings: the mode, and for the skewed runs one group decoding at a time per rank (`max_running`
-/// = group size, so the rest of a rank's groups wait in its queue) and whether ranks steal queued groups.
+/// The run's settings: the mode, for the skewed runs one group decoding at a time per rank (`max_running` = group
+/// size, so the rest of a rank's groups wait in its queue), whether ranks steal queued groups, and the CUDA device
+/// the rollouts run on (none: the CPU).
 #[derive(Debug, Clone, Copy)]
 struct Setup<'a> {
     mode: &'a str,
     one_group_at_a_time: bool,
     steal: bool,
+    device: Option<usize>,
 }
 
 fn config(setup: Setup) -> TrainerConfig {
@@ -76,6 +84,9 @@ fn config(setup: Setup) -> TrainerConfig {
         cfg.rollout.max_running = cfg.group_size;
     }
     cfg.steal_queued_groups = setup.steal;
+    if let Some(ordinal) = setup.device {
+        cfg.device = tlt_model::Device::Cuda(ordinal);
+    }
     cfg
 }
 
@@ -128,6 +139,7 @@ fn run_rank(comm: Arc<dyn Comm>, setup: Setup, opts: &RankOpts) -> RunLog {
         stolen: vec![],
         swaps: vec![],
         drafter_version: vec![],
+        device_uploads: vec![],
         weights: BTreeMap::new(),
     };
     let mut obs: Box<dyn Observer> = match opts.slow {
@@ -143,6 +155,7 @@ fn run_rank(comm: Arc<dyn Comm>, setup: Setup, opts: &RankOpts) -> RunLog {
         log.stolen.push(r.metrics.stolen_groups);
         log.swaps.push(r.metrics.drafter_swaps);
         log.drafter_version.push(r.metrics.drafter_version);
+        log.device_uploads.push(t.drafter_device_uploads());
         log.tokens.push(r.samples.iter().map(|(s, _, _)| s.tokens.clone()).collect());
         log.rewards.push(r.samples.iter().map(|(_, _, w)| *w).collect());
         log.rank_rollout_s.push(r.metrics.rank_rollout_s.clone());
@@ -164,6 +177,7 @@ fn rank_main(out: &Path) {
         mode: &mode,
         one_group_at_a_time: var("TLT_DP_SKEW").is_some(),
         steal: var("TLT_DP_NOSTEAL").is_none(),
+        device: var("TLT_DP_DEVICE").map(|s| s.parse().unwrap()),
     };
     let opts = RankOpts {
         ckpt: var("TLT_DP_CKPT").map(PathBuf::from),
@@ -224,7 +238,7 @@ fn flips(a: &[Vec<u32>], b: &[Vec<u32>]) -> usize {
 
 /// Two ranks against one, in `mode`.
 fn against_one_rank(mode: &str, root: &Path) -> RunLog {
-    let setup = Setup { mode, one_group_at_a_time: false, steal: true };
+    let setup = Setup { mode, one_group_at_a_time: false, steal: true, device: None };
     let one = run_rank(Arc::new(SelfComm), setup, &RankOpts::default());
     let out = root.join(mode);
     let (ok, secs, err) = mpirun(&out, &[("TLT_DP_MODE", mode.to_string())]);
@@ -298,18 +312,19 @@ fn stealing_is_lossless(root: &Path, balanced: &RunLog) {
     );
 }
 
-/// Rank 1 slow (20 ms more per round) and no stealing, with the online EAGLE-2 drafter: rank 0 decodes its share, then trains the drafter
-/// on the features of both ranks while rank 1 still decodes; rank 1 hot-swaps the versions mid-rollout; both ranks
-/// end every step on the same drafter version, and the tokens and policy are those of the suffix-drafted and plain
-/// runs (speculation is lossless, and the drafter never touches the update).
-fn idle_rank_trains_the_drafter(root: &Path, balanced: &RunLog) {
-    let out = root.join("eagle");
+/// Rank 1 slow (20 ms more per round) and no stealing, with the online EAGLE-2 drafter: rank 0 decodes its share,
+/// then trains the drafter on the features of both ranks while rank 1 still decodes; rank 1 hot-swaps the versions
+/// mid-rollout; both ranks end every step on the same drafter version, and the tokens and policy are those of the
+/// `plain` run (speculation is lossless, and the drafter never touches the update). `env` adds to the scenario's
+/// (the device); returns both ranks' logs.
+fn idle_rank_trains_the_drafter(out: &Path, plain: &RunLog, env: &[(&str, String)]) -> (RunLog, RunLog) {
     // 20 ms per round: rank 0 (drafting and then training the EAGLE drafter) finishes its share well before rank 1
     // in every step, even on a loaded machine.
-    let env = [("TLT_DP_MODE", "eagle".to_string()), ("TLT_DP_SKEW", "20".into()), ("TLT_DP_NOSTEAL", "1".into())];
-    let (ok, secs, err) = mpirun(&out, &env);
+    let mut env = env.to_vec();
+    env.extend([("TLT_DP_MODE", "eagle".to_string()), ("TLT_DP_SKEW", "20".into()), ("TLT_DP_NOSTEAL", "1".into())]);
+    let (ok, secs, err) = mpirun(out, &env);
     assert!(ok, "mpirun -np 2 (eagle) failed:\n{err}");
-    let (r0, r1) = (read_log(&out, 0), read_log(&out, 1));
+    let (r0, r1) = (read_log(out, 0), read_log(out, 1));
     println!(
         "eagle, rank 1 slow (mpirun {secs:.1} s): drafter versions installed mid-rollout per step {:?}; drafter \
          version at each step's end [rank 0] {:?} [rank 1] {:?}; rank rollout seconds {:.3?}",
@@ -318,9 +333,39 @@ fn idle_rank_trains_the_drafter(root: &Path, balanced: &RunLog) {
     assert!(r0.swaps.iter().all(|&n| n > 0), "rank 1 hot-swapped no version in some step: {:?}", r0.swaps);
     assert_eq!(r0.drafter_version, r1.drafter_version, "the ranks end a step on different drafter versions");
     assert!(r0.drafter_version.windows(2).all(|w| w[1] > w[0]), "the drafter is trained every step");
-    assert_eq!(r0.tokens, balanced.tokens, "the drafted run sampled other tokens");
-    assert_eq!(r0.weights, balanced.weights, "the drafted run's policy differs");
+    assert_eq!(r0.tokens, plain.tokens, "the drafted run sampled other tokens");
+    assert_eq!(r0.weights, plain.weights, "the drafted run's policy differs");
     assert_eq!(r0.weights, r1.weights);
+    (r0, r1)
+}
+
+/// Both ranks roll out on CUDA device `ordinal` (one GPU takes both: no NCCL between them), the drafter trained on
+/// rank 0's CPU and its weights sent over MPI: against the same two ranks decoding plainly on the device, the drafted
+/// run commits the same tokens and policy, and rank 1 uploads versions it received mid-rollout to the device and
+/// drafts with them (more than one upload per step: the step's first version, then at least one received).
+#[cfg(feature = "cuda")]
+fn on_the_device(root: &Path, ordinal: usize) {
+    if !tlt_kernels::cuda::gpu_or_skip("data_parallel on the device").unwrap() {
+        return;
+    }
+    let dev = [("TLT_DP_DEVICE", ordinal.to_string())];
+    let out = root.join("device-plain");
+    let (ok, secs, err) = mpirun(&out, &dev);
+    assert!(ok, "mpirun -np 2 (plain, on cuda:{ordinal}) failed:\n{err}");
+    let plain = read_log(&out, 0);
+    assert_eq!(plain.tokens, read_log(&out, 1).tokens);
+    println!("plain on cuda:{ordinal} (mpirun {secs:.1} s): rank rollout seconds {:.3?}", plain.rank_rollout_s);
+    let (_, r1) = idle_rank_trains_the_drafter(&root.join("device-eagle"), &plain, &dev);
+    let per_step: Vec<u64> =
+        std::iter::once(r1.device_uploads[0]).chain(r1.device_uploads.windows(2).map(|w| w[1] - w[0])).collect();
+    println!("rank 1's drafter weight uploads to cuda:{ordinal} per step: {per_step:?}");
+    assert!(per_step.iter().all(|&n| n >= 2), "rank 1 drafted with no received version on the device: {per_step:?}");
+}
+
+/// Without the `cuda` feature there is no device scenario.
+#[cfg(not(feature = "cuda"))]
+fn on_the_device(_: &Path, ordinal: usize) {
+    panic!("TLT_DP_DEVICE={ordinal} needs tlt-rl's `cuda` feature (this build has none)");
 }
 
 fn main() {
@@ -333,10 +378,17 @@ fn main() {
         return;
     }
     let root = std::env::temp_dir().join(format!("tlt-dp-{}", std::process::id()));
+    if let Some(ordinal) = std::env::var("TLT_DP_DEVICE").ok().map(|s| s.parse().unwrap()) {
+        // The GPU bundle's `ranks` call: the device scenario only (the CPU ones run in CI).
+        on_the_device(&root, ordinal);
+        let _ = std::fs::remove_dir_all(&root);
+        return;
+    }
     let uninterrupted = against_one_rank("baseline", &root);
     against_one_rank("tlt", &root);
     stealing_is_lossless(&root, &uninterrupted);
-    idle_rank_trains_the_drafter(&root, &uninterrupted);
+    let (r0, _) = idle_rank_trains_the_drafter(&root.join("eagle"), &uninterrupted, &[]);
+    assert!(r0.device_uploads.iter().all(|&n| n == 0), "nothing is uploaded to a device on the CPU");
 
     // Rank 1 dies at the start of step 2; rank 0 waits in that step's gather until mpirun ends the job.
     let ckpt = root.join("ckpt");

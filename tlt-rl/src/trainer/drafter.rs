@@ -283,6 +283,15 @@ impl RolloutDrafter {
         self.eagle.as_ref().map_or(0, |e| e.slot.version())
     }
 
+    /// EAGLE weight versions uploaded to the rollout device so far (0 when the drafter runs on the CPU).
+    pub(crate) fn device_uploads(&self) -> u64 {
+        #[cfg(feature = "cuda")]
+        if let Some(e) = self.device.as_ref().and_then(|d| d.exec.lock().clone()) {
+            return e.lock().uploads();
+        }
+        0
+    }
+
     /// Drafter optimizer steps so far.
     pub(crate) fn steps(&self) -> u64 {
         self.eagle.as_ref().map_or(0, |e| e.trainer.lock().steps_done())

@@ -413,6 +413,13 @@ impl<E: Environment> Trainer<E> {
         self.decoder.state()
     }
 
+    /// EAGLE drafter weight versions uploaded to the rollout device so far: one when the first rollout drafts, then
+    /// one per new version a later round drafted with (trained here, or received from the trainer rank). 0 when
+    /// rollouts run on the CPU or without an EAGLE drafter.
+    pub fn drafter_device_uploads(&self) -> u64 {
+        self.drafter.as_ref().map_or(0, RolloutDrafter::device_uploads)
+    }
+
     /// RL steps completed.
     pub fn steps_done(&self) -> u64 {
         self.step
