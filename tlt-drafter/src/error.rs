@@ -137,6 +137,10 @@ pub enum Error {
     /// Any other out-of-range argument (online buffer samples, trainer state).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The data-parallel gradient sum ([`DrafterTrainer::step_with`](crate::DrafterTrainer::step_with)'s reduce)
+    /// failed.
+    #[error("summing drafter gradients across trainers: {0}")]
+    Reduce(String),
     /// An error from `tlt-model`.
     #[error(transparent)]
     Model(#[from] tlt_model::Error),

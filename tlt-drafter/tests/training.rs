@@ -499,3 +499,102 @@ fn hot_vocabulary_is_saved_resumed_and_drafted_over() {
     assert_eq!(resumed.runtime(&F32).unwrap().draft_vocab(), VOCAB);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An all-reduce (elementwise sum) between two threads, for data-parallel trainers in one process.
+struct TwoWay {
+    acc: std::sync::Mutex<Vec<f32>>,
+    barrier: std::sync::Barrier,
+}
+
+impl TwoWay {
+    fn new() -> Self {
+        Self { acc: std::sync::Mutex::new(Vec::new()), barrier: std::sync::Barrier::new(2) }
+    }
+
+    fn reduce(&self, buf: &mut [f32]) -> Result<(), String> {
+        {
+            let mut acc = self.acc.lock().unwrap();
+            acc.resize(buf.len(), 0.0);
+            acc.iter_mut().zip(buf.iter()).for_each(|(a, b)| *a += b);
+        }
+        self.barrier.wait();
+        buf.copy_from_slice(&self.acc.lock().unwrap());
+        if self.barrier.wait().is_leader() {
+            self.acc.lock().unwrap().clear();
+        }
+        self.barrier.wait();
+        Ok(())
+    }
+}
+
+/// One data-parallel step of `a` and `b` on their shares, their gradients summed by [`TwoWay`].
+fn step_pair(
+    a: &mut DrafterTrainer,
+    b: &mut DrafterTrainer,
+    share_a: &[Arc<FeatureSample>],
+    share_b: &[Arc<FeatureSample>],
+) -> [tlt_drafter::Result<Option<tlt_drafter::train::StepStats>>; 2] {
+    let sum = TwoWay::new();
+    std::thread::scope(|s| {
+        let ha = s.spawn(|| a.step_with(share_a, |buf| sum.reduce(buf)));
+        let hb = s.spawn(|| b.step_with(share_b, |buf| sum.reduce(buf)));
+        [ha.join().unwrap(), hb.join().unwrap()]
+    })
+}
+
+/// Two data-parallel trainers (`step_with`: each half of the batch, gradients weighted by their positions and
+/// summed) end with the same weights bit for bit, and follow one trainer on the whole batch up to float summation
+/// order; an empty share still takes part; a share whose loss fails fails both and neither updates; a trainer that
+/// joined another's state (`join` plus its weights) then steps in lockstep with it.
+#[test]
+fn data_parallel_steps_follow_one_trainer() {
+    let target = target("llama", 24);
+    let set = samples(&target, DrafterKind::Eagle2, &tokens(8, 4, 5), 16);
+    let cfg = TrainConfig { tokens_per_step: 512, ..small_cfg(3e-3) };
+    let mut one = trainer(&target, DrafterKind::Eagle2, cfg.clone());
+    let (mut a, mut b) =
+        (trainer(&target, DrafterKind::Eagle2, cfg.clone()), trainer(&target, DrafterKind::Eagle2, cfg));
+    let gap = |x: &DrafterTrainer, y: &DrafterTrainer| {
+        let (p, q) = (weight_bits(x), weight_bits(y));
+        p.iter()
+            .zip(&q)
+            .flat_map(|((_, u), (_, v))| u.iter().zip(v).map(|(s, t)| (f64::from_bits(*s) - f64::from_bits(*t)).abs()))
+            .fold(0.0, f64::max)
+    };
+    for step in 0..4 {
+        let batch: Vec<_> = (0..4).map(|k| set[(4 * step + k) % set.len()].clone()).collect();
+        let whole = one.step(&batch).unwrap();
+        // The last step gives `a` the whole batch and `b` nothing.
+        let split = if step == 3 { 4 } else { 2 };
+        let [ra, rb] = step_pair(&mut a, &mut b, &batch[..split], &batch[split..]);
+        let (ra, rb) = (ra.unwrap(), rb.unwrap());
+        assert_eq!(ra.as_ref().unwrap().grad_norm, rb.as_ref().map_or(ra.as_ref().unwrap().grad_norm, |s| s.grad_norm));
+        assert!((ra.unwrap().grad_norm.before - whole.grad_norm.before).abs() < 1e-6 * whole.grad_norm.before);
+        assert_eq!(rb.is_none(), step == 3, "an empty share reports no loss");
+        assert_eq!(weight_bits(&a), weight_bits(&b), "step {step}: the trainers' weights differ");
+        let d = gap(&a, &one);
+        eprintln!("step {step}: largest |weight - one trainer's| {d:e}");
+        assert!(d < 1e-6, "step {step}: {d:e} from one trainer's weights");
+    }
+    assert_eq!((a.steps_done(), b.steps_done()), (4, 4));
+
+    // A share without a training position fails both trainers; nothing moves.
+    let before = weight_bits(&a);
+    let none = fake(&[1, 2, 3, 4], 4, set[0].hidden.width());
+    let [ra, rb] = step_pair(&mut a, &mut b, &set[..2], &[none]);
+    assert!(ra.unwrap_err().to_string().contains("other trainer"), "the healthy trainer hears of the failure");
+    assert!(rb.is_err());
+    assert_eq!(weight_bits(&a), before);
+    assert_eq!((a.steps_done(), b.steps_done()), (4, 4));
+
+    // A fresh trainer joins `a` (moments, step, totals, weights) and then steps in lockstep with it.
+    let mut c = trainer(&target, DrafterKind::Eagle2, small_cfg(3e-3));
+    c.join(a.steps_done(), a.totals(), a.optimizer().state().to_vec()).unwrap();
+    for ((_, from), (_, to)) in a.drafter().vars().unwrap().iter().zip(c.drafter().vars().unwrap()) {
+        to.set(from.as_tensor()).unwrap();
+    }
+    let [ra, rc] = step_pair(&mut a, &mut c, &set[4..6], &set[6..8]);
+    assert!(ra.is_ok() && rc.is_ok());
+    assert_eq!(weight_bits(&a), weight_bits(&c), "a joined trainer steps as the one it joined");
+    assert!(c.join(0, a.totals(), vec![]).is_err(), "moments of the wrong count are refused");
+}

@@ -13,6 +13,9 @@
 //! - with the online EAGLE-2 drafter and rank 1 slow (20 ms per round), rank 0 trains the drafter once its share is decoded and rank 1
 //!   installs new versions mid-rollout in every step; both ranks end each step on the same version, and the tokens
 //!   and policy are the plain run's;
+//! - with the EAGLE-2 drafter owing most of its drafter steps at the step's end (ranks balanced), both ranks take
+//!   them together (gradients all-reduced): rank 1, which never trains alone, ends every step with rank 0's step
+//!   count and version, and the tokens and policy are the plain run's;
 //! - on a GPU (`TLT_DP_DEVICE=<ordinal>`, with tlt-rl's `cuda` feature; the GPU bundle's `ranks` call runs it, and
 //!   only it): both ranks roll out on that one device, plainly and then with the EAGLE scenario above, and agree in
 //!   tokens and policy; rank 1 uploads drafter versions it received over MPI to the device mid-rollout and drafts
@@ -34,7 +37,7 @@ use std::time::{Duration, Instant};
 use common::{base_config, tiny_model, Count};
 use serde::{Deserialize, Serialize};
 use tlt_comm::{Comm, SelfComm};
-use tlt_rl::trainer::{DrafterChoice, Mode, Observer, Quiet, Trainer, TrainerConfig};
+use tlt_rl::trainer::{DrafterChoice, DrafterSchedule, Mode, Observer, Quiet, Trainer, TrainerConfig};
 
 const STEPS: u64 = 4;
 
@@ -51,6 +54,8 @@ struct RunLog {
     /// Per step: drafter versions installed mid-rollout (all ranks), and this rank's drafter version at its end.
     swaps: Vec<u64>,
     drafter_version: Vec<u64>,
+    /// Per step: this rank's drafter trainer's steps at the step's end.
+    drafter_steps: Vec<u64>,
     /// Per step: EAGLE weight versions this rank had uploaded to its rollout device by the step's end (0 on the CPU).
     device_uploads: Vec<u64>,
     /// The final weights by name.
@@ -74,10 +79,15 @@ fn config(setup: Setup) -> TrainerConfig {
         _ => base_config(Mode::Tlt),
     };
     cfg.sd.drafter = DrafterChoice::Suffix;
-    if setup.mode == "eagle" {
+    if setup.mode.starts_with("eagle") {
         // The online EAGLE-2 drafter, a version published after every drafter step.
         cfg.sd.drafter = DrafterChoice::Eagle2;
         cfg.sd.publish_every = 1;
+    }
+    if setup.mode == "eagle-joint" {
+        // Far more drafter steps per RL step than rank 0 takes in a balanced rollout's idle time: most are owed at
+        // the step's end, where every rank takes them together.
+        cfg.sd.schedule = DrafterSchedule::Fixed { steps: 64 };
     }
     cfg.ppo_mini_batch_size = Some(4);
     if setup.one_group_at_a_time {
@@ -139,6 +149,7 @@ fn run_rank(comm: Arc<dyn Comm>, setup: Setup, opts: &RankOpts) -> RunLog {
         stolen: vec![],
         swaps: vec![],
         drafter_version: vec![],
+        drafter_steps: vec![],
         device_uploads: vec![],
         weights: BTreeMap::new(),
     };
@@ -155,6 +166,7 @@ fn run_rank(comm: Arc<dyn Comm>, setup: Setup, opts: &RankOpts) -> RunLog {
         log.stolen.push(r.metrics.stolen_groups);
         log.swaps.push(r.metrics.drafter_swaps);
         log.drafter_version.push(r.metrics.drafter_version);
+        log.drafter_steps.push(r.metrics.drafter_steps);
         log.device_uploads.push(t.drafter_device_uploads());
         log.tokens.push(r.samples.iter().map(|(s, _, _)| s.tokens.clone()).collect());
         log.rewards.push(r.samples.iter().map(|(_, _, w)| *w).collect());
@@ -339,6 +351,28 @@ fn idle_rank_trains_the_drafter(out: &Path, plain: &RunLog, env: &[(&str, String
     (r0, r1)
 }
 
+/// The online EAGLE-2 drafter owing most of its 64 drafter steps per RL step at the step's end (ranks balanced):
+/// both ranks take them together, each a share of every batch with the gradients all-reduced. Rank 1, which never
+/// trains alone, counts as many drafter steps as rank 0 at every step's end (it joined rank 0's trainer and stepped
+/// with it); both end on the same version, and the tokens and policy are the plain run's.
+fn ranks_train_the_drafter_together(root: &Path, plain: &RunLog) {
+    let out = root.join("eagle-joint");
+    let (ok, secs, err) = mpirun(&out, &[("TLT_DP_MODE", "eagle-joint".to_string())]);
+    assert!(ok, "mpirun -np 2 (eagle-joint) failed:\n{err}");
+    let (r0, r1) = (read_log(&out, 0), read_log(&out, 1));
+    println!(
+        "eagle, 64 drafter steps per RL step, most at the step's end (mpirun {secs:.1} s): drafter steps at each step's \
+         end [rank 0] {:?} [rank 1] {:?}; versions {:?}",
+        r0.drafter_steps, r1.drafter_steps, r0.drafter_version
+    );
+    assert!(r0.drafter_steps.iter().enumerate().all(|(k, &n)| n >= 64 * (k as u64 + 1)), "{:?}", r0.drafter_steps);
+    assert_eq!(r1.drafter_steps, r0.drafter_steps, "rank 1 did not take the owed drafter steps with rank 0");
+    assert_eq!(r0.drafter_version, r1.drafter_version, "the ranks end a step on different drafter versions");
+    assert_eq!(r0.tokens, plain.tokens, "the drafted run sampled other tokens");
+    assert_eq!(r0.weights, plain.weights, "the drafted run's policy differs");
+    assert_eq!(r0.weights, r1.weights);
+}
+
 /// Both ranks roll out on CUDA device `ordinal` (one GPU takes both: no NCCL between them), the drafter trained on
 /// rank 0's CPU and its weights sent over MPI: against the same two ranks decoding plainly on the device, the drafted
 /// run commits the same tokens and policy, and rank 1 uploads versions it received mid-rollout to the device and
@@ -389,6 +423,7 @@ fn main() {
     stealing_is_lossless(&root, &uninterrupted);
     let (r0, _) = idle_rank_trains_the_drafter(&root.join("eagle"), &uninterrupted, &[]);
     assert!(r0.device_uploads.iter().all(|&n| n == 0), "nothing is uploaded to a device on the CPU");
+    ranks_train_the_drafter_together(&root, &uninterrupted);
 
     // Rank 1 dies at the start of step 2; rank 0 waits in that step's gather until mpirun ends the job.
     let ckpt = root.join("ckpt");

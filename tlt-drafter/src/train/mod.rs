@@ -10,6 +10,7 @@
 mod batch;
 mod checkpoint;
 mod loops;
+mod parallel;
 
 use std::sync::Arc;
 use std::time::Instant;

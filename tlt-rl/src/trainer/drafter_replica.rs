@@ -8,17 +8,24 @@
 //! The schedule's meaning across ranks: `off` trains nothing; `tail` and `fixed` train in the trainer's idle time,
 //! `fixed { steps }` at least `steps` per RL step (the rest at the step's end).
 //!
-//! One trainer, not several: with several idle ranks only rank 0 trains and the others wait. On this 2-core
-//! machine every rank has one core, so a second trainer would need a gradient all-reduce per drafter step (a
-//! collective among ranks that become idle at different times) to gain at most the other ranks' idle seconds.
+//! Mid-rollout one rank trains: the others are still decoding, or idle at different times. At the step's end every
+//! rank is idle at once, so the drafter steps a `fixed` schedule still owes are taken by all ranks together: rank 0
+//! sends its trainer's state (weights, AdamW moments, step), each rank takes a share of every batch rank 0 draws,
+//! and their gradients are summed with an all-reduce ([`DrafterTrainer::step_with`]), so every rank applies the
+//! update one trainer would apply to the whole batch. Measured on this machine (docs/bench/2026-11-26-ranks.md),
+//! two ranks take such a step in 0.48x one rank's time.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 use tlt_comm::Tag;
+
 use tlt_drafter::online::{FeatureSample, OnlineBuffer};
+use tlt_drafter::train::Totals;
 use tlt_drafter::RuntimeOptions;
+use tlt_model::optim::ParamState;
 use tlt_spec_decode::HiddenStates;
 
 use super::{DrafterSchedule, OnlineEagle, RolloutDrafter};
@@ -29,6 +36,8 @@ use crate::{Error, Result};
 const TAG_FEATURES: Tag = 4;
 /// A drafter version, rank 0 -> a busy rank.
 const TAG_WEIGHTS: Tag = 5;
+/// A rank's share of a joint drafter step's batch, rank 0 -> a rank.
+const TAG_SHARE: Tag = 6;
 
 /// The rank that trains.
 const TRAINER: usize = 0;
@@ -48,6 +57,24 @@ struct WireSample {
 struct WireWeights {
     version: u64,
     tensors: Vec<(String, Vec<f32>)>,
+}
+
+/// The trainer's state a rank needs to join rank 0 in drafter steps: step, totals, and every tensor's in the
+/// trainer's order.
+#[derive(Serialize, Deserialize)]
+struct WireState {
+    step: u64,
+    totals: Totals,
+    tensors: Vec<WireTensor>,
+}
+
+/// One trainable tensor's weights, AdamW moments and update count.
+#[derive(Serialize, Deserialize)]
+struct WireTensor {
+    weights: Vec<f32>,
+    exp_avg: Vec<f32>,
+    exp_avg_sq: Vec<f32>,
+    steps: u64,
 }
 
 /// One rank's part in the replicated drafter.
@@ -105,11 +132,64 @@ fn install(e: &OnlineEagle, w: WireWeights) -> Result<bool> {
 }
 
 fn push_wire(buffer: &OnlineBuffer, bytes: &[u8], from: usize) -> Result<()> {
-    let w: WireSample = decode(bytes, from)?;
+    buffer.push(from_wire(decode(bytes, from)?)?)?;
+    Ok(())
+}
+
+fn to_wire(sample: &FeatureSample) -> WireSample {
+    WireSample {
+        tokens: sample.tokens.clone(),
+        width: sample.hidden.width(),
+        hidden: sample.hidden.as_flat().to_vec(),
+        response_start: sample.response_start,
+        rl_step: sample.rl_step,
+    }
+}
+
+fn from_wire(w: WireSample) -> Result<FeatureSample> {
     let hidden = HiddenStates::from_flat(w.width, w.hidden)?;
     let s = FeatureSample { tokens: w.tokens, hidden, response_start: w.response_start, rl_step: w.rl_step };
     s.validate()?;
-    buffer.push(s)?;
+    Ok(s)
+}
+
+/// Rank 0's trainer state, encoded.
+fn state_of(e: &OnlineEagle) -> Result<WireState> {
+    let t = e.trainer.lock();
+    let tensors = t
+        .optimizer()
+        .params()
+        .iter()
+        .zip(t.optimizer().state())
+        .map(|((_, v), st)| {
+            let w = v.as_tensor().flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+            Ok(WireTensor {
+                weights: w,
+                exp_avg: st.exp_avg.clone(),
+                exp_avg_sq: st.exp_avg_sq.clone(),
+                steps: st.steps,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(WireState { step: t.steps_done(), totals: t.totals(), tensors })
+}
+
+/// Makes this rank's trainer rank 0's (weights, moments, step).
+fn join(e: &OnlineEagle, w: WireState) -> Result<()> {
+    let mut t = e.trainer.lock();
+    let params: Vec<_> = t.optimizer().params().iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    if params.len() != w.tensors.len() {
+        return Err(Error::InvalidArgument(format!("a drafter of {} tensors joins {}", params.len(), w.tensors.len())));
+    }
+    let mut moments = Vec::with_capacity(params.len());
+    for ((name, var), t) in params.iter().zip(w.tensors) {
+        if var.elem_count() != t.weights.len() {
+            return Err(Error::InvalidArgument(format!("drafter tensor `{name}` has {} weights", t.weights.len())));
+        }
+        var.set(&Tensor::from_vec(t.weights, var.shape(), var.device())?.to_dtype(var.dtype())?)?;
+        moments.push(ParamState { exp_avg: t.exp_avg, exp_avg_sq: t.exp_avg_sq, steps: t.steps });
+    }
+    t.join(w.step, w.totals, moments)?;
     Ok(())
 }
 
@@ -138,14 +218,7 @@ impl RolloutDrafter {
     /// replication).
     pub(super) fn send_features(e: &OnlineEagle, sample: &FeatureSample) -> Result<bool> {
         let Some(r) = e.replica.as_ref().filter(|r| !r.is_trainer()) else { return Ok(false) };
-        let wire = WireSample {
-            tokens: sample.tokens.clone(),
-            width: sample.hidden.width(),
-            hidden: sample.hidden.as_flat().to_vec(),
-            response_start: sample.response_start,
-            rl_step: sample.rl_step,
-        };
-        r.comm.send(TRAINER, TAG_FEATURES, &encode(&wire)?)?;
+        r.comm.send(TRAINER, TAG_FEATURES, &encode(&to_wire(sample))?)?;
         r.sent_features.fetch_add(1, Ordering::Relaxed);
         Ok(true)
     }
@@ -215,9 +288,10 @@ impl RolloutDrafter {
         Ok(true)
     }
 
-    /// The step's end, on every rank (collective): the trainer takes in every feature still in flight, runs the
-    /// drafter steps a `fixed` schedule still owes (`min_steps` minus its idle steps), and every rank installs its
-    /// final weights and version, after draining the versions still in flight to it. Returns this rank's mid-rollout
+    /// The step's end, on every rank (collective): the trainer takes in every feature still in flight, all ranks
+    /// take together the drafter steps a `fixed` schedule still owes (`min_steps` minus the trainer's idle steps;
+    /// [`Self::joint_steps`]), and every rank installs the trainer's final weights and version, after draining the
+    /// versions still in flight to it. Returns this rank's mid-rollout
     /// swaps (the versions it installed while decoding) and its seconds of drafter training this step.
     pub(crate) fn sync_replicas(&mut self, min_steps: u64) -> Result<(u64, f64)> {
         let Some(e) = self.eagle.as_mut() else { return Ok((0, 0.0)) };
@@ -235,14 +309,10 @@ impl RolloutDrafter {
                     r.received_features += 1;
                 }
             }
-            let owed = min_steps.saturating_sub(e.replica.as_ref().map_or(0, |r| r.idle_steps));
-            for _ in 0..owed {
-                let none: Vec<bool> = Vec::new();
-                if !self.idle_step(&none)? {
-                    break;
-                }
-            }
-            let Some(e) = self.eagle.as_mut() else { return Ok((0, 0.0)) };
+        }
+        let joint_s = self.joint_steps(&comm, min_steps)?;
+        let Some(e) = self.eagle.as_mut() else { return Ok((0, 0.0)) };
+        if comm.rank() == TRAINER {
             let sent_weights = e.replica.as_ref().map(|r| r.sent_weights.clone()).unwrap_or_default();
             payload = encode(&(sent_weights, weights_of(e)?))?;
         }
@@ -260,10 +330,57 @@ impl RolloutDrafter {
             install(e, decode(&bytes, TRAINER)?)?;
         }
         let Some(r) = e.replica.as_mut() else { return Ok((0, 0.0)) };
-        let done = (r.swaps, r.idle_s);
+        let done = (r.swaps, r.idle_s + joint_s);
         r.sent_features.store(0, Ordering::Relaxed);
         (r.received_features, r.received_weights, r.swaps, r.idle_steps, r.idle_s) = (0, 0, 0, 0, 0.0);
         r.sent_weights.iter_mut().for_each(|n| *n = 0);
         Ok(done)
+    }
+
+    /// The drafter steps a `fixed` schedule still owes at the step's end (`min_steps` minus rank 0's idle steps),
+    /// taken by every rank together (collective): rank 0 sends its trainer's state, then for every step it draws a
+    /// batch and sends each rank its share (every `size`-th sample), and all step with their gradients all-reduced.
+    /// Returns this rank's seconds in them.
+    fn joint_steps(&mut self, comm: &SharedComm, min_steps: u64) -> Result<f64> {
+        let Some(e) = self.eagle.as_mut() else { return Ok(0.0) };
+        let (rank, size) = (comm.rank(), comm.size());
+        let t0 = std::time::Instant::now();
+        let mut plan = Vec::new();
+        if rank == TRAINER && e.schedule != DrafterSchedule::Off {
+            let owed = min_steps.saturating_sub(e.replica.as_ref().map_or(0, |r| r.idle_steps));
+            let state = if owed > 0 { Some(state_of(e)?) } else { None };
+            plan = encode(&(owed, state))?;
+        }
+        comm.broadcast_bytes(TRAINER, &mut plan)?;
+        let (owed, state): (u64, Option<WireState>) = if plan.is_empty() { (0, None) } else { decode(&plan, TRAINER)? };
+        if let (Some(state), false) = (state, rank == TRAINER) {
+            join(e, state)?;
+        }
+        for _ in 0..owed {
+            let share: Vec<Arc<FeatureSample>> = if rank == TRAINER {
+                let drawn: Vec<_> = e.trainer.lock().draw_from_buffer(&e.buffer).into_iter().map(|(_, s)| s).collect();
+                for r in 1..size {
+                    let theirs: Vec<WireSample> = drawn.iter().skip(r).step_by(size).map(|s| to_wire(s)).collect();
+                    comm.send(r, TAG_SHARE, &encode(&(drawn.is_empty(), theirs))?)?;
+                }
+                if drawn.is_empty() {
+                    break;
+                }
+                drawn.into_iter().step_by(size).collect()
+            } else {
+                let (from, bytes) = comm.recv(TAG_SHARE)?;
+                let (stop, mine): (bool, Vec<WireSample>) = decode(&bytes, from)?;
+                if stop {
+                    break;
+                }
+                mine.into_iter().map(|w| from_wire(w).map(Arc::new)).collect::<Result<_>>()?
+            };
+            let mut t = e.trainer.lock();
+            t.step_with(&share, |buf| comm.all_reduce_sum_f32(buf))?;
+            if rank == TRAINER && t.steps_done().is_multiple_of(e.publish_every) {
+                e.slot.publish(t.runtime(&RuntimeOptions::default())?);
+            }
+        }
+        Ok(if owed > 0 { t0.elapsed().as_secs_f64() } else { 0.0 })
     }
 }
