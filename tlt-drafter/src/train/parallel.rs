@@ -1,6 +1,8 @@
 //! Data-parallel drafter training: trainers that start from the same state, each take the loss on their share of
 //! a batch, and sum their gradients through the caller's all-reduce, so that all apply the same update, the one a
-//! single trainer would apply to the whole batch (up to float summation order).
+//! single trainer would apply to the whole batch (up to float summation order). Each share is packed within
+//! [`TrainConfig::tokens_per_step`](crate::TrainConfig::tokens_per_step) on its own, so for a batch beyond that
+//! budget the trainers together train on more tokens than one trainer would.
 
 use std::sync::Arc;
 use std::time::Instant;
