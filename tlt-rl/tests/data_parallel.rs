@@ -10,6 +10,8 @@
 //! - with rank 1 slow (5 ms more per round) and one group decoding at a time per rank, rank 0 takes groups rank 1
 //!   has not started in every step, the rollout's makespan falls below 0.6x, and the tokens and weights equal the
 //!   balanced run's;
+//! - on 3 ranks with rank 1 slow, the others steal from it (one victim per request) in every step, and step 0's
+//!   tokens are the 2-rank run's;
 //! - with the online EAGLE-2 drafter and rank 1 slow (20 ms per round), rank 0 trains the drafter once its share is decoded and rank 1
 //!   installs new versions mid-rollout in every step; both ranks end each step on the same version, and the tokens
 //!   and policy are the plain run's;
@@ -212,9 +214,14 @@ fn mpirun_found() -> bool {
 
 /// `mpirun -np 2` of this binary with `env`, results in a fresh `out`: (success, seconds, stderr).
 fn mpirun(out: &Path, env: &[(&str, String)]) -> (bool, f64, String) {
+    mpirun_n(2, out, env)
+}
+
+/// [`mpirun`] with `ranks` ranks.
+fn mpirun_n(ranks: usize, out: &Path, env: &[(&str, String)]) -> (bool, f64, String) {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out).unwrap();
-    let mut cmd = tlt_comm::launch::mpirun(2);
+    let mut cmd = tlt_comm::launch::mpirun(ranks);
     cmd.env("TLT_DP_OUT", out).arg(std::env::current_exe().unwrap());
     for (k, v) in env {
         cmd.env(k, v);
@@ -324,6 +331,28 @@ fn stealing_is_lossless(root: &Path, balanced: &RunLog) {
     );
 }
 
+/// Three ranks (8 groups: 3, 3 and 2), rank 1 slow (5 ms more per round) and one group decoding at a time: the
+/// others steal from it, each asking one rank at a time. Every step moves groups, the three ranks hold the same
+/// weights, step 0's tokens are the 2-rank balanced run's (coins keyed by request), and the weights stay within
+/// float-summation distance of it.
+fn three_ranks_steal(root: &Path, balanced: &RunLog) {
+    let out = root.join("three-ranks");
+    let (ok, secs, err) = mpirun_n(3, &out, &[("TLT_DP_SKEW", "5".to_string())]);
+    assert!(ok, "mpirun -np 3 (skewed) failed:\n{err}");
+    let logs: Vec<RunLog> = (0..3).map(|r| read_log(&out, r)).collect();
+    let (gap, _) = weight_gap(&balanced.weights, &logs[0].weights);
+    println!(
+        "3 ranks, rank 1 slow (mpirun {secs:.1} s): groups stolen per step {:?}; rank rollout seconds {:.3?}; max \
+         |weight gap| to 2 ranks {gap:.3e}",
+        logs[0].stolen, logs[0].rank_rollout_s
+    );
+    assert!(logs[0].stolen.iter().all(|&n| n > 0), "a step without stealing: {:?}", logs[0].stolen);
+    assert!(logs.iter().all(|l| l.weights == logs[0].weights), "the three ranks' weights differ");
+    assert!(logs.iter().all(|l| l.rank_rollout_s[0].len() == 3));
+    assert_eq!(logs[0].tokens[0], balanced.tokens[0], "step 0's tokens depend on the rank count");
+    assert!(gap < 1e-4, "weights {gap:e} away from 2 ranks'");
+}
+
 /// Rank 1 slow (20 ms more per round) and no stealing, with the online EAGLE-2 drafter: rank 0 decodes its share,
 /// then trains the drafter on the features of both ranks while rank 1 still decodes; rank 1 hot-swaps the versions
 /// mid-rollout; both ranks end every step on the same drafter version, and the tokens and policy are those of the
@@ -421,6 +450,7 @@ fn main() {
     let uninterrupted = against_one_rank("baseline", &root);
     against_one_rank("tlt", &root);
     stealing_is_lossless(&root, &uninterrupted);
+    three_ranks_steal(&root, &uninterrupted);
     let (r0, _) = idle_rank_trains_the_drafter(&root.join("eagle"), &uninterrupted, &[]);
     assert!(r0.device_uploads.iter().all(|&n| n == 0), "nothing is uploaded to a device on the CPU");
     ranks_train_the_drafter_together(&root, &uninterrupted);

@@ -542,6 +542,10 @@ pub fn run(a: &RanksArgs) -> Result<()> {
         .with_context(|| format!("reading {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+        // The runs this suite models: plain ranks and stealing (the folder also holds other runs' metrics).
+        .filter(|p| {
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("rep") || n.starts_with("steal"))
+        })
         .collect();
     paths.sort();
     let runs: Vec<Run> = paths.iter().map(|p| read_run(p, a.group_size)).collect::<Result<_>>()?;

@@ -176,8 +176,8 @@ pub(super) fn check_same<T: Serialize>(comm: &dyn Comm, what: &str, value: &T) -
 /// The trainer's communicator: the job's ranks ([`tlt_comm::SelfComm`] for one).
 pub(super) type SharedComm = Arc<dyn Comm>;
 
-/// Work stealing's messages: a rank out of work asks every other rank (`STEAL`), each answers once (`GRANT`, the
-/// groups it gives, maybe none), and a rank with nothing left to decode or steal says so (`DONE`) and keeps
+/// Work stealing's messages: a rank out of work asks the other ranks (`STEAL`), one at a time until one gives it
+/// groups, each asked rank answers once (`GRANT`, the groups it gives, maybe none), and a rank with nothing left to decode or steal says so (`DONE`) and keeps
 /// answering requests until every rank has. Every request is answered before its sender's `DONE`, so no message
 /// outlives the step.
 const TAG_STEAL: Tag = 1;
@@ -224,24 +224,30 @@ fn serve_idle(comm: &dyn Comm, done: &mut [bool]) -> Result<bool> {
     Ok(any)
 }
 
-/// The idle side: asks every rank not yet done for work and returns the step's groups granted (empty: nothing
-/// left to steal). `done[r]` records the ranks that said `DONE`.
+/// The idle side: asks the ranks not yet done for work, one at a time from the next rank on, and returns the first
+/// grant that holds groups (the back half of that rank's unstarted ones; empty: nothing left to steal anywhere).
+/// One victim per request bounds what a thief takes: asking every rank at once, the first rank to run dry among
+/// many took half of all queued work and became the new tail. `done[r]` records the ranks that said `DONE`.
 pub(super) fn ask_for_work(comm: &dyn Comm, done: &mut [bool]) -> Result<Vec<usize>> {
-    let me = comm.rank();
-    let peers: Vec<usize> = (0..comm.size()).filter(|&r| r != me && !done[r]).collect();
-    for &p in &peers {
-        comm.send(p, TAG_STEAL, &[])?;
-    }
-    let (mut pending, mut granted) = (peers.len(), Vec::new());
-    while pending > 0 {
-        if let Some((from, bytes)) = comm.try_recv(TAG_GRANT)? {
-            granted.extend(decode::<Vec<usize>>(&bytes, from)?);
-            pending -= 1;
-        } else if !serve_idle(comm, done)? {
-            std::thread::sleep(POLL);
+    let (me, n) = (comm.rank(), comm.size());
+    for victim in (1..n).map(|k| (me + k) % n) {
+        if done[victim] {
+            continue;
+        }
+        comm.send(victim, TAG_STEAL, &[])?;
+        let granted = loop {
+            if let Some((from, bytes)) = comm.try_recv(TAG_GRANT)? {
+                break decode::<Vec<usize>>(&bytes, from)?;
+            }
+            if !serve_idle(comm, done)? {
+                std::thread::sleep(POLL);
+            }
+        };
+        if !granted.is_empty() {
+            return Ok(granted);
         }
     }
-    Ok(granted)
+    Ok(Vec::new())
 }
 
 /// Says `DONE` to every rank and answers requests until every rank has said it, running `idle` (given which ranks

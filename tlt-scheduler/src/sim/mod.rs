@@ -10,10 +10,11 @@
 //! step (weights are synced at the next rollout, as in fastrl).
 //!
 //! With [`SimConfig::steal`] a worker's groups enter its scheduler only as it has room for them (a group is
-//! *started* once one of its requests is admitted), and a worker left with nothing to decode asks every other
-//! worker, each of which gives it the back half (rounded up) of its unstarted groups, as the data-parallel trainer
-//! does (`tlt-rl`'s `answer_steals`). The grant is instant here (the trainer answers between rounds), and a stolen
-//! group's prompt is prefilled by the thief.
+//! *started* once one of its requests is admitted), and a worker left with nothing to decode asks the other workers
+//! one at a time, from the next one on, and the first that has unstarted groups gives it the back half of them
+//! (rounded up), as the data-parallel trainer does (`tlt-rl`'s `ask_for_work` and `answer_steals`). The grant is instant here (the trainer answers between rounds), a stolen
+//! group's prompt is prefilled by the thief, and a stolen group stays with its thief (the trainer decodes what it
+//! stole without granting any of it again).
 //!
 //! ```
 //! use tlt_scheduler::sim::{simulate, LengthDist, SimConfig};
@@ -242,6 +243,8 @@ struct Worker {
     rollout: Rollout,
     /// Groups (their requests' lengths) not yet submitted to `rollout` (only with stealing).
     held: VecDeque<Vec<usize>>,
+    /// Groups it stole and has not yet submitted: never granted again.
+    stolen: VecDeque<Vec<usize>>,
     target: HashMap<RequestId, usize>,
     generated: HashMap<RequestId, usize>,
     pending: Option<StepOutcome>,
@@ -307,6 +310,7 @@ fn simulate_rollout(
         workers.push(Worker {
             rollout,
             held,
+            stolen: VecDeque::new(),
             target,
             generated: HashMap::new(),
             pending: None,
@@ -375,8 +379,9 @@ fn submit(
     Ok(())
 }
 
-/// The worker's next step; a worker with nothing left first steals (with [`SimConfig::steal`]): every other
-/// worker gives it the back half, rounded up, of its unstarted groups. `None`: nothing to decode or steal.
+/// The worker's next step; a worker with nothing left first steals (with [`SimConfig::steal`]): the first other
+/// worker from the next one on that has unstarted groups gives it the back half of them, rounded up. `None`: nothing
+/// to decode or steal.
 fn next_or_steal(
     cfg: &SimConfig,
     workers: &mut [Worker],
@@ -390,18 +395,14 @@ fn next_or_steal(
     if !cfg.steal {
         return Ok(None);
     }
-    let mut granted = VecDeque::new();
-    for (v, victim) in workers.iter_mut().enumerate() {
-        if v != w {
-            let n = victim.held.len().div_ceil(2);
-            granted.extend(victim.held.split_off(victim.held.len() - n));
-        }
-    }
-    if granted.is_empty() {
+    let n = workers.len();
+    let Some(v) = (1..n).map(|k| (w + k) % n).find(|&v| !workers[v].held.is_empty()) else {
         return Ok(None);
-    }
+    };
+    let victim = &mut workers[v].held;
+    let granted = victim.split_off(victim.len() - victim.len().div_ceil(2));
     *stolen += granted.len() as u64;
-    workers[w].held = granted;
+    workers[w].stolen = granted;
     plan_step(cfg, &mut workers[w], staleness)
 }
 
@@ -422,7 +423,7 @@ fn harvest(finish: &[f64], makespan: f64, max_trainers: usize) -> f64 {
 fn plan_step(cfg: &SimConfig, wk: &mut Worker, staleness: f64) -> Result<Option<f64>> {
     // Held groups enter as the scheduler has room: then it admits exactly what it would with all of them queued.
     while wk.rollout.waiting() + wk.rollout.running().len() < cfg.rollout.max_running {
-        let Some(lens) = wk.held.pop_front() else { break };
+        let Some(lens) = wk.held.pop_front().or_else(|| wk.stolen.pop_front()) else { break };
         submit(&mut wk.rollout, &mut wk.target, cfg.prompt_tokens, lens)?;
     }
     let Some(step) = wk.rollout.next_step()? else { return Ok(None) };
