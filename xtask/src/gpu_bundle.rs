@@ -52,24 +52,15 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&dir);
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin)?;
-    // Test executables, found from cargo's JSON messages.
-    let mut tests = cargo();
-    tests
-        .args(["test", "--release", "--no-run", "--message-format=json", "--features", crate::CUDA_FEATURES])
-        .args(crate::cuda_package_args())
-        .args(["--test", "cuda"])
-        .stderr(Stdio::inherit());
-    let out = tests.output().context("cargo test --no-run")?;
-    if !out.status.success() {
-        bail!("building the CUDA test executables failed");
-    }
-    let mut copied = Vec::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
-        let (Some(exe), Some(pkg)) = (msg["executable"].as_str(), msg["package_id"].as_str()) else { continue };
-        let name = crate::CUDA_PACKAGES.into_iter().find(|p| pkg.contains(p)).unwrap_or("x");
-        copied.push((PathBuf::from(exe), bin.join(format!("test-{name}"))));
-    }
+    let mut selection = vec!["--features", crate::CUDA_FEATURES, "--test", "cuda"];
+    selection.extend(crate::cuda_package_args());
+    let mut copied: Vec<(PathBuf, PathBuf)> = built_tests(&cargo, &selection, "the CUDA test executables")?
+        .into_iter()
+        .map(|(exe, pkg)| {
+            let name = crate::CUDA_PACKAGES.into_iter().find(|p| pkg.contains(p)).unwrap_or("x");
+            (exe, bin.join(format!("test-{name}")))
+        })
+        .collect();
     if copied.len() != crate::CUDA_PACKAGES.len() {
         bail!("expected {} CUDA test executables, found {}", crate::CUDA_PACKAGES.len(), copied.len());
     }
@@ -102,21 +93,27 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Builds test `test` of `package` with `features` (`cargo test --release --no-run`) and returns its executable.
-fn test_executable(cargo: impl Fn() -> Command, package: &str, features: &str, test: &str) -> Result<PathBuf> {
+/// Builds the tests `selection` selects (packages, features, targets) with `cargo test --release --no-run` and
+/// returns each executable with its package id, found from cargo's JSON messages; `what` names them in errors.
+fn built_tests(cargo: impl Fn() -> Command, selection: &[&str], what: &str) -> Result<Vec<(PathBuf, String)>> {
     let mut cmd = cargo();
-    cmd.args(["test", "--release", "--no-run", "--message-format=json", "-p", package, "--features", features])
-        .args(["--test", test])
-        .stderr(Stdio::inherit());
-    let out = cmd.output().with_context(|| format!("cargo test --no-run ({package} {test})"))?;
-    let exe = String::from_utf8_lossy(&out.stdout)
+    cmd.args(["test", "--release", "--no-run", "--message-format=json"]).args(selection).stderr(Stdio::inherit());
+    let out = cmd.output().with_context(|| format!("cargo test --no-run ({what})"))?;
+    if !out.status.success() {
+        bail!("building {what} failed");
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from));
-    match (out.status.success(), exe) {
-        (true, Some(exe)) => Ok(exe),
-        _ => bail!("building {package}'s test `{test}` (features {features}) failed"),
-    }
+        .filter_map(|m| Some((PathBuf::from(m["executable"].as_str()?), m["package_id"].as_str()?.to_string())))
+        .collect())
+}
+
+/// Builds test `test` of `package` with `features` and returns its executable.
+fn test_executable(cargo: impl Fn() -> Command, package: &str, features: &str, test: &str) -> Result<PathBuf> {
+    let what = format!("{package}'s test `{test}` (features {features})");
+    let built = built_tests(cargo, &["-p", package, "--features", features, "--test", test], &what)?;
+    built.into_iter().next().map(|(exe, _)| exe).with_context(|| format!("cargo built no executable for {what}"))
 }
 
 /// Writes `run.sh` and the transformers peer's script into `dir`.

@@ -470,12 +470,17 @@ impl DrafterTrainer {
         let grads = total.backward()?;
         let grad_norm = self.opt.step(&grads, lr, self.cfg.grad_clip)?;
         self.step += 1;
+        Ok(self.record(eval, grad_norm, lr, t0))
+    }
+
+    /// Counts a step's batch in the totals and keeps its statistics (the step count already advanced).
+    fn record(&mut self, eval: DraftEvaluation, grad_norm: GradNorm, lr: f64, t0: Instant) -> StepStats {
         self.totals.samples += eval.batch.samples as u64;
         self.totals.tokens += eval.batch.tokens as u64;
         self.totals.targets += eval.targets;
         let stats = StepStats { step: self.step, eval, grad_norm, lr, seconds: t0.elapsed().as_secs_f64() };
         self.last = Some(stats.clone());
-        Ok(stats)
+        stats
     }
 
     /// An inference snapshot of the current weights, for publishing to a

@@ -83,6 +83,8 @@ impl DrafterTrainer {
         // trainer has a gradient for is left out, so the optimizer leaves it alone as in `step`).
         let (mut grads, eval) = match local {
             Some((grads, eval)) => (grads, Some(eval)),
+            // An empty share has no store of its own, and candle's `GradStore` has no public constructor: the
+            // backward pass of a constant gives one, holding only that constant's entry (no parameter's).
             None => {
                 (candle_core::Tensor::zeros((), candle_core::DType::F32, &candle_core::Device::Cpu)?.backward()?, None)
             }
@@ -100,15 +102,7 @@ impl DrafterTrainer {
         }
         let grad_norm = self.opt.step(&grads, lr, self.cfg.grad_clip)?;
         self.step += 1;
-        let Some(eval) = eval else {
-            return Ok(None);
-        };
-        self.totals.samples += eval.batch.samples as u64;
-        self.totals.tokens += eval.batch.tokens as u64;
-        self.totals.targets += eval.targets;
-        let stats = StepStats { step: self.step, eval, grad_norm, lr, seconds: t0.elapsed().as_secs_f64() };
-        self.last = Some(stats.clone());
-        Ok(Some(stats))
+        Ok(eval.map(|eval| self.record(eval, grad_norm, lr, t0)))
     }
 
     /// Joins another trainer's run: its step count, totals and AdamW moments (in [`Self::optimizer`]'s parameter

@@ -13,15 +13,14 @@
 //! sends its trainer's state (weights, AdamW moments, step), each rank takes a share of every batch rank 0 draws,
 //! and their gradients are summed with an all-reduce ([`DrafterTrainer::step_with`]), so every rank applies the
 //! update one trainer would apply to the whole batch. Measured on this machine (docs/bench/2026-11-26-ranks.md),
-//! two ranks take such a step in 0.48x one rank's time.
+//! two ranks take such a step in 0.55x one rank's time.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
 use tlt_comm::Tag;
-
 use tlt_drafter::online::{FeatureSample, OnlineBuffer};
 use tlt_drafter::train::Totals;
 use tlt_drafter::RuntimeOptions;
@@ -291,8 +290,8 @@ impl RolloutDrafter {
     /// The step's end, on every rank (collective): the trainer takes in every feature still in flight, all ranks
     /// take together the drafter steps a `fixed` schedule still owes (`min_steps` minus the trainer's idle steps;
     /// [`Self::joint_steps`]), and every rank installs the trainer's final weights and version, after draining the
-    /// versions still in flight to it. Returns this rank's mid-rollout
-    /// swaps (the versions it installed while decoding) and its seconds of drafter training this step.
+    /// versions still in flight to it. Returns this rank's mid-rollout swaps (the versions it installed while
+    /// decoding) and its seconds of drafter training this step.
     pub(crate) fn sync_replicas(&mut self, min_steps: u64) -> Result<(u64, f64)> {
         let Some(e) = self.eagle.as_mut() else { return Ok((0, 0.0)) };
         let Some(r) = e.replica.as_ref() else { return Ok((0, 0.0)) };

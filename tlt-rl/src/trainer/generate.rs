@@ -185,7 +185,8 @@ impl<E: Environment> Trainer<E> {
             Some(d) => d.sync_replicas(min_steps)?,
             None => (0, 0.0),
         };
-        // The trainer rank's drafter training while the others decoded and at the step's end.
+        // This rank's drafter training: the trainer rank's while the others decoded, and every rank's joint steps at
+        // the step's end.
         out.drafter_s += drafter_s;
         out.drafter_after_s += drafter_s;
         let local = std::mem::take(&mut out.samples);

@@ -177,8 +177,8 @@ pub(super) fn check_same<T: Serialize>(comm: &dyn Comm, what: &str, value: &T) -
 pub(super) type SharedComm = Arc<dyn Comm>;
 
 /// Work stealing's messages: a rank out of work asks the other ranks (`STEAL`), one at a time until one gives it
-/// groups, each asked rank answers once (`GRANT`, the groups it gives, maybe none), and a rank with nothing left to decode or steal says so (`DONE`) and keeps
-/// answering requests until every rank has. Every request is answered before its sender's `DONE`, so no message
+/// groups; each asked rank answers once (`GRANT`, the groups it gives, maybe none); and a rank with nothing left to
+/// decode or steal says so (`DONE`) and keeps answering requests until every rank has. Every request is answered before its sender's `DONE`, so no message
 /// outlives the step.
 const TAG_STEAL: Tag = 1;
 const TAG_GRANT: Tag = 2;
