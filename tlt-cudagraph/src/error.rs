@@ -15,13 +15,7 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
-    /// The `cuda` backend was asked for in a build without the `cuda` feature.
-    #[error("tlt-cudagraph was built without the `cuda` feature")]
-    NotCompiledWithCuda,
-    /// No CUDA driver library (`libcuda.so`) could be loaded, or it lacks a needed symbol.
-    #[error("no usable CUDA driver: {0}")]
-    NoDriver(String),
-    /// A CUDA driver call failed.
+    /// A device call failed.
     #[error("CUDA driver call `{op}` failed: {message}")]
     Driver {
         /// The operation (`"begin_capture"`, `"launch"`...).

@@ -13,7 +13,8 @@
 //!   [`GraphExecutor`] pads the batch, captures on first use through a [`GraphBackend`], replays after, and
 //!   falls back to eager with a recorded [`FallbackReason`] when the batch is too large, the graph cannot fit
 //!   the budget, or capture failed (a failed key is not retried).
-//! - [`cuda::CudaGraphBackend`]: stream capture and graph launch via cudarc, behind the `cuda` feature.
+//! - [`gpu::capture`] and [`gpu::GpuGraphBackend`]: stream capture and graph replay on a device behind the seam
+//!   (`tlt_kernels::cuda::Gpu`): a CUDA device, or the simulated device that runs them in CI.
 //!
 //! ```
 //! use tlt_cudagraph::{BucketPolicy, Captured, Executor, GraphBackend, GraphExecutor, GraphKey, RunMode};
@@ -42,16 +43,8 @@
 //! assert_eq!(ex.stats().bytes_in_use, 64 * 160);
 //! ```
 //!
-//! # Features
-//! - `cuda` (off by default): [`cuda::CudaGraphBackend`] captures and replays real CUDA graphs through
-//!   cudarc's driver API, loaded at run time: it builds without a CUDA toolkit, and without a driver
-//!   construction returns [`Error::NoDriver`] instead of panicking. Without the feature the same type exists
-//!   and its constructor returns [`Error::NotCompiledWithCuda`].
-//!
-//! **Not here yet** (issue 6): the GPU test (`tests/cuda.rs`) has only been compiled, never run on a device;
-//! no engine forward is wired to the executors yet (`tlt-spec-decode` runs eagerly on CPU).
-//!
-//! **Where it sits:** depends on serde, thiserror, cudarc (optional); used by `tlt-spec-decode`, `tlt-rl`.
+//! **Where it sits:** depends on serde, thiserror, tlt-kernels (the device seam; no candle); used by `tlt-model`
+//! (`CudaLlama`'s shapes), `tlt-scheduler`, `tlt-rl`.
 
 mod bucket;
 mod error;
@@ -60,13 +53,7 @@ mod key;
 mod pool;
 mod shapes;
 
-/// The CUDA graph backend (real with the `cuda` feature, a stand-in that errors without it).
-#[cfg(feature = "cuda")]
-pub mod cuda;
-/// The CUDA graph backend (real with the `cuda` feature, a stand-in that errors without it).
-#[cfg(not(feature = "cuda"))]
-#[path = "no_cuda.rs"]
-pub mod cuda;
+pub mod gpu;
 
 pub use bucket::BucketPolicy;
 pub use error::{BoxError, Error, Result};

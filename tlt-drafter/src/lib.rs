@@ -75,13 +75,13 @@
 //!
 //! # Features
 //! Default: CPU, any float dtype the target uses (tests run f32 and, for gradient checks, f64).
-//! `cuda`: `cuda::CudaDrafter`, a [`DraftExecutor`] running the drafter's forward and top-k on a CUDA device
-//! (compiled and CPU-tested for its host-side checks; not yet run on a GPU).
+//! `cuda::CudaDrafter`, a [`DraftExecutor`] running the drafter's forward and top-k on a device behind the seam
+//! (`tlt_kernels::cuda::Gpu`), is always built: CI runs it on the simulated device; `cuda` adds the CUDA device
+//! (`tlt_kernels::cuda::CudaGpu`).
 
 mod batch;
 pub mod checkpoint;
 mod config;
-#[cfg(feature = "cuda")]
 pub mod cuda;
 mod eagle2;
 mod eagle3;

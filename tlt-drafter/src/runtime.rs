@@ -87,7 +87,6 @@ impl PackedLayer {
 }
 
 /// A linear layer as host f32 (`w`: `[out, inp]`).
-#[cfg(feature = "cuda")]
 #[derive(Debug, Clone)]
 pub(crate) struct ExportedLinear {
     pub w: Vec<f32>,
@@ -97,7 +96,6 @@ pub(crate) struct ExportedLinear {
 }
 
 /// A runtime's weights as host f32 ([`DraftRuntime::export`]).
-#[cfg(feature = "cuda")]
 #[derive(Debug, Clone)]
 pub(crate) struct Exported {
     pub fc: ExportedLinear,
@@ -450,14 +448,12 @@ impl DraftRuntime {
     }
 
     /// RMSNorm epsilon and RoPE inverse frequencies (`[head_dim / 2]`).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn norm_eps_and_rope(&self) -> (f32, &[f64]) {
+        pub(crate) fn norm_eps_and_rope(&self) -> (f32, &[f64]) {
         (self.eps, &self.inv_freq)
     }
 
     /// Every weight as host f32 (quantized packings dequantized), for an executor that copies them elsewhere.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn export(&self) -> Result<Exported> {
+        pub(crate) fn export(&self) -> Result<Exported> {
         let lin = |p: &Packed| ExportedLinear {
             w: p.w.to_f32(),
             bias: p.bias.clone(),

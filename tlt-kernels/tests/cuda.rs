@@ -7,7 +7,7 @@
 //! - With a driver (`cargo xtask test --gpu` sets `TLT_REQUIRE_GPU=1`): the kernels against the CPU kernels.
 #![allow(clippy::unwrap_used, clippy::too_many_arguments)] // Tests: a panic is the failure report.
 
-use tlt_kernels::cuda::{compile, driver_available, nvrtc_available, CudaKernels, KernelSource, CI_ARCHS, SOURCES};
+use tlt_kernels::cuda::{compile, driver_available, nvrtc_available, CudaGpu, KernelSource, CI_ARCHS, SOURCES};
 use tlt_kernels::Error;
 
 fn required(var: &str) -> bool {
@@ -79,28 +79,27 @@ fn without_a_driver_the_device_path_errors() {
         return;
     }
     assert!(!required("TLT_REQUIRE_GPU"), "TLT_REQUIRE_GPU=1 but no CUDA driver can be loaded");
-    match CudaKernels::new(0) {
+    match CudaGpu::open(0) {
         Err(Error::CudaUnavailable(m)) => assert!(m.contains("libcuda"), "{m}"),
         other => panic!("expected CudaUnavailable, got {other:?}"),
     }
 }
 
 mod gpu {
-    //! Kernel results against the CPU kernels, on a GPU only.
+    //! Kernel results against the CPU kernels, on a GPU only (through the device seam, as the host code runs them;
+    //! `tlt-cuda-sim` runs the same plans in CI).
 
-    use cudarc::driver::{CudaSlice, CudaStream};
     use half::bf16;
     use std::sync::Arc;
-    use tlt_kernels::cuda::{ancestor_masks, AcceptIn, AcceptOut, CacheDims, CudaKernels, RowMeta, SeqMeta, TreeDims};
+    use tlt_kernels::cuda::plan::{self, AcceptInBufs, AcceptOutBufs, RowBufs, SeqBufs};
+    use tlt_kernels::cuda::{ancestor_masks, CacheDims, CudaGpu, DeviceBuf, Elem, Gpu, TreeDims};
     use tlt_kernels::{argmax, token_logprob_pmax, tree_attention, AttnShape, SamplingParams, SplitMix64, Visibility};
 
-    fn gpu_or_skip(test: &str) -> Option<(CudaKernels, Arc<CudaStream>)> {
+    fn gpu_or_skip(test: &str) -> Option<Arc<CudaGpu>> {
         if !tlt_kernels::cuda::gpu_or_skip(test).unwrap() {
             return None;
         }
-        let k = CudaKernels::new(0).unwrap_or_else(|e| panic!("{e}"));
-        let s = k.context().default_stream();
-        Some((k, s))
+        Some(CudaGpu::open(0).unwrap_or_else(|e| panic!("{e}")))
     }
 
     fn bf(v: &[f32]) -> Vec<bf16> {
@@ -115,15 +114,16 @@ mod gpu {
         (0..n).map(|_| (rng.next_f64() * 2.0 - 1.0) as f32).collect()
     }
 
-    fn up<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> CudaSlice<T> {
-        s.clone_htod(v).unwrap()
+    fn up<T: Elem>(g: &dyn Gpu, v: &[T]) -> DeviceBuf<T> {
+        DeviceBuf::from_host(g, v).unwrap()
     }
 
     /// RoPE + cache write, then tree attention, against the CPU tree attention on the same (bf16-rounded)
     /// inputs: one sequence with a committed prefix and a 6-node tree, GQA 9/3 heads of 64 (SmolLM2's shape).
     #[test]
     fn tree_attention_matches_the_cpu_kernel() {
-        let Some((kern, s)) = gpu_or_skip("tree_attention_matches_the_cpu_kernel") else { return };
+        let Some(g) = gpu_or_skip("tree_attention_matches_the_cpu_kernel") else { return };
+        let g: &dyn Gpu = g.as_ref();
         let shape = AttnShape::new(9, 3, 64);
         let cache = CacheDims { layers: 2, slots: 2, max_len: 64, attn: shape };
         let (prefix, parents) = (37usize, [-1i32, 0, 0, 1, 2, 4]);
@@ -141,24 +141,30 @@ mod gpu {
         let base = layer * cache.layer_len() + slot * cache.max_len * row;
         k_host[base..base + prefix * row].copy_from_slice(&bf(&keys[..prefix * row]));
         v_host[base..base + prefix * row].copy_from_slice(&bf(&vals[..prefix * row]));
-        let (mut kc, mut vc) = (up(&s, &k_host), up(&s, &v_host));
-        let mut q_dev = up(&s, &bf(&q));
-        let (k_new, v_new) = (up(&s, &bf(&keys[prefix * row..])), up(&s, &bf(&vals[prefix * row..])));
-        let rows_slot = up(&s, &vec![slot as i32; n]);
-        let rows_pos = up(&s, &vec![0i32; n]);
+        let (kc, vc) = (up(g, &k_host), up(g, &v_host));
+        let q_dev = up(g, &bf(&q));
+        let (k_new, v_new) = (up(g, &bf(&keys[prefix * row..])), up(g, &bf(&vals[prefix * row..])));
+        let rows_slot = up(g, &vec![slot as i32; n]);
+        let rows_pos = up(g, &vec![0i32; n]);
         let rows_dst: Vec<i32> = (0..n).map(|j| (prefix + j) as i32).collect();
-        let rows_dst = up(&s, &rows_dst);
+        let rows_dst = up(g, &rows_dst);
         let inv_freq: Vec<f64> = (0..32).map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / 64.0)).collect();
-        let inv = up(&s, &inv_freq);
-        let meta = RowMeta { slot: &rows_slot, pos: &rows_pos, dst: &rows_dst };
-        kern.rope_kv_write(&s, cache, layer, n, &mut q_dev, &k_new, &v_new, &mut kc, &mut vc, meta, &inv).unwrap();
+        let inv = up(g, &inv_freq);
+        let meta = RowBufs { slot: rows_slot.buf(), pos: rows_pos.buf(), dst: rows_dst.buf() };
+        let (kb, vb) = (kc.buf(), vc.buf());
+        g.launch(
+            &plan::rope_kv_write(cache, layer, n, q_dev.buf(), k_new.buf(), v_new.buf(), kb, vb, meta, inv.buf())
+                .unwrap(),
+        )
+        .unwrap();
         let tree = TreeDims { batch: 1, n_max: n };
-        let anc = up(&s, &ancestor_masks(&parents).unwrap());
-        let (seq_slot, seq_prefix, seq_n) = (up(&s, &[slot as i32]), up(&s, &[prefix as i32]), up(&s, &[n as i32]));
-        let seq = SeqMeta { slot: &seq_slot, prefix_len: &seq_prefix, n_nodes: &seq_n };
-        let mut out = up(&s, &vec![bf16::ZERO; n * 9 * 64]);
-        kern.tree_attention(&s, cache, layer, tree, &q_dev, &kc, &vc, &mut out, seq, Some(&anc)).unwrap();
-        let got = unbf(&s.clone_dtoh(&out).unwrap());
+        let anc = up(g, &ancestor_masks(&parents).unwrap());
+        let (seq_slot, seq_prefix, seq_n) = (up(g, &[slot as i32]), up(g, &[prefix as i32]), up(g, &[n as i32]));
+        let seq = SeqBufs { slot: seq_slot.buf(), prefix_len: seq_prefix.buf(), n_nodes: seq_n.buf() };
+        let out = up(g, &vec![bf16::ZERO; n * 9 * 64]);
+        g.launch(&plan::tree_attention(cache, layer, tree, q_dev.buf(), kb, vb, out.buf(), seq, Some(anc.buf())).unwrap())
+            .unwrap();
+        let got = unbf(&out.to_host(g).unwrap());
         // CPU: node 0 is the root, fed as a new row whose parent is the last committed token.
         let cpu_parents: Vec<Option<usize>> = parents.iter().map(|&p| usize::try_from(p).ok()).collect();
         let mut want = vec![0f32; n * 9 * 64];
@@ -171,14 +177,16 @@ mod gpu {
     /// partly empty) normalised in place against an f64 reference on the same bf16 inputs.
     #[test]
     fn head_rms_norm_matches_the_host() {
-        let Some((kern, s)) = gpu_or_skip("head_rms_norm_matches_the_host") else { return };
+        let Some(g) = gpu_or_skip("head_rms_norm_matches_the_host") else { return };
+        let g: &dyn Gpu = g.as_ref();
         let (vectors, d, eps) = (40usize, 128usize, 1e-6f32);
         let mut rng = SplitMix64::new(5);
         let x = unbf(&bf(&randn(&mut rng, vectors * d)));
         let w = unbf(&bf(&randn(&mut rng, d)));
-        let mut xd = up(&s, &bf(&x));
-        kern.head_rms_norm(&s, d, eps, &mut xd, &up(&s, &bf(&w))).unwrap();
-        let got = unbf(&s.clone_dtoh(&xd).unwrap());
+        let xd = up(g, &bf(&x));
+        let wd = up(g, &bf(&w));
+        g.launch(&plan::head_rms_norm(d, eps, xd.buf(), wd.buf()).unwrap().unwrap()).unwrap();
+        let got = unbf(&xd.to_host(g).unwrap());
         let mut worst = 0f64;
         for (v, row) in x.chunks(d).enumerate() {
             let ms = row.iter().map(|&a| f64::from(a) * f64::from(a)).sum::<f64>() / d as f64;
@@ -189,29 +197,30 @@ mod gpu {
             }
         }
         assert!(worst < 1e-2, "max relative |gpu - host| = {worst} (bf16 output)");
-        assert!(kern.head_rms_norm(&s, 48, eps, &mut xd, &up(&s, &bf(&w))).is_err(), "weight of the wrong width");
+        assert!(plan::head_rms_norm(48, eps, xd.buf(), wd.buf()).is_err(), "weight of the wrong width");
     }
 
     /// Greedy and sampled rows against the CPU's argmax / inverse-CDF reference, and the tree walk on a
     /// hand-built tree.
     #[test]
     fn sampling_and_tree_acceptance_match_the_host() {
-        let Some((kern, s)) = gpu_or_skip("sampling_and_tree_acceptance_match_the_host") else { return };
+        let Some(g) = gpu_or_skip("sampling_and_tree_acceptance_match_the_host") else { return };
+        let g: &dyn Gpu = g.as_ref();
         let (rows, vocab) = (6usize, 49_152usize);
         let mut rng = SplitMix64::new(11);
         let logits: Vec<f32> = (0..rows * vocab).map(|_| (rng.next_f64() * 8.0) as f32).collect();
-        let l = up(&s, &logits);
-        let (mut tok, mut lp, mut pm) =
-            (up(&s, &vec![0i32; rows]), up(&s, &vec![0f32; rows]), up(&s, &vec![0f32; rows]));
-        kern.sample_rows(&s, rows, vocab, 0.0, &l, None, &mut tok, &mut lp, &mut pm).unwrap();
-        let got = s.clone_dtoh(&tok).unwrap();
+        let l = up(g, &logits);
+        let (tok, lp, pm) = (up(g, &vec![0i32; rows]), up(g, &vec![0f32; rows]), up(g, &vec![0f32; rows]));
+        g.launch(&plan::sample_rows(rows, vocab, 0.0, l.buf(), None, tok.buf(), lp.buf(), pm.buf()).unwrap()).unwrap();
+        let got = tok.to_host(g).unwrap();
         for r in 0..rows {
             assert_eq!(got[r] as usize, argmax(&logits[r * vocab..(r + 1) * vocab]).unwrap(), "row {r}");
         }
         let coins: Vec<f64> = (0..rows).map(|_| rng.next_f64()).collect();
-        let c = up(&s, &coins);
-        kern.sample_rows(&s, rows, vocab, 0.7, &l, Some(&c), &mut tok, &mut lp, &mut pm).unwrap();
-        let (got, got_lp) = (s.clone_dtoh(&tok).unwrap(), s.clone_dtoh(&lp).unwrap());
+        let c = up(g, &coins);
+        g.launch(&plan::sample_rows(rows, vocab, 0.7, l.buf(), Some(c.buf()), tok.buf(), lp.buf(), pm.buf()).unwrap())
+            .unwrap();
+        let (got, got_lp) = (tok.to_host(g).unwrap(), lp.to_host(g).unwrap());
         let params = SamplingParams { temperature: 0.7, ..SamplingParams::default() };
         for r in 0..rows {
             let x = &logits[r * vocab..(r + 1) * vocab];
@@ -228,29 +237,34 @@ mod gpu {
         // Tree: 0 -> {1: tok 5, 2: tok 7}, 1 -> 3: tok 9, 2 -> 4: tok 9. Target: root says 7, node 2 says 9,
         // node 4 says 3: accept 2 then 4, then commit 3.
         let tree = TreeDims { batch: 1, n_max: 5 };
-        let parent = up(&s, &[-1i32, 0, 0, 1, 2]);
-        let draft = up(&s, &[0i32, 5, 7, 9, 9]);
-        let target = up(&s, &[7i32, 1, 9, 1, 3]);
-        let target_lp = up(&s, &[-0.5f32, -1.0, -0.25, -1.0, -2.0]);
-        let target_pm = up(&s, &[0.5f32, 0.6, 0.7, 0.8, 0.9]);
-        let nn = up(&s, &[5i32]);
-        let (mut path, mut n_acc, mut toks, mut lps, mut pms) =
-            (up(&s, &[0i32; 5]), up(&s, &[0i32]), up(&s, &[0i32; 5]), up(&s, &[0f32; 5]), up(&s, &[0f32; 5]));
-        let input = AcceptIn {
-            parent: &parent,
-            draft_tok: &draft,
-            target_tok: &target,
-            target_lp: &target_lp,
-            target_pmax: &target_pm,
-            n_nodes: &nn,
+        let parent = up(g, &[-1i32, 0, 0, 1, 2]);
+        let draft = up(g, &[0i32, 5, 7, 9, 9]);
+        let target = up(g, &[7i32, 1, 9, 1, 3]);
+        let target_lp = up(g, &[-0.5f32, -1.0, -0.25, -1.0, -2.0]);
+        let target_pm = up(g, &[0.5f32, 0.6, 0.7, 0.8, 0.9]);
+        let nn = up(g, &[5i32]);
+        let (path, n_acc, toks, lps, pms) =
+            (up(g, &[0i32; 5]), up(g, &[0i32]), up(g, &[0i32; 5]), up(g, &[0f32; 5]), up(g, &[0f32; 5]));
+        let input = AcceptInBufs {
+            parent: parent.buf(),
+            draft_tok: draft.buf(),
+            target_tok: target.buf(),
+            target_lp: target_lp.buf(),
+            target_pmax: target_pm.buf(),
+            n_nodes: nn.buf(),
         };
-        let out =
-            AcceptOut { path: &mut path, n_acc: &mut n_acc, tokens: &mut toks, logprobs: &mut lps, pmax: &mut pms };
-        kern.tree_accept(&s, tree, input, out).unwrap();
-        assert_eq!(s.clone_dtoh(&n_acc).unwrap(), vec![3]);
-        assert_eq!(&s.clone_dtoh(&path).unwrap()[..3], &[0, 2, 4]);
-        assert_eq!(&s.clone_dtoh(&toks).unwrap()[..3], &[7, 9, 3]);
-        assert_eq!(&s.clone_dtoh(&lps).unwrap()[..3], &[-0.5, -0.25, -2.0]);
-        assert_eq!(&s.clone_dtoh(&pms).unwrap()[..3], &[0.5, 0.7, 0.9]);
+        let out = AcceptOutBufs {
+            path: path.buf(),
+            n_acc: n_acc.buf(),
+            tokens: toks.buf(),
+            logprobs: lps.buf(),
+            pmax: pms.buf(),
+        };
+        g.launch(&plan::tree_accept(tree, input, out).unwrap()).unwrap();
+        assert_eq!(n_acc.to_host(g).unwrap(), vec![3]);
+        assert_eq!(&path.to_host(g).unwrap()[..3], &[0, 2, 4]);
+        assert_eq!(&toks.to_host(g).unwrap()[..3], &[7, 9, 3]);
+        assert_eq!(&lps.to_host(g).unwrap()[..3], &[-0.5, -0.25, -2.0]);
+        assert_eq!(&pms.to_host(g).unwrap()[..3], &[0.5, 0.7, 0.9]);
     }
 }

@@ -37,7 +37,6 @@
 pub mod assets;
 mod cache;
 mod config;
-#[cfg(feature = "cuda")]
 pub mod cuda;
 mod device;
 pub mod device_step;

@@ -1,9 +1,10 @@
-//! [`Target`] on a CUDA device (feature `cuda`): `tlt_model::cuda::CudaLlama` driven by the engine, with
-//! verification on the device ([`Target::forward_verify`]): the target's token at every tree node is drawn there
-//! (`sample_rows`, the coupled rule of [`verify_coupled`](crate::verify_coupled)), the trees are walked there
-//! (`tree_accept`), and only the accepted paths, the committed tokens' log-probs and largest probabilities, and the
-//! accepted nodes' hidden rows (when recording) cross to the host. **Compiled and CPU-tested for its host-side
-//! checks; not yet run on a GPU.**
+//! [`Target`] on a CUDA device: `tlt_model::cuda::CudaLlama` driven by the engine, with verification on the device
+//! ([`Target::forward_verify`]): the target's token at every tree node is drawn there (`sample_rows`, the coupled
+//! rule of [`verify_coupled`](crate::verify_coupled)), the trees are walked there (`tree_accept`), and only the
+//! accepted paths, the committed tokens' log-probs and largest probabilities, and the accepted nodes' hidden rows
+//! (when recording) cross to the host. Built on the device seam (`tlt_kernels::cuda::Gpu`): CI runs it on the
+//! simulated device against host verification; a CUDA device comes from `tlt_kernels::cuda::CudaGpu` (feature
+//! `cuda`).
 //!
 //! The KV cache's slots belong to the device model and are lent to [`CudaState`]s (one per engine), which give them
 //! back when sequences are removed or the state is dropped. Commits are deferred and applied as one launch before
@@ -12,8 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use tlt_kernels::cuda::{buf_of, Fetched, Staged, MAX_TREE_NODES};
+use tlt_kernels::cuda::{DeviceBuf, Elem, Fetched, SharedGpu, Staged, MAX_TREE_NODES};
 use tlt_model::cuda::{CudaLlama, DeviceSeq, StepOutput};
 use tlt_model::{Llama, Tap};
 
@@ -24,10 +24,6 @@ fn dev_err(e: impl std::fmt::Display) -> Error {
     Error::Target(e.to_string())
 }
 
-fn drv_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Target(format!("CUDA {op}: {e}"))
-}
-
 /// Device buffers of the verification of one `(batch, n_max)` shape, reused across rounds: the packed trees and
 /// coins (sent in one copy from pinned memory), the packed results (read back in one copy into pinned memory) and
 /// the per-node scratch.
@@ -36,17 +32,17 @@ struct VerifyBuffers {
     program: VerifyProgram,
     input: Staged,
     output: Fetched,
-    target_tok: CudaSlice<i32>,
-    target_lp: CudaSlice<f32>,
-    target_pm: CudaSlice<f32>,
+    target_tok: DeviceBuf<i32>,
+    target_lp: DeviceBuf<f32>,
+    target_pm: DeviceBuf<f32>,
 }
 
-fn zeros<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
-    s.alloc_zeros::<T>(n.max(1)).map_err(drv_err("alloc"))
+fn zeros<T: Elem>(s: &SharedGpu, n: usize) -> Result<DeviceBuf<T>> {
+    DeviceBuf::zeros(s.as_ref(), n.max(1)).map_err(dev_err)
 }
 
 impl VerifyBuffers {
-    fn new(s: &Arc<CudaStream>, batch: usize, n_max: usize, hidden: usize) -> Result<Self> {
+    fn new(s: &SharedGpu, batch: usize, n_max: usize, hidden: usize) -> Result<Self> {
         let program = VerifyProgram::new(batch, n_max, hidden);
         let n = batch * n_max;
         Ok(Self {
@@ -155,14 +151,13 @@ impl CudaState {
 }
 
 impl CudaTarget {
-    /// `model`'s weights on device `ordinal` as bf16, a KV cache of `slots` sequences of `max_len` positions, and CUDA
-    /// graphs for decode and verify shapes up to `slots` sequences (within `graph_budget` bytes; 0: no graphs).
+    /// `model`'s weights on `gpu` as bf16, a KV cache of `slots` sequences of `max_len` positions, and CUDA graphs
+    /// for decode and verify shapes up to `slots` sequences (within `graph_budget` bytes; 0: no graphs).
     ///
     /// # Errors
-    /// [`Error::Target`] without a CUDA driver or NVRTC (never a panic), or for a model the device kernels do not
-    /// handle.
-    pub fn new(model: &Llama, ordinal: usize, slots: usize, max_len: usize, graph_budget: u64) -> Result<Self> {
-        let mut m = CudaLlama::new(model, ordinal, slots, max_len).map_err(dev_err)?;
+    /// [`Error::Target`] when the device fails, or for a model the device kernels do not handle.
+    pub fn new(model: &Llama, gpu: SharedGpu, slots: usize, max_len: usize, graph_budget: u64) -> Result<Self> {
+        let mut m = CudaLlama::new(model, gpu, slots, max_len).map_err(dev_err)?;
         if graph_budget > 0 {
             m.enable_graphs(slots, graph_budget);
         }
@@ -209,7 +204,7 @@ impl CudaTarget {
         (lock(&self.slots).map_or(0, |s| s.len()), self.max_len)
     }
 
-    /// Runs `f` on the device model (graph statistics, weight bytes, the stream).
+    /// Runs `f` on the device model (graph statistics, weight bytes, the device).
     ///
     /// # Errors
     /// If the lock was poisoned.
@@ -302,18 +297,16 @@ impl CudaTarget {
         spec: VerifySpec<'_>,
     ) -> Result<Vec<Verified>> {
         let Device { model, verify } = dev;
-        let stream = model.stream().clone();
+        let gpu = model.gpu().clone();
         let h = self.hidden_size;
         let bufs = match verify.entry((out.batch, out.n_max)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(VerifyBuffers::new(&stream, out.batch, out.n_max, h)?)
-            }
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(VerifyBuffers::new(&gpu, out.batch, out.n_max, h)?),
         };
         let program = &bufs.program;
         let input = bufs
             .input
-            .send(&stream, program.input_bytes(), |host| {
+            .send(program.input_bytes(), |host| {
                 program
                     .write_inputs(inputs, spec.coins, host)
                     .map_err(|e| tlt_kernels::Error::InvalidArgument(e.to_string()))
@@ -323,21 +316,21 @@ impl CudaTarget {
         // row comes back and the accepted ones are picked on the host.
         let final_norm_only = model.taps() == [Tap::FinalNorm];
         let packed = hidden && final_norm_only;
-        let logits = buf_of(model.logits(out).map_err(dev_err)?, &stream);
-        let hidden_src = if packed { Some(buf_of(model.hidden(out).map_err(dev_err)?, &stream)) } else { None };
+        let logits = model.logits(out).map_err(dev_err)?;
+        let hidden_src = if packed { Some(model.hidden(out).map_err(dev_err)?) } else { None };
         let b = VerifyBufs {
             input,
-            output: bufs.output.buf(&stream),
-            target_tok: buf_of(&bufs.target_tok, &stream),
-            target_lp: buf_of(&bufs.target_lp, &stream),
-            target_pmax: buf_of(&bufs.target_pm, &stream),
+            output: bufs.output.buf(),
+            target_tok: bufs.target_tok.buf(),
+            target_lp: bufs.target_lp.buf(),
+            target_pmax: bufs.target_pm.buf(),
         };
         for launch in program.launches(self.vocab, spec.params.temperature, logits, hidden_src, &b)? {
-            model.kernels().run(&stream, &launch).map_err(dev_err)?;
+            gpu.launch(&launch).map_err(dev_err)?;
         }
         let all_rows =
             if hidden && !final_norm_only { Some(model.hidden_to_host(out).map_err(dev_err)?) } else { None };
-        let results = bufs.output.fetch(&stream, program.result_bytes(packed)?).map_err(dev_err)?;
+        let results = bufs.output.fetch(program.result_bytes(packed)?).map_err(dev_err)?;
         let rows = match (&all_rows, hidden) {
             (_, false) => HiddenRows::None,
             (None, true) => HiddenRows::Packed,

@@ -43,7 +43,7 @@
 //! # Ok(()) }
 //! ```
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "llama")]
 pub mod cuda;
 pub mod device_verify;
 mod drafter;

@@ -123,16 +123,17 @@ fn speculative(args: &Args, model: &tlt_model::Llama, tokenizer: &tokenizers::To
         tlt_model::Device::Cuda(n) => {
             // Room for the prompt, the answer and the largest draft tree.
             let max_len = prompt.len() + args.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1;
-            let target = tlt_spec_decode::cuda::CudaTarget::new(model, n, 1, max_len, 1 << 30)?;
+            let gpu: tlt_kernels::cuda::SharedGpu = tlt_kernels::cuda::CudaGpu::open(n)?;
+            let target = tlt_spec_decode::cuda::CudaTarget::new(model, gpu.clone(), 1, max_len, 1 << 30)?;
             if eagle {
                 // The target on the GPU hands the drafter the same taps as on the CPU.
                 target.set_taps(&Tap::eagle3(model.config().num_hidden_layers))?;
             }
-            // The EAGLE drafter runs on the same device.
+            // The EAGLE drafter runs on the same device and stream.
             let mut drafter: Box<dyn Drafter> = match runtime {
                 Some(rt) => {
                     use tlt_drafter::cuda::{CudaDraftOptions, CudaDrafter};
-                    let exec = CudaDrafter::new(CudaDraftOptions { ordinal: n, slots: 1, max_len })?;
+                    let exec = CudaDrafter::new(gpu, CudaDraftOptions { slots: 1, max_len })?;
                     let slot = std::sync::Arc::new(tlt_drafter::online::WeightsSlot::new(rt));
                     Box::new(EagleProposer::with_executor(slot, exec))
                 }
@@ -208,7 +209,7 @@ impl<'a> Backend<'a> {
             }
             #[cfg(feature = "cuda")]
             tlt_model::Device::Cuda(n) => {
-                let mut gpu = tlt_model::cuda::CudaLlama::new(model, n, 1, max_len)?;
+                let mut gpu = tlt_model::cuda::CudaLlama::new(model, tlt_kernels::cuda::CudaGpu::open(n)?, 1, max_len)?;
                 gpu.enable_graphs(1, 1 << 30);
                 Ok(Self::Cuda { model: Box::new(gpu), len: 0 })
             }

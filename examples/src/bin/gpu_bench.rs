@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use tlt_kernels::cuda::MAX_TREE_NODES;
+use tlt_kernels::cuda::{gpu, CudaGpu, DeviceBuf, SharedGpu, MAX_TREE_NODES};
 use tlt_model::cuda::{CudaLlama, DeviceSeq};
 use tlt_model::LlamaConfig;
 use tlt_spec_decode::cuda::CudaTarget;
@@ -106,7 +106,7 @@ fn time_forward(m: &mut CudaLlama, batch: usize, n: usize, context: usize, steps
     for step in 0..steps + 3 {
         let t0 = Instant::now();
         m.forward(&seqs)?;
-        m.stream().synchronize().context("synchronize")?;
+        m.gpu().synchronize().context("synchronize")?;
         if step >= 3 {
             times.push(t0.elapsed().as_secs_f64());
         }
@@ -116,20 +116,20 @@ fn time_forward(m: &mut CudaLlama, batch: usize, n: usize, context: usize, steps
 
 /// Device-to-device copy bandwidth (read + write bytes per second) over a 1 GiB buffer.
 fn copy_bandwidth(m: &CudaLlama) -> Result<f64> {
-    let n = 1usize << 29; // u16 elements: 1 GiB
-    let s = m.stream();
-    let src = s.alloc_zeros::<u16>(n).context("alloc")?;
-    let mut dst = s.alloc_zeros::<u16>(n).context("alloc")?;
+    let n = 1usize << 30; // bytes: 1 GiB
+    let g = m.gpu().as_ref();
+    let src = DeviceBuf::<u8>::zeros(g, n).context("alloc")?;
+    let dst = DeviceBuf::<u8>::zeros(g, n).context("alloc")?;
     let mut times = Vec::new();
     for rep in 0..12 {
         let t0 = Instant::now();
-        s.memcpy_dtod(&src, &mut dst).context("memcpy")?;
-        s.synchronize().context("synchronize")?;
+        gpu::copy(g, src.buf(), dst.buf()).context("memcpy")?;
+        g.synchronize().context("synchronize")?;
         if rep >= 2 {
             times.push(t0.elapsed().as_secs_f64());
         }
     }
-    Ok(2.0 * (n * 2) as f64 / median(times))
+    Ok(2.0 * n as f64 / median(times))
 }
 
 /// Wall seconds of the decode phase (prefill excluded) of one greedy request through the engine on `target`, and
@@ -224,7 +224,12 @@ fn oracle_sd(target: &CudaTarget, cfg: &LlamaConfig, a: &Args) -> Result<Vec<ser
 }
 
 /// One EAGLE-2 draft level on the device per batch: seconds (median), beside the target's decode step.
-fn drafter_level(cfg: &LlamaConfig, a: &Args, decode: &[(usize, f64)]) -> Result<Vec<serde_json::Value>> {
+fn drafter_level(
+    gpu: &SharedGpu,
+    cfg: &LlamaConfig,
+    a: &Args,
+    decode: &[(usize, f64)],
+) -> Result<Vec<serde_json::Value>> {
     use tlt_drafter::cuda::{CudaDraftOptions, CudaDrafter, DeviceDraftCache};
     use tlt_drafter::{
         Attend, DraftExecutor, DraftRuntime, DrafterConfig, Eagle2Drafter, FrozenTarget, Row, RuntimeOptions,
@@ -242,8 +247,8 @@ fn drafter_level(cfg: &LlamaConfig, a: &Args, decode: &[(usize, f64)]) -> Result
     let f32s = tlt_kernels::WeightDType::F32;
     let rt = DraftRuntime::eagle2(&d, &RuntimeOptions { layer_dtype: f32s, head_dtype: f32s, hot_vocab: None })?;
     let max_batch = a.drafter_batches.iter().copied().max().unwrap_or(1);
-    let opts = CudaDraftOptions { ordinal: ordinal(&a.device)?, slots: max_batch, max_len: a.context + MAX_TREE_NODES };
-    let mut exec = CudaDrafter::new(opts)?;
+    let opts = CudaDraftOptions { slots: max_batch, max_len: a.context + MAX_TREE_NODES };
+    let mut exec = CudaDrafter::new(gpu.clone(), opts)?;
     exec.load(&rt, 0)?;
     let h = cfg.hidden_size;
     let feature = vec![0.01f32; h];
@@ -294,7 +299,8 @@ fn main() -> Result<()> {
     let cfg = config(&a.arch)?;
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
     let max_len = a.context + a.verify.iter().copied().max().unwrap_or(1) + a.sd_tokens + MAX_TREE_NODES + 8;
-    let mut m = CudaLlama::synthetic(cfg.clone(), 42, ordinal(&a.device)?, max_batch, max_len)?;
+    let gpu: SharedGpu = CudaGpu::open(ordinal(&a.device)?)?;
+    let mut m = CudaLlama::synthetic(cfg.clone(), 42, gpu.clone(), max_batch, max_len)?;
     let copy = copy_bandwidth(&m)?;
     let weights = m.weight_bytes() as f64;
     let kv_row = (cfg.kv_dim() * 2 * 2 * cfg.num_hidden_layers) as f64; // K and V, bf16, every layer
@@ -341,7 +347,7 @@ fn main() -> Result<()> {
         .filter(|d| d["graphs"] == true)
         .filter_map(|d| Some((usize::try_from(d["batch"].as_u64()?).ok()?, d["step_s"].as_f64()?)))
         .collect();
-    let drafter = drafter_level(&cfg, &a, &graphs_decode)?;
+    let drafter = drafter_level(&gpu, &cfg, &a, &graphs_decode)?;
     let json = serde_json::json!({
         "arch": a.arch, "device": a.device, "context": a.context, "steps": a.steps,
         "weight_bytes": weights, "copy_bandwidth": copy, "decode": decode, "decode_1_s": t1, "verify": verify,

@@ -1,43 +1,59 @@
-//! The CUDA side of the kernels: CUDA C sources compiled at run time by NVRTC, and their launches.
+//! The CUDA side of the kernels: CUDA C sources compiled at run time by NVRTC, their launch plans, and the device
+//! seam the host code of the GPU path runs on.
 //!
 //! What is here without any feature: the sources ([`SOURCES`]), the NVRTC options ([`nvrtc_options`]) and the
-//! parser of ptxas's resource report ([`parse_ptxas_log`]), so that host-side logic is testable anywhere. With the
-//! `cuda` feature: `compile` (NVRTC only, no GPU needed: this is what CI runs for sm_80 and sm_90, failing on a
-//! compile error or a register spill) and `CudaKernels` (the module loaded on a device, with checked launches).
-//! Nothing here has been executed on a GPU yet; every entry point returns an error, never panics, when the NVRTC
-//! library or the driver is missing.
+//! parser of ptxas's resource report ([`parse_ptxas_log`]); the launch plans ([`plan`]); the device seam ([`gpu`]:
+//! the [`Gpu`] trait, device buffers, pinned memory, events and graphs) and the host code written on it (the packed
+//! transfers [`Staged`] and [`Fetched`], the scratch [`Recycler`], [`DeviceLinear`]). With the `cuda` feature:
+//! `compile` (NVRTC only, no GPU needed: this is what CI runs for sm_80 and sm_90, failing on a compile error or a
+//! register spill) and `CudaGpu`, the seam on a CUDA device through cudarc. Every entry point returns an error,
+//! never panics, when the NVRTC library or the driver is missing.
 
 #[cfg(feature = "cuda")]
 mod device;
-#[cfg(feature = "cuda")]
-mod draft;
-#[cfg(feature = "cuda")]
+pub mod gpu;
 mod layer;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 pub mod packing;
 pub mod plan;
-#[cfg(feature = "cuda")]
 mod recycle;
 mod shapes;
-#[cfg(feature = "cuda")]
 mod transfer;
 
 #[cfg(feature = "cuda")]
-pub use device::{driver_available, gpu_or_skip, AcceptIn, AcceptOut, CudaKernels, RowMeta, SeqMeta};
+pub use device::{driver_available, gpu_or_skip, CudaGpu, CUBLAS_WORKSPACE_BYTES};
+
+/// Opens CUDA device `ordinal` behind the seam ([`CudaGpu::open`](device::CudaGpu)).
+///
+/// # Errors
+/// As `CudaGpu::open`; in a build without the `cuda` feature, [`crate::Error::CudaUnavailable`].
+pub fn open_device(ordinal: usize) -> crate::Result<SharedGpu> {
+    #[cfg(feature = "cuda")]
+    {
+        Ok(CudaGpu::open(ordinal)?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(crate::Error::CudaUnavailable(format!("cuda:{ordinal}: tlt-kernels was built without the `cuda` feature")))
+    }
+}
+
+/// Whether a CUDA driver library can be loaded (always `false` in a build without the `cuda` feature).
+#[cfg(not(feature = "cuda"))]
+#[must_use]
+pub fn driver_available() -> bool {
+    false
+}
+pub use gpu::{DeviceBuf, DeviceMem, Elem, Gpu, GpuEvent, GpuGraph, GpuInfo, PinnedMem, SharedGpu};
+pub use layer::DeviceLinear;
 #[cfg(feature = "cuda")]
-pub use draft::RowSource;
-#[cfg(feature = "cuda")]
-pub use layer::{gemm_bf16, run_gemm, Blas, DeviceLinear, GemmOut, CUBLAS_WORKSPACE_BYTES};
-#[cfg(feature = "cuda")]
-pub use nvrtc::{compile, nvrtc_available, Compiled};
-#[cfg(feature = "cuda")]
+pub use nvrtc::{compile, compile_cached, nvrtc_available, Compiled};
 pub use recycle::{Recycler, Scratch};
 pub use shapes::{
     ancestor_masks, check_device_attn, CacheDims, TreeDims, MAX_GROUP, MAX_HEAD_DIM, MAX_TOP_K, MAX_TREE_NODES,
 };
-#[cfg(feature = "cuda")]
-pub use transfer::{buf_of, Fetched, Staged};
+pub use transfer::{Fetched, Staged};
 
 /// The header every source is compiled with (bf16 helpers, warp reductions).
 pub const PRELUDE: &str = include_str!("../../cuda/prelude.cuh");
@@ -109,16 +125,20 @@ pub const SOURCES: &[KernelSource] = &[
 /// The architectures CI compiles for: Ampere (A100) and Hopper (H100/H200).
 pub const CI_ARCHS: &[u32] = &[80, 90];
 
-/// NVRTC options for compute capability `arch` (e.g. 90 for `sm_90`): a real-architecture CUBIN, C++17, and
-/// ptxas's resource report in the log.
+/// NVRTC options for compute capability `arch` (e.g. 90 for `sm_90`): a real-architecture CUBIN and C++17; with
+/// `report`, ptxas's resource report in the log and `--no-cache`.
+///
+/// NVRTC 13 serves CUBINs it compiled before from the driver's compute cache when a driver is loaded, and a cached
+/// CUBIN comes with no ptxas report: on the first GPU run the compile test found an empty sm_90 log for every kernel
+/// the model tests had already compiled there ("no ptxas report for rope_kv_write_bf16"). A compile that needs the
+/// report must bypass the cache; loading kernels for a device keeps it (faster start).
 #[must_use]
-pub fn nvrtc_options(arch: u32) -> Vec<String> {
-    vec![
-        format!("--gpu-architecture=sm_{arch}"),
-        "--std=c++17".into(),
-        "--ptxas-options=-v".into(),
-        "--extra-device-vectorization".into(),
-    ]
+pub fn nvrtc_options(arch: u32, report: bool) -> Vec<String> {
+    let mut o = vec![format!("--gpu-architecture=sm_{arch}"), "--std=c++17".into(), "--extra-device-vectorization".into()];
+    if report {
+        o.extend(["--ptxas-options=-v".into(), "--no-cache".into()]);
+    }
+    o
 }
 
 /// One kernel's resources as ptxas reported them.
@@ -217,6 +237,17 @@ ptxas info    : Used 255 registers, used 1 barriers, 2096 bytes smem, 400 bytes 
         assert_eq!((k[1].registers, k[1].spill_stores, k[1].spill_loads, k[1].stack_bytes), (255, 8, 12, 16));
         assert!(k[1].spills(), "a spilling kernel must be flagged");
         assert!(parse_ptxas_log("nothing here\n").is_empty());
+    }
+
+    #[test]
+    fn a_compile_for_its_report_bypasses_the_driver_cache() {
+        let with = nvrtc_options(90, true);
+        assert!(with.contains(&"--no-cache".to_string()) && with.contains(&"--ptxas-options=-v".to_string()));
+        assert!(!nvrtc_options(90, false).iter().any(|o| o == "--no-cache" || o.starts_with("--ptxas")));
+        // A cached CUBIN's log (what NVRTC 13 returned for sm_90 on the first GPU run, after the model tests had
+        // compiled the same sources there) has no report: the parser finds nothing, so the compile test fails
+        // loudly instead of passing a kernel it never saw.
+        assert!(parse_ptxas_log("").is_empty());
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub struct Compiled {
     pub cubin: Vec<u8>,
     /// NVRTC's log (warnings and ptxas's resource report).
     pub log: String,
-    /// Per-kernel resources parsed from the log.
+    /// Per-kernel resources parsed from the log (empty for a cached compile).
     pub kernels: Vec<KernelUsage>,
 }
 
@@ -38,12 +38,26 @@ fn nvrtc_err(op: &'static str) -> impl Fn(result::NvrtcError) -> Error {
     move |e| Error::Cuda { op, message: format!("{e:?}") }
 }
 
-/// Compiles `source` for compute capability `arch` (e.g. 80, 90) to a CUBIN, with ptxas's resource report.
+/// Compiles `source` for compute capability `arch` (e.g. 80, 90) to a CUBIN, with ptxas's resource report
+/// (bypassing NVRTC's cache: see [`nvrtc_options`]).
 ///
 /// # Errors
 /// [`Error::CudaUnavailable`] when NVRTC cannot be loaded, [`Error::CudaCompile`] (with NVRTC's log) when the source
 /// does not compile, [`Error::Cuda`] when an NVRTC call fails otherwise.
 pub fn compile(source: &KernelSource, arch: u32) -> Result<Compiled> {
+    compile_with(source, arch, true)
+}
+
+/// As [`compile`], but NVRTC may serve the CUBIN from the driver's cache, with no report ([`Compiled::kernels`]
+/// may then be empty): for loading kernels on a device.
+///
+/// # Errors
+/// As [`compile`].
+pub fn compile_cached(source: &KernelSource, arch: u32) -> Result<Compiled> {
+    compile_with(source, arch, false)
+}
+
+fn compile_with(source: &KernelSource, arch: u32, report: bool) -> Result<Compiled> {
     if !nvrtc_available() {
         return Err(Error::CudaUnavailable(
             "the NVRTC library (libnvrtc.so.13) could not be loaded; put its directory on LD_LIBRARY_PATH \
@@ -58,7 +72,7 @@ pub fn compile(source: &KernelSource, arch: u32) -> Result<Compiled> {
     let prog = result::create_program(&text, Some(&name)).map_err(nvrtc_err("nvrtcCreateProgram"))?;
     let out = (|| {
         // SAFETY: `prog` was created above and is destroyed only after this closure.
-        let compiled = unsafe { result::compile_program(prog, &nvrtc_options(arch)) };
+        let compiled = unsafe { result::compile_program(prog, &nvrtc_options(arch, report)) };
         // SAFETY: as above.
         let log = log_text(&unsafe { result::get_program_log(prog) }.map_err(nvrtc_err("nvrtcGetProgramLog"))?);
         if let Err(e) = compiled {

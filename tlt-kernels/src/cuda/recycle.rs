@@ -1,25 +1,22 @@
-//! Device buffers recycled across the launches of one stream (feature `cuda`): a forward asks for scratch buffers
-//! by type and length, and each goes back to the shelf when dropped, for the next forward of the same shape instead
-//! of a fresh allocation. Safe only for buffers used on one stream: a buffer handed back while kernels that use it
-//! are still queued is given only to launches queued after them.
+//! Device buffers recycled across the launches of one stream: a forward asks for scratch buffers by type and length,
+//! and each goes back to the shelf when dropped, for the next forward of the same shape instead of a fresh
+//! allocation. Safe because a [`Gpu`] is one stream: a buffer handed back while kernels that use it are still queued
+//! is given only to launches queued after them.
 
-use std::any::{Any, TypeId};
 use std::collections::HashMap;
-use std::ops::{Deref, DerefMut};
+use std::ops::Deref;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-
-use super::device::drv;
+use super::gpu::{DeviceBuf, DeviceMem, Elem, Gpu};
 use crate::error::Result;
 
 #[derive(Debug, Default)]
 struct Shelves {
-    /// Idle buffers by (element type, length).
-    idle: HashMap<(TypeId, usize), Vec<Box<dyn Any + Send>>>,
-    /// Bytes of the idle buffers.
+    /// Idle allocations by size in bytes.
+    idle: HashMap<usize, Vec<DeviceMem>>,
+    /// Bytes of the idle allocations.
     bytes: usize,
-    /// The most idle bytes kept; a buffer handed back beyond it is freed.
+    /// The most idle bytes kept; an allocation handed back beyond it is freed.
     cap: usize,
 }
 
@@ -36,29 +33,25 @@ impl Recycler {
         Self { shelves: Arc::new(Mutex::new(Shelves { cap, ..Shelves::default() })) }
     }
 
-    /// A buffer of `n` elements of `T` (at least 1) on `stream`: an idle one of that length if any (its contents
+    /// A buffer of `n` elements of `T` (at least 1) on `gpu`: an idle allocation of that size if any (its contents
     /// are what its last user left), else a new zeroed one.
     ///
     /// # Errors
-    /// [`crate::Error::Cuda`] when an allocation fails.
-    pub fn take<T: DeviceRepr + ValidAsZeroBits + 'static>(
-        &self,
-        stream: &Arc<CudaStream>,
-        n: usize,
-    ) -> Result<Scratch<T>> {
+    /// When an allocation fails.
+    pub fn take<T: Elem>(&self, gpu: &dyn Gpu, n: usize) -> Result<Scratch<T>> {
         let n = n.max(1);
+        let bytes = n * std::mem::size_of::<T>();
         let reused = {
             let mut s = self.shelves.lock().unwrap_or_else(PoisonError::into_inner);
-            let got = s.idle.get_mut(&(TypeId::of::<CudaSlice<T>>(), n)).and_then(Vec::pop);
-            let got = got.and_then(|b| b.downcast::<CudaSlice<T>>().ok());
+            let got = s.idle.get_mut(&bytes).and_then(Vec::pop);
             if got.is_some() {
-                s.bytes -= n * std::mem::size_of::<T>();
+                s.bytes -= bytes;
             }
             got
         };
         let buf = match reused {
-            Some(b) => *b,
-            None => stream.alloc_zeros::<T>(n).map_err(drv("alloc"))?,
+            Some(mem) => DeviceBuf::from_mem(mem, n)?,
+            None => DeviceBuf::zeros(gpu, n)?,
         };
         Ok(Scratch { buf: Some(buf), home: self.shelves.clone() })
     }
@@ -72,33 +65,28 @@ impl Recycler {
 
 /// A scratch buffer that goes back to its [`Recycler`] when dropped.
 #[derive(Debug)]
-pub struct Scratch<T: 'static> {
-    buf: Option<CudaSlice<T>>,
+pub struct Scratch<T: Elem> {
+    buf: Option<DeviceBuf<T>>,
     home: Arc<Mutex<Shelves>>,
 }
 
-impl<T> Deref for Scratch<T> {
-    type Target = CudaSlice<T>;
-    fn deref(&self) -> &CudaSlice<T> {
+impl<T: Elem> Deref for Scratch<T> {
+    type Target = DeviceBuf<T>;
+    fn deref(&self) -> &DeviceBuf<T> {
         // Present from construction until drop.
         self.buf.as_ref().unwrap_or_else(|| unreachable!("a scratch buffer is present until dropped"))
     }
 }
 
-impl<T> DerefMut for Scratch<T> {
-    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
-        self.buf.as_mut().unwrap_or_else(|| unreachable!("a scratch buffer is present until dropped"))
-    }
-}
-
-impl<T: 'static> Drop for Scratch<T> {
+impl<T: Elem> Drop for Scratch<T> {
     fn drop(&mut self) {
         let Some(buf) = self.buf.take() else { return };
-        let bytes = buf.len() * std::mem::size_of::<T>();
+        let mem = buf.into_mem();
+        let bytes = mem.bytes();
         let mut s = self.home.lock().unwrap_or_else(PoisonError::into_inner);
         if s.bytes + bytes <= s.cap {
             s.bytes += bytes;
-            s.idle.entry((TypeId::of::<CudaSlice<T>>(), buf.len())).or_default().push(Box::new(buf));
+            s.idle.entry(bytes).or_default().push(mem);
         }
     }
 }

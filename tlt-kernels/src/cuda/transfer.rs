@@ -1,120 +1,129 @@
-//! Packed host-device transfers through pinned memory (feature `cuda`): [`Staged`] sends a step's inputs in one
+//! Packed host-device transfers through pinned memory, on any [`Gpu`]: [`Staged`] sends a step's inputs in one
 //! asynchronous copy from a pinned write-combined staging buffer, [`Fetched`] brings a step's packed results back in
 //! one copy into a pinned buffer. Both are laid out by [`super::packing::Packing`].
+//!
+//! Both follow the seam's ordering rule ([`super::gpu`]): `Staged` records an event after each copy and waits for
+//! it before the host writes the staging buffer again (or frees it); `Fetched` synchronises once after its copy,
+//! where the host has to wait for the results anyway. (The first GPU run read the pinned buffers with no wait at
+//! all: cudarc's `PinnedHostSlice` waits on an event that a context with event tracking off never records, so
+//! device acceptance read zeros, "0 nodes".)
 
-use std::sync::Arc;
-
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
-
-use super::device::drv;
+use super::gpu::{DeviceBuf, GpuEvent, PinnedMem, SharedGpu};
 use super::plan::Buf;
 use crate::error::{Error, Result};
-
-/// `s` as a launch plan's buffer: its device address, no stream-ordering guard. For buffers of a context whose
-/// event tracking is off and that are used on one stream only, where stream order alone keeps them correct.
-pub fn buf_of<T>(s: &CudaSlice<T>, stream: &CudaStream) -> Buf<T> {
-    let (ptr, _) = s.device_ptr(stream);
-    Buf::new(ptr, s.len())
-}
-
-/// A zeroed pinned host buffer of `bytes` bytes (`flags`: `cuMemHostAlloc`'s).
-fn pinned(stream: &Arc<CudaStream>, bytes: usize, flags: u32) -> Result<PinnedHostSlice<u8>> {
-    // SAFETY: the memory is zeroed right below, before anything reads it.
-    let mut p =
-        unsafe { stream.context().alloc_pinned_with_flags::<u8>(bytes.max(1), flags) }.map_err(drv("pinned alloc"))?;
-    p.as_mut_slice().map_err(drv("pinned alloc"))?.fill(0);
-    Ok(p)
-}
 
 /// Inputs sent in one copy: a pinned write-combined staging buffer (the host only writes it) and the device buffer
 /// it lands in, of the same size, grown when a larger packing comes.
 #[derive(Debug)]
 pub struct Staged {
-    staging: PinnedHostSlice<u8>,
-    dev: CudaSlice<u8>,
+    gpu: SharedGpu,
+    staging: PinnedMem,
+    dev: DeviceBuf<u8>,
+    /// Recorded after the last copy from `staging`: the host waits for it before touching `staging` again.
+    sent: Option<GpuEvent>,
 }
 
 impl Staged {
-    /// Buffers of `bytes` bytes.
+    /// Buffers of `bytes` bytes on `gpu`.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when an allocation fails.
-    pub fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
-        let staging = pinned(stream, bytes, sys::CU_MEMHOSTALLOC_WRITECOMBINED)?;
-        let dev = stream.alloc_zeros::<u8>(staging.len()).map_err(drv("alloc"))?;
-        Ok(Self { staging, dev })
+    /// When an allocation fails.
+    pub fn new(gpu: &SharedGpu, bytes: usize) -> Result<Self> {
+        let staging = gpu.alloc_pinned(bytes.max(1), true)?;
+        let dev = DeviceBuf::zeros(gpu.as_ref(), staging.bytes())?;
+        Ok(Self { gpu: gpu.clone(), staging, dev, sent: None })
     }
 
     /// Bytes of device memory held.
     pub fn bytes(&self) -> usize {
-        self.dev.len()
+        self.dev.bytes()
     }
 
-    /// Lets `fill` write the first `bytes` bytes of the staging buffer (after the previous copy from it finished),
-    /// then sends the buffer in one asynchronous copy on `stream`; the device buffer, as a plan's buffer.
+    /// Waits for the last copy from the staging buffer.
+    fn settle(&mut self) -> Result<()> {
+        match self.sent.take() {
+            Some(e) => self.gpu.wait(&e),
+            None => Ok(()),
+        }
+    }
+
+    /// Lets `fill` write the first `bytes` bytes of the staging buffer (after the previous copy from it has run),
+    /// then sends them in one asynchronous copy; the device buffer, as a plan's buffer (valid until the next
+    /// `send`, which may grow it).
     ///
     /// # Errors
-    /// `fill`'s error, or [`Error::Cuda`] when a wait, an allocation or the copy fails.
-    pub fn send(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        bytes: usize,
-        fill: impl FnOnce(&mut [u8]) -> Result<()>,
-    ) -> Result<Buf<u8>> {
-        if bytes > self.staging.len() {
-            *self = Self::new(stream, bytes.max(2 * self.staging.len()))?;
+    /// `fill`'s error, or the device's when a wait, an allocation or the copy fails.
+    pub fn send(&mut self, bytes: usize, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<Buf<u8>> {
+        self.settle()?;
+        if bytes > self.staging.bytes() {
+            let grown = bytes.max(2 * self.staging.bytes());
+            self.staging = self.gpu.alloc_pinned(grown, true)?;
+            self.dev = DeviceBuf::zeros(self.gpu.as_ref(), grown)?;
         }
-        let host = self.staging.as_mut_slice().map_err(drv("staging wait"))?;
+        let host = self.gpu.pinned_write(&mut self.staging)?;
         fill(&mut host[..bytes])?;
-        stream.memcpy_htod(&self.staging, &mut self.dev).map_err(drv("upload"))?;
-        Ok(buf_of(&self.dev, stream))
+        self.gpu.upload_pinned(&self.staging, self.dev.buf().addr(), bytes)?;
+        self.sent = Some(self.gpu.record()?);
+        Ok(self.dev.buf())
     }
 
     /// The device buffer, as a plan's buffer.
-    pub fn buf(&self, stream: &CudaStream) -> Buf<u8> {
-        buf_of(&self.dev, stream)
+    pub fn buf(&self) -> Buf<u8> {
+        self.dev.buf()
+    }
+}
+
+impl Drop for Staged {
+    /// Pinned memory is freed at once, not in stream order: wait for the copy that may still read it.
+    fn drop(&mut self) {
+        if let Err(e) = self.settle() {
+            // A destructor cannot return the error; the device is failing anyway.
+            eprintln!("warning: waiting for a copy before freeing its pinned staging buffer failed: {e}");
+        }
     }
 }
 
 /// Results read back in one copy: a device buffer the kernels write and a pinned host buffer of the same size.
 #[derive(Debug)]
 pub struct Fetched {
-    dev: CudaSlice<u8>,
-    host: PinnedHostSlice<u8>,
+    gpu: SharedGpu,
+    dev: DeviceBuf<u8>,
+    host: PinnedMem,
 }
 
 impl Fetched {
-    /// Buffers of `bytes` bytes.
+    /// Buffers of `bytes` bytes on `gpu`.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when an allocation fails.
-    pub fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
-        let host = pinned(stream, bytes, 0)?;
-        let dev = stream.alloc_zeros::<u8>(host.len()).map_err(drv("alloc"))?;
-        Ok(Self { dev, host })
+    /// When an allocation fails.
+    pub fn new(gpu: &SharedGpu, bytes: usize) -> Result<Self> {
+        let host = gpu.alloc_pinned(bytes.max(1), false)?;
+        let dev = DeviceBuf::zeros(gpu.as_ref(), host.bytes())?;
+        Ok(Self { gpu: gpu.clone(), dev, host })
     }
 
     /// Bytes of device memory held.
     pub fn bytes(&self) -> usize {
-        self.dev.len()
+        self.dev.bytes()
     }
 
     /// The device buffer, as a plan's buffer.
-    pub fn buf(&self, stream: &CudaStream) -> Buf<u8> {
-        buf_of(&self.dev, stream)
+    pub fn buf(&self) -> Buf<u8> {
+        self.dev.buf()
     }
 
-    /// Copies the first `bytes` bytes back after the work queued on `stream` and waits for them.
+    /// Copies the first `bytes` bytes back after the work queued so far and waits for them (one synchronisation:
+    /// the host needs the results before it can go on).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for more bytes than the buffer holds; [`Error::Cuda`] when the copy or the wait
+    /// [`Error::InvalidArgument`] for more bytes than the buffer holds; the device's when the copy or the wait
     /// fails.
-    pub fn fetch(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<&[u8]> {
-        if bytes > self.dev.len() {
-            return Err(Error::InvalidArgument(format!("{bytes} bytes from a result buffer of {}", self.dev.len())));
+    pub fn fetch(&mut self, bytes: usize) -> Result<&[u8]> {
+        if bytes > self.dev.bytes() {
+            return Err(Error::InvalidArgument(format!("{bytes} bytes from a result buffer of {}", self.dev.bytes())));
         }
-        stream.memcpy_dtoh(&self.dev.slice(0..bytes), &mut self.host).map_err(drv("download"))?;
-        let host = self.host.as_slice().map_err(drv("download wait"))?;
-        Ok(&host[..bytes])
+        self.gpu.download_pinned(self.dev.buf().addr(), &self.host, bytes)?;
+        self.gpu.synchronize()?;
+        Ok(&self.gpu.pinned_read(&self.host)?[..bytes])
     }
 }

@@ -1,7 +1,8 @@
-//! The same Llama/Qwen2/Qwen3 decoder on a CUDA device (feature `cuda`): bf16 weights and KV cache on the GPU,
-//! cuBLAS for the linear layers, `tlt_kernels::cuda` for everything else (Qwen3's q/k head norms included), one
-//! forward for prefill chunks, batched decode and draft-tree verification. **Compiled and CPU-tested for its
-//! host-side checks; not yet run on a GPU.**
+//! The same Llama/Qwen2/Qwen3 decoder on a CUDA device: bf16 weights and KV cache on the device, cuBLAS for the
+//! linear layers, `tlt_kernels::cuda` for everything else (Qwen3's q/k head norms included), one forward for prefill
+//! chunks, batched decode and draft-tree verification. Written on the device seam ([`Gpu`]): it runs on a CUDA device
+//! (`tlt_kernels::cuda::CudaGpu`, feature `cuda`; matched the CPU decoder on an H200, 2026-11-27) and, in CI, on the
+//! simulated device (`tlt-cuda-sim`'s `SimGpu`), through this very code.
 //!
 //! The model definition is shared with the CPU path ([`LlamaConfig`], [`Llama`]'s weights, RoPE frequencies): a
 //! [`CudaLlama`] is made from a loaded [`Llama`], so every format the CPU path reads (HF safetensors, GGUF) runs here.
@@ -9,17 +10,14 @@
 
 mod step;
 
-use std::sync::Arc;
-
-use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
 use tlt_cudagraph::{BucketPolicy, FallbackReason, ShapeCache, ShapeEntry, ShapePlan, ShapeStats};
 use tlt_kernels::cuda::packing::Packing;
-use tlt_kernels::cuda::plan::{self, Chunks, SeqBufs};
-use tlt_kernels::cuda::{buf_of, Blas, CacheDims, CudaKernels, DeviceLinear, Staged, TreeDims};
+use tlt_kernels::cuda::plan::{self, Buf, Chunks, SeqBufs};
+use tlt_kernels::cuda::{gpu, CacheDims, DeviceBuf, DeviceLinear, Gpu, GpuGraph, SharedGpu, Staged, TreeDims};
 use tlt_kernels::AttnShape;
 
-use self::step::{CudaOps, StepBuffers};
+use self::step::{GpuOps, StepBuffers};
 use crate::config::LlamaConfig;
 pub use crate::device_step::DeviceSeq;
 use crate::device_step::{layout, tree_rows_bucket, LayerBufs, LinearBufs, StepLayout, StepProgram, WeightBufs};
@@ -27,15 +25,11 @@ use crate::model::{Llama, Tap};
 use crate::weights::{ProjectionShape, Projections};
 use crate::{Error, Result};
 
-pub(crate) fn cuda_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Kernel(tlt_kernels::Error::Cuda { op, message: e.to_string() })
-}
-
 /// One decoder layer on the device, with the projections that read the same input stacked into one GEMM each.
 #[derive(Debug)]
 struct DevLayer {
-    in_norm: CudaSlice<bf16>,
-    post_norm: CudaSlice<bf16>,
+    in_norm: DeviceBuf<bf16>,
+    post_norm: DeviceBuf<bf16>,
     /// q, k and v stacked `[q_dim + 2 kv_dim, hidden]` (biases stacked likewise).
     qkv: DeviceLinear,
     o: DeviceLinear,
@@ -43,7 +37,7 @@ struct DevLayer {
     gate_up: DeviceLinear,
     down: DeviceLinear,
     /// Qwen3: the q and k head norms (`[head_dim]` each).
-    qk_norm: Option<(CudaSlice<bf16>, CudaSlice<bf16>)>,
+    qk_norm: Option<(DeviceBuf<bf16>, DeviceBuf<bf16>)>,
 }
 
 /// The seven projections of a block of `cfg`, in [`Projections`] field order (the CPU model's shapes).
@@ -71,53 +65,48 @@ enum Weight {
 /// The weights on the device.
 #[derive(Debug)]
 pub(crate) struct DevWeights {
-    embed: CudaSlice<bf16>,
-    head: Option<CudaSlice<bf16>>,
-    norm: CudaSlice<bf16>,
+    embed: DeviceBuf<bf16>,
+    head: Option<DeviceBuf<bf16>>,
+    norm: DeviceBuf<bf16>,
     layers: Vec<DevLayer>,
-    inv_freq: CudaSlice<f64>,
+    inv_freq: DeviceBuf<f64>,
 }
 
 impl DevWeights {
     /// The weights as a step program sees them.
-    fn bufs(&self, s: &CudaStream) -> WeightBufs {
-        let lin = |l: &DeviceLinear| LinearBufs {
-            w: buf_of(&l.w, s),
-            b: l.b.as_ref().map(|b| buf_of(b, s)),
-            out: l.out,
-            inp: l.inp,
-        };
+    fn bufs(&self) -> WeightBufs {
+        let lin = |l: &DeviceLinear| LinearBufs { w: l.w.buf(), b: l.b.as_ref().map(DeviceBuf::buf), out: l.out, inp: l.inp };
         WeightBufs {
-            embed: buf_of(&self.embed, s),
-            head: self.head.as_ref().map(|h| buf_of(h, s)),
-            norm: buf_of(&self.norm, s),
+            embed: self.embed.buf(),
+            head: self.head.as_ref().map(DeviceBuf::buf),
+            norm: self.norm.buf(),
             layers: self
                 .layers
                 .iter()
                 .map(|l| LayerBufs {
-                    in_norm: buf_of(&l.in_norm, s),
-                    post_norm: buf_of(&l.post_norm, s),
+                    in_norm: l.in_norm.buf(),
+                    post_norm: l.post_norm.buf(),
                     qkv: lin(&l.qkv),
                     o: lin(&l.o),
                     gate_up: lin(&l.gate_up),
                     down: lin(&l.down),
-                    qk_norm: l.qk_norm.as_ref().map(|(q, k)| (buf_of(q, s), buf_of(k, s))),
+                    qk_norm: l.qk_norm.as_ref().map(|(q, k)| (q.buf(), k.buf())),
                 })
                 .collect(),
-            inv_freq: buf_of(&self.inv_freq, s),
+            inv_freq: self.inv_freq.buf(),
         }
     }
 }
 
 /// `parts` one after the other in a new buffer of `total` elements (their lengths' sum).
-fn concat(stream: &Arc<CudaStream>, parts: &[&CudaSlice<bf16>], total: usize) -> Result<CudaSlice<bf16>> {
+fn concat(g: &dyn Gpu, parts: &[&DeviceBuf<bf16>], total: usize) -> Result<DeviceBuf<bf16>> {
     if parts.iter().map(|p| p.len()).sum::<usize>() != total {
         return Err(Error::InvalidInput(format!("stacked weights of {total} elements from parts of other sizes")));
     }
-    let mut out = stream.alloc_zeros::<bf16>(total).map_err(cuda_err("alloc"))?;
+    let out = DeviceBuf::zeros(g, total)?;
     let mut at = 0;
     for part in parts {
-        stream.memcpy_dtod(*part, &mut out.slice_mut(at..at + part.len())).map_err(cuda_err("stack weights"))?;
+        gpu::copy(g, part.buf(), out.buf().slice(at..at + part.len())?)?;
         at += part.len();
     }
     Ok(out)
@@ -168,32 +157,26 @@ fn llama_weight(model: &Llama, which: Weight) -> Result<Option<Vec<bf16>>> {
 
 impl DevWeights {
     /// The device buffer holding weight `which` and the element range it occupies there, if this model has it.
-    fn slot_mut(
-        &mut self,
-        which: Weight,
-        shapes: &[ProjectionShape; 7],
-    ) -> Option<(&mut CudaSlice<bf16>, std::ops::Range<usize>)> {
-        fn whole(b: &mut CudaSlice<bf16>) -> (&mut CudaSlice<bf16>, std::ops::Range<usize>) {
-            let n = b.len();
-            (b, 0..n)
+    fn slot(&self, which: Weight, shapes: &[ProjectionShape; 7]) -> Option<(&DeviceBuf<bf16>, std::ops::Range<usize>)> {
+        fn whole(b: &DeviceBuf<bf16>) -> (&DeviceBuf<bf16>, std::ops::Range<usize>) {
+            (b, 0..b.len())
         }
         match which {
-            Weight::Embed => Some(whole(&mut self.embed)),
-            Weight::Head => self.head.as_mut().map(whole),
-            Weight::Norm => Some(whole(&mut self.norm)),
-            Weight::InNorm(l) => Some(whole(&mut self.layers.get_mut(l)?.in_norm)),
-            Weight::PostNorm(l) => Some(whole(&mut self.layers.get_mut(l)?.post_norm)),
-            Weight::QNorm(l) => self.layers.get_mut(l)?.qk_norm.as_mut().map(|n| whole(&mut n.0)),
-            Weight::KNorm(l) => self.layers.get_mut(l)?.qk_norm.as_mut().map(|n| whole(&mut n.1)),
+            Weight::Embed => Some(whole(&self.embed)),
+            Weight::Head => self.head.as_ref().map(whole),
+            Weight::Norm => Some(whole(&self.norm)),
+            Weight::InNorm(l) => Some(whole(&self.layers.get(l)?.in_norm)),
+            Weight::PostNorm(l) => Some(whole(&self.layers.get(l)?.post_norm)),
+            Weight::QNorm(l) => self.layers.get(l)?.qk_norm.as_ref().map(|n| whole(&n.0)),
+            Weight::KNorm(l) => self.layers.get(l)?.qk_norm.as_ref().map(|n| whole(&n.1)),
             Weight::Proj(l, p, bias) => {
-                let layer = self.layers.get_mut(l)?;
+                let layer = self.layers.get(l)?;
                 let (group, rows) = stacked(shapes, p);
-                let lin = [&mut layer.qkv, &mut layer.o, &mut layer.gate_up, &mut layer.down].into_iter().nth(group)?;
+                let lin = [&layer.qkv, &layer.o, &layer.gate_up, &layer.down].into_iter().nth(group)?;
                 if bias {
-                    lin.b.as_mut().map(|b| (b, rows))
+                    lin.b.as_ref().map(|b| (b, rows))
                 } else {
-                    let inp = lin.inp;
-                    Some((&mut lin.w, rows.start * inp..rows.end * inp))
+                    Some((&lin.w, rows.start * lin.inp..rows.end * lin.inp))
                 }
             }
         }
@@ -248,20 +231,17 @@ pub struct StepShape {
 /// the reason kept ([`CudaLlama::eager_shapes`]). Prefill chunks always run eagerly, on one spare set of buffers.
 #[derive(Debug)]
 pub struct CudaLlama {
-    // Fields drop in declaration order: the graphs first, then the buffers they read and write, then the cuBLAS
-    // handle and the kernels' modules they launch.
+    // Fields drop in declaration order: the graphs first, then the buffers they read and write, then the device.
     /// Per-shape buffers and graphs.
-    shapes: ShapeCache<StepShape, StepBuffers, CudaGraph>,
+    shapes: ShapeCache<StepShape, StepBuffers, GpuGraph>,
     /// The batch sizes graphs are captured for (`None`: graphs off).
     graph_batches: Option<BucketPolicy>,
     /// The packed metadata of commits (one copy from pinned memory).
     commit_staging: Staged,
-    k_cache: CudaSlice<bf16>,
-    v_cache: CudaSlice<bf16>,
+    k_cache: DeviceBuf<bf16>,
+    v_cache: DeviceBuf<bf16>,
     w: DevWeights,
-    blas: Blas,
-    kernels: CudaKernels,
-    stream: Arc<CudaStream>,
+    gpu: SharedGpu,
     cfg: LlamaConfig,
     cache: CacheDims,
     /// The hidden features a forward keeps (default: the final norm).
@@ -271,15 +251,15 @@ pub struct CudaLlama {
 }
 
 impl CudaLlama {
-    /// Uploads `model`'s weights to device `ordinal` as bf16 and allocates a KV cache of `slots` sequences of
-    /// `max_len` positions.
+    /// Uploads `model`'s weights to `gpu` as bf16 and allocates a KV cache of `slots` sequences of `max_len`
+    /// positions.
     ///
     /// # Errors
-    /// [`tlt_kernels::Error::CudaUnavailable`] (as [`Error::Kernel`]) without a driver or NVRTC, never a panic;
-    /// [`Error::InvalidInput`] for heads the device attention does not handle or a zero-sized cache.
-    pub fn new(model: &Llama, ordinal: usize, slots: usize, max_len: usize) -> Result<Self> {
-        Self::build(model.config().clone(), ordinal, slots, max_len, |stream, _, which| {
-            llama_weight(model, which)?.map(|v| stream.clone_htod(&v).map_err(cuda_err("upload"))).transpose()
+    /// [`Error::InvalidInput`] for heads the device attention does not handle or a zero-sized cache;
+    /// [`Error::Kernel`] when the device fails.
+    pub fn new(model: &Llama, gpu: SharedGpu, slots: usize, max_len: usize) -> Result<Self> {
+        Self::build(model.config().clone(), gpu, slots, max_len, |g, which| {
+            llama_weight(model, which)?.map(|v| Ok(DeviceBuf::from_host(g, &v)?)).transpose()
         })
     }
 
@@ -302,9 +282,9 @@ impl CudaLlama {
         let shapes = proj_shapes(&self.cfg)?;
         for w in which {
             let host = llama_weight(model, w)?;
-            match (self.w.slot_mut(w, &shapes), host) {
+            match (self.w.slot(w, &shapes), host) {
                 (Some((dst, range)), Some(v)) if range.len() == v.len() => {
-                    self.stream.memcpy_htod(&v, &mut dst.slice_mut(range)).map_err(cuda_err("upload"))?;
+                    dst.write(self.gpu.as_ref(), range.start, &v)?;
                 }
                 (None, None) => {}
                 (dst, v) => {
@@ -325,12 +305,12 @@ impl CudaLlama {
     ///
     /// # Errors
     /// As [`CudaLlama::new`], and [`Error::InvalidConfig`] for an invalid `cfg`.
-    pub fn synthetic(cfg: LlamaConfig, seed: u64, ordinal: usize, slots: usize, max_len: usize) -> Result<Self> {
+    pub fn synthetic(cfg: LlamaConfig, seed: u64, gpu: SharedGpu, slots: usize, max_len: usize) -> Result<Self> {
         cfg.validate()?;
         let shapes = proj_shapes(&cfg)?;
         let (h, v, hd) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim());
         let (tied, qk_norm) = (cfg.tie_word_embeddings, cfg.qk_norm());
-        Self::build(cfg, ordinal, slots, max_len, |stream, kernels, which| {
+        Self::build(cfg, gpu, slots, max_len, |g, which| {
             // (elements, fan-in scale; 0 = constant 1).
             let (len, scale) = match which {
                 Weight::Embed => (v * h, 0.05),
@@ -348,7 +328,7 @@ impl CudaLlama {
                     }
                 }
             };
-            let mut buf = stream.alloc_zeros::<bf16>(len).map_err(cuda_err("alloc"))?;
+            let buf = DeviceBuf::<bf16>::zeros(g, len)?;
             let salt = match which {
                 Weight::Embed => 1,
                 Weight::Head => 2,
@@ -360,7 +340,8 @@ impl CudaLlama {
                 Weight::Proj(l, p, bias) => 18 + l as u64 * 64 + p as u64 * 2 + u64::from(bias),
             };
             let (lo, hi) = if scale == 0.0 { (1.0, 1.0) } else { (-scale, scale) };
-            kernels.fill_uniform(stream, &mut buf, seed.wrapping_mul(0x9e37_79b9).wrapping_add(salt << 20), lo, hi)?;
+            let seed = seed.wrapping_mul(0x9e37_79b9).wrapping_add(salt << 20);
+            g.launch(&plan::fill_uniform(buf.buf(), seed, lo, hi)?)?;
             Ok(Some(buf))
         })
     }
@@ -369,28 +350,18 @@ impl CudaLlama {
     /// bias the architecture does not have).
     fn build(
         cfg: LlamaConfig,
-        ordinal: usize,
+        gpu: SharedGpu,
         slots: usize,
         max_len: usize,
-        mut source: impl FnMut(&Arc<CudaStream>, &CudaKernels, Weight) -> Result<Option<CudaSlice<bf16>>>,
+        mut source: impl FnMut(&dyn Gpu, Weight) -> Result<Option<DeviceBuf<bf16>>>,
     ) -> Result<Self> {
         let attn = AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
         let cache = CacheDims { layers: cfg.num_hidden_layers, slots, max_len, attn };
         cache.check()?;
-        let kernels = CudaKernels::new(ordinal)?;
-        // SAFETY: every buffer of this model is used on its one stream only, so stream order alone keeps it
-        // correct, and graph capture cannot tolerate cudarc's cross-stream events.
-        unsafe { kernels.context().disable_event_tracking() };
-        // Not the legacy default stream, which cannot be captured.
-        let stream = kernels.context().new_stream().map_err(cuda_err("new_stream"))?;
-        let sms = kernels
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(cuda_err("multiprocessor count"))?;
-        let target_blocks = 2 * usize::try_from(sms).unwrap_or(1).max(1);
-        let blas = Blas::new(&stream)?;
-        let mut get = |w: Weight| source(&stream, &kernels, w);
-        let need = |w: Weight, got: Option<CudaSlice<bf16>>| {
+        let target_blocks = gpu.info().target_blocks();
+        let g = gpu.as_ref();
+        let mut get = |w: Weight| source(g, w);
+        let need = |w: Weight, got: Option<DeviceBuf<bf16>>| {
             got.ok_or_else(|| Error::InvalidInput(format!("weight {w:?} is missing")))
         };
         let shapes = proj_shapes(&cfg)?;
@@ -405,12 +376,12 @@ impl CudaLlama {
             // Stacks projections `ps` (rows of one weight matrix after the other) into one linear.
             let stack = |ps: std::ops::Range<usize>| -> Result<DeviceLinear> {
                 let (out, inp) = (ps.clone().map(|p| shapes[p].out).sum::<usize>(), shapes[ps.start].inp);
-                let parts: Vec<&CudaSlice<bf16>> = ps.clone().map(|p| &w[p]).collect();
-                let w_all = concat(&stream, &parts, out * inp)?;
-                let biases: Option<Vec<&CudaSlice<bf16>>> = ps.clone().map(|p| b[p].as_ref()).collect();
+                let parts: Vec<&DeviceBuf<bf16>> = ps.clone().map(|p| &w[p]).collect();
+                let w_all = concat(g, &parts, out * inp)?;
+                let biases: Option<Vec<&DeviceBuf<bf16>>> = ps.clone().map(|p| b[p].as_ref()).collect();
                 let any_bias = ps.clone().any(|p| b[p].is_some());
                 let b_all = match biases {
-                    Some(bs) => Some(concat(&stream, &bs, out)?),
+                    Some(bs) => Some(concat(g, &bs, out)?),
                     None if any_bias => {
                         return Err(Error::InvalidInput(format!(
                             "layer {l}: projections {ps:?} have biases on some only"
@@ -444,13 +415,13 @@ impl CudaLlama {
         let embed = need(Weight::Embed, get(Weight::Embed)?)?;
         let norm = need(Weight::Norm, get(Weight::Norm)?)?;
         let head = get(Weight::Head)?;
-        let inv_freq = stream.clone_htod(&cfg.rope_inv_freq()).map_err(cuda_err("upload"))?;
-        let k_cache = stream.alloc_zeros::<bf16>(cache.len()).map_err(cuda_err("alloc k cache"))?;
-        let v_cache = stream.alloc_zeros::<bf16>(cache.len()).map_err(cuda_err("alloc v cache"))?;
+        let inv_freq = DeviceBuf::from_host(g, &cfg.rope_inv_freq())?;
+        let k_cache = DeviceBuf::zeros(g, cache.len())?;
+        let v_cache = DeviceBuf::zeros(g, cache.len())?;
         let w = DevWeights { embed, head, norm, layers, inv_freq };
-        let commit_staging = Staged::new(&stream, 4096)?;
+        let commit_staging = Staged::new(&gpu, 4096)?;
         // Step buffers may take half of what is left after weights and cache (graphs on: the budget given).
-        let (free, _) = cudarc::driver::result::mem_get_info().map_err(cuda_err("memory info"))?;
+        let (free, _) = gpu.memory()?;
         Ok(Self {
             shapes: ShapeCache::new(free as u64 / 2),
             graph_batches: None,
@@ -458,9 +429,7 @@ impl CudaLlama {
             k_cache,
             v_cache,
             w,
-            blas,
-            kernels,
-            stream,
+            gpu,
             cfg,
             cache,
             taps: vec![Tap::FinalNorm],
@@ -489,14 +458,9 @@ impl CudaLlama {
         &self.cfg
     }
 
-    /// The kernels (for sampling and acceptance on the same device).
-    pub fn kernels(&self) -> &CudaKernels {
-        &self.kernels
-    }
-
-    /// The stream every operation of this model runs on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    /// The device every operation of this model runs on (its one stream).
+    pub fn gpu(&self) -> &SharedGpu {
+        &self.gpu
     }
 
     /// The KV cache's shape.
@@ -552,11 +516,9 @@ impl CudaLlama {
         let mut layer = 0;
         for t in &self.taps {
             parts.push(match t {
-                Tap::FinalNorm => {
-                    self.stream.clone_dtoh(&b.xn).map_err(cuda_err("download"))?.iter().map(|x| x.to_f32()).collect()
-                }
+                Tap::FinalNorm => b.xn.to_host(self.gpu.as_ref())?.iter().map(|x| x.to_f32()).collect(),
                 Tap::LayerInput(_) => {
-                    let v = self.stream.clone_dtoh(&b.taps[layer]).map_err(cuda_err("download"))?;
+                    let v = b.taps[layer].to_host(self.gpu.as_ref())?;
                     layer += 1;
                     v
                 }
@@ -600,7 +562,7 @@ impl CudaLlama {
         let graph_batch = self.graph_batches.as_ref().filter(|_| reusable).and_then(|p| p.pad(seqs.len()));
         let batch = graph_batch.unwrap_or(seqs.len());
         let shape = StepShape { batch, n_max, tree };
-        let (stream, cfg, taps) = (&self.stream, &self.cfg, self.layer_taps().len());
+        let (gpu, cfg, taps) = (&self.gpu, &self.cfg, self.layer_taps().len());
         let chunks = Chunks::for_shape(
             TreeDims { batch, n_max },
             self.cache.attn.n_kv_heads,
@@ -608,7 +570,7 @@ impl CudaLlama {
             self.target_blocks,
         );
         let (mut entry, plan) = self.shapes.checkout(shape, graph_batch.is_some(), || {
-            let b = StepBuffers::new(stream, cfg, batch, n_max, tree, taps, chunks)?;
+            let b = StepBuffers::new(gpu, cfg, batch, n_max, tree, taps, chunks)?;
             let bytes = b.bytes();
             Ok::<_, Error>((b, bytes))
         })?;
@@ -621,51 +583,43 @@ impl CudaLlama {
     fn run(
         &mut self,
         shape: StepShape,
-        entry: &mut ShapeEntry<StepBuffers, CudaGraph>,
+        entry: &mut ShapeEntry<StepBuffers, GpuGraph>,
         l: &StepLayout,
         plan: &ShapePlan,
     ) -> Result<StepMode> {
-        entry.bufs.write(&self.stream, l)?;
+        entry.bufs.write(l)?;
         if let (ShapePlan::Replay, Some(graph)) = (plan, entry.graph.as_ref()) {
-            graph.launch().map_err(cuda_err("graph launch"))?;
+            self.gpu.replay(graph)?;
             return Ok(StepMode::Replayed);
         }
         let layer_taps = self.layer_taps();
-        let s = &self.stream;
-        let weights = self.w.bufs(s);
+        let weights = self.w.bufs();
         let program = StepProgram {
             cfg: &self.cfg,
             cache: self.cache,
-            k_cache: buf_of(&self.k_cache, s),
-            v_cache: buf_of(&self.v_cache, s),
+            k_cache: self.k_cache.buf(),
+            v_cache: self.v_cache.buf(),
             w: &weights,
             layer_taps: &layer_taps,
             target_blocks: self.target_blocks,
         };
-        let step = entry.bufs.bufs(s)?;
-        let mut ops = CudaOps { kernels: &self.kernels, blas: self.blas.cublas(), stream: s };
-        program.record(&mut ops, &step)?;
+        let step = entry.bufs.bufs()?;
+        program.record(&mut GpuOps(self.gpu.as_ref()), &step)?;
         if *plan != ShapePlan::Capture {
             return Ok(StepMode::Eager);
         }
         // The eager run above produced this step's results (and warmed cuBLAS up); capture the same launches. A
         // failed capture leaves the stream usable (the capture is always ended) and the shape eager from now on.
-        let captured = (|| -> std::result::Result<CudaGraph, String> {
-            s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(|e| format!("begin_capture: {e}"))?;
-            let recorded = program.record(&mut ops, &step);
-            let ended = s.end_capture(sys::CUgraphInstantiate_flags(0));
-            recorded.map_err(|e| format!("recording: {e}"))?;
-            let graph = ended.map_err(|e| format!("end_capture: {e}"))?.ok_or("the capture recorded nothing")?;
-            graph.upload().map_err(|e| format!("graph upload: {e}"))?;
-            Ok(graph)
-        })();
+        let captured = tlt_cudagraph::gpu::capture(&self.gpu, &format!("{shape:?}"), || {
+            program.record(&mut GpuOps(self.gpu.as_ref()), &step).map_err(Into::into)
+        });
         Ok(match captured {
-            Ok(graph) => {
-                entry.graph = Some(graph);
+            Ok(c) => {
+                entry.graph = Some(c.graph);
                 StepMode::Captured
             }
-            Err(message) => {
+            Err(e) => {
+                let message = e.to_string();
                 tracing::warn!(?shape, %message, "CUDA graph capture failed; the shape runs eagerly");
                 self.shapes.capture_failed(shape, message);
                 StepMode::Eager
@@ -682,8 +636,8 @@ impl CudaLlama {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] when the shape's buffers are gone (evicted, or never run).
-    pub fn logits(&self, out: &StepOutput) -> Result<&CudaSlice<f32>> {
-        self.buffers(out).map(|b| &b.logits)
+    pub fn logits(&self, out: &StepOutput) -> Result<Buf<f32>> {
+        self.buffers(out).map(|b| b.logits.buf())
     }
 
     /// The final-norm hidden states of `out` (`[batch * n_max, hidden_size]` bf16, the LM head's input), valid until
@@ -691,8 +645,8 @@ impl CudaLlama {
     ///
     /// # Errors
     /// As [`CudaLlama::logits`].
-    pub fn hidden(&self, out: &StepOutput) -> Result<&CudaSlice<bf16>> {
-        self.buffers(out).map(|b| &b.xn)
+    pub fn hidden(&self, out: &StepOutput) -> Result<Buf<bf16>> {
+        self.buffers(out).map(|b| b.xn.buf())
     }
 
     /// Copies the first `len` committed positions of slot `src` to slot `dst` in every layer (a prompt prefilled once
@@ -712,15 +666,8 @@ impl CudaLlama {
         let (span, n) = (c.max_len * c.row(), len * c.row());
         for layer in 0..c.layers {
             let (a, b) = (layer * c.layer_len() + src * span, layer * c.layer_len() + dst * span);
-            for cache in [&mut self.k_cache, &mut self.v_cache] {
-                // The two ranges are disjoint: split the buffer between them.
-                let (mut lo, mut hi) = cache.split_at_mut(a.max(b));
-                let (from, mut to) = if a < b {
-                    (lo.slice(a..a + n), hi.slice_mut(0..n))
-                } else {
-                    (hi.slice(0..n), lo.slice_mut(b..b + n))
-                };
-                self.stream.memcpy_dtod(&from, &mut to).map_err(cuda_err("fork copy"))?;
+            for cache in [&self.k_cache, &self.v_cache] {
+                gpu::copy(self.gpu.as_ref(), cache.buf().slice(a..a + n)?, cache.buf().slice(b..b + n)?)?;
             }
         }
         Ok(())
@@ -731,7 +678,7 @@ impl CudaLlama {
     /// # Errors
     /// As [`CudaLlama::logits`], and [`Error::Kernel`] when the copy fails.
     pub fn logits_to_host(&self, out: &StepOutput) -> Result<Vec<f32>> {
-        self.stream.clone_dtoh(self.logits(out)?).map_err(cuda_err("download"))
+        Ok(gpu::read(self.gpu.as_ref(), self.logits(out)?)?)
     }
 
     /// Moves each sequence's accepted tree nodes (`paths[b]`: node indices from the root, increasing) to the
@@ -763,17 +710,16 @@ impl CudaLlama {
         // One packed buffer, one copy from the pinned staging buffer.
         let batch = seqs.len();
         let pack = Packing::new(&[batch * 4, batch * 4, batch * 4, flat.len() * 4]);
-        let base = self.commit_staging.send(&self.stream, pack.bytes(), |host| {
+        let base = self.commit_staging.send(pack.bytes(), |host| {
             pack.put(host, 0, &slot, 0)?;
             pack.put(host, 1, &prefix, 0)?;
             pack.put(host, 2, &n_acc, 0)?;
             pack.put(host, 3, &flat, 0)
         })?;
         let seq = SeqBufs { slot: pack.buf(base, 0)?, prefix_len: pack.buf(base, 1)?, n_nodes: pack.buf(base, 2)? };
-        let s = &self.stream;
-        let (k, v) = (buf_of(&self.k_cache, s), buf_of(&self.v_cache, s));
+        let (k, v) = (self.k_cache.buf(), self.v_cache.buf());
         let launch = plan::commit_path(self.cache, batch, max_path, k, v, seq, pack.buf(base, 3)?, seq.n_nodes)?;
-        self.kernels.run(s, &launch)?;
+        self.gpu.launch(&launch)?;
         Ok(())
     }
 }

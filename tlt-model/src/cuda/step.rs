@@ -1,17 +1,12 @@
 //! One device forward over preallocated buffers: the metadata the host writes before a step, the activations, and
-//! the CUDA stream that runs the step program ([`crate::device_step::StepProgram`]) eagerly or while capturing it
-//! once into a CUDA graph per (batch, nodes) shape, replayed after (nothing in the program allocates, synchronises
-//! or copies from the host).
+//! the device that runs the step program ([`crate::device_step::StepProgram`]) eagerly or while capturing it once
+//! into a graph per (batch, nodes) shape, replayed after (nothing in the program allocates, synchronises or copies
+//! from the host).
 
-use std::sync::Arc;
-
-use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use tlt_kernels::cuda::plan::{Buf, Chunks, GemmEx, Launch};
-use tlt_kernels::cuda::{buf_of, run_gemm, CudaKernels, Staged, TreeDims};
+use tlt_kernels::cuda::{gpu, DeviceBuf, Elem, Gpu, SharedGpu, Staged, TreeDims};
 
-use super::cuda_err;
 use crate::config::LlamaConfig;
 use crate::device_step::{DeviceOps, StepBufs, StepLayout, StepMeta};
 use crate::Result;
@@ -25,30 +20,30 @@ pub(crate) struct StepBuffers {
     /// and the device buffer it lands in.
     meta_layout: StepMeta,
     meta: Staged,
-    x: CudaSlice<f32>,
-    pub(crate) xn: CudaSlice<bf16>,
-    qkv: CudaSlice<bf16>,
-    q: CudaSlice<bf16>,
-    attn: CudaSlice<bf16>,
-    part_o: CudaSlice<f32>,
-    part_ml: CudaSlice<f32>,
-    o: CudaSlice<bf16>,
-    gate_up: CudaSlice<bf16>,
-    act: CudaSlice<bf16>,
-    pub(crate) logits: CudaSlice<f32>,
+    x: DeviceBuf<f32>,
+    pub(crate) xn: DeviceBuf<bf16>,
+    qkv: DeviceBuf<bf16>,
+    q: DeviceBuf<bf16>,
+    attn: DeviceBuf<bf16>,
+    part_o: DeviceBuf<f32>,
+    part_ml: DeviceBuf<f32>,
+    o: DeviceBuf<bf16>,
+    gate_up: DeviceBuf<bf16>,
+    act: DeviceBuf<bf16>,
+    pub(crate) logits: DeviceBuf<f32>,
     /// The residual stream entering the tapped layers (`[rows, hidden]` f32 each), in tap order.
-    pub(crate) taps: Vec<CudaSlice<f32>>,
+    pub(crate) taps: Vec<DeviceBuf<f32>>,
 }
 
-fn zeros<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
-    s.alloc_zeros::<T>(n.max(1)).map_err(cuda_err("alloc"))
+fn zeros<T: Elem>(g: &SharedGpu, n: usize) -> Result<DeviceBuf<T>> {
+    Ok(DeviceBuf::zeros(g.as_ref(), n.max(1))?)
 }
 
 impl StepBuffers {
     /// Allocates the buffers of `batch` sequences of up to `n_max` nodes (with ancestor masks when `tree`), with
     /// split attention's partial buffers for `chunks`. `layer_taps`: how many residual-stream taps to keep.
     pub(crate) fn new(
-        s: &Arc<CudaStream>,
+        s: &SharedGpu,
         cfg: &LlamaConfig,
         batch: usize,
         n_max: usize,
@@ -83,7 +78,7 @@ impl StepBuffers {
     /// Bytes of device memory the buffers hold.
     pub(crate) fn bytes(&self) -> u64 {
         let b2 = [&self.xn, &self.qkv, &self.q, &self.attn, &self.o, &self.gate_up, &self.act].map(|b| b.len() * 2);
-        let taps: usize = self.taps.iter().map(CudaSlice::len).sum();
+        let taps: usize = self.taps.iter().map(DeviceBuf::len).sum();
         let f32s = self.x.len() + self.logits.len() + taps + self.part_o.len() + self.part_ml.len();
         (b2.iter().sum::<usize>() + f32s * 4 + self.meta.bytes()) as u64
     }
@@ -91,62 +86,50 @@ impl StepBuffers {
     /// Writes a step's metadata (its shape must be this buffer's: `layout.n_max == n_max` and at most `batch`
     /// sequences; the rest is padding that every kernel skips) into the pinned staging buffer and sends it in one
     /// asynchronous copy. Outside any capture. Waits first for the previous copy from the staging buffer.
-    pub(crate) fn write(&mut self, s: &Arc<CudaStream>, l: &StepLayout) -> Result<()> {
+    pub(crate) fn write(&mut self, l: &StepLayout) -> Result<()> {
         let meta = &self.meta_layout;
-        self.meta.send(s, meta.bytes(), |host| {
+        self.meta.send(meta.bytes(), |host| {
             meta.write(l, host).map_err(|e| tlt_kernels::Error::InvalidArgument(e.to_string()))
         })?;
         Ok(())
     }
 }
 
-/// A CUDA stream as the executor of a step program (event tracking is off for the model's context: every buffer
-/// lives on this one stream, so stream order alone keeps it correct).
-pub(crate) struct CudaOps<'a> {
-    pub(crate) kernels: &'a CudaKernels,
-    pub(crate) blas: &'a CudaBlas,
-    pub(crate) stream: &'a Arc<CudaStream>,
-}
+/// A device as the executor of a step program.
+pub(crate) struct GpuOps<'a>(pub(crate) &'a dyn Gpu);
 
-impl DeviceOps for CudaOps<'_> {
+impl DeviceOps for GpuOps<'_> {
     fn launch(&mut self, launch: &Launch) -> Result<()> {
-        Ok(self.kernels.run(self.stream, launch)?)
+        Ok(self.0.launch(launch)?)
     }
 
     fn gemm(&mut self, gemm: &GemmEx) -> Result<()> {
-        Ok(run_gemm(self.blas, gemm)?)
+        Ok(self.0.gemm(gemm)?)
     }
 
     fn copy_f32(&mut self, src: Buf<f32>, dst: Buf<f32>) -> Result<()> {
-        if src.len() != dst.len() {
-            return Err(crate::Error::InvalidInput(format!("copy of {} elements into {}", src.len(), dst.len())));
-        }
-        // SAFETY: both are live device buffers of this model on this stream, of the same length (checked).
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(dst.addr(), src.addr(), src.len() * 4, self.stream.cu_stream())
-        }
-        .map_err(cuda_err("tap copy"))
+        Ok(gpu::copy(self.0, src, dst)?)
     }
 }
 
 impl StepBuffers {
     /// The buffers as a step program sees them.
-    pub(crate) fn bufs(&self, s: &CudaStream) -> Result<StepBufs> {
+    pub(crate) fn bufs(&self) -> Result<StepBufs> {
         Ok(StepBufs {
             batch: self.batch,
             n_max: self.n_max,
-            meta: self.meta_layout.bufs(self.meta.buf(s))?,
-            x: buf_of(&self.x, s),
-            xn: buf_of(&self.xn, s),
-            qkv: buf_of(&self.qkv, s),
-            q: buf_of(&self.q, s),
-            attn: buf_of(&self.attn, s),
-            parts: (buf_of(&self.part_o, s), buf_of(&self.part_ml, s)),
-            o: buf_of(&self.o, s),
-            gate_up: buf_of(&self.gate_up, s),
-            act: buf_of(&self.act, s),
-            logits: buf_of(&self.logits, s),
-            taps: self.taps.iter().map(|t| buf_of(t, s)).collect(),
+            meta: self.meta_layout.bufs(self.meta.buf())?,
+            x: self.x.buf(),
+            xn: self.xn.buf(),
+            qkv: self.qkv.buf(),
+            q: self.q.buf(),
+            attn: self.attn.buf(),
+            parts: (self.part_o.buf(), self.part_ml.buf()),
+            o: self.o.buf(),
+            gate_up: self.gate_up.buf(),
+            act: self.act.buf(),
+            logits: self.logits.buf(),
+            taps: self.taps.iter().map(DeviceBuf::buf).collect(),
         })
     }
 }

@@ -1,23 +1,74 @@
-//! Where the trainer's rollouts run: the policy's inference copy on the CPU, or on a CUDA device (feature `cuda`)
-//! through `tlt_spec_decode::cuda::CudaTarget`, built once (sized for the step's requests and longest answer) and
-//! refreshed with the policy's weights in place before every rollout (graphs stay captured). The EAGLE drafter's
-//! forward runs on the same device (`tlt_drafter::cuda::CudaDrafter`, shared by the rollouts' proposers); its
-//! training, the model-free drafters and the update stay on the CPU. **The CUDA path has not yet run on a GPU.**
+//! Where the trainer's rollouts run: the policy's inference copy on the CPU, or on a device behind the seam
+//! (`tlt_kernels::cuda::Gpu`: a CUDA device with the `cuda` feature, or one handed in with
+//! [`super::Trainer::with_gpu`], e.g. the simulated device in CI) through `tlt_spec_decode::cuda::CudaTarget`, built
+//! once (sized for the step's requests and longest answer) and refreshed with the policy's weights in place before
+//! every rollout (graphs stay captured). The EAGLE drafter's forward runs on the same device and stream
+//! (`tlt_drafter::cuda::CudaDrafter`, shared by the rollouts' proposers); its training, the model-free drafters and
+//! the update stay on the CPU.
 
+use std::sync::{Arc, Mutex};
+
+use tlt_kernels::cuda::SharedGpu;
 use tlt_model::{Device, Llama};
 use tlt_scheduler::AdaptiveDecoder;
+use tlt_spec_decode::cuda::CudaTarget;
 
 use super::drafter::RolloutDrafter;
 use super::rollout::{run_rollout, Observer, RolloutJob, RolloutOutput};
 use crate::{Error, Result};
 
-/// The rollout backend of a trainer.
-#[derive(Debug, Default)]
-pub(crate) struct RolloutDevice {
+/// The device rollouts and the EAGLE drafter's forward share: opened at first use (a CUDA device, feature `cuda`) or
+/// handed in.
+#[derive(Debug)]
+pub(crate) struct GpuHandle {
     device: Device,
+    gpu: Mutex<Option<SharedGpu>>,
+}
+
+impl GpuHandle {
+    /// A handle for `device` (nothing opened yet).
+    pub(crate) fn new(device: Device) -> Self {
+        Self { device, gpu: Mutex::new(None) }
+    }
+
+    /// A handle on a device already open.
+    pub(crate) fn with(gpu: SharedGpu) -> Self {
+        Self { device: Device::Cuda(0), gpu: Mutex::new(Some(gpu)) }
+    }
+
+    /// Whether rollouts run on a device (not the CPU).
+    pub(crate) fn on_device(&self) -> bool {
+        self.device.is_cuda()
+    }
+
+    /// The device, opened on first use.
+    ///
+    /// # Errors
+    /// Without a driver (never a panic), or in a build without `cuda` when none was handed in.
+    pub(crate) fn gpu(&self) -> Result<SharedGpu> {
+        let mut g = self.gpu.lock().map_err(|_| Error::InvalidArgument("the device handle's lock is poisoned".into()))?;
+        if let Some(gpu) = g.as_ref() {
+            return Ok(gpu.clone());
+        }
+        let opened = open(self.device)?;
+        *g = Some(opened.clone());
+        Ok(opened)
+    }
+}
+
+fn open(device: Device) -> Result<SharedGpu> {
+    match device {
+        Device::Cuda(ordinal) => tlt_kernels::cuda::open_device(ordinal).map_err(|e| Error::Model(e.into())),
+        Device::Cpu => Err(Error::InvalidArgument("rollouts on the CPU have no device".into())),
+    }
+}
+
+/// The rollout backend of a trainer.
+#[derive(Debug)]
+pub(crate) struct RolloutDevice {
+    handle: Arc<GpuHandle>,
     /// The device target, once a rollout has built it.
-    #[cfg(feature = "cuda")]
-    gpu: std::sync::Mutex<Option<tlt_spec_decode::cuda::CudaTarget>>,
+    target: Mutex<Option<CudaTarget>>,
 }
 
 impl RolloutDevice {
@@ -32,11 +83,17 @@ impl RolloutDevice {
                 format!("{device}: this build has no CUDA (enable tlt-rl's `cuda` feature)"),
             ));
         }
-        Ok(Self {
-            device,
-            #[cfg(feature = "cuda")]
-            gpu: std::sync::Mutex::default(),
-        })
+        Ok(Self::on(Arc::new(GpuHandle::new(device))))
+    }
+
+    /// Rollouts on the device of `handle`.
+    pub(crate) fn on(handle: Arc<GpuHandle>) -> Self {
+        Self { handle, target: Mutex::new(None) }
+    }
+
+    /// The device handle (shared with the drafter's device executor).
+    pub(crate) fn handle(&self) -> &Arc<GpuHandle> {
+        &self.handle
     }
 
     /// Runs `job` with the weights of `model` (the policy's inference copy).
@@ -51,28 +108,23 @@ impl RolloutDevice {
         drafter: Option<&mut RolloutDrafter>,
         obs: &mut dyn Observer,
     ) -> Result<RolloutOutput> {
-        match self.device {
-            Device::Cpu => run_rollout(model, job, decoder, drafter, obs),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => {
-                use tlt_spec_decode::cuda::CudaTarget;
-                let slots = job.prompts.len() * job.group_size;
-                let longest = job.prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
-                let positions = longest + job.params.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1;
-                let mut gpu =
-                    self.gpu.lock().map_err(|_| Error::InvalidArgument("the GPU target's lock is poisoned".into()))?;
-                match gpu.as_ref() {
-                    Some(t) if t.capacity().0 >= slots && t.capacity().1 >= positions => t.update_weights(model)?,
-                    _ => {
-                        // Positions rounded up so that slightly longer prompts later do not rebuild it.
-                        *gpu = Some(CudaTarget::new(model, ordinal, slots, positions.next_multiple_of(256), 2 << 30)?);
-                    }
-                }
-                let target = gpu.as_ref().ok_or_else(|| Error::InvalidArgument("no GPU target".into()))?;
-                run_rollout(target, job, decoder, drafter, obs)
-            }
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda(_) => Err(Error::config("device", "this build has no CUDA (enable tlt-rl's `cuda` feature)")),
+        if !self.handle.on_device() {
+            return run_rollout(model, job, decoder, drafter, obs);
         }
+        let slots = job.prompts.len() * job.group_size;
+        let longest = job.prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+        let positions = longest + job.params.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1;
+        let mut target =
+            self.target.lock().map_err(|_| Error::InvalidArgument("the GPU target's lock is poisoned".into()))?;
+        match target.as_ref() {
+            Some(t) if t.capacity().0 >= slots && t.capacity().1 >= positions => t.update_weights(model)?,
+            _ => {
+                // Positions rounded up so that slightly longer prompts later do not rebuild it.
+                let gpu = self.handle.gpu()?;
+                *target = Some(CudaTarget::new(model, gpu, slots, positions.next_multiple_of(256), 2 << 30)?);
+            }
+        }
+        let target = target.as_ref().ok_or_else(|| Error::InvalidArgument("no GPU target".into()))?;
+        run_rollout(target, job, decoder, drafter, obs)
     }
 }

@@ -18,6 +18,7 @@ use tlt_model::Llama;
 use tlt_spec_decode::{Drafter, DrafterSet, Finished, HybridDrafter, NgramDrafter, SuffixConfig, SuffixDrafter};
 
 use super::config::{DrafterChoice, DrafterSchedule, SdConfig};
+use super::device::GpuHandle;
 use crate::{Error, Result};
 
 #[path = "drafter_replica.rs"]
@@ -41,19 +42,13 @@ pub(crate) struct OnlineEagle {
     replica: Option<replica::Replica>,
 }
 
-/// The device executor EAGLE proposers share when rollouts run on a GPU (built once: kernels, cache).
-#[cfg(feature = "cuda")]
+/// The device executor EAGLE proposers share when rollouts run on a device (built once: cache, buffers).
 type DeviceExec = Arc<Mutex<tlt_drafter::cuda::CudaDrafter>>;
-/// Without CUDA there is no device executor.
-#[cfg(not(feature = "cuda"))]
-#[derive(Debug, Clone)]
-enum DeviceExec {}
 
-/// Where the EAGLE drafter's forward runs when rollouts run on a GPU: built at the first rollout that drafts (as
-/// the device target is), then shared by every rollout's proposers.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+/// Where the EAGLE drafter's forward runs when rollouts run on a device: built at the first rollout that drafts (as
+/// the device target is), on the rollouts' device, then shared by every rollout's proposers.
 struct DeviceDrafter {
-    ordinal: usize,
+    handle: Arc<GpuHandle>,
     slots: usize,
     max_len: usize,
     exec: Mutex<Option<DeviceExec>>,
@@ -63,30 +58,17 @@ impl DeviceDrafter {
     /// The shared executor, built on first use.
     ///
     /// # Errors
-    /// Without a driver (never a panic).
-    #[cfg(feature = "cuda")]
+    /// When the device cannot be opened or allocated on (never a panic).
     fn exec(&self) -> Result<DeviceExec> {
         use tlt_drafter::cuda::{CudaDraftOptions, CudaDrafter};
         let mut slot = self.exec.lock();
         if let Some(e) = slot.as_ref() {
             return Ok(e.clone());
         }
-        let opts = CudaDraftOptions { ordinal: self.ordinal, slots: self.slots, max_len: self.max_len };
-        let e: DeviceExec = Arc::new(Mutex::new(CudaDrafter::new(opts)?));
+        let opts = CudaDraftOptions { slots: self.slots, max_len: self.max_len };
+        let e: DeviceExec = Arc::new(Mutex::new(CudaDrafter::new(self.handle.gpu()?, opts)?));
         *slot = Some(e.clone());
         Ok(e)
-    }
-
-    /// A build without CUDA has no device executor.
-    ///
-    /// # Errors
-    /// Always.
-    #[cfg(not(feature = "cuda"))]
-    fn exec(&self) -> Result<DeviceExec> {
-        Err(Error::config(
-            "device",
-            format!("cuda:{}: this build has no CUDA (enable tlt-rl's `cuda` feature)", self.ordinal),
-        ))
     }
 }
 
@@ -150,11 +132,11 @@ impl RolloutDrafter {
         Ok(Self { kinds: cfg.kinds(), suffix: cfg.suffix, eagle: Some(Box::new(eagle)), device: None })
     }
 
-    /// Runs the EAGLE drafter's forward on CUDA device `ordinal` (the rollouts' device) for up to `slots` running
-    /// requests of up to `max_len` positions, from the first rollout on; a no-op without an EAGLE kind.
-    pub(crate) fn draft_on_device(&mut self, ordinal: usize, slots: usize, max_len: usize) {
+    /// Runs the EAGLE drafter's forward on the rollouts' device (`handle`) for up to `slots` running requests of up
+    /// to `max_len` positions, from the first rollout on; a no-op without an EAGLE kind.
+    pub(crate) fn draft_on_device(&mut self, handle: Arc<GpuHandle>, slots: usize, max_len: usize) {
         if self.eagle.is_some() {
-            self.device = Some(DeviceDrafter { ordinal, slots, max_len, exec: Mutex::new(None) });
+            self.device = Some(DeviceDrafter { handle, slots, max_len, exec: Mutex::new(None) });
         }
     }
 
@@ -181,18 +163,12 @@ impl RolloutDrafter {
             Ok(e.slot.clone())
         };
         if let (Some(d), DrafterChoice::Eagle2 | DrafterChoice::Hybrid) = (&self.device, kind) {
-            let dev = d.exec()?;
-            #[cfg(feature = "cuda")]
-            {
-                let eagle = EagleProposer::with_executor(slot()?, dev);
-                return Ok(if kind == DrafterChoice::Hybrid {
-                    Box::new(HybridDrafter::new(SuffixDrafter::new(self.suffix)?, eagle))
-                } else {
-                    Box::new(eagle)
-                });
-            }
-            #[cfg(not(feature = "cuda"))]
-            match dev {}
+            let eagle = EagleProposer::with_executor(slot()?, d.exec()?);
+            return Ok(if kind == DrafterChoice::Hybrid {
+                Box::new(HybridDrafter::new(SuffixDrafter::new(self.suffix)?, eagle))
+            } else {
+                Box::new(eagle)
+            });
         }
         let eagle = || -> Result<EagleProposer> { Ok(EagleProposer::new(slot()?)) };
         Ok(match kind {
@@ -285,7 +261,6 @@ impl RolloutDrafter {
 
     /// EAGLE weight versions uploaded to the rollout device so far (0 when the drafter runs on the CPU).
     pub(crate) fn device_uploads(&self) -> u64 {
-        #[cfg(feature = "cuda")]
         if let Some(e) = self.device.as_ref().and_then(|d| d.exec.lock().clone()) {
             return e.lock().uploads();
         }

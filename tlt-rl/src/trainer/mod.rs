@@ -140,6 +140,14 @@ impl<E: Environment> std::fmt::Debug for Trainer<E> {
     }
 }
 
+/// Puts the EAGLE drafter's forward on the rollouts' device, with room for the running requests, a prompt, the
+/// answer and the largest draft tree.
+fn draft_on(cfg: &TrainerConfig, d: &mut RolloutDrafter, handle: Arc<device::GpuHandle>) {
+    let slots = cfg.rollout.max_running.min(cfg.prompts_per_step * cfg.group_size).max(1);
+    let max_len = PROMPT_ROOM + cfg.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES;
+    d.draft_on_device(handle, slots, max_len);
+}
+
 /// A deep copy of `policy` for inference (the rollout never sees a half-updated policy).
 fn snapshot(policy: &Llama) -> Result<Llama> {
     let mut m = policy.deep_copy()?;
@@ -200,11 +208,8 @@ impl<E: Environment> Trainer<E> {
             );
         }
         let mut drafter = drafter;
-        if let (tlt_model::Device::Cuda(ordinal), Some(d)) = (cfg.device, drafter.as_mut()) {
-            // Room for the running requests, a prompt, the answer and the largest draft tree.
-            let slots = cfg.rollout.max_running.min(cfg.prompts_per_step * cfg.group_size).max(1);
-            let max_len = PROMPT_ROOM + cfg.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES;
-            d.draft_on_device(ordinal, slots, max_len);
+        if let (true, Some(d)) = (rollouts.handle().on_device(), drafter.as_mut()) {
+            draft_on(&cfg, d, rollouts.handle().clone());
         }
         let scoring = RewardPool::new(Arc::new(env), cfg.scoring.clone());
         let data_pos = step * cfg.prompts_per_step as u64;
@@ -328,6 +333,19 @@ impl<E: Environment> Trainer<E> {
         self.resumed_decoders.clear();
         self.comm = comm;
         Ok(self)
+    }
+
+    /// Runs the rollouts (and the EAGLE drafter's forward) on `gpu` from now on, whatever `device` the config
+    /// names: a device the caller opened (`tlt_kernels::cuda::CudaGpu`), or the simulated device (`tlt-cuda-sim`'s
+    /// `SimGpu`), on which CI runs the trainer's device path.
+    #[must_use]
+    pub fn with_gpu(mut self, gpu: tlt_kernels::cuda::SharedGpu) -> Self {
+        let handle = Arc::new(device::GpuHandle::with(gpu));
+        self.rollouts = RolloutDevice::on(handle.clone());
+        if let Some(d) = self.drafter.as_mut() {
+            draft_on(&self.cfg, d, handle);
+        }
+        self
     }
 
     /// The groups of a step whose sequences this rank trains on (every group for one rank).

@@ -225,8 +225,8 @@ impl Chunks {
 /// the partial buffers of [`Chunks::part_lens`] (ignored with one chunk).
 ///
 /// # Errors
-/// As [`tree_attention`]; also for a `head_dim` that is not a multiple of 8 (16-byte loads) or partial buffers of
-/// the wrong size.
+/// As [`tree_attention`]; also for partial buffers of the wrong size. A `head_dim` that is not a multiple of 8 (the
+/// split kernel's 16-byte loads) plans [`tree_attention`] alone, whatever the chunks.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     cache: CacheDims,
@@ -244,7 +244,10 @@ pub fn attention(
     let mut one = tree_attention(cache, layer, tree, q, k_cache, v_cache, out, seq, anc)?;
     let a = cache.attn;
     if !a.head_dim.is_multiple_of(8) {
-        return Err(Error::InvalidArgument(format!("split attention needs head_dim % 8 == 0, got {}", a.head_dim)));
+        // The split kernel loads keys and values 16 bytes (8 bf16) at a time; other even head dims (tiny test
+        // drafters have 4) run the one-block-per-(head, node) kernel. Before this, such drafters failed on the
+        // first GPU run ("split attention needs head_dim % 8 == 0, got 4").
+        return Ok(vec![one]);
     }
     if chunks.split_len == 0
         || !chunks.split_len.is_multiple_of(32)

@@ -1,14 +1,31 @@
-//! The CUDA decoder against the CPU decoder (`--features cuda`). Without a driver: construction is an error, not a
-//! panic. With one (`cargo xtask test-cuda --gpu` sets `TLT_REQUIRE_GPU=1`): prefill, batched decode, tree
-//! verification and commit give the CPU's logits within bf16 tolerance and the same top-1 token (Llama, Qwen2 and
-//! Qwen3).
-#![cfg(feature = "cuda")]
+//! The device decoder (`CudaLlama`, the host code the GPU runs) against the CPU decoder, on the device the
+//! environment gives: in CI the simulated device (`tlt-cuda-sim`'s `SimGpu`, whose stream runs work late, under
+//! several schedules), on a GPU machine the CUDA device (`TLT_REQUIRE_GPU=1` makes a missing one an error).
+//! Prefill, batched decode, tree verification and commit give the CPU's logits within bf16 tolerance and the same
+//! top-1 token (Llama, Qwen2 and Qwen3); graphs replay exactly the eager logits; weights update in place; the taps
+//! match; one decode layer is 10 launches. GPU only: no memory growth over 1,000 steps, SmolLM2's real weights.
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
-use tlt_kernels::cuda::driver_available;
+use tlt_cuda_sim::{Schedule, SimGpu};
+use tlt_kernels::cuda::{driver_available, SharedGpu};
 use tlt_model::cuda::{CudaLlama, DeviceSeq};
 use tlt_model::device_step::{row_parity, BF16_ROW_TOL};
 use tlt_model::{KvCache, Llama, LlamaConfig, LogitsFor, SeqId, SeqInput};
+
+/// The devices of a test: the CUDA device on a GPU machine, else the simulated device under two schedules.
+fn devices(test: &str) -> Vec<SharedGpu> {
+    tlt_cuda_sim::test_devices(test, &[Schedule::Lazy, Schedule::Seeded(11)]).unwrap()
+}
+
+/// Whether this test needs a real device (and there is none): it is skipped, saying why.
+fn needs_gpu(test: &str, why: &str) -> bool {
+    if driver_available() {
+        return false;
+    }
+    assert!(std::env::var("TLT_REQUIRE_GPU").map_or(true, |v| v != "1"), "TLT_REQUIRE_GPU=1 but no CUDA driver");
+    eprintln!("SKIP {test}: {why}");
+    true
+}
 
 fn tiny(model_type: &str) -> Llama {
     let mut cfg = LlamaConfig::tiny(96, 64, 3);
@@ -21,19 +38,6 @@ fn tiny(model_type: &str) -> Llama {
     Llama::random(cfg, 5).unwrap().rounded_to_bf16().unwrap()
 }
 
-fn gpu_or_skip(test: &str) -> bool {
-    tlt_kernels::cuda::gpu_or_skip(test).unwrap()
-}
-
-#[test]
-fn without_a_driver_construction_is_an_error() {
-    if driver_available() {
-        eprintln!("SKIP without_a_driver_construction_is_an_error: a CUDA driver is present");
-        return;
-    }
-    let err = CudaLlama::new(&tiny("llama"), 0, 2, 64).unwrap_err();
-    assert!(err.to_string().contains("CUDA is unavailable"), "{err}");
-}
 
 /// Compares device rows (`[n_max]` rows of sequence `b` in a `[batch * n_max, vocab]` buffer) with CPU rows by
 /// [`row_parity`]: within [`BF16_ROW_TOL`] row standard deviations (the simulated device's bf16 path measured at
@@ -62,13 +66,16 @@ fn cpu_rows(
     model.forward(cache, &[input], &[]).unwrap().logits.to_vec2::<f32>().unwrap()
 }
 
-fn parity(model_type: &str) {
+/// Prefill (a long prompt whose keys span two of split attention's chunks), batched decode, a tree, its commit and a
+/// decode after it, against the CPU decoder; then the negative control: the tree read as a causal chunk (no
+/// ancestor masks) is off by far more than the tolerance.
+fn parity(model_type: &str, dev: SharedGpu) {
     let model = tiny(model_type);
-    let mut gpu = CudaLlama::new(&model, 0, 3, 128).unwrap();
+    let mut gpu = CudaLlama::new(&model, dev, 3, 512).unwrap();
     let mut cache = model.new_cache();
     let (a, b) = (cache.add_sequence(), cache.add_sequence());
     let (pa, pb): (Vec<u32>, Vec<u32>) =
-        ((0..23).map(|i| (i * 7 + 3) % 96).collect(), (0..9).map(|i| (i * 5 + 1) % 96).collect());
+        ((0..150).map(|i| (i * 7 + 3) % 96).collect(), (0..9).map(|i| (i * 5 + 1) % 96).collect());
     let mut stats = (0usize, 0usize, 0f32);
     // Prefill both (slots 2 and 0), one batch.
     let out = gpu
@@ -102,6 +109,12 @@ fn parity(model_type: &str) {
     let cpu_parents = [None, Some(0), Some(0), Some(1)];
     let want = cpu_rows(&model, &mut cache, a, &tree, Some(&cpu_parents));
     compare("tree a", &gpu.logits_to_host(&out).unwrap(), 0, 4, &want, &mut stats);
+    // Negative control: the same nodes as a causal chunk (node 2 then sees node 1, node 3 sees node 2).
+    let causal = gpu.forward(&[DeviceSeq { slot: 2, prefix_len: la, tokens: &tree, parents: None }]).unwrap();
+    let host = gpu.logits_to_host(&causal).unwrap();
+    let vocab = want[0].len();
+    let off = (2..4).map(|j| row_parity(&host[j * vocab..(j + 1) * vocab], &want[j], 0.1).rel_diff).fold(0f32, f32::max);
+    assert!(off > BF16_ROW_TOL, "{model_type}: the tree read without its masks went unnoticed ({off})");
     gpu.commit(&[(2, la)], &[vec![0, 1, 3]]).unwrap();
     cache.commit(a, &[0, 1, 3]).unwrap();
     la += 3;
@@ -116,39 +129,46 @@ fn parity(model_type: &str) {
         &mut stats,
     );
     let agreement = stats.1 as f64 / stats.0 as f64;
-    println!("{model_type}: {} rows, top-1 agreement {agreement:.3}, max |gpu - cpu| {:.4} row std", stats.0, stats.2);
+    println!(
+        "{model_type}: {} rows, top-1 agreement {agreement:.3}, max |device - cpu| {:.4} row std; the tree without \
+         masks off by {off:.3}",
+        stats.0, stats.2
+    );
 }
 
 #[test]
 fn llama_logits_match_the_cpu_decoder() {
-    if gpu_or_skip("llama_logits_match_the_cpu_decoder") {
-        parity("llama");
+    for d in devices("llama_logits_match_the_cpu_decoder") {
+        parity("llama", d);
     }
 }
 
 #[test]
 fn qwen2_logits_match_the_cpu_decoder() {
-    if gpu_or_skip("qwen2_logits_match_the_cpu_decoder") {
-        parity("qwen2");
+    for d in devices("qwen2_logits_match_the_cpu_decoder") {
+        parity("qwen2", d);
     }
 }
 
 #[test]
 fn qwen3_logits_match_the_cpu_decoder() {
-    if gpu_or_skip("qwen3_logits_match_the_cpu_decoder") {
-        parity("qwen3");
+    for d in devices("qwen3_logits_match_the_cpu_decoder") {
+        parity("qwen3", d);
     }
 }
 
 /// Decode and tree steps through CUDA graphs give exactly the eager logits, capture once per shape and replay after.
 #[test]
 fn graph_replay_equals_eager() {
-    if !gpu_or_skip("graph_replay_equals_eager") {
-        return;
+    for d in devices("graph_replay_equals_eager") {
+        graph_replay(d);
     }
+}
+
+fn graph_replay(dev: SharedGpu) {
     let model = tiny("llama");
     let (mut eager, mut graphs) =
-        (CudaLlama::new(&model, 0, 3, 128).unwrap(), CudaLlama::new(&model, 0, 3, 128).unwrap());
+        (CudaLlama::new(&model, dev.clone(), 3, 128).unwrap(), CudaLlama::new(&model, dev, 3, 128).unwrap());
     graphs.enable_graphs(4, 1 << 30);
     let prompt: Vec<u32> = (0..17).map(|i| (i * 3 + 1) % 96).collect();
     let mut modes = Vec::new();
@@ -194,11 +214,11 @@ fn graph_replay_equals_eager() {
 /// 1,000 graph-replayed decode steps (batch 2) leave the device's free memory where the first ten left it.
 #[test]
 fn no_memory_growth_over_1000_steps() {
-    if !gpu_or_skip("no_memory_growth_over_1000_steps") {
+    if needs_gpu("no_memory_growth_over_1000_steps", "the simulated device has no memory counter to watch") {
         return;
     }
     let model = tiny("llama");
-    let mut gpu = CudaLlama::new(&model, 0, 2, 1100).unwrap();
+    let mut gpu = CudaLlama::new(&model, tlt_kernels::cuda::open_device(0).unwrap(), 2, 1100).unwrap();
     gpu.enable_graphs(2, 1 << 30);
     let mut free_after_warmup = 0;
     for step in 0..1010usize {
@@ -209,12 +229,12 @@ fn no_memory_growth_over_1000_steps() {
         ])
         .unwrap();
         if step == 9 {
-            gpu.stream().synchronize().unwrap();
-            free_after_warmup = cudarc::driver::result::mem_get_info().unwrap().0;
+            gpu.gpu().synchronize().unwrap();
+            free_after_warmup = gpu.gpu().memory().unwrap().0;
         }
     }
-    gpu.stream().synchronize().unwrap();
-    let free = cudarc::driver::result::mem_get_info().unwrap().0;
+    gpu.gpu().synchronize().unwrap();
+    let free = gpu.gpu().memory().unwrap().0;
     assert!(free + (1 << 20) >= free_after_warmup, "free memory fell from {free_after_warmup} to {free} bytes");
     assert_eq!(gpu.graph_stats().unwrap().captures, 1);
 }
@@ -223,13 +243,16 @@ fn no_memory_growth_over_1000_steps() {
 /// model's logits, with graphs captured before the copy still replaying.
 #[test]
 fn update_weights_in_place_gives_the_new_models_logits() {
-    if !gpu_or_skip("update_weights_in_place_gives_the_new_models_logits") {
-        return;
+    for d in devices("update_weights_in_place_gives_the_new_models_logits") {
+        update_weights(d);
     }
+}
+
+fn update_weights(dev: SharedGpu) {
     let (a, b) = (tiny("llama"), Llama::random(tiny("llama").config().clone(), 6).unwrap());
-    let mut gpu = CudaLlama::new(&a, 0, 1, 64).unwrap();
+    let mut gpu = CudaLlama::new(&a, dev.clone(), 1, 64).unwrap();
     gpu.enable_graphs(1, 1 << 30);
-    let mut fresh = CudaLlama::new(&b, 0, 1, 64).unwrap();
+    let mut fresh = CudaLlama::new(&b, dev, 1, 64).unwrap();
     let prompt = [3u32, 1, 4, 1, 5];
     let step = |m: &mut CudaLlama| {
         m.forward(&[DeviceSeq { slot: 0, prefix_len: 0, tokens: &prompt, parents: None }]).unwrap();
@@ -249,13 +272,16 @@ fn update_weights_in_place_gives_the_new_models_logits() {
 /// by side in tap order, for a prefill and a draft tree.
 #[test]
 fn taps_match_the_cpu_decoder() {
-    if !gpu_or_skip("taps_match_the_cpu_decoder") {
-        return;
+    for d in devices("taps_match_the_cpu_decoder") {
+        taps_match(d);
     }
+}
+
+fn taps_match(dev: SharedGpu) {
     use tlt_model::Tap;
     let model = tiny("llama");
     let taps = Tap::eagle3(model.config().num_hidden_layers);
-    let mut gpu = CudaLlama::new(&model, 0, 1, 64).unwrap();
+    let mut gpu = CudaLlama::new(&model, dev, 1, 64).unwrap();
     gpu.set_taps(&taps).unwrap();
     assert!(gpu.set_taps(&[Tap::LayerInput(99)]).is_err());
     gpu.set_taps(&taps).unwrap();
@@ -286,7 +312,7 @@ fn taps_match_the_cpu_decoder() {
 /// largest |logit difference| is printed (bf16 weights and activations against f32, over 30 layers).
 #[test]
 fn smollm2_real_weights_match_the_cpu_decoder() {
-    if !gpu_or_skip("smollm2_real_weights_match_the_cpu_decoder") {
+    if needs_gpu("smollm2_real_weights_match_the_cpu_decoder", "30 layers of SmolLM2 are too slow to simulate") {
         return;
     }
     let Some(path) = std::env::var_os("TLT_SMOLLM2_GGUF").map(std::path::PathBuf::from).filter(|p| p.exists()) else {
@@ -302,7 +328,7 @@ fn smollm2_real_weights_match_the_cpu_decoder() {
                 Explain step by step.<|im_end|>\n<|im_start|>assistant\n";
     let prompt = tlt_model::encode(&tok, text).unwrap();
     let steps = 48;
-    let mut gpu = CudaLlama::new(&model, 0, 1, prompt.len() + steps + 1).unwrap();
+    let mut gpu = CudaLlama::new(&model, tlt_kernels::cuda::open_device(0).unwrap(), 1, prompt.len() + steps + 1).unwrap();
     let mut cache = model.new_cache();
     let seq = cache.add_sequence();
     let mut stats = (0usize, 0usize, 0f32);
@@ -343,4 +369,32 @@ fn smollm2_real_weights_match_the_cpu_decoder() {
     // single rounding flip among ~85 positions is expected there); no tolerance on the difference itself is asserted
     // until a GPU run has measured it (the tiny models' rule is BF16_ROW_TOL).
     assert_eq!(flips, 0, "the argmax differs on {flips} rows that are no near tie");
+}
+
+/// Launches (kernels and GEMMs are both launches on the simulated device's log) of one decode step, per decoder
+/// layer: 10, with split attention's combine (a 4,096-position cache at batch 1 splits the keys into chunks).
+#[test]
+fn launches_per_decode_layer() {
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let model = tiny(arch);
+        let sim = SimGpu::new(Schedule::Eager);
+        let mut gpu = CudaLlama::new(&model, std::sync::Arc::new(sim.clone()), 1, 4096).unwrap();
+        let prompt = [3u32, 1, 4, 1];
+        gpu.forward(&[DeviceSeq { slot: 0, prefix_len: 0, tokens: &prompt, parents: None }]).unwrap();
+        gpu.gpu().synchronize().unwrap();
+        let (before, gemms_before) = (sim.launches().len(), sim.gemms());
+        let out = gpu.forward(&[DeviceSeq { slot: 0, prefix_len: 4, tokens: &[7], parents: None }]).unwrap();
+        gpu.logits_to_host(&out).unwrap();
+        let launched: Vec<&str> = sim.launches()[before..].iter().map(|l| l.kernel).collect();
+        assert!(launched.contains(&"attention_combine_bf16"), "the case must exercise the combine: {launched:?}");
+        let gemms = (sim.gemms() - gemms_before) as usize;
+        let layers = model.config().num_hidden_layers;
+        // Outside the layers: the embedding and the first layer's input norm (kernels), the LM head (a GEMM).
+        assert_eq!((launched.len() - 2) % layers, 0, "{arch}: {launched:?}");
+        assert_eq!((gemms - 1) % layers, 0, "{arch}: {gemms} GEMMs");
+        let (kernels, layer_gemms) = ((launched.len() - 2) / layers, (gemms - 1) / layers);
+        let per_layer = kernels + layer_gemms;
+        println!("{arch} decode: {per_layer} launches per layer: {layer_gemms} GEMMs and {:?}", &launched[2..2 + kernels]);
+        assert_eq!(per_layer, 10, "{arch}: launches per decode layer");
+    }
 }
