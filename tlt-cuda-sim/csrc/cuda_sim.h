@@ -1,13 +1,19 @@
 // CUDA's device-side built-ins for our kernels compiled as host C++ (tlt-cuda-sim): the thread and block indices,
 // __shared__ memory, __syncthreads, warp shuffles and votes, atomics and the math intrinsics our sources use.
 //
-// Execution model (runtime.cc): a launch runs its blocks one after another; a block's threads are fibers (their own
-// stacks) on the launching OS thread, run one at a time until each reaches a synchronisation point (a barrier, a
-// warp exchange) or returns. __syncthreads releases when every live thread of the block has arrived; a warp
-// exchange when every live lane of the warp has arrived. Between synchronisation points a thread runs alone, so
-// a kernel whose threads communicate through memory without a barrier reads stale values here, as it may on a GPU.
-// Misuse that is undefined on a GPU (a barrier or an exchange some threads never reach, a shuffle from an exited
-// lane) is reported as an error of the launch.
+// Execution model (runtime.cc): a launch runs up to 4 blocks at once, interleaved, each on its own OS thread of a
+// persistent pool, with a baton so that exactly one OS thread runs at any time. Blocks start in a seeded random
+// order, and whenever the running block reaches a scheduling point (each of its ready threads has run to its next
+// synchronisation point, or the block has finished) the baton passes to a seeded-random block in flight; the same
+// seed gives the same execution. So a kernel whose blocks communicate without synchronisation (none exists within a
+// launch) gives other results under other seeds. The `sequential` schedule runs blocks one after another in grid
+// order on the launching thread. A block's threads are fibers (their own stacks), run one at a time until each
+// reaches a synchronisation point (a barrier, a warp exchange) or returns. __syncthreads releases when every live
+// thread of the block has arrived; a warp exchange when every live lane of the warp has arrived. Between
+// synchronisation points a thread runs alone, so a kernel whose threads communicate through memory without a
+// barrier reads stale values here, as it may on a GPU. Misuse that is undefined on a GPU (a barrier or an exchange
+// some threads never reach, a shuffle from an exited lane, a misaligned 16-byte access) is reported as an error of
+// the launch; the first error ends the whole launch.
 #pragma once
 
 #include <cmath>
@@ -84,8 +90,8 @@ inline int lane_id() { return (int)(current->thread_idx.x + current->block_dim.x
 #define __restrict__
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
-// One block runs at a time on an OS thread, so a function-local thread_local is exactly one block's shared memory
-// (not cleared between blocks, like shared memory).
+// A block runs on one OS thread, and an OS thread runs one block at a time, so a function-local thread_local is
+// exactly one block's shared memory (not cleared between blocks, like shared memory).
 #define __shared__ static thread_local
 
 inline void __syncthreads() { ::tlt_sim::sync_block(); }
@@ -124,7 +130,8 @@ inline int __all_sync(unsigned mask, int pred) {
     return ::tlt_sim::warp_ballot(mask, pred != 0) == ::tlt_sim::warp_ballot(mask, true);
 }
 
-// Atomics: threads never run at the same time here, so a read-modify-write is atomic by construction.
+// Atomics: threads never run at the same time here (one fiber of one block at a time, whichever OS thread it is
+// on), so a read-modify-write is atomic by construction.
 template <class T>
 inline T atomicAdd(T* p, T v) {
     T old = *p;

@@ -52,17 +52,39 @@ pub enum Fault {
 enum Op {
     Launch(Launch),
     Gemm(GemmEx),
-    Copy { src: u64, dst: u64, bytes: usize },
-    Memset { dst: u64, bytes: usize },
+    Copy {
+        src: u64,
+        dst: u64,
+        bytes: usize,
+    },
+    Memset {
+        dst: u64,
+        bytes: usize,
+    },
     /// From pinned memory at `src` (read when the copy runs).
-    UploadPinned { src: u64, dst: u64, bytes: usize },
+    UploadPinned {
+        src: u64,
+        dst: u64,
+        bytes: usize,
+    },
     /// From bytes the host handed over (pageable memory is consumed at the call).
-    UploadOwned { data: Vec<u8>, dst: u64 },
+    UploadOwned {
+        data: Vec<u8>,
+        dst: u64,
+    },
     /// Into pinned memory at `dst` (`cancelled` when the host read it too early or freed it).
-    DownloadPinned { src: u64, dst: u64, bytes: usize, cancelled: bool },
+    DownloadPinned {
+        src: u64,
+        dst: u64,
+        bytes: usize,
+        cancelled: bool,
+    },
     Replay(Arc<Captured>),
     /// A stream-ordered free of a device allocation.
-    Free { addr: u64, bytes: usize },
+    Free {
+        addr: u64,
+        bytes: usize,
+    },
 }
 
 /// A captured graph: its operations and the allocations (start, id) their pointers lie in.
@@ -157,8 +179,13 @@ impl SimGpu {
             races: Vec::new(),
             ran_later: 0,
         };
-        let info =
-            GpuInfo { name: format!("simulated ({schedule:?})"), arch: 90, multiprocessors: 4, total_memory: 1 << 32 };
+        let info = GpuInfo {
+            name: format!("simulated ({schedule:?})"),
+            arch: 90,
+            multiprocessors: 4,
+            total_memory: 1 << 32,
+            simulated: true,
+        };
         Self { id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed), info, state: Arc::new(Mutex::new(state)) }
     }
 
@@ -484,7 +511,7 @@ impl Gpu for SimGpu {
     }
 
     fn gemm(&self, gemm: &GemmEx) -> tlt_kernels::Result<()> {
-        self.enqueue(Op::Gemm(gemm.clone())).map_err(to_kernels)
+        self.enqueue(Op::Gemm(*gemm)).map_err(to_kernels)
     }
 
     fn copy(&self, src: u64, dst: u64, bytes: usize) -> tlt_kernels::Result<()> {
@@ -586,9 +613,10 @@ impl Gpu for SimGpu {
                 _ => Vec::new(),
             };
             for p in ptrs {
-                let at = s.live.find(p, 0).ok_or_else(|| {
-                    to_kernels(Error::BadPointer { kernel: "graph capture".into(), arg: 0, addr: p })
-                })?;
+                let at = s
+                    .live
+                    .find(p, 0)
+                    .ok_or_else(|| to_kernels(Error::BadPointer { kernel: "graph capture".into(), arg: 0, addr: p }))?;
                 if !buffers.contains(&at) {
                     buffers.push(at);
                 }

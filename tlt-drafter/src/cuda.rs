@@ -22,8 +22,8 @@ use half::bf16;
 use tlt_kernels::cuda::packing::Packing;
 use tlt_kernels::cuda::plan::{self, Buf, Chunks, GemmY, Launch, RowBuf, RowBufs, SeqBufs};
 use tlt_kernels::cuda::{
-    gpu, CacheDims, DeviceBuf, DeviceLinear, Elem, Fetched, Recycler, Scratch, SharedGpu, Staged, TreeDims,
-    MAX_TOP_K, MAX_TREE_NODES,
+    gpu, CacheDims, DeviceBuf, DeviceLinear, Elem, Fetched, Recycler, Scratch, SharedGpu, Staged, TreeDims, MAX_TOP_K,
+    MAX_TREE_NODES,
 };
 use tlt_model::device_step::{StepLayout, StepMeta};
 
@@ -233,19 +233,7 @@ impl CudaDrafter {
         let results = Fetched::new(&gpu, 1 << 16).map_err(kern)?;
         let free = Arc::new(Mutex::new((0..opts.slots).rev().collect()));
         let scratch = Recycler::new(SCRATCH_IDLE_BYTES);
-        Ok(Self {
-            w: None,
-            cache: None,
-            meta,
-            features,
-            results,
-            scratch,
-            gpu,
-            opts,
-            free,
-            target_blocks,
-            uploads: 0,
-        })
+        Ok(Self { w: None, cache: None, meta, features, results, scratch, gpu, opts, free, target_blocks, uploads: 0 })
     }
 
     /// Weight versions uploaded to the device so far: the first round's, then one per version the proposer's slot
@@ -663,5 +651,4 @@ mod tests {
         assert!(layout(&many, &[big], 1024).is_err(), "more than 64 tree rows");
         assert!(layout(&[], &[], 64).is_err());
     }
-
 }

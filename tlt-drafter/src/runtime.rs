@@ -448,12 +448,12 @@ impl DraftRuntime {
     }
 
     /// RMSNorm epsilon and RoPE inverse frequencies (`[head_dim / 2]`).
-        pub(crate) fn norm_eps_and_rope(&self) -> (f32, &[f64]) {
+    pub(crate) fn norm_eps_and_rope(&self) -> (f32, &[f64]) {
         (self.eps, &self.inv_freq)
     }
 
     /// Every weight as host f32 (quantized packings dequantized), for an executor that copies them elsewhere.
-        pub(crate) fn export(&self) -> Result<Exported> {
+    pub(crate) fn export(&self) -> Result<Exported> {
         let lin = |p: &Packed| ExportedLinear {
             w: p.w.to_f32(),
             bias: p.bias.clone(),

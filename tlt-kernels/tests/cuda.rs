@@ -162,8 +162,10 @@ mod gpu {
         let (seq_slot, seq_prefix, seq_n) = (up(g, &[slot as i32]), up(g, &[prefix as i32]), up(g, &[n as i32]));
         let seq = SeqBufs { slot: seq_slot.buf(), prefix_len: seq_prefix.buf(), n_nodes: seq_n.buf() };
         let out = up(g, &vec![bf16::ZERO; n * 9 * 64]);
-        g.launch(&plan::tree_attention(cache, layer, tree, q_dev.buf(), kb, vb, out.buf(), seq, Some(anc.buf())).unwrap())
-            .unwrap();
+        g.launch(
+            &plan::tree_attention(cache, layer, tree, q_dev.buf(), kb, vb, out.buf(), seq, Some(anc.buf())).unwrap(),
+        )
+        .unwrap();
         let got = unbf(&out.to_host(g).unwrap());
         // CPU: node 0 is the root, fed as a new row whose parent is the last committed token.
         let cpu_parents: Vec<Option<usize>> = parents.iter().map(|&p| usize::try_from(p).ok()).collect();

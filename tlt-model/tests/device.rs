@@ -38,7 +38,6 @@ fn tiny(model_type: &str) -> Llama {
     Llama::random(cfg, 5).unwrap().rounded_to_bf16().unwrap()
 }
 
-
 /// Compares device rows (`[n_max]` rows of sequence `b` in a `[batch * n_max, vocab]` buffer) with CPU rows by
 /// [`row_parity`]: within [`BF16_ROW_TOL`] row standard deviations (the simulated device's bf16 path measured at
 /// most 0.027 on such models), the argmax equal unless the CPU row is a near tie. `stats`: rows, argmax agreements,
@@ -113,7 +112,8 @@ fn parity(model_type: &str, dev: SharedGpu) {
     let causal = gpu.forward(&[DeviceSeq { slot: 2, prefix_len: la, tokens: &tree, parents: None }]).unwrap();
     let host = gpu.logits_to_host(&causal).unwrap();
     let vocab = want[0].len();
-    let off = (2..4).map(|j| row_parity(&host[j * vocab..(j + 1) * vocab], &want[j], 0.1).rel_diff).fold(0f32, f32::max);
+    let off =
+        (2..4).map(|j| row_parity(&host[j * vocab..(j + 1) * vocab], &want[j], 0.1).rel_diff).fold(0f32, f32::max);
     assert!(off > BF16_ROW_TOL, "{model_type}: the tree read without its masks went unnoticed ({off})");
     gpu.commit(&[(2, la)], &[vec![0, 1, 3]]).unwrap();
     cache.commit(a, &[0, 1, 3]).unwrap();
@@ -328,7 +328,8 @@ fn smollm2_real_weights_match_the_cpu_decoder() {
                 Explain step by step.<|im_end|>\n<|im_start|>assistant\n";
     let prompt = tlt_model::encode(&tok, text).unwrap();
     let steps = 48;
-    let mut gpu = CudaLlama::new(&model, tlt_kernels::cuda::open_device(0).unwrap(), 1, prompt.len() + steps + 1).unwrap();
+    let mut gpu =
+        CudaLlama::new(&model, tlt_kernels::cuda::open_device(0).unwrap(), 1, prompt.len() + steps + 1).unwrap();
     let mut cache = model.new_cache();
     let seq = cache.add_sequence();
     let mut stats = (0usize, 0usize, 0f32);
@@ -394,7 +395,10 @@ fn launches_per_decode_layer() {
         assert_eq!((gemms - 1) % layers, 0, "{arch}: {gemms} GEMMs");
         let (kernels, layer_gemms) = ((launched.len() - 2) / layers, (gemms - 1) / layers);
         let per_layer = kernels + layer_gemms;
-        println!("{arch} decode: {per_layer} launches per layer: {layer_gemms} GEMMs and {:?}", &launched[2..2 + kernels]);
+        println!(
+            "{arch} decode: {per_layer} launches per layer: {layer_gemms} GEMMs and {:?}",
+            &launched[2..2 + kernels]
+        );
         assert_eq!(per_layer, 10, "{arch}: launches per decode layer");
     }
 }

@@ -10,57 +10,24 @@
 //! back when sequences are removed or the state is dropped. Commits are deferred and applied as one launch before
 //! the state's next forward.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tlt_kernels::cuda::{DeviceBuf, Elem, Fetched, SharedGpu, Staged, MAX_TREE_NODES};
+use tlt_kernels::cuda::{SharedGpu, MAX_TREE_NODES};
 use tlt_model::cuda::{CudaLlama, DeviceSeq, StepOutput};
 use tlt_model::{Llama, Tap};
 
-use crate::device_verify::{HiddenRows, VerifyBufs, VerifyProgram};
+use crate::device_verify::{DeviceHidden, DeviceVerifier};
 use crate::{Error, Result, SeqHandle, Target, TargetInput, TargetOutput, Verified, VerifySpec};
 
 fn dev_err(e: impl std::fmt::Display) -> Error {
     Error::Target(e.to_string())
 }
 
-/// Device buffers of the verification of one `(batch, n_max)` shape, reused across rounds: the packed trees and
-/// coins (sent in one copy from pinned memory), the packed results (read back in one copy into pinned memory) and
-/// the per-node scratch.
-#[derive(Debug)]
-struct VerifyBuffers {
-    program: VerifyProgram,
-    input: Staged,
-    output: Fetched,
-    target_tok: DeviceBuf<i32>,
-    target_lp: DeviceBuf<f32>,
-    target_pm: DeviceBuf<f32>,
-}
-
-fn zeros<T: Elem>(s: &SharedGpu, n: usize) -> Result<DeviceBuf<T>> {
-    DeviceBuf::zeros(s.as_ref(), n.max(1)).map_err(dev_err)
-}
-
-impl VerifyBuffers {
-    fn new(s: &SharedGpu, batch: usize, n_max: usize, hidden: usize) -> Result<Self> {
-        let program = VerifyProgram::new(batch, n_max, hidden);
-        let n = batch * n_max;
-        Ok(Self {
-            input: Staged::new(s, program.input_bytes()).map_err(dev_err)?,
-            output: Fetched::new(s, program.output_bytes()).map_err(dev_err)?,
-            program,
-            target_tok: zeros(s, n)?,
-            target_lp: zeros(s, n)?,
-            target_pm: zeros(s, n)?,
-        })
-    }
-}
-
-/// The device model and its per-shape verification buffers, used by one forward at a time.
+/// The device model and its verifier, used by one forward at a time.
 #[derive(Debug)]
 struct Device {
-    // Dropped before the model, whose context and stream they were allocated on.
-    verify: HashMap<(usize, usize), VerifyBuffers>,
+    // Dropped before the model, whose device they use.
+    verifier: DeviceVerifier,
     model: CudaLlama,
 }
 
@@ -170,7 +137,7 @@ impl CudaTarget {
         let (vocab, hidden_size, eos) = (cfg.vocab_size, cfg.hidden_size, cfg.eos_ids());
         let dims = model.cache_dims();
         Self {
-            device: Mutex::new(Device { model, verify: HashMap::new() }),
+            device: Mutex::new(Device { verifier: DeviceVerifier::new(model.gpu().clone(), hidden_size), model }),
             slots: Arc::new(Mutex::new(vec![false; dims.slots])),
             vocab,
             hidden_size,
@@ -296,47 +263,20 @@ impl CudaTarget {
         hidden: bool,
         spec: VerifySpec<'_>,
     ) -> Result<Vec<Verified>> {
-        let Device { model, verify } = dev;
-        let gpu = model.gpu().clone();
-        let h = self.hidden_size;
-        let bufs = match verify.entry((out.batch, out.n_max)) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(VerifyBuffers::new(&gpu, out.batch, out.n_max, h)?),
-        };
-        let program = &bufs.program;
-        let input = bufs
-            .input
-            .send(program.input_bytes(), |host| {
-                program
-                    .write_inputs(inputs, spec.coins, host)
-                    .map_err(|e| tlt_kernels::Error::InvalidArgument(e.to_string()))
-            })
-            .map_err(dev_err)?;
+        let Device { model, verifier } = dev;
         // The final norm alone (the default): the accepted nodes' rows are packed on the device. Other taps: every
         // row comes back and the accepted ones are picked on the host.
-        let final_norm_only = model.taps() == [Tap::FinalNorm];
-        let packed = hidden && final_norm_only;
+        let all_rows;
+        let rows = match (hidden, model.taps() == [Tap::FinalNorm]) {
+            (false, _) => DeviceHidden::None,
+            (true, true) => DeviceHidden::Packed(model.hidden(out).map_err(dev_err)?),
+            (true, false) => {
+                all_rows = model.hidden_to_host(out).map_err(dev_err)?;
+                DeviceHidden::Host { rows: &all_rows, width: self.hidden_size * model.taps().len() }
+            }
+        };
         let logits = model.logits(out).map_err(dev_err)?;
-        let hidden_src = if packed { Some(model.hidden(out).map_err(dev_err)?) } else { None };
-        let b = VerifyBufs {
-            input,
-            output: bufs.output.buf(),
-            target_tok: bufs.target_tok.buf(),
-            target_lp: bufs.target_lp.buf(),
-            target_pmax: bufs.target_pm.buf(),
-        };
-        for launch in program.launches(self.vocab, spec.params.temperature, logits, hidden_src, &b)? {
-            gpu.launch(&launch).map_err(dev_err)?;
-        }
-        let all_rows =
-            if hidden && !final_norm_only { Some(model.hidden_to_host(out).map_err(dev_err)?) } else { None };
-        let results = bufs.output.fetch(program.result_bytes(packed)?).map_err(dev_err)?;
-        let rows = match (&all_rows, hidden) {
-            (_, false) => HiddenRows::None,
-            (None, true) => HiddenRows::Packed,
-            (Some(rows), true) => HiddenRows::All { rows, width: h * model.taps().len() },
-        };
-        program.read(results, inputs.len(), rows)
+        verifier.verify(out.batch, out.n_max, self.vocab, logits, rows, inputs, spec)
     }
 }
 

@@ -3,14 +3,17 @@
 //! staging buffer); `sample_rows` draws the target's token at every node, `tree_accept` walks the trees,
 //! `gather_path_rows` packs the accepted nodes' hidden rows; the accepted paths, committed tokens, their
 //! log-probs and largest probabilities (and the packed hidden rows when recording) come back in one packed buffer.
-//! Host-side, no CUDA needed: the simulated device runs the same launches in the tests.
+//! [`DeviceVerifier`] runs it on a device behind the seam (`tlt_kernels::cuda::Gpu`): `cuda::CudaTarget` on its
+//! model's logits, the tests on the simulated device with logits of their choosing.
+
+use std::collections::HashMap;
 
 use half::bf16;
 use tlt_kernels::cuda::packing::Packing;
 use tlt_kernels::cuda::plan::{self, AcceptInBufs, AcceptOutBufs, Buf, Launch};
-use tlt_kernels::cuda::TreeDims;
+use tlt_kernels::cuda::{DeviceBuf, Fetched, SharedGpu, Staged, TreeDims};
 
-use crate::{Accepted, Coins, Error, Result, TargetInput, Verified};
+use crate::{Accepted, Coins, Error, Result, TargetInput, Verified, VerifySpec};
 
 // Segments of the input buffer.
 const IN_PARENT: usize = 0;
@@ -273,5 +276,123 @@ impl VerifyProgram {
             });
         }
         Ok(verified)
+    }
+}
+
+/// Where the accepted nodes' hidden rows come from in [`DeviceVerifier::verify`].
+#[derive(Debug, Clone, Copy)]
+pub enum DeviceHidden<'a> {
+    /// None recorded.
+    None,
+    /// The final norm's rows on the device (`[batch * n_max, hidden_size]` bf16): the accepted ones are packed there
+    /// and come back with the results.
+    Packed(Buf<bf16>),
+    /// Every node's row on the host (`[batch * n_max, width]`): the accepted ones are picked there.
+    Host {
+        /// The rows.
+        rows: &'a [f32],
+        /// Their width.
+        width: usize,
+    },
+}
+
+/// The device buffers of one verification shape, reused across rounds: the packed trees and coins (sent in one copy
+/// from pinned memory), the packed results (read back in one copy into pinned memory) and the per-node scratch.
+#[derive(Debug)]
+struct ShapeBuffers {
+    program: VerifyProgram,
+    input: Staged,
+    output: Fetched,
+    target_tok: DeviceBuf<i32>,
+    target_lp: DeviceBuf<f32>,
+    target_pm: DeviceBuf<f32>,
+}
+
+fn dev_err(e: tlt_kernels::Error) -> Error {
+    Error::Target(e.to_string())
+}
+
+/// Verification of draft trees on a device: per `(batch, n_max)` shape its [`VerifyProgram`] and buffers, kept
+/// across rounds. One call sends the trees and coins, launches the program after the work already queued (the
+/// forward that wrote the logits) and reads the results back in one copy.
+#[derive(Debug)]
+pub struct DeviceVerifier {
+    gpu: SharedGpu,
+    hidden_size: usize,
+    shapes: HashMap<(usize, usize), ShapeBuffers>,
+}
+
+impl DeviceVerifier {
+    /// A verifier on `gpu` for hidden rows `hidden_size` wide.
+    #[must_use]
+    pub fn new(gpu: SharedGpu, hidden_size: usize) -> Self {
+        Self { gpu, hidden_size, shapes: HashMap::new() }
+    }
+
+    /// Verifies `inputs` (at most `batch` trees of at most `n_max` nodes each) against `logits` (`[batch * n_max,
+    /// vocab]` f32 on the device, node `j` of tree `b` at row `b * n_max + j`) with the coins and temperature of
+    /// `spec`.
+    ///
+    /// # Errors
+    /// [`Error::Target`] for trees that do not fit the shape, the device's failures, and what [`VerifyProgram::read`]
+    /// finds wrong in the results.
+    #[allow(clippy::too_many_arguments)]
+    pub fn verify(
+        &mut self,
+        batch: usize,
+        n_max: usize,
+        vocab: usize,
+        logits: Buf<f32>,
+        hidden: DeviceHidden<'_>,
+        inputs: &[TargetInput<'_>],
+        spec: VerifySpec<'_>,
+    ) -> Result<Vec<Verified>> {
+        let (gpu, h) = (&self.gpu, self.hidden_size);
+        let bufs = match self.shapes.entry((batch, n_max)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let program = VerifyProgram::new(batch, n_max, h);
+                let n = batch * n_max;
+                let g = gpu.as_ref();
+                e.insert(ShapeBuffers {
+                    input: Staged::new(gpu, program.input_bytes()).map_err(dev_err)?,
+                    output: Fetched::new(gpu, program.output_bytes()).map_err(dev_err)?,
+                    program,
+                    target_tok: DeviceBuf::zeros(g, n).map_err(dev_err)?,
+                    target_lp: DeviceBuf::zeros(g, n).map_err(dev_err)?,
+                    target_pm: DeviceBuf::zeros(g, n).map_err(dev_err)?,
+                })
+            }
+        };
+        let program = &bufs.program;
+        let input = bufs
+            .input
+            .send(program.input_bytes(), |host| {
+                program
+                    .write_inputs(inputs, spec.coins, host)
+                    .map_err(|e| tlt_kernels::Error::InvalidArgument(e.to_string()))
+            })
+            .map_err(dev_err)?;
+        let b = VerifyBufs {
+            input,
+            output: bufs.output.buf(),
+            target_tok: bufs.target_tok.buf(),
+            target_lp: bufs.target_lp.buf(),
+            target_pmax: bufs.target_pm.buf(),
+        };
+        let packed = match hidden {
+            DeviceHidden::Packed(src) => Some(src),
+            _ => None,
+        };
+        for launch in program.launches(vocab, spec.params.temperature, logits, packed, &b)? {
+            gpu.launch(&launch).map_err(dev_err)?;
+        }
+        let results = bufs.output.fetch(program.result_bytes(packed.is_some())?).map_err(dev_err)?;
+        let rows = match hidden {
+            DeviceHidden::None => HiddenRows::None,
+            DeviceHidden::Packed(_) => HiddenRows::Packed,
+            DeviceHidden::Host { rows, width } => HiddenRows::All { rows, width },
+        };
+        program.read(results, inputs.len(), rows)
     }
 }

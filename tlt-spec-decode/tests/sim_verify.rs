@@ -1,17 +1,27 @@
-//! Device verification ([`VerifyProgram`]: packed trees and coins, `sample_rows`, `tree_accept`,
-//! `gather_path_rows`, packed results) run on the simulated device (`tlt-cuda-sim`, our CUDA sources compiled for
-//! the host) against the engine's host verification ([`Verified::on_host`] with [`ExactVerifier`]) of the same
-//! logits and coins: greedy and sampled, branching trees and chains, a padded sequence, hidden rows packed on the
-//! device. A negative control (coins of the wrong request) must change what is committed.
+//! Device verification ([`DeviceVerifier`], what `CudaTarget` runs: packed trees and coins sent from pinned memory,
+//! `sample_rows`, `tree_accept`, `gather_path_rows`, packed results fetched into pinned memory) on the simulated
+//! device (`tlt-cuda-sim`'s `SimGpu`, its stream late or seeded) against the engine's host verification
+//! ([`Verified::on_host`] with [`ExactVerifier`]) of the same logits and coins: greedy and sampled, branching trees
+//! and chains, a padded sequence, hidden rows packed on the device. A negative control (coins of the wrong request)
+//! must change what is committed.
 
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
+use std::sync::Arc;
+
 use half::bf16;
-use tlt_cuda_sim::{SimBuf, SimDevice};
-use tlt_spec_decode::device_verify::{HiddenRows, VerifyBufs, VerifyProgram};
+use tlt_cuda_sim::{Schedule, SimGpu};
+use tlt_kernels::cuda::{DeviceBuf, SharedGpu};
+use tlt_spec_decode::device_verify::{DeviceHidden, DeviceVerifier, HiddenRows, VerifyProgram};
 use tlt_spec_decode::{
     Coins, DraftTree, ExactVerifier, SamplingParams, SeededRng, SeqHandle, TargetInput, TargetOutput, Verified,
+    VerifySpec,
 };
+
+/// A simulated device whose stream runs work as `schedule` says.
+fn sim(schedule: Schedule) -> SharedGpu {
+    Arc::new(SimGpu::new(schedule))
+}
 
 const VOCAB: usize = 37;
 const HIDDEN: usize = 8;
@@ -54,21 +64,18 @@ fn trees(rng: &mut SeededRng) -> (Vec<DraftTree>, Vec<Vec<Vec<f32>>>) {
 
 /// What one run of the device program returns for `trees` with `coins` at `temperature`.
 fn on_sim(
-    dev: &SimDevice,
+    dev: &SharedGpu,
     trees: &[DraftTree],
     rows: &[Vec<Vec<f32>>],
     hidden: &[f32],
     coins: &[Coins],
     temperature: f32,
 ) -> tlt_spec_decode::Result<Vec<Verified>> {
-    let program = VerifyProgram::new(BATCH, N_MAX, HIDDEN);
     let (parents, tokens): (Vec<Vec<Option<usize>>>, Vec<Vec<u32>>) =
         trees.iter().map(|t| (t.parents(), t.tokens())).unzip();
     let inputs: Vec<TargetInput<'_>> = (0..trees.len())
         .map(|b| TargetInput { seq: SeqHandle(b), tokens: &tokens[b], tree: Some(&parents[b]), logits: true })
         .collect();
-    let mut host = vec![0u8; program.input_bytes()];
-    program.write_inputs(&inputs, coins, &mut host)?;
     // Logits padded to [batch * n_max, vocab]; padding rows are never read past n_nodes (NaN would show).
     let mut logits = vec![f32::NAN; BATCH * N_MAX * VOCAB];
     for (b, r) in rows.iter().enumerate() {
@@ -77,22 +84,12 @@ fn on_sim(
         }
     }
     let hidden_bf: Vec<bf16> = hidden.iter().map(|&x| bf16::from_f32(x)).collect();
-    let (input, output): (SimBuf<u8>, SimBuf<u8>) = (dev.upload(&host), dev.zeros(program.output_bytes()));
-    let (lg, hs) = (dev.upload(&logits), dev.upload(&hidden_bf));
-    let n = BATCH * N_MAX;
-    let (tok, lp, pm): (SimBuf<i32>, SimBuf<f32>, SimBuf<f32>) = (dev.zeros(n), dev.zeros(n), dev.zeros(n));
-    let bufs = VerifyBufs {
-        input: input.buf(),
-        output: output.buf(),
-        target_tok: tok.buf(),
-        target_lp: lp.buf(),
-        target_pmax: pm.buf(),
-    };
-    for launch in program.launches(VOCAB, temperature, lg.buf(), Some(hs.buf()), &bufs)? {
-        dev.launch(&launch).unwrap();
-    }
-    let results = output.download();
-    program.read(&results[..program.result_bytes(true)?], trees.len(), HiddenRows::Packed)
+    let g = dev.as_ref();
+    let (lg, hs) = (DeviceBuf::from_host(g, &logits).unwrap(), DeviceBuf::from_host(g, &hidden_bf).unwrap());
+    let params = SamplingParams { temperature, ..SamplingParams::default() };
+    let spec = VerifySpec { params: &params, coins };
+    let mut verifier = DeviceVerifier::new(dev.clone(), HIDDEN);
+    verifier.verify(BATCH, N_MAX, VOCAB, lg.buf(), DeviceHidden::Packed(hs.buf()), &inputs, spec)
 }
 
 /// The engine's host verification of the same trees, rows and coins.
@@ -123,38 +120,45 @@ fn coins(seed: u64) -> Vec<Coins> {
 
 #[test]
 fn device_verification_on_the_simulated_device_matches_host_verification() {
-    let dev = SimDevice::new();
-    let mut rng = SeededRng::new(7);
-    let (trees, rows) = trees(&mut rng);
-    let hidden = rng.uniform_vec(BATCH * N_MAX * HIDDEN, -2.0, 2.0);
-    let mut bonus_tokens = std::collections::HashSet::new();
-    for t in [0.0f32, 0.7, 1.0] {
-        for seed in 0..6u64 {
-            let c = coins(seed);
-            let dev_v = on_sim(&dev, &trees, &rows, &hidden, &c, t).unwrap();
-            let host_v = on_host(&trees, &rows, &hidden, &c, t);
-            for (b, (d, h)) in dev_v.iter().zip(&host_v).enumerate() {
-                let what = format!("T = {t}, coins {seed}, tree {b}");
-                assert_eq!(d.accepted, h.accepted, "{what}");
-                assert_eq!(d.hidden, h.hidden, "{what}: packed hidden rows");
-                assert_eq!(d.hidden_size, HIDDEN);
-                for (x, y) in d.logprobs.iter().zip(&h.logprobs).chain(d.p_max.iter().zip(&h.p_max)) {
-                    assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "{what}: {:?} vs {:?}", d.logprobs, h.logprobs);
+    for schedule in SimGpu::schedules() {
+        let dev = sim(schedule);
+        let mut rng = SeededRng::new(7);
+        let (trees, rows) = trees(&mut rng);
+        let hidden = rng.uniform_vec(BATCH * N_MAX * HIDDEN, -2.0, 2.0);
+        let mut bonus_tokens = std::collections::HashSet::new();
+        for t in [0.0f32, 0.7, 1.0] {
+            for seed in 0..6u64 {
+                let c = coins(seed);
+                let dev_v = on_sim(&dev, &trees, &rows, &hidden, &c, t).unwrap();
+                let host_v = on_host(&trees, &rows, &hidden, &c, t);
+                for (b, (d, h)) in dev_v.iter().zip(&host_v).enumerate() {
+                    let what = format!("T = {t}, coins {seed}, tree {b}");
+                    assert_eq!(d.accepted, h.accepted, "{what}");
+                    assert_eq!(d.hidden, h.hidden, "{what}: packed hidden rows");
+                    assert_eq!(d.hidden_size, HIDDEN);
+                    for (x, y) in d.logprobs.iter().zip(&h.logprobs).chain(d.p_max.iter().zip(&h.p_max)) {
+                        assert!(
+                            (x - y).abs() <= 1e-5 * y.abs().max(1.0),
+                            "{what}: {:?} vs {:?}",
+                            d.logprobs,
+                            h.logprobs
+                        );
+                    }
                 }
+                // The shapes the trees were built for: 1 + 1 drafts accepted in the branching tree, 2 in the chain.
+                assert_eq!(dev_v[0].accepted.path, [0, 1, 3], "T = {t}");
+                assert_eq!((dev_v[1].accepted.path.as_slice(), dev_v[1].accepted.next_token), (&[0, 1, 2][..], 30));
+                bonus_tokens.insert(dev_v[0].accepted.next_token);
             }
-            // The shapes the trees were built for: 1 + 1 drafts accepted in the branching tree, 2 in the chain.
-            assert_eq!(dev_v[0].accepted.path, [0, 1, 3], "T = {t}");
-            assert_eq!((dev_v[1].accepted.path.as_slice(), dev_v[1].accepted.next_token), (&[0, 1, 2][..], 30));
-            bonus_tokens.insert(dev_v[0].accepted.next_token);
         }
+        // The bonus token of the branching tree is drawn from a flat row: the coins matter.
+        assert!(bonus_tokens.len() >= 4, "the flat row's draws: {bonus_tokens:?}");
     }
-    // The bonus token of the branching tree is drawn from a flat row: the coins matter.
-    assert!(bonus_tokens.len() >= 4, "the flat row's draws: {bonus_tokens:?}");
 }
 
 #[test]
 fn coins_of_the_wrong_request_are_caught() {
-    let dev = SimDevice::new();
+    let dev = sim(Schedule::Seeded(5));
     let mut rng = SeededRng::new(7);
     let (trees, rows) = trees(&mut rng);
     let hidden = rng.uniform_vec(BATCH * N_MAX * HIDDEN, -2.0, 2.0);
@@ -171,7 +175,7 @@ fn coins_of_the_wrong_request_are_caught() {
 
 #[test]
 fn bad_rows_and_shapes_are_errors() {
-    let dev = SimDevice::new();
+    let dev = sim(Schedule::Lazy);
     let mut rng = SeededRng::new(3);
     let (trees, mut rows) = trees(&mut rng);
     let hidden = vec![0.0; BATCH * N_MAX * HIDDEN];

@@ -111,6 +111,7 @@ impl CudaGpu {
             arch,
             multiprocessors: usize::try_from(sms).unwrap_or(1).max(1),
             total_memory: ctx.total_mem().map_err(drv("total memory"))?,
+            simulated: false,
         };
         let blas =
             CudaBlas::new(stream.clone()).map_err(|e| Error::Cuda { op: "cublasCreate", message: format!("{e:?}") })?;
@@ -198,8 +199,13 @@ impl Gpu for CudaGpu {
     }
 
     fn gemm(&self, g: &GemmEx) -> Result<()> {
-        let op =
-            |t: bool| if t { blas_sys::cublasOperation_t::CUBLAS_OP_T } else { blas_sys::cublasOperation_t::CUBLAS_OP_N };
+        let op = |t: bool| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
         let c_type = if g.c_f32 { blas_sys::cudaDataType::CUDA_R_32F } else { blas_sys::cudaDataType::CUDA_R_16BF };
         let (alpha, beta) = (1.0f32, 0.0f32);
         self.bind()?;

@@ -40,6 +40,9 @@ pub struct GpuInfo {
     pub multiprocessors: usize,
     /// Bytes of device memory.
     pub total_memory: usize,
+    /// Whether this is the CPU simulation of a device (tests size their work by it: it runs kernels thousands of
+    /// times slower).
+    pub simulated: bool,
 }
 
 impl GpuInfo {

@@ -134,7 +134,8 @@ pub const CI_ARCHS: &[u32] = &[80, 90];
 /// report must bypass the cache; loading kernels for a device keeps it (faster start).
 #[must_use]
 pub fn nvrtc_options(arch: u32, report: bool) -> Vec<String> {
-    let mut o = vec![format!("--gpu-architecture=sm_{arch}"), "--std=c++17".into(), "--extra-device-vectorization".into()];
+    let mut o =
+        vec![format!("--gpu-architecture=sm_{arch}"), "--std=c++17".into(), "--extra-device-vectorization".into()];
     if report {
         o.extend(["--ptxas-options=-v".into(), "--no-cache".into()]);
     }

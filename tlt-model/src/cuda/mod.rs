@@ -75,7 +75,8 @@ pub(crate) struct DevWeights {
 impl DevWeights {
     /// The weights as a step program sees them.
     fn bufs(&self) -> WeightBufs {
-        let lin = |l: &DeviceLinear| LinearBufs { w: l.w.buf(), b: l.b.as_ref().map(DeviceBuf::buf), out: l.out, inp: l.inp };
+        let lin =
+            |l: &DeviceLinear| LinearBufs { w: l.w.buf(), b: l.b.as_ref().map(DeviceBuf::buf), out: l.out, inp: l.inp };
         WeightBufs {
             embed: self.embed.buf(),
             head: self.head.as_ref().map(DeviceBuf::buf),

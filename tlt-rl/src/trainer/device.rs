@@ -46,7 +46,8 @@ impl GpuHandle {
     /// # Errors
     /// Without a driver (never a panic), or in a build without `cuda` when none was handed in.
     pub(crate) fn gpu(&self) -> Result<SharedGpu> {
-        let mut g = self.gpu.lock().map_err(|_| Error::InvalidArgument("the device handle's lock is poisoned".into()))?;
+        let mut g =
+            self.gpu.lock().map_err(|_| Error::InvalidArgument("the device handle's lock is poisoned".into()))?;
         if let Some(gpu) = g.as_ref() {
             return Ok(gpu.clone());
         }

@@ -1,22 +1,19 @@
 //! The commit of accepted paths (`kv.cu`) executed in the simulated device with the host's launch plans, against a
 //! sequential reference: K/V rows of every layer moved behind each sequence's prefix (paths that skip nodes, stay in
 //! place, reach past `max_len`, or are longer than `max_path`), and the accepted nodes' hidden rows packed for the
-//! host (node indices out of range skipped). Also: every kernel of ours is compiled into the simulation and has a
-//! test here.
+//! host (node indices out of range skipped).
 
 #![allow(clippy::unwrap_used, clippy::needless_range_loop)] // Tests: a panic is the failure report; indices mirror the kernels.
 
-mod common;
-
-use common::{devices, round_bf16, to_bf16, to_f32, Rng};
+use crate::common::{round_bf16, to_bf16, to_f32, variants, Rng};
 use half::bf16;
+use tlt_cuda_sim::SimDevice;
 use tlt_kernels::cuda::plan::{self, SeqBufs};
-use tlt_kernels::cuda::{CacheDims, TreeDims, SOURCES};
+use tlt_kernels::cuda::{CacheDims, TreeDims};
 use tlt_kernels::AttnShape;
 
-#[test]
-fn commit_path_moves_accepted_rows_in_every_layer() {
-    for (order, dev) in devices() {
+pub fn commit_path_moves_accepted_rows_in_every_layer(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         let cache = CacheDims { layers: 3, slots: 4, max_len: 20, attn: AttnShape::new(4, 2, 8) };
         let (batch, max_path) = (4, 5);
         let row = cache.row();
@@ -60,9 +57,8 @@ fn commit_path_moves_accepted_rows_in_every_layer() {
     println!("commit_path_bf16: 3 layers x 4 slots; paths in place, skipping, past max_len, longer than max_path");
 }
 
-#[test]
-fn gather_path_rows_packs_the_accepted_nodes() {
-    for (order, dev) in devices() {
+pub fn gather_path_rows_packs_the_accepted_nodes(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         let tree = TreeDims { batch: 3, n_max: 6 };
         let (max_path, width) = (4, 300);
         let mut rng = Rng::new(5);
@@ -89,25 +85,4 @@ fn gather_path_rows_packs_the_accepted_nodes() {
     println!("gather_path_rows_bf16: 3 sequences, width 300; node indices 99 and -3 skipped, n_acc past max_path");
 }
 
-/// Every kernel of ours is compiled into the simulation with the signature the plans assume, and one of these
-/// test files launches it.
-#[test]
-fn every_kernel_is_simulated_and_tested() {
-    let files =
-        [include_str!("layer.rs"), include_str!("attention.rs"), include_str!("sampling.rs"), include_str!("kv.rs")];
-    let simulated: Vec<&str> = tlt_cuda_sim::kernels().iter().map(|k| k.name).collect();
-    let declared: Vec<&str> = SOURCES.iter().flat_map(|s| s.kernels.iter().copied()).collect();
-    let (mut a, mut b) = (simulated.clone(), declared.clone());
-    a.sort_unstable();
-    b.sort_unstable();
-    assert_eq!(a, b, "the simulation compiles exactly the kernels tlt-kernels declares");
-    for k in tlt_cuda_sim::kernels() {
-        assert!(k.kinds.chars().all(|c| "pifu".contains(c)), "{}: a parameter of an unmodelled type", k.name);
-        let tested = files.iter().any(|f| f.contains(&format!("{}:", k.name)) || f.contains(&format!("{},", k.name)));
-        assert!(tested, "kernel {} has no simulated test", k.name);
-    }
-    println!("simulated kernels ({}):", simulated.len());
-    for k in tlt_cuda_sim::kernels() {
-        println!("  {} ({})", k.name, k.kinds);
-    }
-}
+kernel_tests!(commit_path_moves_accepted_rows_in_every_layer, gather_path_rows_packs_the_accepted_nodes);

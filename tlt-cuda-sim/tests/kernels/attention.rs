@@ -7,9 +7,7 @@
 
 #![allow(clippy::unwrap_used, clippy::needless_range_loop)] // Tests: a panic is the failure report; indices mirror the kernels.
 
-mod common;
-
-use common::{devices, round_bf16, to_bf16, to_f32, Rng};
+use crate::common::{round_bf16, to_bf16, to_f32, variants, Rng};
 use half::bf16;
 use tlt_cuda_sim::{SimBuf, SimDevice};
 use tlt_kernels::cuda::plan::{self, Chunks, Launch, RowBufs, SeqBufs};
@@ -179,11 +177,11 @@ const KERNELS: [Kernel; 4] = [
 
 /// Runs case `c` through every kernel of [`KERNELS`] on both interleavings against the f64 reference; returns the
 /// worst error as a fraction of [`first_miss`]'s tolerance (at most 1).
-fn check(c: &Case, seed: u64) -> f32 {
+fn check(dev: &SimDevice, c: &Case, seed: u64) -> f32 {
     let x = inputs(c, seed);
     let want = reference(c, &x, None);
     let mut worst = 0f32;
-    for (order, dev) in devices() {
+    for (order, dev) in variants(dev) {
         for kernel in KERNELS {
             let got = run(&dev, c, &x, kernel, |_| {});
             if let Some(i) = first_miss(&got, &want) {
@@ -212,13 +210,12 @@ fn decode(n_heads: usize, n_kv: usize, hd: usize, keys: [usize; 2], peaked: bool
 /// Query groups 1 to 8 as (heads, kv heads).
 const GROUPS: [(usize, usize); 8] = [(2, 2), (4, 2), (6, 2), (8, 2), (5, 1), (12, 2), (7, 1), (16, 2)];
 
-#[test]
-fn decode_attention_over_contexts_groups_and_head_dims() {
+pub fn decode_attention_over_contexts_groups_and_head_dims(dev: &SimDevice) {
     let (mut ran, mut worst) = (Vec::new(), 0f32);
     for (i, &(h, kv)) in GROUPS.iter().enumerate() {
         for hd in [64, 128] {
             for keys in [[1, 31], [32, 33], [512, 33]] {
-                worst = worst.max(check(&decode(h, kv, hd, keys, false), (i * 1000 + hd + keys[0]) as u64));
+                worst = worst.max(check(dev, &decode(h, kv, hd, keys, false), (i * 1000 + hd + keys[0]) as u64));
             }
             ran.push(format!("group {} d{hd}", h / kv));
         }
@@ -226,8 +223,8 @@ fn decode_attention_over_contexts_groups_and_head_dims() {
     // 4,096 keys (128 tiles) for the smallest and largest groups, near-uniform and peaked.
     for (h, kv) in [(2, 2), (16, 2)] {
         for hd in [64, 128] {
-            worst = worst.max(check(&decode(h, kv, hd, [4096, 1], false), 4096 + hd as u64));
-            worst = worst.max(check(&decode(h, kv, hd, [4096, 2048], true), 8192 + hd as u64));
+            worst = worst.max(check(dev, &decode(h, kv, hd, [4096, 1], false), 4096 + hd as u64));
+            worst = worst.max(check(dev, &decode(h, kv, hd, [4096, 2048], true), 8192 + hd as u64));
         }
     }
     println!(
@@ -262,25 +259,23 @@ fn causal_case() -> Case {
     }
 }
 
-#[test]
-fn tree_and_causal_chunk_attention() {
-    let worst = [tree_case(false), tree_case(true), causal_case()].iter().map(|c| check(c, 77)).fold(0f32, f32::max);
+pub fn tree_and_causal_chunk_attention(dev: &SimDevice) {
+    let worst =
+        [tree_case(false), tree_case(true), causal_case()].iter().map(|c| check(dev, c, 77)).fold(0f32, f32::max);
     println!(
         "tree_attention_bf16, attention_split_bf16, attention_combine_bf16: trees of 8/5/1 nodes after prefixes \
          0/33/100; causal chunks of 40/23 after 0/17; worst error {worst:.2} of the bf16 tolerance"
     );
 }
 
-#[test]
-fn negative_controls_are_caught() {
+pub fn negative_controls_are_caught(dev: &SimDevice) {
     let c = tree_case(false);
     let x = inputs(&c, 5);
     let want = reference(&c, &x, None);
-    let dev = SimDevice::new();
     let split = Kernel::Split { target_blocks: 1 << 20 };
     for kernel in [Kernel::Tree, split] {
         assert_eq!(
-            first_miss(&run(&dev, &c, &x, kernel, |_| {}), &want),
+            first_miss(&run(dev, &c, &x, kernel, |_| {}), &want),
             None,
             "{kernel:?}: the unaltered run must pass"
         );
@@ -288,13 +283,13 @@ fn negative_controls_are_caught() {
         let broken = run(&dev.without_barriers(), &c, &x, kernel, |_| {});
         assert!(first_miss(&broken, &want).is_some(), "{kernel:?}: dropping __syncthreads went unnoticed");
         // A launch one node short: the last node's rows are never written.
-        let short = run(&dev, &c, &x, kernel, |l| l[0].grid[1] -= 1);
+        let short = run(dev, &c, &x, kernel, |l| l[0].grid[1] -= 1);
         assert!(first_miss(&short, &want).is_some(), "{kernel:?}: a grid one node short went unnoticed");
     }
     // The split kernel's chunks without their combine: the output is never written.
     let long = decode(4, 2, 64, [1000, 700], false);
     let xl = inputs(&long, 9);
-    let no_combine = run(&dev, &long, &xl, split, |l| {
+    let no_combine = run(dev, &long, &xl, split, |l| {
         assert_eq!(l.len(), 2, "several chunks need the combine");
         l.pop();
     });
@@ -303,7 +298,7 @@ fn negative_controls_are_caught() {
     let long = decode(2, 2, 64, [4096, 1], false);
     let xl = inputs(&long, 3);
     for kernel in [Kernel::Tree, split] {
-        let got = run(&dev, &long, &xl, kernel, |_| {});
+        let got = run(dev, &long, &xl, kernel, |_| {});
         assert_eq!(first_miss(&got, &reference(&long, &xl, None)), None);
         for key in [0, 31, 32, 4095] {
             let missing = reference(&long, &xl, Some((0, key)));
@@ -341,9 +336,8 @@ fn rotate(x: &[f32], pos: f64, inv_freq: &[f64]) -> Vec<f32> {
     round_bf16(&out)
 }
 
-#[test]
-fn rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache() {
-    for (order, dev) in devices() {
+pub fn rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for (h, kv, hd, theta) in [(4, 2, 64, 10_000.0f64), (8, 8, 128, 500_000.0)] {
             let a = AttnShape::new(h, kv, hd);
             let cache = CacheDims { layers: 2, slots: 3, max_len: 48, attn: a };
@@ -388,9 +382,8 @@ fn rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache() {
 }
 
 /// The fused q/k/v epilogue equals its parts: bias, per-head RMSNorm (Qwen3), RoPE, the cache write.
-#[test]
-fn qkv_rope_kv_write_equals_bias_norm_rope_and_write() {
-    for (order, dev) in devices() {
+pub fn qkv_rope_kv_write_equals_bias_norm_rope_and_write(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for (h, kv, hd, bias, norm) in [(4, 2, 64, false, false), (6, 2, 64, true, false), (8, 4, 128, false, true)] {
             let a = AttnShape::new(h, kv, hd);
             let cache = CacheDims { layers: 2, slots: 3, max_len: 48, attn: a };
@@ -459,3 +452,11 @@ fn qkv_rope_kv_write_equals_bias_norm_rope_and_write() {
     }
     println!("qkv_rope_kv_write_bf16: plain (GQA 2, d64), with q/k/v bias (Qwen2), with q/k head norms (Qwen3, d128); a padded row");
 }
+
+kernel_tests!(
+    decode_attention_over_contexts_groups_and_head_dims,
+    tree_and_causal_chunk_attention,
+    negative_controls_are_caught,
+    rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache,
+    qkv_rope_kv_write_equals_bias_norm_rope_and_write,
+);

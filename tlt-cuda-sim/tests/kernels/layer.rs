@@ -4,15 +4,13 @@
 
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
-mod common;
-
-use common::{bf16_ulp, devices, round_bf16, to_bf16, to_f32, worst, Rng};
+use crate::common::{bf16_ulp, round_bf16, to_bf16, to_f32, variants, worst, Rng};
 use half::bf16;
+use tlt_cuda_sim::SimDevice;
 use tlt_kernels::cuda::plan::{self, RowBuf};
 
-#[test]
-fn embed_rows_copies_table_rows() {
-    for (order, dev) in devices() {
+pub fn embed_rows_copies_table_rows(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for (rows, width, vocab) in [(1, 1, 1), (3, 257, 11), (17, 576, 40)] {
             let mut rng = Rng::new(rows as u64 * 31 + width as u64);
             let table = to_bf16(&rng.vec(vocab * width, -2.0, 2.0));
@@ -38,9 +36,8 @@ fn rms_ref(x: &[f32], w: &[f32], width: usize, eps: f32) -> Vec<f32> {
         .collect()
 }
 
-#[test]
-fn rms_norm_rows_match_f64() {
-    for (order, dev) in devices() {
+pub fn rms_norm_rows_match_f64(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for (rows, width) in [(1, 1), (2, 64), (5, 255), (3, 576), (2, 4096)] {
             let mut rng = Rng::new(width as u64);
             let x = rng.vec(rows * width, -3.0, 3.0);
@@ -55,9 +52,8 @@ fn rms_norm_rows_match_f64() {
     println!("rms_norm_bf16: rows x width 1x1, 2x64, 5x255, 3x576, 2x4096");
 }
 
-#[test]
-fn head_rms_norm_normalises_every_head_vector_in_place() {
-    for (order, dev) in devices() {
+pub fn head_rms_norm_normalises_every_head_vector_in_place(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         // Vectors not a multiple of the 8 warps of a block; head dims below, at and above a warp.
         for (vectors, hd) in [(1, 8), (9, 32), (13, 64), (24, 128)] {
             let mut rng = Rng::new(vectors as u64 * 7 + hd as u64);
@@ -73,9 +69,8 @@ fn head_rms_norm_normalises_every_head_vector_in_place() {
     println!("head_rms_norm_bf16: vectors x head_dim 1x8, 9x32, 13x64, 24x128");
 }
 
-#[test]
-fn element_wise_kernels_cover_every_element() {
-    for (order, dev) in devices() {
+pub fn element_wise_kernels_cover_every_element(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         // 2,000,000 elements need 7,813 blocks of 256: the grid is capped at 4,096 and the loops stride.
         for n in [1, 255, 257, 2_000_000] {
             let mut rng = Rng::new(n as u64);
@@ -101,9 +96,8 @@ fn element_wise_kernels_cover_every_element() {
     println!("add_bf16_to_f32, silu_mul_bf16: n = 1, 255, 257, 2,000,000 (grid-stride past 4,096 blocks)");
 }
 
-#[test]
-fn bias_add_adds_the_bias_to_every_row() {
-    for (order, dev) in devices() {
+pub fn bias_add_adds_the_bias_to_every_row(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for (rows, cols) in [(1, 1), (3, 100), (64, 1536)] {
             let mut rng = Rng::new(cols as u64);
             let y = round_bf16(&rng.vec(rows * cols, -2.0, 2.0));
@@ -131,9 +125,8 @@ fn uniform_ref(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
         .collect()
 }
 
-#[test]
-fn fill_uniform_is_the_documented_hash() {
-    for (order, dev) in devices() {
+pub fn fill_uniform_is_the_documented_hash(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for (n, seed) in [(1, 0), (1000, 7), (1_500_000, u64::MAX)] {
             let out = dev.zeros::<bf16>(n);
             dev.launch(&plan::fill_uniform(out.buf(), seed, -0.5, 0.25).unwrap()).unwrap();
@@ -145,9 +138,8 @@ fn fill_uniform_is_the_documented_hash() {
     println!("fill_uniform_bf16: n = 1, 1000, 1,500,000");
 }
 
-#[test]
-fn concat_rows_joins_f32_and_bf16_sources() {
-    for (order, dev) in devices() {
+pub fn concat_rows_joins_f32_and_bf16_sources(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for (rows, wa, wb) in [(1, 1, 0), (3, 64, 64), (5, 300, 257)] {
             let mut rng = Rng::new(rows as u64 + wa as u64);
             let a = rng.vec(rows * wa, -3.0, 3.0);
@@ -176,9 +168,8 @@ fn concat_rows_joins_f32_and_bf16_sources() {
     println!("concat_rows_bf16: rows x (wa + wb) 1x(1+0), 3x(64+64), 5x(300+257), f32/bf16 on either side");
 }
 
-#[test]
-fn add_rms_norm_adds_the_residual_then_normalises() {
-    for (order, dev) in devices() {
+pub fn add_rms_norm_adds_the_residual_then_normalises(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for (rows, width) in [(1, 1), (3, 576), (2, 4096)] {
             let mut rng = Rng::new(width as u64 + 9);
             let x = rng.vec(rows * width, -3.0, 3.0);
@@ -197,9 +188,8 @@ fn add_rms_norm_adds_the_residual_then_normalises() {
     println!("add_rms_norm_bf16: rows x width 1x1, 3x576, 2x4096");
 }
 
-#[test]
-fn silu_mul_packed_reads_gate_and_up_from_one_row() {
-    for (order, dev) in devices() {
+pub fn silu_mul_packed_reads_gate_and_up_from_one_row(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for (rows, inter) in [(1, 1), (3, 1536), (700, 3000)] {
             let mut rng = Rng::new(inter as u64);
             let gu = round_bf16(&rng.vec(rows * 2 * inter, -6.0, 6.0));
@@ -218,3 +208,15 @@ fn silu_mul_packed_reads_gate_and_up_from_one_row() {
     }
     println!("silu_mul_packed_bf16: rows x intermediate 1x1, 3x1536, 700x3000 (grid-stride past 4,096 blocks)");
 }
+
+kernel_tests!(
+    embed_rows_copies_table_rows,
+    rms_norm_rows_match_f64,
+    head_rms_norm_normalises_every_head_vector_in_place,
+    element_wise_kernels_cover_every_element,
+    bias_add_adds_the_bias_to_every_row,
+    fill_uniform_is_the_documented_hash,
+    concat_rows_joins_f32_and_bf16_sources,
+    add_rms_norm_adds_the_residual_then_normalises,
+    silu_mul_packed_reads_gate_and_up_from_one_row,
+);

@@ -1,5 +1,5 @@
 //! Helpers of the simulated-kernel tests: seeded data, bf16 conversions, the two interleavings, comparisons.
-#![allow(dead_code, clippy::unwrap_used)] // Each test file uses a subset; a panic is the failure report.
+#![allow(dead_code, clippy::unwrap_used)] // Each test module uses a subset; a panic is the failure report.
 
 use half::bf16;
 use tlt_cuda_sim::SimDevice;
@@ -47,12 +47,10 @@ pub fn round_bf16(v: &[f32]) -> Vec<f32> {
     to_f32(&to_bf16(v))
 }
 
-/// The plain device and its reversed interleaving, sharing buffers: every kernel must give the same results under
-/// both.
-pub fn devices() -> [(&'static str, SimDevice); 2] {
-    let d = SimDevice::new();
-    let r = d.reversed();
-    [("forward", d), ("reverse", r)]
+/// `dev` and its reversed interleaving, sharing buffers and the launch record: every kernel must give the same
+/// results under both.
+pub fn variants(dev: &SimDevice) -> [(&'static str, SimDevice); 2] {
+    [("forward", dev.clone()), ("reverse", dev.reversed())]
 }
 
 /// The largest `|got - want|` relative to `scale(want)`, with its index; `(0, 0)` for empty slices.

@@ -5,9 +5,8 @@
 
 #![allow(clippy::unwrap_used, clippy::needless_range_loop)] // Tests: a panic is the failure report; indices mirror the kernels.
 
-mod common;
-
-use common::{devices, Rng};
+use crate::common::{variants, Rng};
+use tlt_cuda_sim::SimDevice;
 use tlt_kernels::cuda::plan::{self, AcceptInBufs, AcceptOutBufs};
 use tlt_kernels::cuda::TreeDims;
 
@@ -48,9 +47,8 @@ fn sample_ref(x: &[f32], coin: Option<f64>, inv_temp: f32) -> (i32, f32, f32) {
     (tok as i32, lp, (1.0 / total) as f32)
 }
 
-#[test]
-fn sample_rows_argmax_draws_masks_and_rejected_rows() {
-    for (order, dev) in devices() {
+pub fn sample_rows_argmax_draws_masks_and_rejected_rows(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for vocab in [1, 2, 255, 256, 257, 1000, 49_152] {
             for temperature in [0.0f32, 0.7, 1.0] {
                 let mut rng = Rng::new(vocab as u64 + (temperature * 10.0) as u64);
@@ -131,9 +129,8 @@ fn accept_ref(parent: &[i32], draft: &[i32], tt: &[i32], tl: &[f32], tp: &[f32],
     [path, tokens, lps, pms]
 }
 
-#[test]
-fn tree_accept_walks_every_tree() {
-    for (order, dev) in devices() {
+pub fn tree_accept_walks_every_tree(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         let (batch, n_max) = (9, 8);
         let tree = TreeDims { batch, n_max };
         let mut rng = Rng::new(11);
@@ -203,9 +200,8 @@ fn tree_accept_walks_every_tree() {
     println!("tree_accept: 9 random trees of 1..8 nodes over a 3-token vocabulary (paths up to the root's depth)");
 }
 
-#[test]
-fn top_k_rows_in_order_with_ties_and_log_probs() {
-    for (order, dev) in devices() {
+pub fn top_k_rows_in_order_with_ties_and_log_probs(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
         for (vocab, k) in [(16, 16), (300, 4), (5000, 1), (5000, 16)] {
             let mut rng = Rng::new(vocab as u64 * 3 + k as u64);
             let rows = 3;
@@ -235,3 +231,9 @@ fn top_k_rows_in_order_with_ties_and_log_probs() {
     }
     println!("top_k_rows_f32: (V, k) (16, 16), (300, 4), (5000, 1), (5000, 16); tied values, -inf entries");
 }
+
+kernel_tests!(
+    sample_rows_argmax_draws_masks_and_rejected_rows,
+    tree_accept_walks_every_tree,
+    top_k_rows_in_order_with_ties_and_log_probs,
+);

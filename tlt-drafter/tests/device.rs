@@ -1,19 +1,32 @@
-//! The drafter on a CUDA device against the host drafter. Without a CUDA driver every test prints SKIP and passes
-//! (`cargo xtask test-cuda --gpu` sets `TLT_REQUIRE_GPU=1`, which turns a missing driver into a failure).
+//! The drafter on the device (`CudaDrafter`, the host code a GPU runs, with its tiny test drafters' head_dim 4)
+//! against the host drafter, on the device the environment gives: in CI the simulated device (`tlt-cuda-sim`'s
+//! `SimGpu`, whose stream runs work late or at seeded points), on a GPU machine the CUDA device (`TLT_REQUIRE_GPU=1`
+//! makes a missing one an error). Also the whole composition on one device: the engine on the device target with
+//! the EAGLE-2 drafter's levels on the device commits plain decoding's tokens.
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
 mod common;
 
+use std::sync::Arc;
+
 use common::rollouts::*;
 use common::*;
+use tlt_cuda_sim::Schedule;
 use tlt_drafter::cuda::{CudaDraftOptions, CudaDrafter};
+use tlt_drafter::online::WeightsSlot;
 use tlt_drafter::{
-    Attend, DraftExecutor, DraftRuntime, DrafterConfig, DrafterKind, Eagle2Drafter, Eagle3Drafter, FrozenTarget,
-    HostExecutor, Row, VocabMap,
+    Attend, DraftExecutor, DraftRuntime, DrafterConfig, DrafterKind, Eagle2Drafter, Eagle3Drafter, EagleProposer,
+    FrozenTarget, HostExecutor, Row, VocabMap,
 };
-use tlt_kernels::cuda::gpu_or_skip;
+use tlt_kernels::cuda::SharedGpu;
 use tlt_model::{Llama, Tap};
-use tlt_spec_decode::Plan;
+use tlt_spec_decode::cuda::CudaTarget;
+use tlt_spec_decode::{Engine, Plan};
+
+/// The devices of a test: the CUDA device on a GPU machine, else the simulated device under `schedules`.
+fn devices(test: &str, schedules: &[Schedule]) -> Vec<SharedGpu> {
+    tlt_cuda_sim::test_devices(test, schedules).unwrap()
+}
 
 fn runtimes(target: &Llama) -> Vec<(&'static str, DraftRuntime)> {
     let e2 =
@@ -25,8 +38,8 @@ fn runtimes(target: &Llama) -> Vec<(&'static str, DraftRuntime)> {
     vec![("eagle2", DraftRuntime::eagle2(&e2, &F32).unwrap()), ("eagle3", DraftRuntime::eagle3(&e3, &F32).unwrap())]
 }
 
-fn device() -> CudaDrafter {
-    CudaDrafter::new(CudaDraftOptions { ordinal: 0, slots: 8, max_len: 256 }).unwrap()
+fn device(gpu: &SharedGpu) -> CudaDrafter {
+    CudaDrafter::new(gpu.clone(), CudaDraftOptions { slots: 8, max_len: 256 }).unwrap()
 }
 
 /// The target's feature rows of every position of `tokens` for a drafter kind, flat.
@@ -84,13 +97,12 @@ fn two_levels<E: DraftExecutor>(
 
 #[test]
 fn device_forward_and_top_k_match_the_host_drafter() {
-    if !gpu_or_skip("device_forward_and_top_k_match_the_host_drafter").unwrap() {
-        return;
-    }
     let target = target("llama", 8);
-    for (kind, rt) in runtimes(&target) {
+    let gpus = devices("device_forward_and_top_k_match_the_host_drafter", &[Schedule::Lazy, Schedule::Seeded(2)]);
+    for (gpu, (kind, rt)) in gpus.iter().flat_map(|g| runtimes(&target).into_iter().map(move |r| (g, r))) {
+        assert_eq!(rt.attn_shape().head_dim, 4, "the tiny drafters' head_dim (not a multiple of 8)");
         let (host_out, host_c) = two_levels(&mut HostExecutor, &rt, &target, kind);
-        let (dev_out, dev_c) = two_levels(&mut device(), &rt, &target, kind);
+        let (dev_out, dev_c) = two_levels(&mut device(gpu), &rt, &target, kind);
         assert_eq!(host_out.len(), dev_out.len(), "{kind}");
         let scale = host_out.iter().fold(0f32, |m, x| m.max(x.abs()));
         let diff = host_out.iter().zip(&dev_out).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
@@ -117,9 +129,12 @@ fn device_forward_and_top_k_match_the_host_drafter() {
 /// changes at most the rest of that round.
 #[test]
 fn the_device_drafter_accepts_like_the_host_executor_and_is_lossless() {
-    if !gpu_or_skip("the_device_drafter_accepts_like_the_host_executor_and_is_lossless").unwrap() {
-        return;
+    for gpu in devices("the_device_drafter_accepts_like_the_host_executor_and_is_lossless", &[Schedule::Seeded(6)]) {
+        accepts_like_the_host(&gpu);
     }
+}
+
+fn accepts_like_the_host(gpu: &SharedGpu) {
     let target = target("llama", 25);
     let prompts = tokens(4, 6, 3);
     let n = 32;
@@ -131,7 +146,7 @@ fn the_device_drafter_accepts_like_the_host_executor_and_is_lossless() {
         let (c_untrained, _) = greedy_sd(&target, kind, &mut proposer(untrained, HostExecutor), &prompts, n, &plan);
         let (c_host, t_host) =
             greedy_sd(&target, kind, &mut proposer(trained.clone(), HostExecutor), &prompts, n, &plan);
-        let mut dev = proposer(trained, device());
+        let mut dev = proposer(trained, device(gpu));
         let (c_dev, t_dev) = greedy_sd(&target, kind, &mut dev, &prompts, n, &plan);
         let gap = tau(&c_host) - tau(&c_untrained);
         eprintln!(
@@ -152,5 +167,41 @@ fn the_device_drafter_accepts_like_the_host_executor_and_is_lossless() {
         assert_eq!(t_dev, plain, "{kind:?}: greedy SD with the device drafter differs from plain decoding");
         // Every finished sequence's slot went back to the drafter.
         assert_eq!(dev.executor().free_slots(), 8, "{kind:?}: device draft slots leaked");
+    }
+}
+
+/// The whole composition on one device: the engine on `CudaTarget` (verification on the device) with a trained
+/// EAGLE-2 drafter's levels on `CudaDrafter` (same device and stream) commits the tokens of plain decoding on the
+/// same device target, and accepts more than one token per round.
+#[test]
+fn eagle2_sd_on_the_device_equals_plain_decoding_on_the_device() {
+    let target = target("llama", 25);
+    let prompts = tokens(4, 6, 3);
+    let n = 24;
+    let (_, trained) = untrained_and_trained(&target, DrafterKind::Eagle2, &prompts, n, 150);
+    for gpu in devices(
+        "eagle2_sd_on_the_device_equals_plain_decoding_on_the_device",
+        &[Schedule::Lazy, Schedule::Eager, Schedule::Seeded(17)],
+    ) {
+        let dev_target = CudaTarget::new(&target, gpu.clone(), 8, 256, 1 << 28).unwrap();
+        let run = |drafter: Option<&mut dyn tlt_spec_decode::Drafter>| {
+            let mut e = Engine::new(&dev_target, params(n)).unwrap();
+            e.record_hidden(drafter.is_some());
+            for q in &prompts {
+                e.add_request(q).unwrap();
+            }
+            e.run_to_completion(drafter, &Plan { steps: 3, top_k: 2, verify_tokens: 6 }).unwrap();
+            let c = *e.counters();
+            let mut f = e.take_finished();
+            f.sort_by_key(|f| f.id);
+            (c, f.into_iter().map(|f| f.tokens).collect::<Vec<_>>())
+        };
+        let (_, plain) = run(None);
+        let exec = CudaDrafter::new(gpu.clone(), CudaDraftOptions { slots: 8, max_len: 256 }).unwrap();
+        let mut eagle = EagleProposer::with_executor(Arc::new(WeightsSlot::new(trained.clone())), exec);
+        let (c, sd) = run(Some(&mut eagle));
+        println!("{}: EAGLE-2 on the device, {:.2} tokens per round", gpu.info().name, c.mean_accept_len());
+        assert_eq!(sd, plain, "{}: SD with the device drafter differs from plain decoding", gpu.info().name);
+        assert!(c.mean_accept_len() > 1.2, "{}: {:.2} tokens per round", gpu.info().name, c.mean_accept_len());
     }
 }

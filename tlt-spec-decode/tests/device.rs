@@ -1,17 +1,24 @@
-//! The engine on a CUDA target (`--features cuda`). Without a driver: construction is an error, not a panic. With one
-//! (`cargo xtask test-cuda --gpu` sets `TLT_REQUIRE_GPU=1`):
-//! - greedy speculative decoding on the GPU commits exactly the tokens of GPU plain decoding;
-//! - verification on the device equals verification of the same logits on the host;
+//! The engine on the device target (`CudaTarget`, the host code a GPU runs), on the device the environment gives:
+//! in CI the simulated device (`tlt-cuda-sim`'s `SimGpu`, whose stream runs work late, eagerly or at seeded random
+//! points), on a GPU machine the CUDA device (`TLT_REQUIRE_GPU=1` makes a missing one an error):
+//! - greedy speculative decoding on the device commits exactly the tokens of plain decoding on the device, under
+//!   every schedule; host verification of the device's logits commits the same;
+//! - sampled: verification on the device equals verification of the same logits on the host;
 //! - the device sampler passes a chi-square test, and a biased coin stream fails it;
 //! - sampled speculative decoding with device tree acceptance gives the joint law of two tokens that the device
-//!   target's own logits define (chi-square), and a biased variant (coins reused across positions) fails it.
-#![cfg(feature = "cuda")]
+//!   target's own logits define (chi-square), and a biased variant (coins reused across positions) fails it;
+//! - negative control (simulated device only): with the host's waits faulted (the first GPU run's fault: a wait on
+//!   an event never recorded) the engine reads poison from pinned memory and fails, or commits other tokens.
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
 mod common;
 
+use std::sync::Arc;
+
 use common::{chi_square, chi_square_p_value};
-use tlt_kernels::cuda::driver_available;
+use tlt_cuda_sim::{Fault, Schedule, SimGpu};
+use tlt_kernels::cuda::plan;
+use tlt_kernels::cuda::{DeviceBuf, Gpu, SharedGpu};
 use tlt_model::{Llama, LlamaConfig};
 use tlt_spec_decode::cuda::{CudaState, CudaTarget};
 use tlt_spec_decode::{
@@ -33,43 +40,46 @@ fn flat(m: Llama) -> Llama {
     Llama::new(m.config().clone(), w).unwrap()
 }
 
-fn gpu_or_skip(test: &str) -> bool {
-    tlt_kernels::cuda::gpu_or_skip(test).unwrap()
-}
-
-#[test]
-fn without_a_driver_construction_is_an_error() {
-    if driver_available() {
-        eprintln!("SKIP without_a_driver_construction_is_an_error: a CUDA driver is present");
-        return;
-    }
-    let err = CudaTarget::new(&tiny(32), 0, 4, 256, 0).unwrap_err();
-    assert!(err.to_string().contains("CUDA is unavailable"), "{err}");
+/// The devices of a test: the CUDA device on a GPU machine, else the simulated device under `schedules`.
+fn devices(test: &str, schedules: &[Schedule]) -> Vec<SharedGpu> {
+    tlt_cuda_sim::test_devices(test, schedules).unwrap()
 }
 
 fn prompts() -> Vec<Vec<u32>> {
     (0..8u32).map(|i| (0..12).map(|j| (i * 7 + j * (j % 3 + 1)) % 20).chain([i % 5, 1, 2, 1, 2]).collect()).collect()
 }
 
-fn run(target: &CudaTarget, params: SpecParams, drafter: Option<&mut dyn Drafter>, on_device: bool) -> Vec<Finished> {
-    let mut engine = Engine::new(target, params).unwrap();
+fn try_run(
+    target: &CudaTarget,
+    params: SpecParams,
+    drafter: Option<&mut dyn Drafter>,
+    on_device: bool,
+) -> Result<Vec<Finished>> {
+    let mut engine = Engine::new(target, params)?;
     engine.verify_on_target(on_device);
     for p in prompts() {
-        engine.add_request(&p).unwrap();
+        engine.add_request(&p)?;
     }
-    engine.run_to_completion(drafter, &Plan { steps: 4, top_k: 2, verify_tokens: 12 }).unwrap();
+    engine.run_to_completion(drafter, &Plan { steps: 4, top_k: 2, verify_tokens: 12 })?;
     let mut f = engine.take_finished();
     f.sort_by_key(|f| f.id);
-    f
+    Ok(f)
+}
+
+fn run(target: &CudaTarget, params: SpecParams, drafter: Option<&mut dyn Drafter>, on_device: bool) -> Vec<Finished> {
+    try_run(target, params, drafter, on_device).unwrap()
 }
 
 #[test]
-fn greedy_sd_on_the_gpu_equals_gpu_plain_decoding() {
-    if !gpu_or_skip("greedy_sd_on_the_gpu_equals_gpu_plain_decoding") {
-        return;
+fn greedy_sd_on_the_device_equals_plain_decoding_on_the_device() {
+    for dev in devices("greedy_sd_on_the_device_equals_plain_decoding_on_the_device", &SimGpu::schedules()) {
+        greedy_sd(dev);
     }
-    let target = CudaTarget::new(&tiny(96), 0, 8, 512, 1 << 30).unwrap();
-    let params = SpecParams::greedy(96);
+}
+
+fn greedy_sd(dev: SharedGpu) {
+    let target = CudaTarget::new(&tiny(96), dev, 8, 512, 1 << 30).unwrap();
+    let params = SpecParams::greedy(48);
     let plain = run(&target, params.clone(), None, true);
     let mut ngram = NgramDrafter::default();
     let engine_sd = run(&target, params.clone(), Some(&mut ngram), true);
@@ -90,12 +100,41 @@ fn greedy_sd_on_the_gpu_equals_gpu_plain_decoding() {
     }
 }
 
+/// The first GPU run's fault re-created on the simulated device: the host's waits wait for nothing (cudarc's
+/// `PinnedHostSlice` waited on an event a context without event tracking never records), so device acceptance is
+/// read from pinned memory before its copy lands. The engine must fail ("device acceptance returned ... nodes", the
+/// GPU's message) or commit other tokens; the simulated device records the race either way.
+#[test]
+fn the_first_gpu_runs_fault_is_caught_on_the_simulated_device() {
+    let reference = {
+        let target = CudaTarget::new(&tiny(96), Arc::new(SimGpu::new(Schedule::Lazy)), 8, 512, 0).unwrap();
+        run(&target, SpecParams::greedy(24), Some(&mut NgramDrafter::default()), true)
+    };
+    for schedule in [Schedule::Lazy, Schedule::Eager, Schedule::Seeded(4)] {
+        let sim = SimGpu::new(schedule).with_fault(Fault::IgnoreHostWaits);
+        let target = CudaTarget::new(&tiny(96), Arc::new(sim.clone()), 8, 512, 0).unwrap();
+        let faulted = try_run(&target, SpecParams::greedy(24), Some(&mut NgramDrafter::default()), true);
+        let outcome = match &faulted {
+            Err(e) => format!("error: {e}"),
+            Ok(f) if f.iter().map(|x| &x.tokens).ne(reference.iter().map(|x| &x.tokens)) => "other tokens".into(),
+            Ok(_) => "the reference tokens (missed)".into(),
+        };
+        let races = sim.races();
+        println!("waits faulted, {schedule:?}: {outcome}; {} races recorded, first: {:?}", races.len(), races.first());
+        assert!(!races.is_empty(), "{schedule:?}: the unordered read went unrecorded");
+        assert!(!outcome.contains("missed"), "{schedule:?}: the fault went unnoticed");
+    }
+}
+
 #[test]
 fn device_verification_equals_host_verification_when_sampling() {
-    if !gpu_or_skip("device_verification_equals_host_verification_when_sampling") {
-        return;
+    for dev in devices("device_verification_equals_host_verification_when_sampling", &[Schedule::Seeded(9)]) {
+        sampled_verification(dev);
     }
-    let target = CudaTarget::new(&tiny(96), 0, 8, 512, 1 << 30).unwrap();
+}
+
+fn sampled_verification(dev: SharedGpu) {
+    let target = CudaTarget::new(&tiny(96), dev, 8, 512, 1 << 30).unwrap();
     let params = SpecParams { sampling: SamplingParams::default(), seed: 3, ..SpecParams::greedy(64) };
     let (mut a, mut b) = (NgramDrafter::default(), NgramDrafter::default());
     let dev = run(&target, params.clone(), Some(&mut a), true);
@@ -110,13 +149,14 @@ fn device_verification_equals_host_verification_when_sampling() {
 /// coins (passes) and squared coins (the negative control, fails).
 #[test]
 fn device_sampler_chi_square_with_a_biased_control() {
-    use tlt_kernels::cuda::CudaKernels;
-    if !gpu_or_skip("device_sampler_chi_square_with_a_biased_control") {
-        return;
+    for dev in devices("device_sampler_chi_square_with_a_biased_control", &[Schedule::Lazy]) {
+        sampler_chi_square(dev.as_ref());
     }
-    let kern = CudaKernels::new(0).unwrap();
-    let s = kern.context().default_stream();
-    let (vocab, rows) = (16usize, 20_000usize);
+}
+
+fn sampler_chi_square(g: &dyn Gpu) {
+    // Fewer rows on the simulated device (each row is a block of threads there); still ~250 draws per token.
+    let (vocab, rows) = (16usize, if g.info().simulated { 4_000usize } else { 20_000 });
     let row: Vec<f32> = (0..vocab).map(|i| ((i * 7) % 11) as f32 * 0.3).collect();
     let logits: Vec<f32> = (0..rows).flat_map(|_| row.iter().copied()).collect();
     let params = SamplingParams { temperature: 0.8, ..SamplingParams::default() };
@@ -133,15 +173,16 @@ fn device_sampler_chi_square_with_a_biased_control() {
                 }
             })
             .collect();
-        let (l, c) = (s.clone_htod(&logits).unwrap(), s.clone_htod(&coins).unwrap());
-        let (mut tok, mut lp, mut pm) = (
-            s.alloc_zeros::<i32>(rows).unwrap(),
-            s.alloc_zeros::<f32>(rows).unwrap(),
-            s.alloc_zeros::<f32>(rows).unwrap(),
+        let (l, c) = (DeviceBuf::from_host(g, &logits).unwrap(), DeviceBuf::from_host(g, &coins).unwrap());
+        let (tok, lp, pm) = (
+            DeviceBuf::<i32>::zeros(g, rows).unwrap(),
+            DeviceBuf::<f32>::zeros(g, rows).unwrap(),
+            DeviceBuf::<f32>::zeros(g, rows).unwrap(),
         );
-        kern.sample_rows(&s, rows, vocab, 0.8, &l, Some(&c), &mut tok, &mut lp, &mut pm).unwrap();
+        let launch = plan::sample_rows(rows, vocab, 0.8, l.buf(), Some(c.buf()), tok.buf(), lp.buf(), pm.buf());
+        g.launch(&launch.unwrap()).unwrap();
         let mut counts = vec![0u64; vocab];
-        for t in s.clone_dtoh(&tok).unwrap() {
+        for t in tok.to_host(g).unwrap() {
             counts[t as usize] += 1;
         }
         let (stat, df) = chi_square(&counts, &p);
@@ -274,16 +315,20 @@ fn sample_two<T: Target>(target: T, prompt: &[u32], params: &SamplingParams, n: 
 
 #[test]
 fn device_tree_acceptance_is_lossless_and_a_biased_variant_is_caught() {
-    if !gpu_or_skip("device_tree_acceptance_is_lossless_and_a_biased_variant_is_caught") {
-        return;
+    for dev in devices("device_tree_acceptance_is_lossless_and_a_biased_variant_is_caught", &[Schedule::Seeded(3)]) {
+        tree_acceptance(dev);
     }
+}
+
+fn tree_acceptance(dev: SharedGpu) {
     // Vocabulary 6, so the 36 cells are well populated by 6,000 samples; a flat target (the LM head scaled by 0.1:
     // every token between about 1/12 and 1/3), so both positions are real draws and the biased control clumps.
-    let target = CudaTarget::new(&flat(tiny(6)), 0, 32, 128, 1 << 28).unwrap();
+    let target = CudaTarget::new(&flat(tiny(6)), dev, 32, 128, 1 << 28).unwrap();
     let prompt = [1u32, 4, 2, 5];
     let params = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
     let exact = exact_two(&target, &prompt, &params);
-    let n = 6_000;
+    // Fewer on the simulated device: the biased control's clumps of 32 still give a chi-square far in the tail.
+    let n = if target.with_model(|m| m.gpu().info().simulated).unwrap() { 1_920 } else { 6_000 };
     let (stat, df) = chi_square(&sample_two(&target, &prompt, &params, n, 11), &exact);
     let p = chi_square_p_value(stat, df);
     eprintln!("device tree acceptance: chi2 {stat:.1} df {df} p {p:.4}");
@@ -298,11 +343,14 @@ fn device_tree_acceptance_is_lossless_and_a_biased_variant_is_caught() {
 /// final norm alone) against host verification of the same logits: the rows an EAGLE drafter reads.
 #[test]
 fn recorded_hidden_rows_match_host_verification() {
-    if !gpu_or_skip("recorded_hidden_rows_match_host_verification") {
-        return;
+    for dev in devices("recorded_hidden_rows_match_host_verification", &[Schedule::Seeded(8)]) {
+        hidden_rows(dev);
     }
+}
+
+fn hidden_rows(dev: SharedGpu) {
     let model = tiny(96);
-    let target = CudaTarget::new(&model, 0, 8, 512, 1 << 30).unwrap();
+    let target = CudaTarget::new(&model, dev, 8, 512, 1 << 30).unwrap();
     for taps in [vec![tlt_model::Tap::FinalNorm], tlt_model::Tap::eagle3(2).to_vec()] {
         target.set_taps(&taps).unwrap();
         let run = |on_device: bool| {

@@ -1,0 +1,273 @@
+//! `gpu-bench`: batched decode and verify-k of a real architecture's shapes on a device, with synthetic bf16 weights
+//! generated on the device, against the device's measured copy bandwidth; then the engine on the device
+//! (`CudaTarget`, verification on the device) decoding plainly, with a perfect oracle drafter at several tokens per
+//! round and with an EAGLE-2 drafter whose levels run on the device, at several batch sizes, each with its speed-up
+//! over plain decoding and whether it committed plain decoding's tokens; last, one EAGLE-2 draft level timed alone.
+//!
+//! Every section runs on its own: a failing one is reported (in the output and the JSON, with its error) and the rest
+//! still run; the process exits with an error when any failed. `--device cuda[:N]` (feature `cuda`) or `--device
+//! sim` (the simulated device: CI runs this binary on `--arch tiny` to test it). Prints markdown tables, a summary of
+//! the sections last, and writes JSON.
+
+mod sd;
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use tlt_kernels::cuda::{gpu, DeviceBuf, SharedGpu, MAX_TREE_NODES};
+use tlt_model::cuda::{CudaLlama, DeviceSeq};
+use tlt_model::LlamaConfig;
+use tlt_spec_decode::cuda::CudaTarget;
+
+/// The command line.
+#[derive(Parser, Debug)]
+#[command(about = "Decode, verify-k and speculative decoding timings of an architecture on a device")]
+pub struct Args {
+    /// smollm2-135m, qwen2.5-1.5b, qwen2.5-7b, llama3-8b, qwen3-0.6b, qwen3-8b, or tiny (a 2-layer model for the
+    /// simulated device).
+    #[arg(long, default_value = "smollm2-135m")]
+    arch: String,
+    /// `cuda`, `cuda:N` or `sim` (the simulated device).
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// Batch sizes of the decode sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128,256")]
+    batches: Vec<usize>,
+    /// Committed tokens per sequence before the timed steps.
+    #[arg(long, default_value_t = 512)]
+    pub context: usize,
+    /// Timed steps per measurement (the median is reported).
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+    /// Verify widths measured at batch 1 (tokens per verify forward).
+    #[arg(long, value_delimiter = ',', default_value = "2,4,6,8")]
+    verify: Vec<usize>,
+    /// Mean tokens per round of the oracle speculative decoding (a perfect oracle drafting `tau - 1` tokens per
+    /// round, verified on the device through the engine).
+    #[arg(long, value_delimiter = ',', default_value = "2,4,6")]
+    pub tau: Vec<usize>,
+    /// Batches of the engine's speculative decoding (oracle and EAGLE-2).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    pub sd_batches: Vec<usize>,
+    /// Tokens generated per request in the engine's runs.
+    #[arg(long, default_value_t = 256)]
+    pub sd_tokens: usize,
+    /// Rows per sequence of the timed EAGLE drafter level (its top-k, the draft tree's width).
+    #[arg(long, default_value_t = 4)]
+    pub drafter_top_k: usize,
+    /// Batches of the EAGLE drafter level (empty: skip it).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    pub drafter_batches: Vec<usize>,
+    /// JSON output.
+    #[arg(long, default_value = "target/bench/gpu-decode.json")]
+    out: std::path::PathBuf,
+}
+
+/// Published shapes of the architectures the issue names (config.json of each model), and `tiny`.
+fn config(arch: &str) -> Result<LlamaConfig> {
+    // (model_type, hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta)
+    let (mt, h, i, l, nh, kv, v, tied, theta) = match arch {
+        "smollm2-135m" => ("llama", 576, 1536, 30, 9, 3, 49_152, true, 100_000.0),
+        "qwen2.5-1.5b" => ("qwen2", 1536, 8960, 28, 12, 2, 151_936, true, 1_000_000.0),
+        "qwen2.5-7b" => ("qwen2", 3584, 18_944, 28, 28, 4, 152_064, false, 1_000_000.0),
+        "llama3-8b" => ("llama", 4096, 14_336, 32, 32, 8, 128_256, false, 500_000.0),
+        // Qwen3's head_dim is its config default, 128 (0.6B: 16 heads of 128 in a width of 1024).
+        "qwen3-0.6b" => ("qwen3", 1024, 3072, 28, 16, 8, 151_936, true, 1_000_000.0),
+        "qwen3-8b" => ("qwen3", 4096, 12_288, 36, 32, 8, 151_936, false, 1_000_000.0),
+        "tiny" => ("llama", 64, 128, 2, 4, 2, 96, true, 10_000.0),
+        other => bail!("unknown architecture {other}"),
+    };
+    let mut c = LlamaConfig::tiny(v, h, l);
+    c.model_type = mt.into();
+    c.intermediate_size = i;
+    c.num_attention_heads = nh;
+    c.num_key_value_heads = Some(kv);
+    c.tie_word_embeddings = tied;
+    c.rope_theta = theta;
+    c.max_position_embeddings = 32_768;
+    c.rms_norm_eps = 1e-6;
+    Ok(c)
+}
+
+/// The device `--device` names.
+fn open(device: &str) -> Result<SharedGpu> {
+    if device == "sim" {
+        return Ok(std::sync::Arc::new(tlt_cuda_sim::SimGpu::new(tlt_cuda_sim::Schedule::Lazy)));
+    }
+    match device.parse::<tlt_model::Device>().map_err(anyhow::Error::msg)? {
+        tlt_model::Device::Cuda(n) => Ok(tlt_kernels::cuda::open_device(n)?),
+        tlt_model::Device::Cpu => {
+            bail!("gpu-bench runs on a device (`cargo xtask bench decode` is the CPU suite)")
+        }
+    }
+}
+
+/// The middle element (the upper one of an even count).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median seconds of `steps` forwards of `n` tokens for each of `batch` sequences at `context` (a decode step for
+/// `n == 1`, else the verification of an `n`-node draft chain, as speculative decoding runs it).
+fn time_forward(m: &mut CudaLlama, batch: usize, n: usize, context: usize, steps: usize) -> Result<f64> {
+    let tokens: Vec<u32> = (0..n as u32).map(|t| 10 + t).collect();
+    let chain: Vec<i32> = (0..n as i32).map(|i| i - 1).collect();
+    let parents = (n > 1).then_some(chain.as_slice());
+    let seqs: Vec<DeviceSeq> =
+        (0..batch).map(|slot| DeviceSeq { slot, prefix_len: context, tokens: &tokens, parents }).collect();
+    let mut times = Vec::with_capacity(steps);
+    for step in 0..steps + 3 {
+        let t0 = Instant::now();
+        m.forward(&seqs)?;
+        m.gpu().synchronize().context("synchronize")?;
+        if step >= 3 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(times))
+}
+
+/// Device-to-device copy bandwidth (read + write bytes per second) over a buffer of `bytes`.
+fn copy_bandwidth(g: &SharedGpu, bytes: usize) -> Result<f64> {
+    let g = g.as_ref();
+    let src = DeviceBuf::<u8>::zeros(g, bytes).context("alloc")?;
+    let dst = DeviceBuf::<u8>::zeros(g, bytes).context("alloc")?;
+    let mut times = Vec::new();
+    for rep in 0..12 {
+        let t0 = Instant::now();
+        gpu::copy(g, src.buf(), dst.buf()).context("memcpy")?;
+        g.synchronize().context("synchronize")?;
+        if rep >= 2 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(2.0 * bytes as f64 / median(times))
+}
+
+/// The sections' outcomes, in order.
+#[derive(Default)]
+struct Sections {
+    json: serde_json::Map<String, serde_json::Value>,
+    outcomes: Vec<(String, Option<String>)>,
+}
+
+impl Sections {
+    /// Runs section `name`; its value goes to the JSON under `name`, or its error (a panic included) is recorded.
+    fn run<T: serde::Serialize>(&mut self, name: &str, f: impl FnOnce() -> Result<T>) -> Option<T> {
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+            let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+            Err(anyhow::anyhow!("panicked: {}", msg.unwrap_or_default()))
+        });
+        match ran {
+            Ok(v) => {
+                self.json.insert(name.into(), serde_json::to_value(&v).unwrap_or(serde_json::Value::Null));
+                self.outcomes.push((name.into(), None));
+                Some(v)
+            }
+            Err(e) => {
+                let msg = format!("{e:#}");
+                eprintln!("section {name} failed: {msg}");
+                self.json.insert(name.into(), serde_json::json!({ "error": msg }));
+                self.outcomes.push((name.into(), Some(msg)));
+                None
+            }
+        }
+    }
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    let a = Args::parse();
+    let cfg = config(&a.arch)?;
+    let g = open(&a.device)?;
+    let sim = g.info().simulated;
+    let max_batch = a.batches.iter().chain(&a.sd_batches).copied().max().unwrap_or(1);
+    let max_len = a.context + a.verify.iter().copied().max().unwrap_or(1) + a.sd_tokens + 2 * MAX_TREE_NODES + 8;
+    let mut m = CudaLlama::synthetic(cfg.clone(), 42, g.clone(), max_batch, max_len)?;
+    let mut s = Sections::default();
+    let copy = s.run("copy_bandwidth", || copy_bandwidth(&g, if sim { 1 << 20 } else { 1 << 30 })).unwrap_or(f64::NAN);
+    let weights = m.weight_bytes() as f64;
+    let kv_row = (cfg.kv_dim() * 2 * 2 * cfg.num_hidden_layers) as f64; // K and V, bf16, every layer
+    println!(
+        "{} on {} ({}): weights {:.2} GB, copy bandwidth {:.0} GB/s, context {}",
+        a.arch,
+        a.device,
+        g.info().name,
+        weights / 1e9,
+        copy / 1e9,
+        a.context
+    );
+    let decode = s
+        .run("decode", || {
+            let mut rows = Vec::new();
+            for graphs in [false, true] {
+                if graphs {
+                    m.enable_graphs(max_batch, 8 << 30);
+                }
+                println!(
+                    "\n{}:\n| batch | step ms | tok/s | GB/s (weights + KV) | of copy bw |\n|---:|---:|---:|---:|---:|",
+                    if graphs { "with CUDA graphs" } else { "eager" }
+                );
+                for &b in &a.batches {
+                    let t = time_forward(&mut m, b, 1, a.context, a.steps)?;
+                    let bytes = weights + b as f64 * a.context as f64 * kv_row;
+                    let bw = bytes / t;
+                    println!("| {b} | {:.3} | {:.0} | {:.0} | {:.2} |", t * 1e3, b as f64 / t, bw / 1e9, bw / copy);
+                    rows.push(serde_json::json!({"graphs": graphs, "batch": b, "step_s": t,
+                        "tokens_per_s": b as f64 / t, "bytes": bytes, "bandwidth": bw, "of_copy": bw / copy}));
+                }
+            }
+            println!("\ngraph pool: {:?}", m.graph_stats());
+            Ok(rows)
+        })
+        .unwrap_or_default();
+    s.run("verify", || {
+        let t1 = time_forward(&mut m, 1, 1, a.context, a.steps)?;
+        println!("\n| verify k (batch 1) | ms | verify / decode-1 | oracle SD at tau = k (k x decode / verify) |\n|---:|---:|---:|---:|");
+        let mut rows = vec![serde_json::json!({"k": 1, "step_s": t1})];
+        for &k in &a.verify {
+            let t = time_forward(&mut m, 1, k, a.context, a.steps)?;
+            println!("| {k} | {:.3} | {:.3} | {:.2}x |", t * 1e3, t / t1, k as f64 * t1 / t);
+            rows.push(serde_json::json!({"k": k, "step_s": t, "over_decode": t / t1,
+                "oracle_sd_speedup": k as f64 * t1 / t}));
+        }
+        Ok(rows)
+    });
+    let target = CudaTarget::from_model(m);
+    s.run("oracle_sd", || sd::oracle(&target, &cfg, &a));
+    s.run("eagle2_sd", || sd::eagle(&g, &target, &cfg, &a));
+    println!("\ngraph pool after the engine runs: {:?}", target.with_model(|m| m.graph_stats().cloned())?);
+    drop(target);
+    let graphs_decode: Vec<(usize, f64)> = decode
+        .iter()
+        .filter(|d| d["graphs"] == true)
+        .filter_map(|d| Some((usize::try_from(d["batch"].as_u64()?).ok()?, d["step_s"].as_f64()?)))
+        .collect();
+    s.run("drafter_level", || sd::drafter_level(&g, &cfg, &a, &graphs_decode));
+    let mut json = serde_json::json!({
+        "arch": a.arch, "device": a.device, "device_name": g.info().name, "context": a.context, "steps": a.steps,
+        "weight_bytes": weights, "copy_bandwidth": copy,
+    });
+    if let Some(o) = json.as_object_mut() {
+        o.extend(s.json.clone());
+    }
+    if let Some(dir) = a.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&a.out, serde_json::to_string_pretty(&json)?)?;
+    println!("\nJSON: {}", a.out.display());
+    println!("sections:");
+    for (name, err) in &s.outcomes {
+        match err {
+            None => println!("  {name}: ok"),
+            Some(e) => println!("  {name}: FAILED: {}", e.chars().take(200).collect::<String>()),
+        }
+    }
+    let failed = s.outcomes.iter().filter(|(_, e)| e.is_some()).count();
+    if failed > 0 {
+        bail!("{failed} of {} sections failed", s.outcomes.len());
+    }
+    Ok(())
+}

@@ -1,0 +1,97 @@
+//! The trainer with rollouts on a device. On the device the environment gives (in CI the simulated device,
+//! `tlt-cuda-sim`'s `SimGpu`, through [`Trainer::with_gpu`]; on a GPU machine the CUDA device): TLT steps (the SD
+//! gate, the bandit, suffix + EAGLE-2 drafting with the drafter's forward on the device, verification on the
+//! device) sample exactly the baseline's tokens, step after step, with the policy's weights synced to the device
+//! after every update. With the `cuda` feature: without a driver the first rollout is an error, not a panic; with
+//! one (`TLT_REQUIRE_GPU=1`), greedy evaluation on the GPU agrees with the CPU's.
+#![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
+
+use tlt_cuda_sim::Schedule;
+use tlt_model::{Device, EosTokens, Llama, LlamaConfig};
+use tlt_rl::task::{Score, Split};
+use tlt_rl::trainer::{Environment, Mode, Prompt, Trainer, TrainerConfig};
+use tlt_rl::Result;
+
+/// Prompts of 4 tokens; reward = fraction of token 7 in the answer.
+struct Sevens;
+
+impl Environment for Sevens {
+    fn prompt(&self, split: Split, pos: u64) -> Result<Prompt> {
+        let index = pos + if split == Split::Eval { 1 << 20 } else { 0 };
+        Ok(Prompt { index, ids: (0..4).map(|j| 2 + ((index * 5 + j * 3) % 30) as u32).collect(), problem: None })
+    }
+
+    fn score(&self, _prompt: &Prompt, completion: &[u32]) -> Result<Score> {
+        let reward = completion.iter().filter(|&&t| t == 7).count() as f64 / completion.len().max(1) as f64;
+        Ok(Score { reward, correct: reward > 0.5, formatted: true, timed_out: false })
+    }
+}
+
+fn model() -> Llama {
+    let mut cfg = LlamaConfig::tiny(32, 64, 2);
+    cfg.eos_token_id = Some(EosTokens::One(1));
+    Llama::random(cfg, 4).unwrap()
+}
+
+fn config(device: Device) -> TrainerConfig {
+    TrainerConfig {
+        mode: Mode::Tlt,
+        prompts_per_step: 4,
+        group_size: 4,
+        max_new_tokens: 16,
+        device,
+        ..TrainerConfig::default()
+    }
+}
+
+/// TLT and baseline trainers from the same weights and seeds, rollouts on `gpu`: every step samples the same tokens
+/// (SD is lossless through the scheduler and the trainer on the device), and TLT drafted (some rounds speculative).
+fn tlt_equals_baseline_on(gpu: tlt_kernels::cuda::SharedGpu) {
+    let run = |mode: Mode| {
+        let cfg = TrainerConfig { mode, ..config(Device::Cpu) };
+        let mut t = Trainer::new(model(), Sevens, cfg).unwrap().with_gpu(gpu.clone());
+        (0..2)
+            .map(|_| {
+                let r = t.step(&mut tlt_rl::trainer::Quiet).unwrap();
+                let tokens: Vec<Vec<u32>> = r.samples.iter().map(|(s, _, _)| s.tokens.clone()).collect();
+                (tokens, r.metrics.sd_on_fraction, r.metrics.accept_len)
+            })
+            .collect::<Vec<_>>()
+    };
+    let (tlt, base) = (run(Mode::Tlt), run(Mode::Baseline));
+    for (k, ((t, sd_on, accept), (b, _, _))) in tlt.iter().zip(&base).enumerate() {
+        println!("{}: step {k}: SD on for {sd_on:.2} of rounds, {accept:.2} tokens per round", gpu.info().name);
+        assert_eq!(t, b, "{}: step {k}: TLT sampled other tokens than the baseline", gpu.info().name);
+    }
+    assert!(tlt.iter().any(|(_, sd_on, _)| *sd_on > 0.0), "no speculative round ran: the test proves nothing");
+}
+
+#[test]
+fn tlt_rollouts_on_the_device_sample_the_baselines_tokens() {
+    let test = "tlt_rollouts_on_the_device_sample_the_baselines_tokens";
+    for gpu in tlt_cuda_sim::test_devices(test, &[Schedule::Lazy, Schedule::Seeded(21)]).unwrap() {
+        tlt_equals_baseline_on(gpu);
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn rollouts_on_the_gpu() {
+    let mut gpu = Trainer::new(model(), Sevens, config(Device::Cuda(0))).unwrap();
+    if !tlt_kernels::cuda::driver_available() {
+        let e = gpu.evaluate(0..4, 8).unwrap_err();
+        assert!(e.to_string().contains("CUDA is unavailable"), "{e}");
+    }
+    if !tlt_kernels::cuda::gpu_or_skip("rollouts_on_the_gpu (its GPU part)").unwrap() {
+        return;
+    }
+    let cpu = Trainer::new(model(), Sevens, config(Device::Cpu)).unwrap();
+    let (a, b) = (cpu.evaluate(0..16, 16).unwrap(), gpu.evaluate(0..16, 16).unwrap());
+    // Greedy on bf16 weights may flip a near-tie; the lengths of 16 answers stay close.
+    assert!((a.mean_len - b.mean_len).abs() <= 2.0, "cpu {a:?} gpu {b:?}");
+    for _ in 0..2 {
+        let r = gpu.step(&mut tlt_rl::trainer::Quiet).unwrap();
+        assert_eq!(r.samples.len(), 16);
+        assert!(r.samples.iter().all(|(s, _, _)| s.logprobs.iter().all(|l| l.is_finite() && *l <= 0.0)));
+    }
+}
