@@ -13,8 +13,7 @@
 //! - a launch or copy whose pointers lie outside the live buffers is an error at once; a kernel that fails when it
 //!   runs (a deadlock, a misaligned access) fails the next wait, as a sticky CUDA error does.
 //!
-//! [`Fault::IgnoreHostWaits`] re-creates the first GPU run's fault (waits that wait for nothing), for negative
-//! controls.
+//! [`Fault`]s re-create the first GPU run's fault (waits that wait for nothing), for negative controls.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,12 +38,16 @@ pub enum Schedule {
     Seeded(u64),
 }
 
-/// A deliberate fault of the simulated device, for negative controls.
+/// A deliberate fault of the simulated device, for negative controls: a kind of host wait that returns at once
+/// without running anything, as cudarc's `PinnedHostSlice` waits did on the first GPU run (on an event a context
+/// without event tracking never records).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
-    /// Host waits ([`Gpu::wait`], [`Gpu::synchronize`]) return at once without running anything: what cudarc's
-    /// `PinnedHostSlice` waits did on the first GPU run (an event never recorded).
-    IgnoreHostWaits,
+    /// [`Gpu::synchronize`] waits for nothing: the wait `Fetched::fetch` makes before it reads its results.
+    NoSynchronize,
+    /// [`Gpu::wait`] (an event) waits for nothing: the wait `Staged::send` makes before it rewrites its staging
+    /// buffer.
+    NoEventWaits,
 }
 
 /// One queued operation.
@@ -119,7 +122,7 @@ struct State {
     capture_broken: Option<String>,
     schedule: Schedule,
     rng: SplitMix64,
-    fault: Option<Fault>,
+    faults: Vec<Fault>,
     /// The first failure of queued work, reported by the next wait.
     sticky: Option<Error>,
     log: Vec<LaunchRecord>,
@@ -172,7 +175,7 @@ impl SimGpu {
             capture_broken: None,
             schedule,
             rng: SplitMix64::new(seed),
-            fault: None,
+            faults: Vec::new(),
             sticky: None,
             log: Vec::new(),
             gemms: 0,
@@ -195,10 +198,10 @@ impl SimGpu {
         [Schedule::Lazy, Schedule::Eager, Schedule::Seeded(1), Schedule::Seeded(2), Schedule::Seeded(3)]
     }
 
-    /// The same device with `fault` from now on.
+    /// The same device with `fault` too, from now on.
     #[must_use]
     pub fn with_fault(self, fault: Fault) -> Self {
-        lock(&self.state).fault = Some(fault);
+        lock(&self.state).faults.push(fault);
         self
     }
 
@@ -258,29 +261,22 @@ impl SimGpu {
             _ => {}
         }
         s.queue.push_back((seq, op));
-        let n = match s.schedule {
-            Schedule::Lazy => 0,
-            Schedule::Eager => s.queue.len(),
-            Schedule::Seeded(_) => {
-                let len = s.queue.len();
-                s.rng.below(len + 1)
-            }
-        };
-        s.run(n, true);
+        s.after_call(seq);
         Ok(())
     }
 
-    /// Runs the queue up to `seq` and counts it as waited for (unless waits are faulted); the sticky error, if any.
-    fn wait_for(&self, seq: u64, pageable: bool) -> Result<()> {
+    /// Runs the queue up to `seq` and counts it as waited for (unless `fault` is on: a wait that waits for
+    /// nothing); the sticky error, if any.
+    fn wait_for(&self, seq: u64, fault: Option<Fault>) -> Result<()> {
         let mut s = lock(&self.state);
         if s.capture.is_some() {
             return Err(s.break_capture("a host wait"));
         }
-        if s.fault == Some(Fault::IgnoreHostWaits) && !pageable {
+        if fault.is_some_and(|f| s.faults.contains(&f)) {
             return Ok(());
         }
         let n = s.queue.iter().take_while(|(q, _)| *q <= seq).count();
-        s.run(n, false);
+        s.run(n, None);
         s.waited = s.waited.max(seq);
         match s.sticky.take() {
             Some(e) => Err(e),
@@ -319,12 +315,26 @@ impl State {
         Error::Graph(msg)
     }
 
-    /// Runs the first `n` queued operations; a failure becomes the sticky error (the rest still runs, as a GPU's
-    /// stream goes on after a failed kernel until the host looks).
-    fn run(&mut self, n: usize, later: bool) {
+    /// What the schedule runs at the end of the call that queued operation `seq`.
+    fn after_call(&mut self, seq: u64) {
+        let n = match self.schedule {
+            Schedule::Lazy => 0,
+            Schedule::Eager => self.queue.len(),
+            Schedule::Seeded(_) => {
+                let len = self.queue.len();
+                self.rng.below(len + 1)
+            }
+        };
+        self.run(n, Some(seq));
+    }
+
+    /// Runs the first `n` queued operations (`queuing`: the operation the current call queued, which runs "at
+    /// once"; every other ran after the call that queued it returned); a failure becomes the sticky error (the rest
+    /// still runs, as a GPU's stream goes on after a failed kernel until the host looks).
+    fn run(&mut self, n: usize, queuing: Option<u64>) {
         for _ in 0..n {
-            let Some((_, op)) = self.queue.pop_front() else { return };
-            if later {
+            let Some((seq, op)) = self.queue.pop_front() else { return };
+            if Some(seq) != queuing {
                 self.ran_later += 1;
             }
             if let Err(e) = self.execute(&op) {
@@ -443,6 +453,7 @@ impl Drop for DeviceOwner {
         s.queued += 1;
         let seq = s.queued;
         s.queue.push_back((seq, free));
+        s.after_call(seq);
     }
 }
 
@@ -542,7 +553,7 @@ impl Gpu for SimGpu {
 
     fn download(&self, src: u64, dst: &mut [u8]) -> tlt_kernels::Result<()> {
         let seq = lock(&self.state).queued;
-        self.wait_for(seq, true).map_err(to_kernels)?;
+        self.wait_for(seq, None).map_err(to_kernels)?;
         let s = lock(&self.state);
         if s.physical.find(src, dst.len() as u64).is_none() {
             return Err(to_kernels(Error::BadPointer { kernel: "download".into(), arg: 0, addr: src }));
@@ -566,12 +577,12 @@ impl Gpu for SimGpu {
             .downcast_ref::<SimEvent>()
             .filter(|e| e.device == self.id)
             .ok_or_else(|| tlt_kernels::Error::InvalidArgument("an event of another device".into()))?;
-        self.wait_for(e.seq, false).map_err(to_kernels)
+        self.wait_for(e.seq, Some(Fault::NoEventWaits)).map_err(to_kernels)
     }
 
     fn synchronize(&self) -> tlt_kernels::Result<()> {
         let seq = lock(&self.state).queued;
-        self.wait_for(seq, false).map_err(to_kernels)
+        self.wait_for(seq, Some(Fault::NoSynchronize)).map_err(to_kernels)
     }
 
     fn pinned_read<'a>(&self, mem: &'a PinnedMem) -> tlt_kernels::Result<&'a [u8]> {
