@@ -10,7 +10,15 @@ use std::sync::Arc;
 
 use tlt_cuda_sim::{Fault, Schedule, SimGpu};
 use tlt_kernels::cuda::plan;
-use tlt_kernels::cuda::{gpu, DeviceBuf, Fetched, Gpu, SharedGpu, Staged};
+use tlt_kernels::cuda::{gpu, DeviceBuf, Fetched, SharedGpu, Staged};
+
+/// A staging fill of `byte`.
+fn fill(byte: u8) -> impl FnOnce(&mut [u8]) -> tlt_kernels::Result<()> {
+    move |h| {
+        h.fill(byte);
+        Ok(())
+    }
+}
 
 fn dev(schedule: Schedule) -> (SimGpu, SharedGpu) {
     let sim = SimGpu::new(schedule);
@@ -78,17 +86,17 @@ fn a_staging_buffer_rewritten_under_a_queued_copy_is_an_error() {
     let (sim, g) = dev(Schedule::Lazy);
     let _ = sim.clone().with_fault(Fault::NoEventWaits);
     let mut staged = Staged::new(&g, 64).unwrap();
-    staged.send(16, |h| Ok(h.fill(1))).unwrap();
-    let e = staged.send(16, |h| Ok(h.fill(2))).unwrap_err();
+    staged.send(16, fill(1)).unwrap();
+    let e = staged.send(16, fill(2)).unwrap_err();
     println!("a staging buffer rewritten before its copy ran: {e}");
     assert!(e.to_string().contains("still uses"), "{e}");
     // Without the fault the second send waits for the first copy, and both land in order.
     let (_, g) = dev(Schedule::Lazy);
     let mut staged = Staged::new(&g, 64).unwrap();
-    let first = staged.send(16, |h| Ok(h.fill(1))).unwrap();
+    let first = staged.send(16, fill(1)).unwrap();
     let a = DeviceBuf::<u8>::zeros(g.as_ref(), 16).unwrap();
     gpu::copy(g.as_ref(), plan::Buf::<u8>::new(first.addr(), 16), a.buf()).unwrap();
-    staged.send(16, |h| Ok(h.fill(2))).unwrap();
+    staged.send(16, fill(2)).unwrap();
     assert_eq!(a.to_host(g.as_ref()).unwrap(), vec![1u8; 16], "the first copy read the second fill");
 }
 
