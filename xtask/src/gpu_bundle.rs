@@ -13,13 +13,17 @@ use tracing::{info, warn};
 /// One call of the GPU plan on the GPU machine (`run.sh CALL`; see the script's header).
 const RUN_SH: &str = include_str!("gpu_run.sh");
 
-/// The calls of the GPU plan, in order, each within the device tool's 10-minute command limit.
-pub const CALLS: [&str; 5] = ["tests", "ranks", "decode-small", "decode-8b", "peer"];
+/// The calls of the GPU plan, in order: call 1 (`all`: the CUDA suites, gpu-bench, the peer) and call 2 (`ranks`);
+/// then the sections of call 1 on their own, for reruns.
+pub const CALLS: [&str; 5] = ["all", "ranks", "tests", "bench", "peer"];
 
-/// At most this many files come back from one call's `$OUT`.
-const MAX_FILES: usize = 8;
+/// Files one call leaves under `$OUT`: its archive and its summary (the device tool takes at most 8).
+const CALL_FILES: usize = 2;
 /// At most this many lines of a call's summary (printed last, so it survives the tool's 12,000-character tail).
 const MAX_SUMMARY_LINES: usize = 40;
+/// The most seconds a call's steps may be budgeted in all: 8 minutes, so that a call fits the device tool's
+/// 10-minute command limit with the machine's start and the transfers.
+const CALL_BUDGET_S: u64 = 480;
 
 /// Most bytes of one weights part: with the repository (~5 MB) it stays under the device tool's 64 MiB per call.
 const PART_BYTES: usize = 48 << 20;
@@ -52,7 +56,8 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&dir);
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin)?;
-    let mut selection = vec!["--features", crate::CUDA_FEATURES, "--test", "cuda"];
+    let mut selection = vec!["--features", crate::CUDA_FEATURES];
+    selection.extend(crate::CUDA_TEST_TARGETS.iter().flat_map(|t| ["--test", *t]));
     selection.extend(crate::cuda_package_args());
     let mut copied: Vec<(PathBuf, PathBuf)> = built_tests(&cargo, &selection, "the CUDA test executables")?
         .into_iter()
@@ -130,13 +135,16 @@ fn write_scripts(root: &Path, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `cargo xtask gpu-bundle --dry-run`: runs every call of the plan here with its GPU steps stubbed (`TLT_DRY_RUN=1`)
-/// and checks the rules of the device tool: at most 8 files under `$OUT`, a summary of at most 40 lines, printed
-/// last. Needs no GPU and no CUDA build.
+/// `cargo xtask gpu-bundle --dry-run`: runs every call of the plan here with its GPU steps stubbed (`TLT_DRY_RUN=1`:
+/// the test executables and the peer print canned output, one test failing; gpu-bench, the binary `bench`, runs on
+/// the simulated device) and checks each call's output with [`check_call`]. Needs no GPU and no CUDA build.
 ///
 /// # Errors
-/// When a call breaks a rule or the script fails.
-pub fn dry_run(root: &Path) -> Result<()> {
+/// When a call breaks a rule or the script cannot run.
+pub fn dry_run(root: &Path, bench: &Path) -> Result<()> {
+    if !bench.exists() {
+        bail!("{} is missing: the dry run runs gpu-bench on the simulated device", bench.display());
+    }
     let dir = root.join("target").join("gpu-bundle-dry");
     let _ = std::fs::remove_dir_all(&dir);
     write_scripts(root, &dir)?;
@@ -148,33 +156,101 @@ pub fn dry_run(root: &Path) -> Result<()> {
             .arg(call)
             .env("OUT", &out)
             .env("TLT_DRY_RUN", "1")
+            .env("TLT_DRY_BENCH", bench)
             .output()
             .with_context(|| format!("running run.sh {call}"))?;
-        if !run.status.success() {
-            bail!("dry run of `{call}` failed: {}", String::from_utf8_lossy(&run.stderr));
-        }
         let files: Vec<String> = std::fs::read_dir(&out)?
             .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
             .collect();
-        if files.len() > MAX_FILES || files.len() != 2 {
-            bail!(
-                "`{call}` left {} files under $OUT ({files:?}); the plan's rule is 2 (at most {MAX_FILES})",
-                files.len()
-            );
-        }
-        let summary = std::fs::read_to_string(out.join(format!("{call}-summary.txt")))?;
-        let lines = summary.lines().count();
-        if lines > MAX_SUMMARY_LINES || lines == 0 {
-            bail!("`{call}`'s summary has {lines} lines (1..={MAX_SUMMARY_LINES})");
-        }
+        let summary = std::fs::read_to_string(out.join(format!("{call}-summary.txt"))).unwrap_or_default();
         let stdout = String::from_utf8_lossy(&run.stdout);
-        if !stdout.trim_end().ends_with(summary.trim_end()) {
-            bail!("`{call}` does not print its summary last");
-        }
-        if !out.join(format!("{call}.tar.gz")).exists() {
-            bail!("`{call}` wrote no archive");
-        }
-        println!("gpu-bundle dry run `{call}`: {} files, summary of {lines} lines printed last", files.len());
+        let report = check_call(call, &files, &summary, &stdout, run.status.success())
+            .with_context(|| format!("dry run of `{call}` (stderr: {})", String::from_utf8_lossy(&run.stderr)))?;
+        println!("gpu-bundle dry run `{call}`: {report}");
     }
     Ok(())
+}
+
+/// One step's line of a call's summary: `NAME: rc CODE in SECONDS s (budget BUDGET s)`.
+fn step_line(line: &str) -> Option<(&str, i64, u64)> {
+    let (name, rest) = line.split_once(": rc ")?;
+    let (rc, rest) = rest.split_once(" in ")?;
+    let budget = rest.split_once("(budget ")?.1.split_once(" s)")?.0;
+    Some((name, rc.parse().ok()?, budget.parse().ok()?))
+}
+
+/// The rules of one call's output, as the device tool and the plan need them: exactly the archive and the summary
+/// under `$OUT`; a summary of 1..=40 lines, printed last; every step named with its exit code and budget; the
+/// budgets within [`CALL_BUDGET_S`]; a last `status:` line that is `ok` exactly when every step exited 0 (else
+/// `FAILED:` and the failed steps, by name), matching the script's own exit status. A line on what passed.
+///
+/// # Errors
+/// The first rule broken.
+pub fn check_call(call: &str, files: &[String], summary: &str, stdout: &str, exit_ok: bool) -> Result<String> {
+    let want = [format!("{call}.tar.gz"), format!("{call}-summary.txt")];
+    if files.len() != CALL_FILES || !want.iter().all(|w| files.contains(w)) {
+        bail!("`{call}` left {files:?} under $OUT; the plan's rule is {want:?}");
+    }
+    let lines: Vec<&str> = summary.lines().collect();
+    if lines.is_empty() || lines.len() > MAX_SUMMARY_LINES {
+        bail!("`{call}`'s summary has {} lines (1..={MAX_SUMMARY_LINES})", lines.len());
+    }
+    if !stdout.trim_end().ends_with(summary.trim_end()) {
+        bail!("`{call}` does not print its summary last");
+    }
+    let steps: Vec<(&str, i64, u64)> = lines.iter().filter_map(|l| step_line(l)).collect();
+    if steps.is_empty() {
+        bail!("`{call}`'s summary names no step");
+    }
+    let budget: u64 = steps.iter().map(|s| s.2).sum();
+    if budget > CALL_BUDGET_S {
+        bail!("`{call}`'s steps are budgeted {budget} s in all, over {CALL_BUDGET_S} s");
+    }
+    let failed: Vec<&str> = steps.iter().filter(|s| s.1 != 0).map(|s| s.0).collect();
+    let status = lines.last().and_then(|l| l.strip_prefix("status: ")).unwrap_or_default();
+    let named: Vec<&str> = status.strip_prefix("FAILED:").map(|f| f.split_whitespace().collect()).unwrap_or_default();
+    let consistent = if failed.is_empty() { status == "ok" } else { named == failed };
+    if !consistent || exit_ok != failed.is_empty() {
+        bail!("`{call}`: steps {failed:?} failed, but the status line says {status:?} and the exit is ok: {exit_ok}");
+    }
+    Ok(format!(
+        "{} steps ({} failed), {budget} s of budget, summary of {} lines printed last, files {files:?}",
+        steps.len(),
+        failed.len(),
+        lines.len()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn good() -> (Vec<String>, String) {
+        let summary = "device: x\nstep-a: rc 0 in 3 s (budget 100 s)\n  test result: ok\nstep-b: rc 1 in 2 s (budget 50 s)\nstatus: FAILED: step-b\n";
+        (vec!["c.tar.gz".into(), "c-summary.txt".into()], summary.to_string())
+    }
+
+    #[test]
+    fn the_dry_runs_checks_pass_a_good_call_and_catch_each_broken_rule() {
+        let (files, summary) = good();
+        let out = format!("noise\n{summary}");
+        assert!(check_call("c", &files, &summary, &out, false).is_ok());
+        // Negative controls: each rule broken once.
+        let many: String = (0..41).map(|i| format!("line {i}\n")).collect::<String>() + &summary;
+        let budget = summary.replace("budget 100 s", "budget 431 s");
+        let silent_failure = summary.replace("status: FAILED: step-b", "status: ok");
+        let cases = [
+            ("a third file", check_call("c", &[files[0].clone(), files[1].clone(), "x".into()], &summary, &out, false)),
+            ("41+ lines", check_call("c", &files, &many, &format!("{many}"), false)),
+            ("summary not last", check_call("c", &files, &summary, &format!("{summary}late output\n"), false)),
+            ("over budget", check_call("c", &files, &budget, &budget, false)),
+            ("a failure called ok", check_call("c", &files, &silent_failure, &silent_failure, false)),
+            ("exit ok despite a failure", check_call("c", &files, &summary, &out, true)),
+            ("no step", check_call("c", &files, "status: ok\n", "status: ok\n", true)),
+        ];
+        for (what, r) in cases {
+            let e = r.expect_err(what);
+            println!("negative control, {what}: {e}");
+        }
+    }
 }

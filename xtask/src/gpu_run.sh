@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # One call of the GPU plan (`cargo xtask gpu-bundle`; the procedure is in xtask/README.md): run.sh CALL, where CALL is
-#   tests          the CUDA test executables, NCCL's one-rank test among them (TLT_REQUIRE_GPU=1: a missing driver or
-#                  NCCL fails them)
-#   ranks          data-parallel GRPO on 2 MPI ranks sharing the GPU (Open MPI from the bundle's pinned wheel): plain
-#                  and with the EAGLE drafter trained on rank 0 and its versions sent over MPI to rank 1's device
-#   decode-small   gpu-bench: SmolLM2-135M decode (batches 1-256), oracle SD at tau 2/4/6, one EAGLE draft level
-#   decode-8b      gpu-bench: the Llama-3-8B shape (synthetic weights), decode and verify
-#   peer           HF transformers on the same GPU: eager generate, static cache + torch.compile
+#   all     call 1, at most 8 minutes by its steps' budgets: every CUDA test suite (NCCL's one-rank test among them),
+#           then gpu-bench on the SmolLM2 and Llama-3-8B shapes (decode, verify, the engine's oracle and EAGLE-2 SD at
+#           several batches), then the peer (HF transformers eager and compiled)
+#   ranks   call 2: data-parallel GRPO on 2 MPI ranks sharing the GPU (Open MPI from the bundle's pinned wheel): plain
+#           and with the EAGLE drafter trained on rank 0 and its versions sent over MPI to rank 1's device
+#   tests | bench | peer   one section of `all` alone (to rerun it)
 # on a GPU machine with no Rust toolchain (NVRTC 13 and cuBLAS 13 from the Python environment's nvidia-* wheels or
-# the toolkit). Every call is budgeted to end within ~8 minutes (each step has a timeout), writes exactly two files
-# under $OUT (CALL.tar.gz: every log and JSON; CALL-summary.txt: at most 40 lines) and prints the summary last.
-# TLT_DRY_RUN=1 (`cargo xtask gpu-bundle --dry-run`, run by `cargo xtask test`) stubs every GPU step, to check these
-# rules without a GPU.
+# the toolkit). Every step has a time budget (its timeout) and is isolated: a failing step is reported and the rest
+# still run. Each call writes exactly two files under $OUT (CALL.tar.gz: every log and JSON; CALL-summary.txt, at
+# most 40 lines, naming every step's outcome and budget) and prints the summary last; `cargo xtask gpu-bundle
+# --dry-run` (run by `cargo xtask test`) checks those rules and the budgets. TLT_DRY_RUN=1 stubs every GPU step: the
+# test executables and the peer print canned output, gpu-bench runs on the simulated device (TLT_DRY_BENCH names the
+# binary).
 set -uo pipefail
 call=${1:-}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -24,21 +25,58 @@ summary="$log/summary.txt"
 : > "$summary"
 dry=${TLT_DRY_RUN:-}
 status=0
+failed_steps=""
 
 say() { echo "$*" >> "$summary"; }
 
-# Runs a GPU step with a time budget (seconds), its output into $log/NAME.log; stubbed in a dry run.
+# What a dry run prints for a step instead of running it (the shapes of the real outputs; test-tlt-rl fails, so that
+# the summary's failure lines are exercised too).
+stub() {
+    case "$1" in
+        test-tlt-rl) echo "running 3 tests"; echo "test a ... ok"; echo "test b ... FAILED";
+                echo "thread 'b' panicked at src/lib.rs:1:1:"; echo "a dry-run failure";
+                echo "test result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.01s"
+                return 101 ;;
+        test-*) echo "running 2 tests"; echo "test result: ok. 2 passed; 0 failed; 0 ignored; 0 measured" ;;
+        libraries) echo "     12345:	calling init: /usr/lib/x86_64-linux-gnu/libcuda.so.1" ;;
+        transformers-*) echo "| batch | mode | decode tok/s | generate s |"; echo "|---:|---|---:|---:|";
+                        echo "| 1 | $2 | 85 | 1.535 |"; echo "| 64 | $2 | 12851 | 0.700 |" ;;
+        *) for i in $(seq 1 300); do echo "dry-run log line $i"; done ;;
+    esac
+}
+
+# Runs a step with a time budget (seconds), its output into $log/NAME.log; stubbed in a dry run (but gpu-bench, which
+# runs on the simulated device there). One summary line: name, exit code, seconds, budget.
 step() {
     local name=$1 budget=$2
     shift 2
     local started=$SECONDS rc=0
-    if [ -n "$dry" ]; then
-        { echo "dry run: would run (budget ${budget}s): $*"; for i in $(seq 1 300); do echo "dry-run log line $i"; done; } > "$log/$name.log" 2>&1
+    if [ -n "$dry" ] && [ "$1" != "bench" ]; then
+        stub "$name" "${mode:-}" > "$log/$name.log" 2>&1 || rc=$?
+    elif [ "$1" = "bench" ]; then
+        shift
+        local bin="$here/bin/gpu-bench"
+        if [ -n "$dry" ]; then
+            bin=${TLT_DRY_BENCH:?a dry run needs TLT_DRY_BENCH (a gpu-bench binary)}
+            set -- --device sim --arch tiny --context 40 --batches 1,2 --steps 2 --verify 2,4 --tau 2,4 \
+                --sd-batches 1,2 --sd-tokens 12 --drafter-batches 1,2 --out "$log/$name.json"
+        fi
+        timeout "$budget" "$bin" "$@" > "$log/$name.log" 2>&1 || rc=$?
     else
         timeout "$budget" "$@" > "$log/$name.log" 2>&1 || rc=$?
     fi
-    [ $rc -eq 0 ] || status=1
-    say "$name: rc $rc in $((SECONDS - started)) s$([ $rc -eq 124 ] && echo ' (timed out)')"
+    if [ $rc -ne 0 ]; then
+        status=1
+        failed_steps="$failed_steps $name"
+    fi
+    last_step="$name: rc $rc in $((SECONDS - started)) s (budget $budget s)$([ $rc -eq 124 ] && echo ', timed out')"
+    say "$last_step"
+}
+
+# Adds `$*` to the last step's summary line (which must be the summary's last line).
+append() {
+    sed -i '$ d' "$summary"
+    say "$last_step; $*"
 }
 
 libs=$(python3 - <<'PY' 2>/dev/null
@@ -58,6 +96,7 @@ for d in ${libs//:/ }; do
 done
 export LD_LIBRARY_PATH="${libs}:${nccl_link}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export TLT_REQUIRE_GPU=1 TLT_REQUIRE_NVRTC=1 RUST_BACKTRACE=1
+[ -n "$dry" ] && export TLT_REQUIRE_GPU=0
 
 # The machine, and which libcuda / NVRTC / cuBLAS files a process really loads (the dynamic loader's own record).
 if [ -n "$dry" ]; then
@@ -66,12 +105,12 @@ if [ -n "$dry" ]; then
 else
     { nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; } > "$log/env.txt" 2>&1
     say "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
-    probe=$(ls "$here"/bin/test-tlt-kernels 2>/dev/null)
-    if [ -n "$probe" ]; then
-        LD_DEBUG=libs timeout 120 "$probe" gpu:: --test-threads=1 2>&1 | grep -E 'calling init: .*(libcuda|nvrtc|cublas)' \
-            | sed 's/.*calling init: //' | sort -u > "$log/libraries.txt"
-        while read -r lib; do say "loaded: $lib"; done < <(head -4 "$log/libraries.txt")
-    fi
+fi
+if [ "$call" != ranks ]; then
+    # The dynamic loader's record of the libraries a test process loads (its own run is not a test).
+    step libraries 10 env LD_DEBUG=libs "$here/bin/test-tlt-kernels" gpu:: --test-threads=1
+    append "loaded $(grep -E 'calling init: .*(libcuda|nvrtc|cublas)' "$log/libraries.log" | sed 's/.*calling init: //' \
+        | sort -u | head -3 | xargs -n1 basename 2>/dev/null | tr '\n' ' ')"
 fi
 
 # SmolLM2's real weights, sent in parts by earlier calls (`cargo xtask gpu-bundle --weights`): reassembled and checked.
@@ -87,18 +126,55 @@ if [ -n "$parts" ]; then
     fi
 fi
 
+# Budgets (seconds) of call 1's steps: their sum stays within 8 minutes (the dry run checks it).
+test_budget() {
+    case "$1" in
+        test-tlt-drafter) echo 40 ;; test-tlt-spec-decode) echo 35 ;; test-tlt-rl) echo 30 ;; test-tlt-model) echo 25 ;;
+        test-tlt-kernels) echo 15 ;; *) echo 10 ;;
+    esac
+}
+
+tests() {
+    local execs=("$here"/bin/test-*)
+    if [ -n "$dry" ]; then
+        execs=(test-tlt-comm-nccl test-tlt-cudagraph test-tlt-drafter test-tlt-kernels test-tlt-model test-tlt-rl \
+            test-tlt-spec-decode)
+    fi
+    for t in "${execs[@]}"; do
+        local name
+        name=$(basename "$t")
+        step "$name" "$(test_budget "$name")" "$t" --nocapture --test-threads=1
+        local result
+        result=$(grep -E '^test result' "$log/$name.log" | tail -1 | sed -E 's/test result: //; s/; 0 ignored.*//')
+        [ -n "$result" ] && append "$result"
+        # The first failure, at most one line per suite (the summary keeps within 40 lines whatever fails).
+        grep -E "^thread '.*' .*panicked" "$log/$name.log" | head -1 | cut -c1-160 | while read -r f; do say "  $f"; done
+    done
+}
+
+bench() {
+    step gpu-bench-smollm2 80 bench --arch smollm2-135m --sd-tokens 128 --out "$log/gpu-bench-smollm2.json"
+    grep -E '^summary:' "$log/gpu-bench-smollm2.log" | cut -c1-200 | while read -r l; do say "  $l"; done
+    step gpu-bench-llama3-8b 45 bench --arch llama3-8b --batches 1,8,64 --verify 8 --tau 4 --sd-batches 1,8 \
+        --sd-tokens 64 --drafter-batches 1,8 --out "$log/gpu-bench-llama3-8b.json"
+    grep -E '^summary:' "$log/gpu-bench-llama3-8b.log" | cut -c1-200 | while read -r l; do say "  $l"; done
+}
+
+peer() {
+    for mode in eager compiled; do
+        local budget=40
+        [ "$mode" = compiled ] && budget=120
+        step "transformers-$mode" "$budget" python3 "$here/hf_decode_bench.py" --arch smollm2-135m --batches 1,64 \
+            --new-tokens 64 --repeats 2 --modes "$mode" --out "$log/hf-$mode.json"
+        grep -E '^\| [0-9]' "$log/transformers-$mode.log" | while read -r l; do say "  $l"; done
+    done
+}
+
 case "$call" in
-    tests)
-        for t in "$here"/bin/test-*; do
-            [ -e "$t" ] || { [ -n "$dry" ] && t="$here/bin/test-dry"; }
-            name=$(basename "$t")
-            step "$name" 80 "$t" --nocapture --test-threads=1
-            if [ -z "$dry" ]; then
-                say "  $(grep -E '^test result' "$log/$name.log" | tail -1)"
-                grep -E '^test .*FAILED' "$log/$name.log" | head -3 | while read -r f; do say "  $f"; done
-            fi
-        done
-        ;;
+    all) tests; bench; peer ;;
+    tests) tests ;;
+    bench) bench ;;
+    peer) peer ;;
     ranks)
         # The machine has no MPI runtime: Open MPI 5 from the wheel (same libmpi.so.40 ABI as the Debian Open MPI 4.1
         # the binary was built against), unpacked with Python (which drops the executable bits).
@@ -110,30 +186,18 @@ case "$call" in
             say "mpirun: $(mpirun --version 2>&1 | head -1)"
         fi
         step ranks-data-parallel 420 env TLT_DP_DEVICE=0 TLT_REQUIRE_MPI=1 "$here/bin/ranks-data-parallel"
-        [ -z "$dry" ] && grep -E -A1 'cuda:0|SKIP|panicked|rank 1 hot|differ|failed' "$log/ranks-data-parallel.log" \
-            | cut -c1-400 | head -12 | while read -r l; do say "$l"; done
-        ;;
-    decode-small)
-        step gpu-bench-smollm2 420 "$here/bin/gpu-bench" --arch smollm2-135m --out "$log/decode-smollm2-135m.json"
-        [ -z "$dry" ] && grep -E '^\| ' "$log/gpu-bench-smollm2.log" | head -24 | while read -r l; do say "$l"; done
-        ;;
-    decode-8b)
-        step gpu-bench-8b 420 "$here/bin/gpu-bench" --arch llama3-8b --batches 1,8,64,256 --tau 4 --out "$log/decode-llama3-8b.json"
-        [ -z "$dry" ] && grep -E '^\| ' "$log/gpu-bench-8b.log" | head -24 | while read -r l; do say "$l"; done
-        ;;
-    peer)
-        step transformers 420 python3 "$here/hf_decode_bench.py" --arch smollm2-135m --batches 1,64 --out "$log/hf-smollm2-135m.json"
-        [ -z "$dry" ] && tail -20 "$log/transformers.log" | while read -r l; do say "$l"; done
+        grep -E -A1 'cuda:0|SKIP|panicked|rank 1 hot|differ|failed' "$log/ranks-data-parallel.log" \
+            | cut -c1-200 | head -12 | while read -r l; do say "  $l"; done
         ;;
     *)
-        echo "usage: run.sh tests|ranks|decode-small|decode-8b|peer" >&2
+        echo "usage: run.sh all|ranks|tests|bench|peer" >&2
         exit 2
         ;;
 esac
 
-say "status: $([ $status -eq 0 ] && echo ok || echo FAILED)"
+say "status: $([ $status -eq 0 ] && echo ok || echo "FAILED:$failed_steps")"
 tar czf "$out/$call.tar.gz" -C "$work" "$call"
-head -40 "$summary" > "$out/$call-summary.txt"
+cp "$summary" "$out/$call-summary.txt"
 rm -rf "$work"
 cat "$out/$call-summary.txt"
 exit $status

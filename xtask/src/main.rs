@@ -216,6 +216,7 @@ fn exit_code(status: ExitStatus) -> ExitCode {
 }
 
 fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
+    let all = all_features();
     if !no_lint {
         // Formatting and clippy first: both are fast next to the release build, and CI should fail on them.
         let mut fmt = cargo();
@@ -224,33 +225,45 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         if !code.success() {
             return Ok(exit_code(code));
         }
-        // Clippy, then rustdoc's link checks (broken and private intra-doc links): once as the workspace builds, once
-        // with the CUDA and MPI code that its features leave off. The whole workspace is selected both times, so the
-        // dependencies resolve (and build) alike.
-        let all_features = format!("{CUDA_FEATURES},tlt-examples/cuda,{MPI_FEATURES}");
-        for features in [None, Some(all_features.as_str())] {
+        // Clippy once as the workspace builds and once with the CUDA and MPI code its features leave off (the
+        // code under `cfg(not(feature))` and under `cfg(feature)`); rustdoc's link checks (broken and private
+        // intra-doc links) once, with every feature: it documents a superset. The whole workspace is selected each
+        // time, so the dependencies resolve (and build) alike.
+        for features in [None, Some(all.as_str())] {
             let mut clippy = cargo();
             clippy.args(["clippy", "--workspace", "--all-targets"]);
-            let mut doc = cargo();
-            doc.env("RUSTDOCFLAGS", "-D warnings").args(["doc", "--no-deps", "--workspace"]);
             if let Some(f) = features {
                 clippy.args(["--features", f]);
-                doc.args(["--features", f]);
             }
             clippy.args(["--", "-D", "warnings"]);
-            for cmd in [clippy, doc] {
-                let code = run(cmd)?;
-                if !code.success() {
-                    return Ok(exit_code(code));
-                }
+            let code = run(clippy)?;
+            if !code.success() {
+                return Ok(exit_code(code));
             }
+        }
+        let mut doc = cargo();
+        doc.env("RUSTDOCFLAGS", "-D warnings").args(["doc", "--no-deps", "--workspace", "--features", &all]);
+        let code = run(doc)?;
+        if !code.success() {
+            return Ok(exit_code(code));
         }
         graph::check(cargo)?;
     }
     let gguf = assets::fetch_assets()?;
+    // Every release build below uses the same features (CUDA and MPI on), so the workspace compiles once: the
+    // CUDA code runs against the simulated device (no driver here) and NVRTC compiles the kernels; the MPI tests
+    // run under `mpirun`.
+    let nvrtc = assets::nvrtc_library_path()?;
+    let env = |cmd: &mut Command| {
+        cmd.env("TLT_SMOLLM2_GGUF", &gguf).env("LD_LIBRARY_PATH", &nvrtc).env("TLT_REQUIRE_NVRTC", "1");
+        if gpu {
+            cmd.env("TLT_REQUIRE_GPU", "1");
+        }
+    };
     // Doc tests first (nextest does not run them), so the runner's summary of all other tests comes last.
     let mut doc = cargo();
-    doc.args(["test", "--release", "--workspace", "--doc"]);
+    doc.args(["test", "--release", "--workspace", "--features", &all, "--doc"]);
+    env(&mut doc);
     let code = run(doc)?;
     if !code.success() {
         return Ok(exit_code(code));
@@ -258,12 +271,16 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
     let nextest = cargo().args(["nextest", "--version"]).output().is_ok_and(|o| o.status.success());
     let mut cmd = cargo();
     if nextest {
-        cmd.args(["nextest", "run", "--release", "--workspace"]);
+        // The MPI tests run below under `cargo test` (one is a custom harness nextest cannot list).
+        cmd.args(["nextest", "run", "--release", "--workspace", "--features", &all]);
+        cmd.args(["-E", "not (binary(mpi) | binary(data_parallel) | binary(nccl))"]);
     } else {
         warn!("cargo-nextest is not installed; falling back to `cargo test`");
-        cmd.args(["test", "--release", "--workspace"]);
+        cmd.args(["test", "--release", "--workspace", "--features", &all]);
+        cmd.args(["--lib", "--bins", "--tests", "--exclude", "tlt-comm"]);
     }
-    cmd.args(args).env("TLT_SMOLLM2_GGUF", &gguf);
+    cmd.args(args);
+    env(&mut cmd);
     // The EAGLE export check runs in Python; with its packages installed, a skip would hide a failure.
     match assets::python_check_deps() {
         Ok(dir) => {
@@ -304,34 +321,37 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         ),
     }
     // The MPI engine across processes (`mpirun -np 2` and 3), data-parallel GRPO on 2 ranks against one (a missing
-    // MPI runtime fails here rather than skipping), and NCCL's error without a driver. The whole workspace is selected
-    // so that the dependencies are the ones the run above built.
+    // MPI runtime fails here rather than skipping), and NCCL's error without a driver: the build above, linked.
     let mut mpi = cargo();
-    mpi.args(["test", "--release", "--workspace", "--features", MPI_FEATURES]);
+    mpi.args(["test", "--release", "--workspace", "--features", &all]);
     mpi.args(["--test", "mpi", "--test", "data_parallel", "--test", "nccl", "--", "--nocapture"]);
     mpi.env("TLT_REQUIRE_MPI", "1");
+    env(&mut mpi);
     let code = run(mpi)?;
     if !code.success() {
         return Ok(exit_code(code));
     }
-    // The GPU plan's calls, with their GPU steps stubbed: the device tool's file and output rules hold.
-    if let Err(e) = gpu_bundle::dry_run(&workspace_root()) {
+    // The GPU plan's calls, with their GPU steps stubbed (gpu-bench on the simulated device, as the release tests
+    // above built it): the device tool's file and output rules and the plan's budgets hold.
+    let bench = workspace_root().join("target/release/gpu-bench");
+    if let Err(e) = gpu_bundle::dry_run(&workspace_root(), &bench) {
         eprintln!("error: gpu-bundle dry run: {e:#}");
         return Ok(ExitCode::FAILURE);
     }
-    cuda_tests(gpu)
+    Ok(ExitCode::SUCCESS)
 }
 
-/// The CUDA path's tests: our kernels compile with NVRTC (pinned wheel, no GPU needed) for sm_80 and sm_90 without
-/// spills, and every CUDA entry point errors without a driver; with `gpu` the same tests require a driver and check
-/// the kernels and graphs on it.
+/// `test-cuda`: the CUDA path's tests alone, with the CUDA features: NVRTC compiles of our kernels for sm_80 and
+/// sm_90 with no spills, and the device tests of every package on the CUDA device when a driver loads (with `gpu`,
+/// a missing driver fails them), else on the simulated device.
 fn cuda_tests(gpu: bool) -> Result<ExitCode> {
     let lib_path = assets::nvrtc_library_path()?;
     let mut cuda = cargo();
     cuda.args(["test", "--release"])
         .args(cuda_package_args())
         .args(["--features", CUDA_FEATURES])
-        .args(["--test", "cuda", "--lib", "--", "--nocapture"])
+        .args(CUDA_TEST_TARGETS.iter().flat_map(|t| ["--test", t]))
+        .args(["--", "--nocapture"])
         .env("LD_LIBRARY_PATH", lib_path)
         .env("TLT_REQUIRE_NVRTC", "1");
     if gpu {
@@ -339,6 +359,15 @@ fn cuda_tests(gpu: bool) -> Result<ExitCode> {
     }
     Ok(exit_code(run(cuda)?))
 }
+
+/// Every feature of the workspace's optional code: CUDA (with `tlt-examples`') and MPI/NCCL.
+fn all_features() -> String {
+    format!("{CUDA_FEATURES},tlt-examples/cuda,{MPI_FEATURES}")
+}
+
+/// The test targets of the CUDA path: the NVRTC and GPU-kernel tests (`cuda`), and the device tests of the host
+/// code (`device`, `gpu`), which run on the CUDA device when a driver loads, else on the simulated one.
+pub(crate) const CUDA_TEST_TARGETS: [&str; 3] = ["cuda", "device", "gpu"];
 
 /// The features that turn the CUDA code on, for the packages that have it.
 pub(crate) const CUDA_FEATURES: &str =
@@ -417,7 +446,16 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),
         Cmd::TestCuda { gpu } => cuda_tests(gpu),
         Cmd::GpuBundle { dry_run: true, .. } => {
-            gpu_bundle::dry_run(&workspace_root())?;
+            // gpu-bench with the features the release tests build it with, so that a dry run after them rebuilds
+            // nothing.
+            let status = cargo()
+                .args(["build", "--release", "--workspace", "--bin", "gpu-bench", "--features", &all_features()])
+                .status()
+                .context("cargo build gpu-bench")?;
+            if !status.success() {
+                bail!("building gpu-bench failed");
+            }
+            gpu_bundle::dry_run(&workspace_root(), &workspace_root().join("target/release/gpu-bench"))?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::GpuBundle { weights, dry_run: false } => {

@@ -258,16 +258,56 @@ fn main() -> Result<()> {
     }
     std::fs::write(&a.out, serde_json::to_string_pretty(&json)?)?;
     println!("\nJSON: {}", a.out.display());
-    println!("sections:");
-    for (name, err) in &s.outcomes {
-        match err {
-            None => println!("  {name}: ok"),
-            Some(e) => println!("  {name}: FAILED: {}", e.chars().take(200).collect::<String>()),
-        }
+    for line in summary(&json, &s.outcomes) {
+        println!("summary: {line}");
     }
     let failed = s.outcomes.iter().filter(|(_, e)| e.is_some()).count();
     if failed > 0 {
         bail!("{failed} of {} sections failed", s.outcomes.len());
     }
     Ok(())
+}
+
+/// A few lines for the GPU plan's summary (`run.sh` keeps the lines starting `summary:`): decode at the smallest and
+/// largest batch with graphs, the widest verify against decode, each SD row's speed-up and whether it committed plain
+/// decoding's tokens (`=`) or not (`DIFFERS`), and the sections that failed.
+fn summary(json: &serde_json::Value, outcomes: &[(String, Option<String>)]) -> Vec<String> {
+    let mut lines = Vec::new();
+    let rows = |key: &str| json[key].as_array().cloned().unwrap_or_default();
+    let graphs: Vec<_> = rows("decode").into_iter().filter(|d| d["graphs"] == true).collect();
+    if let (Some(first), Some(last)) = (graphs.first(), graphs.last()) {
+        let f = |d: &serde_json::Value| {
+            format!(
+                "b{} {:.3} ms ({:.2} of copy bw)",
+                d["batch"],
+                d["step_s"].as_f64().unwrap_or(f64::NAN) * 1e3,
+                d["of_copy"].as_f64().unwrap_or(f64::NAN)
+            )
+        };
+        let verify = rows("verify").last().and_then(|v| Some((v["k"].as_u64()?, v["over_decode"].as_f64()?)));
+        let v = verify.map_or(String::new(), |(k, r)| format!("; verify-{k} / decode-1 {r:.3}"));
+        lines.push(format!("decode with graphs: {}, {}{v}", f(first), f(last)));
+    }
+    for key in ["oracle_sd", "eagle2_sd"] {
+        let sd: Vec<String> = rows(key)
+            .iter()
+            .filter(|r| r["identical_to_plain"].is_boolean())
+            .map(|r| {
+                let tag = r["tau"].as_u64().map_or(String::new(), |t| format!(" tau {t}"));
+                let same = if r["identical_to_plain"] == true { "=" } else { "DIFFERS" };
+                format!("b{}{tag} {:.2}x {same}", r["batch"], r["speedup"].as_f64().unwrap_or(f64::NAN))
+            })
+            .collect();
+        if !sd.is_empty() {
+            lines.push(format!("{key} (speed-up over plain, tokens = plain's): {}", sd.join(", ")));
+        }
+    }
+    let failed: Vec<&str> = outcomes.iter().filter(|(_, e)| e.is_some()).map(|(n, _)| n.as_str()).collect();
+    lines.push(if failed.is_empty() {
+        format!("all {} sections ok", outcomes.len())
+    } else {
+        let first = outcomes.iter().find_map(|(_, e)| e.as_deref()).unwrap_or_default();
+        format!("FAILED sections: {} (first: {})", failed.join(", "), first.chars().take(120).collect::<String>())
+    });
+    lines
 }

@@ -1,0 +1,47 @@
+//! `gpu-bench` on the simulated device (`--device sim --arch tiny`): every section runs (decode eager and with graphs,
+//! verify-k, the engine's oracle and EAGLE-2 speculative decoding at batches 1 and 2, the EAGLE-2 draft level), the
+//! speculative runs commit plain decoding's tokens, the JSON holds every section, and the summary lines the GPU plan
+//! keeps are printed. The first GPU run's `gpu-bench` stopped at its first error; this is the CI run of its code.
+#![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
+
+use std::process::Command;
+
+#[test]
+fn gpu_bench_runs_every_section_on_the_simulated_device() {
+    let out = std::env::temp_dir().join(format!("gpu-bench-sim-{}.json", std::process::id()));
+    let run = Command::new(env!("CARGO_BIN_EXE_gpu-bench"))
+        .args(["--device", "sim", "--arch", "tiny", "--context", "40", "--batches", "1,2", "--steps", "2"])
+        .args([
+            "--verify",
+            "2,4",
+            "--tau",
+            "2,4",
+            "--sd-batches",
+            "1,2",
+            "--sd-tokens",
+            "12",
+            "--drafter-batches",
+            "1,2",
+        ])
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "gpu-bench failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    for section in ["copy_bandwidth", "decode", "verify", "oracle_sd", "eagle2_sd", "drafter_level"] {
+        assert!(json[section].get("error").is_none() && !json[section].is_null(), "{section}: {}", json[section]);
+    }
+    let sd: Vec<&serde_json::Value> = ["oracle_sd", "eagle2_sd"]
+        .iter()
+        .flat_map(|k| json[*k].as_array().unwrap())
+        .filter(|r| r["identical_to_plain"].is_boolean())
+        .collect();
+    assert_eq!(sd.len(), 6, "oracle at tau 2 and 4, and EAGLE-2, at batches 1 and 2");
+    assert!(sd.iter().all(|r| r["identical_to_plain"] == true), "SD differs from plain decoding: {sd:?}");
+    let summary: Vec<&str> = stdout.lines().filter(|l| l.starts_with("summary:")).collect();
+    println!("{}", summary.join("\n"));
+    assert!(summary.last().is_some_and(|l| l.contains("all 6 sections ok")), "{summary:?}");
+}
