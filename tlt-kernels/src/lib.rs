@@ -26,14 +26,15 @@
 //! ```
 //!
 //! - [`cuda`]: the CUDA kernels of the GPU rollout path (RoPE + cache write, tree attention, path commit, device
-//!   sampling and tree acceptance) as CUDA C compiled at run time by NVRTC. Compiled and checked in CI for sm_80 and
-//!   sm_90; never yet executed on a GPU.
+//!   sampling and tree acceptance) as CUDA C compiled at run time by NVRTC, their launch plans, and the device seam
+//!   ([`cuda::Gpu`]) the GPU path's host code is written on, with its ordering rule. Compiled and checked in CI for
+//!   sm_80 and sm_90 and executed there on the simulated device (`tlt-cuda-sim`); on an H200 once (2026-11-27).
 //!
 //! # Features
 //! - default: CPU only. Each kernel's instruction set is picked at run time ([`Isa::best`]) or explicitly
 //!   ([`GemmConfig`]), so every path is testable on one machine.
-//! - `cuda`: `cuda::compile` and `cuda::CudaKernels` through `cudarc` (NVRTC and the driver, loaded at run time:
-//!   no toolkit needed to build; errors, never panics, without them).
+//! - `cuda`: `cuda::compile` and `cuda::CudaGpu` (the seam on a CUDA device) through `cudarc` (NVRTC, the driver and
+//!   cuBLAS, loaded at run time: no toolkit needed to build; errors, never panics, without them).
 
 mod attention;
 pub mod cuda;

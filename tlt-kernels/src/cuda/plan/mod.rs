@@ -1,5 +1,5 @@
 //! Launch plans: for every kernel of ours, the checks, the launch configuration and the argument list the host
-//! computes, as plain data ([`Launch`]). A CUDA device (`CudaKernels`, feature `cuda`) and the CPU
+//! computes, as plain data ([`Launch`]). A CUDA device (`CudaGpu`, feature `cuda`) and the CPU
 //! simulation of CUDA's execution model that runs our kernels in CI (`tlt-cuda-sim`) execute the very same plans,
 //! so what the simulation tests is what the device is asked to run.
 //!
