@@ -151,9 +151,6 @@ impl NcclComm {
         }
         let root = i32::try_from(root).map_err(|_| bad())?;
         let mut raw = Raw { buf, stream: self.gpu.stream() };
-        self.nccl
-            .broadcast_in_place(&mut raw, root)
-            .map(|_| ())
-            .map_err(|e| device("ncclBroadcast")(format!("{e:?}")))
+        self.nccl.broadcast_in_place(&mut raw, root).map(|_| ()).map_err(|e| device("ncclBroadcast")(format!("{e:?}")))
     }
 }

@@ -134,11 +134,17 @@ struct State {
 static NEXT_DEVICE: AtomicU64 = AtomicU64::new(1);
 
 /// The simulated device behind the [`Gpu`] seam (see the module docs). Cheap to clone: clones share the device.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct SimGpu {
     id: u64,
     info: GpuInfo,
     state: Arc<Mutex<State>>,
+}
+
+impl std::fmt::Debug for SimGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimGpu").field("id", &self.id).field("name", &self.info.name).finish_non_exhaustive()
+    }
 }
 
 impl Default for SimGpu {

@@ -180,7 +180,9 @@ pub fn eagle(gpu: &SharedGpu, target: &CudaTarget, cfg: &LlamaConfig, a: &Args) 
         let opts = CudaDraftOptions { slots: max_batch, max_len: a.context + a.sd_tokens + 2 * MAX_TREE_NODES };
         let plan = Plan { steps: 3, top_k: 2, verify_tokens: 8 };
         let r = timed(|| {
-            let exec = CudaDrafter::new(gpu.clone(), opts)?;
+            // The drafter's weights go to the device before the clock starts (version 0, the slot's).
+            let mut exec = CudaDrafter::new(gpu.clone(), opts)?;
+            exec.load(&rt, 0)?;
             let mut d = EagleProposer::with_executor(std::sync::Arc::new(WeightsSlot::new(rt.clone())), exec);
             engine_run(target, &ps, a.sd_tokens, Some((&mut d, plan)), true)
         })?;
