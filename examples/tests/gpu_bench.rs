@@ -45,3 +45,29 @@ fn gpu_bench_runs_every_section_on_the_simulated_device() {
     println!("{}", summary.join("\n"));
     assert!(summary.last().is_some_and(|l| l.contains("all 6 sections ok")), "{summary:?}");
 }
+
+/// A failing section is reported and the others still run (the first GPU run's `gpu-bench` stopped at its first
+/// error, so nothing after its SD section ever ran): a draft width beyond the device drafter's top-k limit fails the
+/// draft-level section only; the process exits with an error that the summary names.
+#[test]
+fn a_failing_section_does_not_stop_the_others() {
+    let out = std::env::temp_dir().join(format!("gpu-bench-sim-fail-{}.json", std::process::id()));
+    let run = Command::new(env!("CARGO_BIN_EXE_gpu-bench"))
+        .args(["--device", "sim", "--arch", "tiny", "--context", "24", "--batches", "1", "--steps", "1"])
+        .args(["--verify", "2", "--tau", "2", "--sd-batches", "1", "--sd-tokens", "6", "--drafter-batches", "1"])
+        .args(["--drafter-top-k", "17", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(!run.status.success(), "a failed section must fail the process:\n{stdout}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    assert!(json["drafter_level"]["error"].as_str().is_some_and(|e| e.contains("top-17")), "{}", json["drafter_level"]);
+    for section in ["decode", "verify", "oracle_sd", "eagle2_sd"] {
+        assert!(json[section].is_array(), "{section} did not run: {}", json[section]);
+    }
+    let last = stdout.lines().filter(|l| l.starts_with("summary:")).next_back().unwrap_or_default();
+    println!("{last}");
+    assert!(last.contains("FAILED sections: drafter_level"), "{last}");
+}
