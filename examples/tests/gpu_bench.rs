@@ -67,7 +67,7 @@ fn a_failing_section_does_not_stop_the_others() {
     for section in ["decode", "verify", "oracle_sd", "eagle2_sd"] {
         assert!(json[section].is_array(), "{section} did not run: {}", json[section]);
     }
-    let last = stdout.lines().filter(|l| l.starts_with("summary:")).next_back().unwrap_or_default();
+    let last = stdout.lines().rfind(|l| l.starts_with("summary:")).unwrap_or_default();
     println!("{last}");
     assert!(last.contains("FAILED sections: drafter_level"), "{last}");
 }
