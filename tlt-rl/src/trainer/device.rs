@@ -17,50 +17,50 @@ use super::drafter::RolloutDrafter;
 use super::rollout::{run_rollout, Observer, RolloutJob, RolloutOutput};
 use crate::{Error, Result};
 
-/// The device rollouts and the EAGLE drafter's forward share: opened at first use (a CUDA device, feature `cuda`) or
-/// handed in.
+/// The device rollouts and the EAGLE drafter's forward share: a CUDA device opened at first use (feature `cuda`), or
+/// one handed in; none when rollouts run on the CPU.
 #[derive(Debug)]
 pub(crate) struct GpuHandle {
-    device: Device,
+    /// The CUDA device to open at first use (`None`: the CPU, or a device handed in).
+    ordinal: Option<usize>,
     gpu: Mutex<Option<SharedGpu>>,
 }
 
 impl GpuHandle {
     /// A handle for `device` (nothing opened yet).
     pub(crate) fn new(device: Device) -> Self {
-        Self { device, gpu: Mutex::new(None) }
+        let ordinal = match device {
+            Device::Cuda(n) => Some(n),
+            Device::Cpu => None,
+        };
+        Self { ordinal, gpu: Mutex::new(None) }
     }
 
     /// A handle on a device already open.
     pub(crate) fn with(gpu: SharedGpu) -> Self {
-        Self { device: Device::Cuda(0), gpu: Mutex::new(Some(gpu)) }
+        Self { ordinal: None, gpu: Mutex::new(Some(gpu)) }
     }
 
     /// Whether rollouts run on a device (not the CPU).
     pub(crate) fn on_device(&self) -> bool {
-        self.device.is_cuda()
+        self.ordinal.is_some() || self.gpu.lock().is_ok_and(|g| g.is_some())
     }
 
     /// The device, opened on first use.
     ///
     /// # Errors
-    /// Without a driver (never a panic), or in a build without `cuda` when none was handed in.
+    /// Without a driver (never a panic), in a build without `cuda`, or for rollouts on the CPU.
     pub(crate) fn gpu(&self) -> Result<SharedGpu> {
         let mut g =
             self.gpu.lock().map_err(|_| Error::InvalidArgument("the device handle's lock is poisoned".into()))?;
         if let Some(gpu) = g.as_ref() {
             return Ok(gpu.clone());
         }
-        let opened = open(self.device)?;
+        let ordinal =
+            self.ordinal.ok_or_else(|| Error::InvalidArgument("rollouts on the CPU have no device".into()))?;
+        let opened = tlt_kernels::cuda::open_device(ordinal).map_err(|e| Error::Model(e.into()))?;
         *g = Some(opened.clone());
         Ok(opened)
-    }
-}
-
-fn open(device: Device) -> Result<SharedGpu> {
-    match device {
-        Device::Cuda(ordinal) => tlt_kernels::cuda::open_device(ordinal).map_err(|e| Error::Model(e.into())),
-        Device::Cpu => Err(Error::InvalidArgument("rollouts on the CPU have no device".into())),
     }
 }
 
