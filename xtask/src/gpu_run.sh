@@ -156,7 +156,7 @@ bench() {
     step gpu-bench-smollm2 80 bench --arch smollm2-135m --sd-tokens 128 --out "$log/gpu-bench-smollm2.json"
     grep -E '^summary:' "$log/gpu-bench-smollm2.log" | cut -c1-200 | while read -r l; do say "  $l"; done
     step gpu-bench-llama3-8b 45 bench --arch llama3-8b --batches 1,8,64 --verify 8 --tau 4 --sd-batches 1,8 \
-        --sd-tokens 64 --drafter-batches 1,8 --out "$log/gpu-bench-llama3-8b.json"
+        --sd-tokens 64 --no-eagle --out "$log/gpu-bench-llama3-8b.json"
     grep -E '^summary:' "$log/gpu-bench-llama3-8b.log" | cut -c1-200 | while read -r l; do say "  $l"; done
 }
 

@@ -56,9 +56,13 @@ pub struct Args {
     /// Rows per sequence of the timed EAGLE drafter level (its top-k, the draft tree's width).
     #[arg(long, default_value_t = 4)]
     pub drafter_top_k: usize,
-    /// Batches of the EAGLE drafter level (empty: skip it).
+    /// Batches of the EAGLE drafter level.
     #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
     pub drafter_batches: Vec<usize>,
+    /// Skip the EAGLE-2 sections (SD and the draft level): their drafter of the target's shape holds a copy of the
+    /// embedding and LM head, built on the CPU first (seconds for an 8B shape's vocabulary).
+    #[arg(long)]
+    no_eagle: bool,
     /// JSON output.
     #[arg(long, default_value = "target/bench/gpu-decode.json")]
     out: std::path::PathBuf,
@@ -237,7 +241,16 @@ fn main() -> Result<()> {
     });
     let target = CudaTarget::from_model(m);
     s.run("oracle_sd", || sd::oracle(&target, &cfg, &a));
-    s.run("eagle2_sd", || sd::eagle(&g, &target, &cfg, &a));
+    let mut eagle = None;
+    if !a.no_eagle {
+        s.run("eagle2_drafter", || {
+            eagle = Some(sd::eagle2_runtime(&cfg)?);
+            Ok(())
+        });
+    }
+    if let Some(rt) = &eagle {
+        s.run("eagle2_sd", || sd::eagle(&g, &target, rt, &cfg, &a));
+    }
     println!("\ngraph pool after the engine runs: {:?}", target.with_model(|m| m.graph_stats().cloned())?);
     drop(target);
     let graphs_decode: Vec<(usize, f64)> = decode
@@ -245,7 +258,9 @@ fn main() -> Result<()> {
         .filter(|d| d["graphs"] == true)
         .filter_map(|d| Some((usize::try_from(d["batch"].as_u64()?).ok()?, d["step_s"].as_f64()?)))
         .collect();
-    s.run("drafter_level", || sd::drafter_level(&g, &cfg, &a, &graphs_decode));
+    if let Some(rt) = &eagle {
+        s.run("drafter_level", || sd::drafter_level(&g, rt, &cfg, &a, &graphs_decode));
+    }
     let mut json = serde_json::json!({
         "arch": a.arch, "device": a.device, "device_name": g.info().name, "context": a.context, "steps": a.steps,
         "weight_bytes": weights, "copy_bandwidth": copy,

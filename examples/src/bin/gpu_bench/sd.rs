@@ -152,7 +152,7 @@ pub fn oracle(target: &CudaTarget, cfg: &LlamaConfig, a: &Args) -> Result<Vec<se
 
 /// An EAGLE-2 drafter of `cfg`'s shape (random weights: its acceptance is near zero on synthetic targets, so this
 /// measures the drafting overhead and losslessness, not a speed-up).
-fn eagle2_runtime(cfg: &LlamaConfig) -> Result<DraftRuntime> {
+pub fn eagle2_runtime(cfg: &LlamaConfig) -> Result<DraftRuntime> {
     // The target's embedding and head at this shape (one layer: the drafter reads only those).
     let target = tlt_model::Llama::random(LlamaConfig { num_hidden_layers: 1, ..cfg.clone() }, 7)?;
     let d = Eagle2Drafter::random(
@@ -166,8 +166,13 @@ fn eagle2_runtime(cfg: &LlamaConfig) -> Result<DraftRuntime> {
 
 /// Plain decoding against SD with an EAGLE-2 drafter whose levels run on the device (`CudaDrafter` on the target's
 /// device and stream), at each batch of `a.sd_batches`: the tokens must be plain decoding's.
-pub fn eagle(gpu: &SharedGpu, target: &CudaTarget, cfg: &LlamaConfig, a: &Args) -> Result<Vec<serde_json::Value>> {
-    let rt = eagle2_runtime(cfg)?;
+pub fn eagle(
+    gpu: &SharedGpu,
+    target: &CudaTarget,
+    rt: &DraftRuntime,
+    cfg: &LlamaConfig,
+    a: &Args,
+) -> Result<Vec<serde_json::Value>> {
     let max_batch = a.sd_batches.iter().copied().max().unwrap_or(1);
     println!("\nEAGLE-2 SD on the device (random drafter; its levels on the device), plan 3 steps x top-2:");
     println!(
@@ -182,7 +187,7 @@ pub fn eagle(gpu: &SharedGpu, target: &CudaTarget, cfg: &LlamaConfig, a: &Args) 
         let r = timed(|| {
             // The drafter's weights go to the device before the clock starts (version 0, the slot's).
             let mut exec = CudaDrafter::new(gpu.clone(), opts)?;
-            exec.load(&rt, 0)?;
+            exec.load(rt, 0)?;
             let mut d = EagleProposer::with_executor(std::sync::Arc::new(WeightsSlot::new(rt.clone())), exec);
             engine_run(target, &ps, a.sd_tokens, Some((&mut d, plan)), true)
         })?;
@@ -194,15 +199,15 @@ pub fn eagle(gpu: &SharedGpu, target: &CudaTarget, cfg: &LlamaConfig, a: &Args) 
 /// One EAGLE-2 draft level on the device per batch: seconds (median), beside the target's decode step.
 pub fn drafter_level(
     gpu: &SharedGpu,
+    rt: &DraftRuntime,
     cfg: &LlamaConfig,
     a: &Args,
     decode: &[(usize, f64)],
 ) -> Result<Vec<serde_json::Value>> {
-    let rt = eagle2_runtime(cfg)?;
     let max_batch = a.drafter_batches.iter().copied().max().unwrap_or(1);
     let opts = CudaDraftOptions { slots: max_batch, max_len: a.context + MAX_TREE_NODES };
     let mut exec = CudaDrafter::new(gpu.clone(), opts)?;
-    exec.load(&rt, 0)?;
+    exec.load(rt, 0)?;
     let h = cfg.hidden_size;
     let feature = vec![0.01f32; h];
     let k = a.drafter_top_k.max(1);
@@ -216,7 +221,7 @@ pub fn drafter_level(
             let rows: Vec<Row<'_>> =
                 (0..a.context).map(|t| Row { token: (t % 1000) as u32, feature: &feature, pos: t }).collect();
             let mut g = [(&mut *c, 0..a.context, Attend::Causal)];
-            exec.forward(&rt, &rows, &mut g, 0)?;
+            exec.forward(rt, &rows, &mut g, 0)?;
             CudaDrafter::commit(c, a.context);
         }
         let parents = vec![None; k];
@@ -231,11 +236,11 @@ pub fn drafter_level(
                     .enumerate()
                     .map(|(i, c)| (c, i * k..(i + 1) * k, Attend::Tree(&parents)))
                     .collect();
-                exec.forward(&rt, &level, &mut groups, k)?;
+                exec.forward(rt, &level, &mut groups, k)?;
             }
             times.push(start.elapsed().as_secs_f64());
             for c in &mut caches {
-                exec.truncate_tentative(&rt, c);
+                exec.truncate_tentative(rt, c);
             }
         }
         let t = median(times);
