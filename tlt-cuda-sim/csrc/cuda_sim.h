@@ -162,6 +162,14 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+inline double __longlong_as_double(long long x) { return ::tlt_sim::from_bits<double>((uint64_t)x); }
+inline long long __double_as_longlong(double x) { return (long long)::tlt_sim::to_bits(x); }
+// The f64 intrinsics a GPU never contracts into a fused multiply-add (build.rs compiles with -ffp-contract=off).
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double x) { return std::sqrt(x); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }

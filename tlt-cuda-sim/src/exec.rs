@@ -181,6 +181,9 @@ pub(crate) fn gemm(allocs: &Allocs, g: &GemmEx) -> Result<()> {
     if m <= 0 || n <= 0 || k <= 0 {
         return Err(bad(format!("sizes m {m}, n {n}, k {k}")));
     }
+    if g.accumulate && !g.c_f32 {
+        return Err(bad("accumulate into a bf16 C".into()));
+    }
     let (m, n, k) = (m as usize, n as usize, k as usize);
     // Stored (rows, cols) of each operand, column-major.
     let (ra, ca) = if g.trans_a { (k, m) } else { (m, k) };
@@ -219,7 +222,9 @@ pub(crate) fn gemm(allocs: &Allocs, g: &GemmEx) -> Result<()> {
             let at_c = i + j * g.ldc as usize;
             // SAFETY: inside C's checked extent.
             unsafe {
-                if g.c_f32 {
+                if g.c_f32 && g.accumulate {
+                    *(g.c as *mut f32).add(at_c) += acc;
+                } else if g.c_f32 {
                     *(g.c as *mut f32).add(at_c) = acc;
                 } else {
                     *(g.c as *mut half::bf16).add(at_c) = half::bf16::from_f32(acc);

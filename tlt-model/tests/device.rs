@@ -402,3 +402,5 @@ fn launches_per_decode_layer() {
         assert_eq!(per_layer, 10, "{arch}: launches per decode layer");
     }
 }
+#[path = "device/train.rs"]
+mod train;

@@ -1,7 +1,8 @@
 //! Our CUDA kernels executed in the simulated device with the host's launch plans, against CPU references: one
-//! module per kernel source (`attention.rs`, `kv.rs`, `layer.rs`, `sampling.rs`). Each test body takes the device it
-//! runs on: it is its own `#[test]` on a fresh device, and [`every_kernel_is_launched_by_a_test`] runs every body on
-//! one device and counts, from the launches that device recorded, that each kernel of ours ran.
+//! module per kernel source (`attention.rs`, `kv.rs`, `layer.rs`, `sampling.rs`, `train.rs`,
+//! `train_attention.rs`). Each test body takes the device it runs on: it is its own `#[test]` on a fresh device, and
+//! [`every_kernel_is_launched_by_a_test`] runs every body on one device and counts, from the launches that device
+//! recorded, that each kernel of ours ran.
 
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
@@ -33,6 +34,8 @@ mod common;
 mod kv;
 mod layer;
 mod sampling;
+mod train;
+mod train_attention;
 
 /// The prefix of the detector controls (`csrc/controls.cu`), the simulation's kernels that are not ours.
 const CONTROL: &str = "ctl_";
@@ -61,7 +64,8 @@ fn the_simulation_compiles_exactly_our_kernels() {
 #[test]
 fn every_kernel_is_launched_by_a_test() {
     let dev = SimDevice::new();
-    let bodies = [attention::BODIES, kv::BODIES, layer::BODIES, sampling::BODIES];
+    let bodies =
+        [attention::BODIES, kv::BODIES, layer::BODIES, sampling::BODIES, train::BODIES, train_attention::BODIES];
     for (name, body) in bodies.iter().flat_map(|b| b.iter()) {
         body(&dev);
         println!("ran {name}");

@@ -207,7 +207,7 @@ impl Gpu for CudaGpu {
             }
         };
         let c_type = if g.c_f32 { blas_sys::cudaDataType::CUDA_R_32F } else { blas_sys::cudaDataType::CUDA_R_16BF };
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
         self.bind()?;
         // SAFETY: a `GemmEx` from `plan::gemm`, which checked every buffer against the shapes; its addresses are live
         // device buffers of this stream, the handle's; alpha/beta are host f32 scalars, as CUBLAS_COMPUTE_32F with

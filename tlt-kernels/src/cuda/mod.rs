@@ -120,6 +120,29 @@ pub const SOURCES: &[KernelSource] = &[
         text: include_str!("../../cuda/sampling.cu"),
         kernels: &["sample_rows_f32", "tree_accept"],
     },
+    KernelSource {
+        file: "train.cu",
+        text: include_str!("../../cuda/train.cu"),
+        kernels: &[
+            "rope_rows_bf16",
+            "rope_rows_back_f32",
+            "rms_norm_back_f32",
+            "col_sum_f32",
+            "silu_mul_back_bf16",
+            "token_logprobs_f32",
+            "token_logprobs_back_f32",
+            "embed_back_f32",
+            "sum_squares_f32",
+            "adamw_f32",
+            "cast_f32_bf16",
+            "add_f32",
+        ],
+    },
+    KernelSource {
+        file: "train_attention.cu",
+        text: include_str!("../../cuda/train_attention.cu"),
+        kernels: &["train_attention_fwd_bf16", "train_attention_back_dq_bf16", "train_attention_back_dkv_bf16"],
+    },
 ];
 
 /// The architectures CI compiles for: Ampere (A100) and Hopper (H100/H200).

@@ -9,6 +9,7 @@
 //! The layer loop mirrors [`Llama::forward`]'s op for op; the residual stream is kept in f32.
 
 mod step;
+pub mod train;
 
 use half::bf16;
 use tlt_cudagraph::{BucketPolicy, FallbackReason, ShapeCache, ShapeEntry, ShapePlan, ShapeStats};

@@ -86,7 +86,7 @@ pub fn clip_grad_norm(grads: &mut [Vec<f64>], max_norm: Option<f64>) -> GradNorm
 }
 
 /// The factor [`clip_grad_norm`] scales by (1 when no clipping applies).
-fn clip_coef(norm: f64, max_norm: Option<f64>) -> f64 {
+pub(crate) fn clip_coef(norm: f64, max_norm: Option<f64>) -> f64 {
     match max_norm {
         Some(max) => {
             let coef = max / (norm + 1e-6);

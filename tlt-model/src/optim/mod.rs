@@ -5,5 +5,6 @@
 mod adamw;
 mod schedule;
 
+pub(crate) use adamw::clip_coef;
 pub use adamw::{clip_grad_norm, AdamW, AdamWParams, GradNorm, ParamState};
 pub use schedule::{LrSchedule, ScheduleKind};

@@ -28,7 +28,8 @@ impl GemmY {
 }
 
 /// One `cublasGemmEx` call, column-major as cuBLAS reads it: `C (m x n) = op(A) (m x k) · op(B) (k x n)` with bf16
-/// `A` and `B`, f32 compute, `alpha = 1`, `beta = 0`, and a bf16 or f32 `C`. `op(X)` is `X` or, with `trans_*`, its
+/// `A` and `B`, f32 compute, `alpha = 1`, `beta = 0` (`beta = 1` with `accumulate`: `C += op(A) · op(B)`, f32 `C`
+/// only), and a bf16 or f32 `C`. `op(X)` is `X` or, with `trans_*`, its
 /// transpose; column-major `X` of leading dimension `ld` holds element `(i, j)` at `i + j * ld`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GemmEx {
@@ -56,6 +57,8 @@ pub struct GemmEx {
     pub ldc: i32,
     /// `C` is f32 (else bf16).
     pub c_f32: bool,
+    /// `beta = 1`: the product is added to `C` (f32 `C` only; the training backward's gradient sums).
+    pub accumulate: bool,
 }
 
 /// `y[m, n] = x[m, k] · w[n, k]ᵀ` (row-major, the layout of the CPU [`crate::gemm`]) as the cuBLAS call computing it:
@@ -83,5 +86,69 @@ pub fn gemm(m: usize, n: usize, k: usize, x: Buf<bf16>, w: Buf<bf16>, y: GemmY) 
         c: y.addr(),
         ldc: ni,
         c_f32: matches!(y, GemmY::F32(_)),
+        accumulate: false,
+    })
+}
+
+/// The input gradient of [`gemm`]'s `y = x · wᵀ`: `dx[m, k] = dy[m, n] · w[n, k]` (row-major). As cuBLAS computes
+/// it: column-major `dxᵀ (k x m) = wᵀ (k x n) · dyᵀ (n x m)`, both operands read as stored (`op = N`).
+///
+/// # Errors
+/// As [`gemm`].
+pub fn gemm_dx(m: usize, n: usize, k: usize, dy: Buf<bf16>, w: Buf<bf16>, dx: GemmY) -> Result<GemmEx> {
+    check_len("dy", m * n, dy.len())?;
+    check_len("w", n * k, w.len())?;
+    check_len("dx", m * k, dx.len())?;
+    let (mi, ni, ki) = (int("m", m)?, int("n", n)?, int("k", k)?);
+    Ok(GemmEx {
+        trans_a: false,
+        trans_b: false,
+        m: ki,
+        n: mi,
+        k: ni,
+        a: w.addr(),
+        lda: ki,
+        b: dy.addr(),
+        ldb: ni,
+        c: dx.addr(),
+        ldc: ki,
+        c_f32: matches!(dx, GemmY::F32(_)),
+        accumulate: false,
+    })
+}
+
+/// The weight gradient of [`gemm`]'s `y = x · wᵀ` over `m` rows: `dw[n, k] (+)= dy[m, n]ᵀ · x[m, k]` (row-major,
+/// f32; added to `dw` with `accumulate`). As cuBLAS computes it: column-major `dwᵀ (k x n) = xᵀ (k x m) · dy (m x n)`,
+/// `dy` read transposed.
+///
+/// # Errors
+/// As [`gemm`].
+pub fn gemm_dw(
+    m: usize,
+    n: usize,
+    k: usize,
+    dy: Buf<bf16>,
+    x: Buf<bf16>,
+    dw: Buf<f32>,
+    accumulate: bool,
+) -> Result<GemmEx> {
+    check_len("dy", m * n, dy.len())?;
+    check_len("x", m * k, x.len())?;
+    check_len("dw", n * k, dw.len())?;
+    let (mi, ni, ki) = (int("m", m)?, int("n", n)?, int("k", k)?);
+    Ok(GemmEx {
+        trans_a: false,
+        trans_b: true,
+        m: ki,
+        n: ni,
+        k: mi,
+        a: x.addr(),
+        lda: ki,
+        b: dy.addr(),
+        ldb: ni,
+        c: dw.addr(),
+        ldc: ki,
+        c_f32: true,
+        accumulate,
     })
 }

@@ -238,10 +238,14 @@ impl RowBuf {
 mod attention;
 mod gemm;
 mod rows;
+mod train;
+mod train_attention;
 
 pub use attention::*;
 pub use gemm::*;
 pub use rows::*;
+pub use train::*;
+pub use train_attention::*;
 
 #[cfg(test)]
 mod tests {

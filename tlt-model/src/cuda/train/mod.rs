@@ -1,0 +1,353 @@
+//! Training a [`CudaLlama`] on its device: the forward and backward of a packed batch ([`TrainBatch`]) in the
+//! decoder's mixed precision, gradients accumulated in f32, and AdamW over f32 master weights and moments that
+//! writes the bf16 weights the decoder runs on **in place**: after [`CudaTrainer::step`] the next decode uses the
+//! new weights with no host round trip, and captured CUDA graphs stay valid (same buffers).
+//!
+//! The loss is the caller's: [`CudaTrainer::forward`] returns each row's log-probability of its target (and its
+//! entropy), the caller computes its loss and the loss's gradient with respect to those (the GRPO loss on the host,
+//! on a few floats per token), and [`CudaTrainer::backward`] carries that gradient through the model. So every loss
+//! formula exists once, on the host, for the CPU and the device paths alike.
+//!
+//! Written on the device seam ([`Gpu`]): it runs on a CUDA device and, in CI, on the simulated device, every kernel
+//! included. Not supported yet: Qwen3's q/k head norms and biases on other projections than q/k/v (an error at
+//! [`CudaTrainer::new`]).
+
+mod batch;
+mod pass;
+
+use half::bf16;
+use tlt_kernels::cuda::plan::{self, AdamWStep, Buf, SUM_SQUARES_BLOCKS};
+use tlt_kernels::cuda::{gpu, DeviceBuf, SharedGpu};
+
+pub use self::batch::TrainBatch;
+use self::pass::{Acts, Dims, GradBufs, LayerGrads};
+use super::CudaLlama;
+use crate::config::LlamaConfig;
+use crate::device_step::WeightBufs;
+use crate::optim::{AdamWParams, GradNorm};
+use crate::{Error, Result};
+
+/// One trained weight: its name and its elements in the trainer's arenas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrainParam {
+    /// `embed`, `head`, `norm`, `layers.{l}.{in_norm,post_norm,qkv,qkv_bias,o,gate_up,down}`: the decoder's
+    /// buffers (q/k/v and gate/up stacked as the decoder stacks them).
+    pub name: String,
+    /// Its elements in the arenas.
+    pub range: std::ops::Range<usize>,
+}
+
+/// The decoder's weights in the trainer's order, with their names.
+fn weight_list(w: &WeightBufs) -> Vec<(String, Buf<bf16>)> {
+    let mut out = vec![("embed".to_string(), w.embed)];
+    if let Some(h) = w.head {
+        out.push(("head".into(), h));
+    }
+    out.push(("norm".into(), w.norm));
+    for (l, lw) in w.layers.iter().enumerate() {
+        out.push((format!("layers.{l}.in_norm"), lw.in_norm));
+        out.push((format!("layers.{l}.post_norm"), lw.post_norm));
+        out.push((format!("layers.{l}.qkv"), lw.qkv.w));
+        if let Some(b) = lw.qkv.b {
+            out.push((format!("layers.{l}.qkv_bias"), b));
+        }
+        out.push((format!("layers.{l}.o"), lw.o.w));
+        out.push((format!("layers.{l}.gate_up"), lw.gate_up.w));
+        out.push((format!("layers.{l}.down"), lw.down.w));
+    }
+    out
+}
+
+/// The device memory a trainer of `cfg` holds for batches of `rows` rows, in bytes: master weights, moments and
+/// gradients (f32, 16 bytes per weight) and the training pass's activations.
+#[must_use]
+pub fn train_memory(cfg: &LlamaConfig, weights: usize, rows: usize) -> usize {
+    16 * weights + rows * Dims::new(cfg).bytes_per_row()
+}
+
+/// AdamW on the device over f32 master weights of a [`CudaLlama`], with the training pass's buffers.
+#[derive(Debug)]
+pub struct CudaTrainer {
+    gpu: SharedGpu,
+    cfg: LlamaConfig,
+    dims: Dims,
+    params: Vec<TrainParam>,
+    master: DeviceBuf<f32>,
+    m: DeviceBuf<f32>,
+    v: DeviceBuf<f32>,
+    grad: DeviceBuf<f32>,
+    partials: DeviceBuf<f64>,
+    acts: Acts,
+    hp: AdamWParams,
+    steps: u64,
+}
+
+impl CudaTrainer {
+    /// A trainer of `model`'s weights (master copies made from its bf16 weights, zero moments) with buffers for
+    /// batches of up to `max_rows` rows.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for an architecture the training pass does not cover (Qwen3's head norms, biases
+    /// outside q/k/v), invalid `hp`, or `max_rows == 0`; [`Error::Kernel`] when the device fails (out of memory).
+    pub fn new(model: &CudaLlama, hp: AdamWParams, max_rows: usize) -> Result<Self> {
+        hp.validate()?;
+        let w = model.w.bufs();
+        if w.layers.iter().any(|l| l.qk_norm.is_some()) {
+            return Err(Error::InvalidInput("device training of q/k head norms (Qwen3) is not implemented".into()));
+        }
+        if w.layers.iter().any(|l| l.o.b.is_some() || l.gate_up.b.is_some() || l.down.b.is_some()) {
+            return Err(Error::InvalidInput("device training supports biases on q/k/v only".into()));
+        }
+        if max_rows == 0 {
+            return Err(Error::InvalidInput("a trainer needs room for at least one row".into()));
+        }
+        let gpu = model.gpu().clone();
+        let g = gpu.as_ref();
+        let mut params = Vec::new();
+        let mut at = 0;
+        for (name, b) in weight_list(&w) {
+            params.push(TrainParam { name, range: at..at + b.len() });
+            at += b.len();
+        }
+        let master = DeviceBuf::<f32>::zeros(g, at)?;
+        for ((_, b), p) in weight_list(&w).iter().zip(&params) {
+            g.launch(&plan::add_to_residual(master.buf().slice(p.range.clone())?, *b)?)?;
+        }
+        let cfg = model.config().clone();
+        let dims = Dims::new(&cfg);
+        Ok(Self {
+            m: DeviceBuf::zeros(g, at)?,
+            v: DeviceBuf::zeros(g, at)?,
+            grad: DeviceBuf::zeros(g, at)?,
+            partials: DeviceBuf::zeros(g, SUM_SQUARES_BLOCKS)?,
+            acts: Acts::new(g, &dims, max_rows)?,
+            master,
+            gpu,
+            cfg,
+            dims,
+            params,
+            hp,
+            steps: 0,
+        })
+    }
+
+    /// The trained weights, in arena order.
+    #[must_use]
+    pub fn params(&self) -> &[TrainParam] {
+        &self.params
+    }
+
+    /// Optimizer steps taken.
+    #[must_use]
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The most rows a batch may have.
+    #[must_use]
+    pub fn max_rows(&self) -> usize {
+        self.acts.cap
+    }
+
+    fn check_model(&self, model: &CudaLlama) -> Result<()> {
+        if model.config() != &self.cfg {
+            return Err(Error::InvalidInput("a trainer runs the model of its own configuration".into()));
+        }
+        Ok(())
+    }
+
+    fn grad_bufs(&self) -> Result<GradBufs> {
+        let by_name = |name: &str| -> Result<Buf<f32>> {
+            let p = self
+                .params
+                .iter()
+                .find(|p| p.name == name)
+                .ok_or_else(|| Error::InvalidInput(format!("no trained weight `{name}`")))?;
+            Ok(self.grad.buf().slice(p.range.clone())?)
+        };
+        let has = |name: &str| self.params.iter().any(|p| p.name == name);
+        Ok(GradBufs {
+            embed: by_name("embed")?,
+            head: has("head").then(|| by_name("head")).transpose()?,
+            norm: by_name("norm")?,
+            layers: (0..self.dims.layers)
+                .map(|l| {
+                    let n = |s: &str| format!("layers.{l}.{s}");
+                    Ok(LayerGrads {
+                        in_norm: by_name(&n("in_norm"))?,
+                        post_norm: by_name(&n("post_norm"))?,
+                        qkv: by_name(&n("qkv"))?,
+                        qkv_b: has(&n("qkv_bias")).then(|| by_name(&n("qkv_bias"))).transpose()?,
+                        o: by_name(&n("o"))?,
+                        gate_up: by_name(&n("gate_up"))?,
+                        down: by_name(&n("down"))?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+        })
+    }
+
+    /// The forward of `batch` through `model` (the policy this trainer trains, or a frozen reference of the same
+    /// configuration): every row's log-probability of its target at `temperature` (0 for unscored rows) and, with
+    /// `entropy`, each row's entropy. Its activations stay for a [`Self::backward`] (valid for `model` only).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for another configuration, a batch larger than [`Self::max_rows`] or a
+    /// non-positive temperature; [`Error::Kernel`] when the device fails.
+    pub fn forward(
+        &mut self,
+        model: &CudaLlama,
+        batch: &TrainBatch,
+        temperature: f64,
+        entropy: bool,
+    ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+        self.check_model(model)?;
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(Error::InvalidInput(format!("temperature {temperature} must be finite and > 0")));
+        }
+        let w = model.w.bufs();
+        pass::forward(self.gpu.as_ref(), &self.dims, &w, &mut self.acts, batch, (1.0 / temperature) as f32, entropy)
+    }
+
+    /// Adds the gradient of the caller's loss to the accumulated gradients, given the loss's gradient with respect
+    /// to each row's log-probability (`g_logp`) and entropy (`g_ent`), through the last [`Self::forward`], which must
+    /// have run on `model`, the trained policy.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] without a forward before it or for gradients of another length;
+    /// [`Error::Kernel`] when the device fails.
+    pub fn backward(&mut self, model: &CudaLlama, g_logp: &[f32], g_ent: Option<&[f32]>) -> Result<()> {
+        self.check_model(model)?;
+        let grads = self.grad_bufs()?;
+        let w = model.w.bufs();
+        pass::backward(self.gpu.as_ref(), &self.dims, &w, &mut self.acts, &grads, g_logp, g_ent)
+    }
+
+    /// Sets the accumulated gradients to zero (before a mini-batch's first backward).
+    ///
+    /// # Errors
+    /// [`Error::Kernel`] when the device fails.
+    pub fn zero_grad(&mut self) -> Result<()> {
+        Ok(gpu::zero(self.gpu.as_ref(), self.grad.buf())?)
+    }
+
+    /// The accumulated gradients on the host, in arena order ([`Self::params`]).
+    ///
+    /// # Errors
+    /// [`Error::Kernel`] when the device fails.
+    pub fn grads_to_host(&self) -> Result<Vec<f32>> {
+        Ok(self.grad.to_host(self.gpu.as_ref())?)
+    }
+
+    /// The f32 master weights on the host, in arena order ([`Self::params`]).
+    ///
+    /// # Errors
+    /// [`Error::Kernel`] when the device fails.
+    pub fn master_to_host(&self) -> Result<Vec<f32>> {
+        Ok(self.master.to_host(self.gpu.as_ref())?)
+    }
+
+    /// `values` (an arena's contents in [`Self::params`] order: [`Self::grads_to_host`], [`Self::master_to_host`])
+    /// as HF-named tensors (`model.layers.0.self_attn.q_proj.weight`...), the stacked q/k/v and gate/up split back
+    /// into their projections, in arena order; each a flat row-major `Vec`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for `values` of another length.
+    pub fn hf_named(&self, values: &[f32]) -> Result<Vec<(String, Vec<f32>)>> {
+        let total = self.params.last().map_or(0, |p| p.range.end);
+        if values.len() != total {
+            return Err(Error::InvalidInput(format!("{} values for arenas of {total}", values.len())));
+        }
+        let d = &self.dims;
+        let (kv, inp) = ((d.qkv - d.q) / 2, d.h);
+        let mut out = Vec::new();
+        for p in &self.params {
+            let v = &values[p.range.clone()];
+            let parts = p.name.split('.').collect::<Vec<_>>();
+            match parts.as_slice() {
+                ["embed"] => out.push(("model.embed_tokens.weight".into(), v.to_vec())),
+                ["head"] => out.push(("lm_head.weight".into(), v.to_vec())),
+                ["norm"] => out.push(("model.norm.weight".into(), v.to_vec())),
+                ["layers", l, what] => {
+                    let pre = format!("model.layers.{l}");
+                    // Splits `v` into consecutive blocks of `rows` rows of width `w` under `names`.
+                    let mut split = |names: &[&str], rows: &[usize], w: usize| {
+                        let mut at = 0;
+                        for (n, r) in names.iter().zip(rows) {
+                            out.push((format!("{pre}.{n}"), v[at..at + r * w].to_vec()));
+                            at += r * w;
+                        }
+                    };
+                    match *what {
+                        "in_norm" => split(&["input_layernorm.weight"], &[1], inp),
+                        "post_norm" => split(&["post_attention_layernorm.weight"], &[1], inp),
+                        "qkv" => split(
+                            &["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+                            &[d.q, kv, kv],
+                            inp,
+                        ),
+                        "qkv_bias" => split(
+                            &["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+                            &[d.q, kv, kv],
+                            1,
+                        ),
+                        "o" => split(&["self_attn.o_proj.weight"], &[1], v.len()),
+                        "gate_up" => split(&["mlp.gate_proj.weight", "mlp.up_proj.weight"], &[d.inter, d.inter], inp),
+                        "down" => split(&["mlp.down_proj.weight"], &[1], v.len()),
+                        _ => return Err(Error::InvalidInput(format!("unknown trained weight `{}`", p.name))),
+                    }
+                }
+                _ => return Err(Error::InvalidInput(format!("unknown trained weight `{}`", p.name))),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The global L2 norm of the accumulated gradients (f64 partial sums of a fixed grid, summed in order).
+    ///
+    /// # Errors
+    /// [`Error::Kernel`] when the device fails.
+    pub fn grad_norm(&self) -> Result<f64> {
+        let g = self.gpu.as_ref();
+        g.launch(&plan::sum_squares(self.grad.buf(), self.partials.buf())?)?;
+        Ok(self.partials.to_host(g)?.iter().sum::<f64>().sqrt())
+    }
+
+    /// One AdamW step at learning rate `lr` from the accumulated gradients, clipped to a global norm of
+    /// `max_grad_norm`, with the host optimizer's arithmetic ([`crate::optim::AdamW::step`]: f64, f32 moments); the
+    /// new weights are written, rounded to bf16, into `model`'s own buffers. A non-finite norm skips the step and
+    /// changes nothing ([`GradNorm::applied`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for another model configuration or a non-finite `lr`; [`Error::Kernel`] when the
+    /// device fails.
+    pub fn step(&mut self, model: &mut CudaLlama, lr: f64, max_grad_norm: Option<f64>) -> Result<GradNorm> {
+        self.check_model(model)?;
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(Error::config("lr", lr, "must be finite and >= 0"));
+        }
+        let before = self.grad_norm()?;
+        if !before.is_finite() {
+            return Ok(GradNorm { before, after: before });
+        }
+        let coef = crate::optim::clip_coef(before, max_grad_norm);
+        self.steps += 1;
+        let AdamWParams { beta1, beta2, eps, weight_decay } = self.hp;
+        let s = AdamWStep { lr, beta1, beta2, eps, weight_decay, step: self.steps, coef };
+        let w = model.w.bufs();
+        let g = self.gpu.as_ref();
+        for ((_, out), p) in weight_list(&w).iter().zip(&self.params) {
+            let r = p.range.clone();
+            let arena = |b: &DeviceBuf<f32>| b.buf().slice(r.clone());
+            g.launch(&plan::adamw(
+                &s,
+                arena(&self.master)?,
+                arena(&self.m)?,
+                arena(&self.v)?,
+                arena(&self.grad)?,
+                *out,
+            )?)?;
+        }
+        Ok(GradNorm { before, after: if coef < 1.0 { before * coef } else { before } })
+    }
+}
