@@ -179,6 +179,15 @@ impl CudaTarget {
         Ok(f(&lock(&self.device)?.model))
     }
 
+    /// Runs `f` on the device model, mutably: a trainer on the same device updates its weights in place
+    /// (`tlt_model::cuda::train::CudaTrainer`) between rollouts.
+    ///
+    /// # Errors
+    /// If the lock was poisoned.
+    pub fn with_model_mut<R>(&self, f: impl FnOnce(&mut CudaLlama) -> R) -> Result<R> {
+        Ok(f(&mut lock(&self.device)?.model))
+    }
+
     /// Checks a batch before anything changes.
     fn check(&self, state: &CudaState, inputs: &[TargetInput<'_>]) -> Result<()> {
         let mut seen = std::collections::HashSet::new();

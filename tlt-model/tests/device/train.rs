@@ -6,7 +6,7 @@
 
 use candle_core::{Device, Tensor};
 use tlt_kernels::cuda::SharedGpu;
-use tlt_model::cuda::train::{CudaTrainer, TrainBatch};
+use tlt_model::cuda::train::{Arena, CudaTrainer, TrainBatch};
 use tlt_model::cuda::{CudaLlama, DeviceSeq};
 use tlt_model::device_step::row_parity;
 use tlt_model::optim::{AdamW, AdamWParams};
@@ -165,7 +165,7 @@ fn parity(model_type: &str, dev: SharedGpu) {
     let dec_tol = if model_type == "llama" { 1e-4 } else { 0.02 };
     assert!(worst_dec <= dec_tol, "{model_type}: log-probabilities differ from the device decoder's by {worst_dec}");
     assert!(worst <= 0.02, "{model_type}: log-probabilities differ from the CPU's by {worst} (relative)");
-    let dev_grads = trainer.hf_named(&trainer.grads_to_host().unwrap()).unwrap();
+    let dev_grads = trainer.hf_named(&trainer.arena_to_host(Arena::Grad).unwrap()).unwrap();
     assert_eq!(dev_grads.len(), cpu_grads.len(), "{model_type}: every CPU parameter has a device gradient");
     let (mut all_cpu, mut all_dev, mut worst_cos) = (Vec::new(), Vec::new(), 1f64);
     for (name, want) in &cpu_grads {
@@ -271,13 +271,13 @@ fn deterministic(dev: SharedGpu) {
             let out = gpu.forward(&[DeviceSeq { slot: 0, prefix_len: 0, tokens: PROMPTS[1], parents: None }]).unwrap();
             gpu.logits_to_host(&out).unwrap()
         };
-        (trainer.master_to_host().unwrap(), logits)
+        (trainer.arena_to_host(Arena::Master).unwrap(), logits)
     };
     let (a, b) = (run(), run());
     assert!(a.0.iter().zip(&b.0).all(|(x, y)| x.to_bits() == y.to_bits()), "master weights differ between runs");
     assert!(a.1.iter().zip(&b.1).all(|(x, y)| x.to_bits() == y.to_bits()), "decoder logits differ between runs");
     let start = CudaTrainer::new(&CudaLlama::new(&base, dev, 1, 64).unwrap(), AdamWParams::default(), 1).unwrap();
-    assert_ne!(start.master_to_host().unwrap(), a.0, "two steps changed nothing");
+    assert_ne!(start.arena_to_host(Arena::Master).unwrap(), a.0, "two steps changed nothing");
 }
 
 #[test]
@@ -308,4 +308,46 @@ fn bad_training_calls_are_errors() {
     let q3 = CudaLlama::new(&Llama::random(q3, 1).unwrap(), dev, 1, 64).unwrap();
     assert!(CudaTrainer::new(&q3, AdamWParams::default(), 8).is_err(), "Qwen3's head norms are not trained yet");
     assert!(CudaTrainer::new(&gpu, AdamWParams::default(), 0).is_err());
+}
+
+/// A trainer rebuilt from another's state by name (master weights, moments, step count: what a checkpoint holds)
+/// continues exactly as the original: the next step gives the same bits, and the decoder runs the loaded weights.
+fn resume(dev: SharedGpu) {
+    let base = tiny("qwen2");
+    let batch = TrainBatch::responses(&pairs(), 96).unwrap();
+    let hp = AdamWParams { weight_decay: 0.01, ..AdamWParams::default() };
+    let step = |t: &mut CudaTrainer, m: &mut CudaLlama| {
+        t.zero_grad().unwrap();
+        device_pass(t, m, &batch);
+        t.step(m, 0.01, None).unwrap();
+    };
+    let mut a_model = CudaLlama::new(&base, dev.clone(), 1, 64).unwrap();
+    let mut a = CudaTrainer::new(&a_model, hp, 32).unwrap();
+    step(&mut a, &mut a_model);
+    let mut b_model = CudaLlama::new(&base, dev, 1, 64).unwrap();
+    let mut b = CudaTrainer::new(&b_model, hp, 32).unwrap();
+    for arena in [Arena::Master, Arena::ExpAvg, Arena::ExpAvgSq] {
+        b.load_hf(arena, &a.hf_named(&a.arena_to_host(arena).unwrap()).unwrap()).unwrap();
+    }
+    b.set_steps(a.steps());
+    b.write_decoder(&mut b_model).unwrap();
+    assert_eq!(device_last_row(&mut a_model, PROMPTS[2]), device_last_row(&mut b_model, PROMPTS[2]));
+    step(&mut a, &mut a_model);
+    step(&mut b, &mut b_model);
+    for arena in [Arena::Master, Arena::ExpAvg, Arena::ExpAvgSq] {
+        let (x, y) = (a.arena_to_host(arena).unwrap(), b.arena_to_host(arena).unwrap());
+        assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{arena:?} differs after the resumed step");
+    }
+    let mut named = a.hf_named(&a.arena_to_host(Arena::Master).unwrap()).unwrap();
+    named[0].1.pop();
+    assert!(b.load_hf(Arena::Master, &named).is_err(), "a tensor of the wrong size");
+    named.remove(0);
+    assert!(b.load_hf(Arena::Master, &named).is_err(), "a missing tensor");
+}
+
+#[test]
+fn a_trainer_resumed_by_name_continues_exactly() {
+    for d in super::devices("a_trainer_resumed_by_name_continues_exactly") {
+        resume(d);
+    }
 }

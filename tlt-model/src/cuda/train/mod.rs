@@ -58,6 +58,66 @@ fn weight_list(w: &WeightBufs) -> Vec<(String, Buf<bf16>)> {
     out
 }
 
+/// Every HF-named tensor's elements in the arenas: the stacked q/k/v and gate/up split back into their projections
+/// (rows of a stacked weight are consecutive, so each projection is one range).
+fn hf_ranges(params: &[TrainParam], d: &Dims) -> Result<Vec<(String, std::ops::Range<usize>)>> {
+    let kv = (d.qkv - d.q) / 2;
+    let mut out = Vec::new();
+    for p in params {
+        let at = p.range.start;
+        let parts = p.name.split('.').collect::<Vec<_>>();
+        let (names, sizes): (Vec<String>, Vec<usize>) = match parts.as_slice() {
+            ["embed"] => (vec!["model.embed_tokens.weight".into()], vec![p.range.len()]),
+            ["head"] => (vec!["lm_head.weight".into()], vec![p.range.len()]),
+            ["norm"] => (vec!["model.norm.weight".into()], vec![p.range.len()]),
+            ["layers", l, what] => {
+                let (ns, rows, width): (&[&str], Vec<usize>, usize) = match *what {
+                    "in_norm" => (&["input_layernorm.weight"], vec![1], d.h),
+                    "post_norm" => (&["post_attention_layernorm.weight"], vec![1], d.h),
+                    "qkv" => (
+                        &["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+                        vec![d.q, kv, kv],
+                        d.h,
+                    ),
+                    "qkv_bias" => (
+                        &["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+                        vec![d.q, kv, kv],
+                        1,
+                    ),
+                    "o" => (&["self_attn.o_proj.weight"], vec![1], p.range.len()),
+                    "gate_up" => (&["mlp.gate_proj.weight", "mlp.up_proj.weight"], vec![d.inter, d.inter], d.h),
+                    "down" => (&["mlp.down_proj.weight"], vec![1], p.range.len()),
+                    _ => return Err(Error::InvalidInput(format!("unknown trained weight `{}`", p.name))),
+                };
+                (ns.iter().map(|n| format!("model.layers.{l}.{n}")).collect(), rows.iter().map(|r| r * width).collect())
+            }
+            _ => return Err(Error::InvalidInput(format!("unknown trained weight `{}`", p.name))),
+        };
+        if sizes.iter().sum::<usize>() != p.range.len() {
+            return Err(Error::InvalidInput(format!("`{}` does not split into its projections", p.name)));
+        }
+        let mut start = at;
+        for (n, len) in names.into_iter().zip(sizes) {
+            out.push((n, start..start + len));
+            start += len;
+        }
+    }
+    Ok(out)
+}
+
+/// The trainer's f32 arenas, each in [`CudaTrainer::params`] order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arena {
+    /// The master weights.
+    Master,
+    /// AdamW's first moments.
+    ExpAvg,
+    /// AdamW's second moments.
+    ExpAvgSq,
+    /// The accumulated gradients.
+    Grad,
+}
+
 /// The device memory a trainer of `cfg` holds for batches of `rows` rows, in bytes: master weights, moments and
 /// gradients (f32, 16 bytes per weight) and the training pass's activations.
 #[must_use]
@@ -72,6 +132,8 @@ pub struct CudaTrainer {
     cfg: LlamaConfig,
     dims: Dims,
     params: Vec<TrainParam>,
+    /// HF-named tensors' ranges in the arenas.
+    hf: Vec<(String, std::ops::Range<usize>)>,
     master: DeviceBuf<f32>,
     m: DeviceBuf<f32>,
     v: DeviceBuf<f32>,
@@ -115,7 +177,9 @@ impl CudaTrainer {
         }
         let cfg = model.config().clone();
         let dims = Dims::new(&cfg);
+        let hf = hf_ranges(&params, &dims)?;
         Ok(Self {
+            hf,
             m: DeviceBuf::zeros(g, at)?,
             v: DeviceBuf::zeros(g, at)?,
             grad: DeviceBuf::zeros(g, at)?,
@@ -231,25 +295,26 @@ impl CudaTrainer {
         Ok(gpu::zero(self.gpu.as_ref(), self.grad.buf())?)
     }
 
-    /// The accumulated gradients on the host, in arena order ([`Self::params`]).
+    /// The arena `a` on the host, in [`Self::params`] order.
     ///
     /// # Errors
     /// [`Error::Kernel`] when the device fails.
-    pub fn grads_to_host(&self) -> Result<Vec<f32>> {
-        Ok(self.grad.to_host(self.gpu.as_ref())?)
+    pub fn arena_to_host(&self, a: Arena) -> Result<Vec<f32>> {
+        Ok(self.arena(a).to_host(self.gpu.as_ref())?)
     }
 
-    /// The f32 master weights on the host, in arena order ([`Self::params`]).
-    ///
-    /// # Errors
-    /// [`Error::Kernel`] when the device fails.
-    pub fn master_to_host(&self) -> Result<Vec<f32>> {
-        Ok(self.master.to_host(self.gpu.as_ref())?)
+    fn arena(&self, a: Arena) -> &DeviceBuf<f32> {
+        match a {
+            Arena::Master => &self.master,
+            Arena::ExpAvg => &self.m,
+            Arena::ExpAvgSq => &self.v,
+            Arena::Grad => &self.grad,
+        }
     }
 
-    /// `values` (an arena's contents in [`Self::params`] order: [`Self::grads_to_host`], [`Self::master_to_host`])
-    /// as HF-named tensors (`model.layers.0.self_attn.q_proj.weight`...), the stacked q/k/v and gate/up split back
-    /// into their projections, in arena order; each a flat row-major `Vec`.
+    /// `values` (an arena's contents in [`Self::params`] order: [`Self::arena_to_host`]) as HF-named tensors
+    /// (`model.layers.0.self_attn.q_proj.weight`...: the stacked q/k/v and gate/up split back into their
+    /// projections), in arena order; each a flat row-major `Vec`.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for `values` of another length.
@@ -258,49 +323,54 @@ impl CudaTrainer {
         if values.len() != total {
             return Err(Error::InvalidInput(format!("{} values for arenas of {total}", values.len())));
         }
-        let d = &self.dims;
-        let (kv, inp) = ((d.qkv - d.q) / 2, d.h);
-        let mut out = Vec::new();
-        for p in &self.params {
-            let v = &values[p.range.clone()];
-            let parts = p.name.split('.').collect::<Vec<_>>();
-            match parts.as_slice() {
-                ["embed"] => out.push(("model.embed_tokens.weight".into(), v.to_vec())),
-                ["head"] => out.push(("lm_head.weight".into(), v.to_vec())),
-                ["norm"] => out.push(("model.norm.weight".into(), v.to_vec())),
-                ["layers", l, what] => {
-                    let pre = format!("model.layers.{l}");
-                    // Splits `v` into consecutive blocks of `rows` rows of width `w` under `names`.
-                    let mut split = |names: &[&str], rows: &[usize], w: usize| {
-                        let mut at = 0;
-                        for (n, r) in names.iter().zip(rows) {
-                            out.push((format!("{pre}.{n}"), v[at..at + r * w].to_vec()));
-                            at += r * w;
-                        }
-                    };
-                    match *what {
-                        "in_norm" => split(&["input_layernorm.weight"], &[1], inp),
-                        "post_norm" => split(&["post_attention_layernorm.weight"], &[1], inp),
-                        "qkv" => split(
-                            &["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-                            &[d.q, kv, kv],
-                            inp,
-                        ),
-                        "qkv_bias" => split(
-                            &["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
-                            &[d.q, kv, kv],
-                            1,
-                        ),
-                        "o" => split(&["self_attn.o_proj.weight"], &[1], v.len()),
-                        "gate_up" => split(&["mlp.gate_proj.weight", "mlp.up_proj.weight"], &[d.inter, d.inter], inp),
-                        "down" => split(&["mlp.down_proj.weight"], &[1], v.len()),
-                        _ => return Err(Error::InvalidInput(format!("unknown trained weight `{}`", p.name))),
-                    }
-                }
-                _ => return Err(Error::InvalidInput(format!("unknown trained weight `{}`", p.name))),
+        Ok(self.hf.iter().map(|(n, r)| (n.clone(), values[r.clone()].to_vec())).collect())
+    }
+
+    /// Writes HF-named tensors (every one of the model's, each flat row-major) into arena `a`: a resumed run's
+    /// f32 weights ([`Arena::Master`], then [`Self::write_decoder`]) or optimizer moments.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for an unknown or missing name or a tensor of the wrong size; [`Error::Kernel`] when
+    /// the device fails.
+    pub fn load_hf(&mut self, a: Arena, named: &[(String, Vec<f32>)]) -> Result<()> {
+        for (name, r) in &self.hf {
+            let v = &named
+                .iter()
+                .find(|(n, _)| n == name)
+                .ok_or_else(|| Error::InvalidInput(format!("no values for trained weight `{name}`")))?
+                .1;
+            if v.len() != r.len() {
+                return Err(Error::InvalidInput(format!("`{name}`: {} values, {} expected", v.len(), r.len())));
             }
         }
-        Ok(out)
+        if let Some((n, _)) = named.iter().find(|(n, _)| !self.hf.iter().any(|(h, _)| h == n)) {
+            return Err(Error::InvalidInput(format!("`{n}` is not a trained weight")));
+        }
+        for (name, v) in named {
+            if let Some((_, r)) = self.hf.iter().find(|(h, _)| h == name) {
+                self.arena(a).write(self.gpu.as_ref(), r.start, v)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the optimizer steps taken (bias correction) of a resumed run.
+    pub fn set_steps(&mut self, steps: u64) {
+        self.steps = steps;
+    }
+
+    /// Writes the master weights, rounded to bf16, into `model`'s buffers (after [`Self::load_hf`] of the master
+    /// weights; [`Self::step`] does it itself).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for another model configuration; [`Error::Kernel`] when the device fails.
+    pub fn write_decoder(&self, model: &mut CudaLlama) -> Result<()> {
+        self.check_model(model)?;
+        let w = model.w.bufs();
+        for ((_, out), p) in weight_list(&w).iter().zip(&self.params) {
+            self.gpu.launch(&plan::cast_bf16(self.master.buf().slice(p.range.clone())?, *out)?)?;
+        }
+        Ok(())
     }
 
     /// The global L2 norm of the accumulated gradients (f64 partial sums of a fixed grid, summed in order).
