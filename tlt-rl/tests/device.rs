@@ -1,8 +1,8 @@
 //! The trainer with rollouts on a device. On the device the environment gives (in CI the simulated device,
 //! `tlt-cuda-sim`'s `SimGpu`, through [`Trainer::with_gpu`]; on a GPU machine the CUDA device): TLT steps (the SD
 //! gate, the bandit, suffix + EAGLE-2 drafting with the drafter's forward on the device, verification on the
-//! device) sample exactly the baseline's tokens, step after step, with the policy's weights synced to the device
-//! after every update. With the `cuda` feature: without a driver the first rollout is an error, not a panic; with
+//! device) sample exactly the baseline's tokens, step after step, and with the policy update on the device too
+//! (its default) TLT's updated weights equal the baseline's bit for bit. With the `cuda` feature: without a driver the first rollout is an error, not a panic; with
 //! one (`TLT_REQUIRE_GPU=1`), greedy evaluation on the GPU agrees with the CPU's.
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
@@ -44,26 +44,45 @@ fn config(device: Device) -> TrainerConfig {
     }
 }
 
-/// TLT and baseline trainers from the same weights and seeds, rollouts on `gpu`: every step samples the same tokens
-/// (SD is lossless through the scheduler and the trainer on the device), and TLT drafted (some rounds speculative).
+/// The policy's weights, flattened in parameter order.
+fn weights<E: tlt_rl::trainer::Environment>(t: &Trainer<E>) -> Vec<f32> {
+    t.policy()
+        .weights()
+        .named_tensors()
+        .iter()
+        .flat_map(|(_, w)| w.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect()
+}
+
+/// TLT and baseline trainers from the same weights and seeds, rollouts and the policy update on `gpu` (the
+/// default with rollouts on a device): every step samples the same tokens (SD is lossless through the scheduler
+/// and the trainer on the device), TLT drafted (some rounds speculative), and the updated policies are equal bit
+/// for bit. A baseline with the update on the CPU ends with other weights: the device update ran.
 fn tlt_equals_baseline_on(gpu: tlt_kernels::cuda::SharedGpu) {
-    let run = |mode: Mode| {
-        let cfg = TrainerConfig { mode, ..config(Device::Cpu) };
+    let run = |mode: Mode, update_on_device: bool| {
+        let cfg = TrainerConfig { mode, update_on_device, ..config(Device::Cpu) };
         let mut t = Trainer::new(model(), Sevens, cfg).unwrap().with_gpu(gpu.clone());
-        (0..2)
+        let steps = (0..2)
             .map(|_| {
                 let r = t.step(&mut tlt_rl::trainer::Quiet).unwrap();
+                assert_eq!(r.update.optimizer_steps, 1, "one optimizer step per RL step");
                 let tokens: Vec<Vec<u32>> = r.samples.iter().map(|(s, _, _)| s.tokens.clone()).collect();
                 (tokens, r.metrics.sd_on_fraction, r.metrics.accept_len)
             })
-            .collect::<Vec<_>>()
+            .collect::<Vec<_>>();
+        (steps, weights(&t))
     };
-    let (tlt, base) = (run(Mode::Tlt), run(Mode::Baseline));
+    let ((tlt, tlt_w), (base, base_w)) = (run(Mode::Tlt, true), run(Mode::Baseline, true));
     for (k, ((t, sd_on, accept), (b, _, _))) in tlt.iter().zip(&base).enumerate() {
         println!("{}: step {k}: SD on for {sd_on:.2} of rounds, {accept:.2} tokens per round", gpu.info().name);
         assert_eq!(t, b, "{}: step {k}: TLT sampled other tokens than the baseline", gpu.info().name);
     }
     assert!(tlt.iter().any(|(_, sd_on, _)| *sd_on > 0.0), "no speculative round ran: the test proves nothing");
+    let same = tlt_w.iter().zip(&base_w).all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same && tlt_w.len() == base_w.len(), "{}: TLT's updated policy differs from the baseline's", gpu.info().name);
+    assert_ne!(tlt_w, weights(&Trainer::new(model(), Sevens, config(Device::Cpu)).unwrap()), "the updates changed nothing");
+    let (_, host_w) = run(Mode::Baseline, false);
+    assert_ne!(host_w, base_w, "the CPU update gave the device update's bits: did the device update run?");
 }
 
 #[test]

@@ -254,9 +254,15 @@ pub struct TrainerConfig {
     /// queue (group-major) and enter as others finish. Defaults 512 / 16384 (fastrl's `max_running_requests`).
     pub rollout: AdmissionLimits,
     /// Where rollouts run: `"cpu"` (default) or `"cuda"` / `"cuda:N"` (a build with tlt-rl's `cuda` feature; drafter
-    /// training, the model-free drafters and the update stay on the CPU; this version has not run on a GPU). A GPU rollout computes its log-probabilities
-    /// in bf16 while the update runs f32 on the CPU: set `grpo.tis_cap` (e.g. 2.0) to correct for the mismatch.
+    /// training and the model-free drafters stay on the CPU; this version has not run on a GPU). With the update on
+    /// the CPU (`update_on_device = false`) a GPU rollout's bf16 log-probabilities meet an f32 update: set
+    /// `grpo.tis_cap` (e.g. 2.0) to correct for the mismatch.
     pub device: Device,
+    /// With rollouts on a device: the policy update (forwards, backward, AdamW over f32 master weights and moments)
+    /// runs there too, on the rollout engine's own weights, updated in place (default true; Llama and Qwen2; the
+    /// GRPO loss stays on the host). False: the update runs on the CPU and the weights are copied to the device
+    /// before each rollout.
+    pub update_on_device: bool,
     /// Scoring answers as they finish, on worker threads, under a deadline (`[trainer.scoring]`).
     pub scoring: super::reward::ScoringConfig,
     /// DAPO dynamic sampling (`[dynamic_sampling]`); absent (the default): every group of the step is trained on.
@@ -287,6 +293,7 @@ impl Default for TrainerConfig {
             sd: SdConfig::default(),
             rollout: AdmissionLimits::default(),
             device: Device::Cpu,
+            update_on_device: true,
             scoring: super::reward::ScoringConfig::default(),
             dynamic_sampling: None,
             steal_queued_groups: true,

@@ -3,8 +3,9 @@
 //! [`super::Trainer::with_gpu`], e.g. the simulated device in CI) through `tlt_spec_decode::cuda::CudaTarget`, built
 //! once (sized for the step's requests and longest answer) and refreshed with the policy's weights in place before
 //! every rollout (graphs stay captured). The EAGLE drafter's forward runs on the same device and stream
-//! (`tlt_drafter::cuda::CudaDrafter`, shared by the rollouts' proposers); its training, the model-free drafters and
-//! the update stay on the CPU.
+//! (`tlt_drafter::cuda::CudaDrafter`, shared by the rollouts' proposers); its training and the model-free drafters
+//! stay on the CPU. The policy update runs on the device too ([`RolloutDevice::update_policy`],
+//! `super::update_device`), on the target's own weights: once it has, rollouts no longer copy weights from the host.
 
 use std::sync::{Arc, Mutex};
 
@@ -15,6 +16,8 @@ use tlt_spec_decode::cuda::CudaTarget;
 
 use super::drafter::RolloutDrafter;
 use super::rollout::{run_rollout, Observer, RolloutJob, RolloutOutput};
+use super::update::{policy_update, TrainSeq, UpdateContext, UpdateStats};
+use super::update_device::{DeviceTrain, DeviceUpdate};
 use crate::{Error, Result};
 
 /// The device rollouts and the EAGLE drafter's forward share: a CUDA device opened at first use (feature `cuda`), or
@@ -70,6 +73,8 @@ pub(crate) struct RolloutDevice {
     handle: Arc<GpuHandle>,
     /// The device target, once a rollout has built it.
     target: Mutex<Option<CudaTarget>>,
+    /// The policy update on the device, once one has run: from then on the target's weights are the trained ones.
+    train: Mutex<Option<DeviceTrain>>,
 }
 
 impl RolloutDevice {
@@ -89,7 +94,7 @@ impl RolloutDevice {
 
     /// Rollouts on the device of `handle`.
     pub(crate) fn on(handle: Arc<GpuHandle>) -> Self {
-        Self { handle, target: Mutex::new(None) }
+        Self { handle, target: Mutex::new(None), train: Mutex::new(None) }
     }
 
     /// The device handle (shared with the drafter's device executor).
@@ -117,7 +122,10 @@ impl RolloutDevice {
         let positions = longest + job.params.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1;
         let mut target =
             self.target.lock().map_err(|_| Error::InvalidArgument("the GPU target's lock is poisoned".into()))?;
+        let trained_here = self.train.lock().map_err(|_| Error::InvalidArgument("a lock is poisoned".into()))?.is_some();
         match target.as_ref() {
+            // The device update wrote its weights into the target in place: nothing to copy.
+            Some(t) if t.capacity().0 >= slots && t.capacity().1 >= positions && trained_here => {}
             Some(t) if t.capacity().0 >= slots && t.capacity().1 >= positions => t.update_weights(model)?,
             _ => {
                 // Positions rounded up so that slightly longer prompts later do not rebuild it.
@@ -127,5 +135,36 @@ impl RolloutDevice {
         }
         let target = target.as_ref().ok_or_else(|| Error::InvalidArgument("no GPU target".into()))?;
         run_rollout(target, job, decoder, drafter, obs)
+    }
+
+    /// Runs the policy update ([`policy_update`] over `seqs`) on the rollouts' device, on the rollout engine's own
+    /// weights (updated in place), then mirrors the new f32 weights and moments into `opt` (the host policy's
+    /// variables and optimizer). The first call builds the device trainer from `opt` (a fresh run's or a resumed
+    /// checkpoint's state) with room for micro-batches of `max_rows` tokens.
+    ///
+    /// # Errors
+    /// Before any rollout (no device model yet), for an architecture the device update does not cover, and the
+    /// update's and the device's errors.
+    pub(crate) fn update_policy(
+        &self,
+        ctx: &UpdateContext,
+        opt: &mut tlt_model::optim::AdamW,
+        max_rows: usize,
+        seqs: &[TrainSeq],
+        stats: &mut UpdateStats,
+    ) -> Result<()> {
+        let poisoned = || Error::InvalidArgument("a device lock is poisoned".into());
+        let target = self.target.lock().map_err(|_| poisoned())?;
+        let target =
+            target.as_ref().ok_or_else(|| Error::InvalidArgument("a device update needs a rollout before it".into()))?;
+        let mut train = self.train.lock().map_err(|_| poisoned())?;
+        target.with_model_mut(|model| -> Result<()> {
+            let t = match train.as_mut() {
+                Some(t) => t,
+                None => train.insert(DeviceTrain::new(model, opt, ctx.reference, max_rows)?),
+            };
+            policy_update(ctx, &mut DeviceUpdate { train: t, policy: model }, seqs, stats)?;
+            t.mirror_to_host(opt)
+        })?
     }
 }

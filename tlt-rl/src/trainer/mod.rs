@@ -36,6 +36,7 @@ mod rollout;
 #[cfg(test)]
 mod tests;
 mod update;
+mod update_device;
 mod warmup;
 
 use std::ops::Range;
@@ -74,7 +75,7 @@ use drafter::RolloutDrafter;
 const PROMPT_ROOM: usize = 1024;
 use reward::RewardPool;
 use rollout::{spec_params, RolloutJob};
-use update::{policy_update, TrainSeq, UpdateContext};
+use update::{policy_update, HostUpdate, TrainSeq, UpdateContext};
 
 /// Greedy evaluation of the current policy.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -572,7 +573,12 @@ impl<E: Environment> Trainer<E> {
         };
         // The rollout's copy of the weights is not needed until the next rollout: free it for the update's peak.
         self.rollout_model = None;
-        let updated = policy_update(&ctx, &mut self.opt, &seqs, update);
+        let updated = if self.cfg.update_on_device && self.rollouts.handle().on_device() {
+            let max_rows = self.cfg.micro_batch_tokens.max(PROMPT_ROOM + self.cfg.max_new_tokens);
+            self.rollouts.update_policy(&ctx, &mut self.opt, max_rows, &seqs, update)
+        } else {
+            policy_update(&ctx, &mut HostUpdate { opt: &mut self.opt }, &seqs, update)
+        };
         let train_s = t_train.elapsed().as_secs_f64();
 
         obs.on_phase(step, "publish");

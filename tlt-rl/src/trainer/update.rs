@@ -47,7 +47,7 @@ pub(crate) struct TrainSeq<'a> {
 }
 
 /// A micro-batch laid out for the forward: right-padded inputs and the response positions.
-struct Layout {
+pub(super) struct Layout {
     /// `[b, t]` input ids (the sequence minus its last token).
     ids: Tensor,
     /// `[b * r]` flat indices into `[b * t]` rows of the response positions (padding points at row 0).
@@ -55,16 +55,21 @@ struct Layout {
     /// `[b, r]` targets (the response tokens).
     targets: Tensor,
     /// `[b, r]` 1 for a trained token.
-    mask: Tensor,
+    pub(super) mask: Tensor,
     /// `[b, r]` rollout log-probabilities.
-    rollout_logp: Tensor,
+    pub(super) rollout_logp: Tensor,
     /// `[b, r]` log-probabilities under the policy before the step's first update (when precomputed).
-    old_logp: Option<Tensor>,
+    pub(super) old_logp: Option<Tensor>,
     /// `[b]` advantages.
-    advantages: Tensor,
+    pub(super) advantages: Tensor,
 }
 
-fn layout(seqs: &[&TrainSeq], old: Option<&[&[f32]]>, grpo: &GrpoConfig, dev: &Device) -> Result<Layout> {
+pub(super) fn layout(
+    seqs: &[&TrainSeq],
+    old: Option<&[&[f32]]>,
+    grpo: &GrpoConfig,
+    dev: &Device,
+) -> Result<Layout> {
     let b = seqs.len();
     let t = seqs.iter().map(|s| s.sample.prompt.len() + s.sample.tokens.len() - 1).max().unwrap_or(1);
     let r = seqs.iter().map(|s| s.sample.tokens.len()).max().unwrap_or(1);
@@ -148,7 +153,7 @@ pub(crate) struct UpdateContext<'a> {
 
 impl UpdateContext<'_> {
     /// The log-probability temperature (greedy rollouts train at 1).
-    fn temperature(&self) -> f64 {
+    pub(super) fn temperature(&self) -> f64 {
         if self.temperature > 0.0 {
             self.temperature
         } else {
@@ -161,13 +166,13 @@ impl UpdateContext<'_> {
     /// Whether `s` can contribute to the loss's gradient: a non-zero advantage, or a KL or entropy term (which act
     /// on every token). A sequence that cannot still counts in the loss's divisors ([`LossNorm`]) but needs no
     /// forward or backward: its clipped policy-gradient term is `-0 × ratio`, whatever the ratio.
-    fn contributes(&self, s: &TrainSeq) -> bool {
+    pub(super) fn contributes(&self, s: &TrainSeq) -> bool {
         s.advantage != 0.0 || self.grpo.kl.is_some() || self.grpo.entropy_coef > 0.0
     }
 
     /// Whether this rank computes `s`'s gradient: it [contributes](Self::contributes) and its group is this
     /// rank's.
-    fn computes(&self, s: &TrainSeq) -> bool {
+    pub(super) fn computes(&self, s: &TrainSeq) -> bool {
         self.contributes(s) && self.owned.contains(&s.sample.group)
     }
 }
@@ -176,12 +181,8 @@ impl UpdateContext<'_> {
 /// of every sequence this rank [computes](UpdateContext::computes) (empty for the others): the PPO "old" policy
 /// when a step takes several optimizer steps.
 fn old_logprobs(ctx: &UpdateContext, seqs: &[TrainSeq]) -> Result<Vec<Vec<f32>>> {
-    let run: Vec<usize> = (0..seqs.len()).filter(|&i| ctx.computes(&seqs[i])).collect();
-    let lengths: Vec<usize> =
-        run.iter().map(|&i| seqs[i].sample.prompt.len() + seqs[i].sample.tokens.len() - 1).collect();
     let mut out = vec![Vec::new(); seqs.len()];
-    for mb in plan_micro_batches(&lengths, ctx.micro_batch_tokens)? {
-        let mb: Vec<usize> = mb.iter().map(|&j| run[j]).collect();
+    for mb in micro_batches_of(ctx, seqs, 0..seqs.len())? {
         let part: Vec<&TrainSeq> = mb.iter().map(|&i| &seqs[i]).collect();
         let l = layout(&part, None, ctx.grpo, &Device::Cpu)?;
         let logp = response_logprobs(ctx.policy, &l, ctx.temperature())?.to_vec2::<f32>()?;
@@ -193,15 +194,97 @@ fn old_logprobs(ctx: &UpdateContext, seqs: &[TrainSeq]) -> Result<Vec<Vec<f32>>>
 }
 
 /// What one mini-batch's optimizer step did.
-struct MiniStep {
-    stats: LossStats,
-    grad_norm: f64,
-    micros: usize,
+pub(super) struct MiniStep {
+    pub stats: LossStats,
+    pub grad_norm: f64,
+    pub micros: usize,
     /// False when the gradient norm was not finite and AdamW skipped the step.
-    applied: bool,
+    pub applied: bool,
     /// Seconds waiting for the other ranks, then in the cross-rank sums.
-    wait_s: f64,
-    sync_s: f64,
+    pub wait_s: f64,
+    pub sync_s: f64,
+}
+
+/// Where the update's arithmetic runs (the forwards, the backward, the optimizer step): the CPU ([`HostUpdate`]) or
+/// a device (`super::update_device::DeviceUpdate`). The loss, the batching, the shuffles and the statistics are
+/// [`policy_update`]'s, shared.
+pub(crate) trait UpdateBackend {
+    /// Response log-probabilities under the policy before any update (no gradient), trimmed to each response's
+    /// length, of every sequence this rank [computes](UpdateContext::computes) (empty for the others).
+    fn old_logprobs(&mut self, ctx: &UpdateContext, seqs: &[TrainSeq]) -> Result<Vec<Vec<f32>>>;
+
+    /// One optimizer step over the sequences `mb` of `seqs` ([`StepPlan`]); `None` when the mini-batch trains no
+    /// token.
+    fn mini_batch_step(
+        &mut self,
+        ctx: &UpdateContext,
+        seqs: &[TrainSeq],
+        mb: &[usize],
+        old: Option<&[Vec<f32>]>,
+    ) -> Result<Option<MiniStep>>;
+}
+
+/// The update on the CPU: candle autograd and the host AdamW.
+pub(crate) struct HostUpdate<'a> {
+    pub opt: &'a mut AdamW,
+}
+
+impl UpdateBackend for HostUpdate<'_> {
+    fn old_logprobs(&mut self, ctx: &UpdateContext, seqs: &[TrainSeq]) -> Result<Vec<Vec<f32>>> {
+        old_logprobs(ctx, seqs)
+    }
+
+    fn mini_batch_step(
+        &mut self,
+        ctx: &UpdateContext,
+        seqs: &[TrainSeq],
+        mb: &[usize],
+        old: Option<&[Vec<f32>]>,
+    ) -> Result<Option<MiniStep>> {
+        mini_batch_step(ctx, self.opt, seqs, mb, old)
+    }
+}
+
+/// The micro-batches (indices into `seqs`, by the update's token budget) of the sequences of `among` this rank
+/// [computes](UpdateContext::computes).
+pub(super) fn micro_batches_of(
+    ctx: &UpdateContext,
+    seqs: &[TrainSeq],
+    among: impl Iterator<Item = usize>,
+) -> Result<Vec<Vec<usize>>> {
+    let run: Vec<usize> = among.filter(|&i| ctx.computes(&seqs[i])).collect();
+    let lengths: Vec<usize> =
+        run.iter().map(|&i| seqs[i].sample.prompt.len() + seqs[i].sample.tokens.len() - 1).collect();
+    Ok(plan_micro_batches(&lengths, ctx.micro_batch_tokens)?
+        .into_iter()
+        .map(|m| m.iter().map(|&j| run[j]).collect())
+        .collect())
+}
+
+/// What one mini-batch's step runs: the loss's divisors over the whole mini-batch, and the micro-batches (indices
+/// into `seqs`) of the sequences this rank computes.
+pub(super) struct StepPlan {
+    pub norm: LossNorm,
+    pub micros: Vec<Vec<usize>>,
+}
+
+impl StepPlan {
+    /// The plan of mini-batch `mb` of `seqs`; `None` when it trains no token.
+    ///
+    /// Only the sequences that [contribute](UpdateContext::contributes) run forward and backward; the others (a zero
+    /// advantage and no KL or entropy term: every answer of a group whose rewards are all equal) count in the
+    /// divisors as verl counts them, at no compute.
+    pub(super) fn new(ctx: &UpdateContext, seqs: &[TrainSeq], mb: &[usize]) -> Result<Option<Self>> {
+        let trained = |s: &TrainSeq| if ctx.grpo.trains_on(s.sample.truncated) { s.sample.tokens.len() } else { 0 };
+        let total_tokens: usize = mb.iter().map(|&i| trained(&seqs[i])).sum();
+        if total_tokens == 0 {
+            return Ok(None);
+        }
+        let total_seqs = mb.iter().filter(|&&i| trained(&seqs[i]) > 0).count();
+        let norm = LossNorm { total_tokens, total_seqs, max_response_len: ctx.max_new_tokens };
+        let micros = micro_batches_of(ctx, seqs, mb.iter().copied().filter(|&i| trained(&seqs[i]) > 0))?;
+        Ok(Some(Self { norm, micros }))
+    }
 }
 
 #[cfg(test)]
@@ -224,23 +307,14 @@ fn mini_batch_step(
     mb: &[usize],
     old: Option<&[Vec<f32>]>,
 ) -> Result<Option<MiniStep>> {
-    let trained = |s: &TrainSeq| if ctx.grpo.trains_on(s.sample.truncated) { s.sample.tokens.len() } else { 0 };
-    let total_tokens: usize = mb.iter().map(|&i| trained(&seqs[i])).sum();
-    if total_tokens == 0 {
-        return Ok(None);
-    }
-    let total_seqs = mb.iter().filter(|&&i| trained(&seqs[i]) > 0).count();
-    let norm = LossNorm { total_tokens, total_seqs, max_response_len: ctx.max_new_tokens };
-    let mb: Vec<usize> = mb.iter().copied().filter(|&i| trained(&seqs[i]) > 0 && ctx.computes(&seqs[i])).collect();
-    let mb = mb.as_slice();
-    let lengths: Vec<usize> =
-        mb.iter().map(|&i| seqs[i].sample.prompt.len() + seqs[i].sample.tokens.len() - 1).collect();
+    let Some(plan) = StepPlan::new(ctx, seqs, mb)? else { return Ok(None) };
+    let norm = plan.norm;
     let dev = Device::Cpu;
     let temperature = ctx.temperature();
     let (mut acc, mut stats, mut micros) = (None, LossStats::default(), 0);
-    for micro in plan_micro_batches(&lengths, ctx.micro_batch_tokens)? {
-        let part: Vec<&TrainSeq> = micro.iter().map(|&j| &seqs[mb[j]]).collect();
-        let part_old: Option<Vec<&[f32]>> = old.map(|o| micro.iter().map(|&j| o[mb[j]].as_slice()).collect());
+    for micro in &plan.micros {
+        let part: Vec<&TrainSeq> = micro.iter().map(|&i| &seqs[i]).collect();
+        let part_old: Option<Vec<&[f32]>> = old.map(|o| micro.iter().map(|&i| o[i].as_slice()).collect());
         let l = layout(&part, part_old.as_deref(), ctx.grpo, &dev)?;
         let (hidden, ck) = response_hidden(ctx.policy, &l, ctx.checkpoint)?;
         let head = ChunkedHead::new(ctx.policy, hidden, &l.targets, temperature, ctx.grpo.entropy_coef > 0.0)?;
@@ -273,27 +347,37 @@ fn mini_batch_step(
         }
         micros += 1;
     }
-    let ranks = ctx.comm.size();
-    let t_wait = std::time::Instant::now();
-    if ranks > 1 {
-        ctx.comm.barrier()?;
-    }
-    let (wait_s, t_sync) = (t_wait.elapsed().as_secs_f64(), std::time::Instant::now());
-    let grads = match (ranks, acc) {
+    let (wait_s, t_sync) = rank_sync(ctx, &mut stats, &mut micros)?;
+    let grads = match (ctx.comm.size(), acc) {
         (1, Some(g)) => g,
         (1, None) => zero_grads(opt)?,
-        (_, acc) => {
-            (stats, micros) = super::parallel::merge_stats(ctx.comm, stats, micros)?;
-            super::parallel::all_reduce_grads(ctx.comm, opt, acc)?
-        }
+        (_, acc) => super::parallel::all_reduce_grads(ctx.comm, opt, acc)?,
     };
-    let sync_s = t_sync.elapsed().as_secs_f64();
-    let (wait_s, sync_s) = if ranks > 1 { (wait_s, sync_s) } else { (0.0, 0.0) };
+    let sync_s = if ctx.comm.size() > 1 { t_sync.elapsed().as_secs_f64() } else { 0.0 };
     let norm = opt.step(&grads, ctx.lr, ctx.max_grad_norm)?;
     if !norm.applied() {
         tracing::warn!(grad_norm = norm.before, "non-finite gradient norm: optimizer step skipped, weights unchanged");
     }
     Ok(Some(MiniStep { stats, grad_norm: norm.before, micros, applied: norm.applied(), wait_s, sync_s }))
+}
+
+/// Waits for every rank's backward (timed), then merges the loss statistics and micro-batch counts over the ranks;
+/// returns the seconds waited and when the cross-rank sums began (the caller's gradient sum comes next). Nothing
+/// for one rank.
+pub(super) fn rank_sync(
+    ctx: &UpdateContext,
+    stats: &mut LossStats,
+    micros: &mut usize,
+) -> Result<(f64, std::time::Instant)> {
+    if ctx.comm.size() == 1 {
+        return Ok((0.0, std::time::Instant::now()));
+    }
+    let t_wait = std::time::Instant::now();
+    ctx.comm.barrier()?;
+    let wait_s = t_wait.elapsed().as_secs_f64();
+    let t_sync = std::time::Instant::now();
+    (*stats, *micros) = super::parallel::merge_stats(ctx.comm, *stats, *micros)?;
+    Ok((wait_s, t_sync))
 }
 
 /// Zero gradients for every parameter of `opt` (an optimizer step whose loss has no gradient). Inserted directly:
@@ -329,7 +413,7 @@ fn mini_batches(order: &[usize], chunk: usize) -> Vec<&[usize]> {
 /// whether the weights moved).
 pub(crate) fn policy_update(
     ctx: &UpdateContext,
-    opt: &mut AdamW,
+    backend: &mut dyn UpdateBackend,
     seqs: &[TrainSeq],
     stats: &mut UpdateStats,
 ) -> Result<()> {
@@ -339,7 +423,7 @@ pub(crate) fn policy_update(
     }
     let k = seqs.len().div_ceil(ctx.mini_batch_seqs.clamp(1, seqs.len()));
     let several = ctx.ppo_epochs * k > 1;
-    let old = if several { Some(old_logprobs(ctx, seqs)?) } else { None };
+    let old = if several { Some(backend.old_logprobs(ctx, seqs)?) } else { None };
     let mut rng = SplitMix64::new(ctx.shuffle_seed);
     let mut order: Vec<usize> = (0..seqs.len()).collect();
     let (mut grad_norm_sum, mut passes) = (0.0, 0usize);
@@ -354,7 +438,7 @@ pub(crate) fn policy_update(
             if FAIL_BEFORE_STEP.with(std::cell::Cell::get) == Some(stats.optimizer_steps + stats.skipped_steps) {
                 return Err(crate::Error::InvalidArgument("injected update failure".into()));
             }
-            let Some(m) = mini_batch_step(ctx, opt, seqs, mb, old.as_deref())? else { continue };
+            let Some(m) = backend.mini_batch_step(ctx, seqs, mb, old.as_deref())? else { continue };
             stats.loss.merge(&m.stats);
             stats.micro_batches += m.micros;
             stats.grad_sync_s += m.sync_s;

@@ -303,6 +303,18 @@ impl CudaTrainer {
         Ok(self.arena(a).to_host(self.gpu.as_ref())?)
     }
 
+    /// Overwrites arena `a` with `values` (in [`Self::params`] order; e.g. gradients summed over ranks on the host).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for another length; [`Error::Kernel`] when the device fails.
+    pub fn arena_from_host(&mut self, a: Arena, values: &[f32]) -> Result<()> {
+        let buf = self.arena(a);
+        if values.len() != buf.len() {
+            return Err(Error::InvalidInput(format!("{} values for an arena of {}", values.len(), buf.len())));
+        }
+        Ok(buf.write(self.gpu.as_ref(), 0, values)?)
+    }
+
     fn arena(&self, a: Arena) -> &DeviceBuf<f32> {
         match a {
             Arena::Master => &self.master,
