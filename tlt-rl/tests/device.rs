@@ -79,8 +79,16 @@ fn tlt_equals_baseline_on(gpu: tlt_kernels::cuda::SharedGpu) {
     }
     assert!(tlt.iter().any(|(_, sd_on, _)| *sd_on > 0.0), "no speculative round ran: the test proves nothing");
     let same = tlt_w.iter().zip(&base_w).all(|(a, b)| a.to_bits() == b.to_bits());
-    assert!(same && tlt_w.len() == base_w.len(), "{}: TLT's updated policy differs from the baseline's", gpu.info().name);
-    assert_ne!(tlt_w, weights(&Trainer::new(model(), Sevens, config(Device::Cpu)).unwrap()), "the updates changed nothing");
+    assert!(
+        same && tlt_w.len() == base_w.len(),
+        "{}: TLT's updated policy differs from the baseline's",
+        gpu.info().name
+    );
+    assert_ne!(
+        tlt_w,
+        weights(&Trainer::new(model(), Sevens, config(Device::Cpu)).unwrap()),
+        "the updates changed nothing"
+    );
     let (_, host_w) = run(Mode::Baseline, false);
     assert_ne!(host_w, base_w, "the CPU update gave the device update's bits: did the device update run?");
 }
@@ -90,6 +98,38 @@ fn tlt_rollouts_on_the_device_sample_the_baselines_tokens() {
     let test = "tlt_rollouts_on_the_device_sample_the_baselines_tokens";
     for gpu in tlt_cuda_sim::test_devices(test, &[Schedule::Lazy, Schedule::Seeded(21)]).unwrap() {
         tlt_equals_baseline_on(gpu);
+    }
+}
+
+/// A run with the update on the device, checkpointed after its first step and resumed (the device trainer rebuilt
+/// from the checkpoint's f32 weights and moments), ends with the uninterrupted run's weights, bit for bit.
+fn resume_on(gpu: tlt_kernels::cuda::SharedGpu) {
+    let cfg = TrainerConfig { mode: Mode::Baseline, ..config(Device::Cpu) };
+    let mut straight = Trainer::new(model(), Sevens, cfg.clone()).unwrap().with_gpu(gpu.clone());
+    for _ in 0..2 {
+        straight.step(&mut tlt_rl::trainer::Quiet).unwrap();
+    }
+    let dir = std::env::temp_dir().join(format!("tlt-device-resume-{}", std::process::id()));
+    let mut first = Trainer::new(model(), Sevens, cfg.clone()).unwrap().with_gpu(gpu.clone());
+    first.step(&mut tlt_rl::trainer::Quiet).unwrap();
+    first.save_checkpoint(&dir).unwrap();
+    drop(first);
+    let mut resumed = Trainer::resume(&dir, model(), Sevens, cfg).unwrap().with_gpu(gpu.clone());
+    resumed.step(&mut tlt_rl::trainer::Quiet).unwrap();
+    let (a, b) = (weights(&straight), weights(&resumed));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+        "{}: the resumed run's weights differ",
+        gpu.info().name
+    );
+}
+
+#[test]
+fn a_device_updated_run_resumes_exactly() {
+    let test = "a_device_updated_run_resumes_exactly";
+    for gpu in tlt_cuda_sim::test_devices(test, &[Schedule::Seeded(5)]).unwrap() {
+        resume_on(gpu);
     }
 }
 

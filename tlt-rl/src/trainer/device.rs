@@ -122,7 +122,8 @@ impl RolloutDevice {
         let positions = longest + job.params.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1;
         let mut target =
             self.target.lock().map_err(|_| Error::InvalidArgument("the GPU target's lock is poisoned".into()))?;
-        let trained_here = self.train.lock().map_err(|_| Error::InvalidArgument("a lock is poisoned".into()))?.is_some();
+        let trained_here =
+            self.train.lock().map_err(|_| Error::InvalidArgument("a lock is poisoned".into()))?.is_some();
         match target.as_ref() {
             // The device update wrote its weights into the target in place: nothing to copy.
             Some(t) if t.capacity().0 >= slots && t.capacity().1 >= positions && trained_here => {}
@@ -155,8 +156,9 @@ impl RolloutDevice {
     ) -> Result<()> {
         let poisoned = || Error::InvalidArgument("a device lock is poisoned".into());
         let target = self.target.lock().map_err(|_| poisoned())?;
-        let target =
-            target.as_ref().ok_or_else(|| Error::InvalidArgument("a device update needs a rollout before it".into()))?;
+        let target = target
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("a device update needs a rollout before it".into()))?;
         let mut train = self.train.lock().map_err(|_| poisoned())?;
         target.with_model_mut(|model| -> Result<()> {
             let t = match train.as_mut() {

@@ -246,10 +246,11 @@ impl<E: Environment> Trainer<E> {
     /// [`Error::Checkpoint`] if the checkpoint is incomplete or belongs to another run.
     pub fn resume(dir: &Path, initial: Llama, env: E, cfg: TrainerConfig) -> Result<Self> {
         let state = TrainerState::read(dir)?;
-        // The step count, the rollout device and the scoring workers may change on resume.
+        // The step count, the rollout device, where the update runs and the scoring workers may change on resume.
         let same = TrainerConfig {
             steps: cfg.steps,
             device: cfg.device,
+            update_on_device: cfg.update_on_device,
             scoring: cfg.scoring.clone(),
             ..state.config.clone()
         };

@@ -64,12 +64,7 @@ pub(super) struct Layout {
     pub(super) advantages: Tensor,
 }
 
-pub(super) fn layout(
-    seqs: &[&TrainSeq],
-    old: Option<&[&[f32]]>,
-    grpo: &GrpoConfig,
-    dev: &Device,
-) -> Result<Layout> {
+pub(super) fn layout(seqs: &[&TrainSeq], old: Option<&[&[f32]]>, grpo: &GrpoConfig, dev: &Device) -> Result<Layout> {
     let b = seqs.len();
     let t = seqs.iter().map(|s| s.sample.prompt.len() + s.sample.tokens.len() - 1).max().unwrap_or(1);
     let r = seqs.iter().map(|s| s.sample.tokens.len()).max().unwrap_or(1);

@@ -10,9 +10,7 @@ use tlt_model::cuda::CudaLlama;
 use tlt_model::optim::{AdamW, ParamState};
 use tlt_model::Llama;
 
-use super::update::{
-    layout, micro_batches_of, rank_sync, MiniStep, StepPlan, TrainSeq, UpdateBackend, UpdateContext,
-};
+use super::update::{layout, micro_batches_of, rank_sync, MiniStep, StepPlan, TrainSeq, UpdateBackend, UpdateContext};
 use crate::grpo::{policy_loss, LossInputs, LossStats};
 use crate::{Error, Result};
 
@@ -41,7 +39,11 @@ impl DeviceTrain {
         trainer.write_decoder(policy)?;
         let reference = reference.map(|r| CudaLlama::new(r, policy.gpu().clone(), 1, 16)).transpose()?;
         let t = &trainer;
-        let bytes = tlt_model::cuda::train::train_memory(policy.config(), t.params().last().map_or(0, |p| p.range.end), t.max_rows());
+        let bytes = tlt_model::cuda::train::train_memory(
+            policy.config(),
+            t.params().last().map_or(0, |p| p.range.end),
+            t.max_rows(),
+        );
         tracing::info!(
             train_bytes = bytes,
             weights_bytes = policy.weight_bytes(),
@@ -169,7 +171,9 @@ impl UpdateBackend for DeviceUpdate<'_> {
             };
             let (lp, ent) = self.train.trainer.forward(self.policy, &batch, temperature, entropy)?;
             let logp = Var::from_tensor(&padded(&per_seq(&part, &batch, &lp), r)?)?;
-            let ent = ent.map(|e| padded(&per_seq(&part, &batch, &e), r).and_then(|t| Ok(Var::from_tensor(&t)?))).transpose()?;
+            let ent = ent
+                .map(|e| padded(&per_seq(&part, &batch, &e), r).and_then(|t| Ok(Var::from_tensor(&t)?)))
+                .transpose()?;
             let old_logp = match &l.old_logp {
                 Some(o) => o.clone(),
                 None => logp.as_tensor().detach(),
@@ -214,7 +218,10 @@ impl UpdateBackend for DeviceUpdate<'_> {
         };
         let norm = self.train.trainer.step(self.policy, ctx.lr, ctx.max_grad_norm)?;
         if !norm.applied() {
-            tracing::warn!(grad_norm = norm.before, "non-finite gradient norm: optimizer step skipped, weights unchanged");
+            tracing::warn!(
+                grad_norm = norm.before,
+                "non-finite gradient norm: optimizer step skipped, weights unchanged"
+            );
         }
         Ok(Some(MiniStep { stats, grad_norm: norm.before, micros, applied: norm.applied(), wait_s, sync_s }))
     }
