@@ -154,3 +154,27 @@ fn rollouts_on_the_gpu() {
         assert!(r.samples.iter().all(|(s, _, _)| s.logprobs.iter().all(|l| l.is_finite() && *l <= 0.0)));
     }
 }
+
+/// The device memory plan names every part a device run holds, and a run too large for the device is refused
+/// before its first rollout, with the plan in the error.
+#[test]
+fn the_device_memory_plan_is_checked_before_the_first_rollout() {
+    let gpu = tlt_cuda_sim::test_devices("the_device_memory_plan", &[Schedule::Lazy]).unwrap().remove(0);
+    let cpu = Trainer::new(model(), Sevens, config(Device::Cpu)).unwrap();
+    assert!(cpu.device_memory_plan().is_none(), "rollouts on the CPU plan no device memory");
+    let t = Trainer::new(model(), Sevens, config(Device::Cpu)).unwrap().with_gpu(gpu.clone());
+    let plan = t.device_memory_plan().unwrap();
+    let params = t.policy().weights().num_params() as u64;
+    assert_eq!(plan.policy_weights, 2 * params);
+    assert_eq!(plan.optimizer, 16 * params, "f32 master weights, two moments and gradients");
+    assert!(plan.kv_cache > 0 && plan.graph_pool > 0 && plan.activations > 0 && plan.drafter > 0, "{plan:?}");
+    assert_eq!(plan.reference, 0, "no KL term, no reference");
+    let host = TrainerConfig { update_on_device: false, ..config(Device::Cpu) };
+    let p = Trainer::new(model(), Sevens, host).unwrap().with_gpu(gpu.clone()).device_memory_plan().unwrap();
+    assert_eq!((p.optimizer, p.activations), (0, 0), "the update on the CPU holds nothing on the device");
+    // Far more sequences than the device holds: refused before the first rollout.
+    let huge = TrainerConfig { prompts_per_step: 1 << 16, group_size: 64, ..config(Device::Cpu) };
+    let mut big = Trainer::new(model(), Sevens, huge).unwrap().with_gpu(gpu);
+    let e = big.step(&mut tlt_rl::trainer::Quiet).unwrap_err().to_string();
+    assert!(e.contains("KV cache") && e.contains("device memory"), "{e}");
+}

@@ -20,6 +20,14 @@ use super::update::{policy_update, TrainSeq, UpdateContext, UpdateStats};
 use super::update_device::{DeviceTrain, DeviceUpdate};
 use crate::{Error, Result};
 
+/// The CUDA graph pool's memory budget of the rollout engine (captured shapes' buffers and graphs).
+pub(crate) const GRAPH_BUDGET: u64 = 2 << 30;
+
+/// The KV cache positions per sequence of the rollout engine for prompts up to `prompt_room` tokens.
+pub(crate) fn cache_positions(prompt_room: usize, max_new_tokens: usize) -> usize {
+    prompt_room + max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1
+}
+
 /// The device rollouts and the EAGLE drafter's forward share: a CUDA device opened at first use (feature `cuda`), or
 /// one handed in; none when rollouts run on the CPU.
 #[derive(Debug)]
@@ -119,7 +127,7 @@ impl RolloutDevice {
         }
         let slots = job.prompts.len() * job.group_size;
         let longest = job.prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
-        let positions = longest + job.params.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1;
+        let positions = cache_positions(longest, job.params.max_new_tokens);
         let mut target =
             self.target.lock().map_err(|_| Error::InvalidArgument("the GPU target's lock is poisoned".into()))?;
         let trained_here =
@@ -131,7 +139,7 @@ impl RolloutDevice {
             _ => {
                 // Positions rounded up so that slightly longer prompts later do not rebuild it.
                 let gpu = self.handle.gpu()?;
-                *target = Some(CudaTarget::new(model, gpu, slots, positions.next_multiple_of(256), 2 << 30)?);
+                *target = Some(CudaTarget::new(model, gpu, slots, positions.next_multiple_of(256), GRAPH_BUDGET)?);
             }
         }
         let target = target.as_ref().ok_or_else(|| Error::InvalidArgument("no GPU target".into()))?;

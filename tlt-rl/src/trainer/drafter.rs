@@ -140,6 +140,15 @@ impl RolloutDrafter {
         }
     }
 
+    /// Device bytes of the EAGLE drafter's forward once it runs on the rollouts' device: its weights (bf16) and KV
+    /// cache (0 on the CPU or without an EAGLE drafter).
+    pub(crate) fn device_bytes(&self) -> u64 {
+        let (Some(e), Some(d)) = (self.eagle.as_ref(), self.device.as_ref()) else { return 0 };
+        let t = e.trainer.lock();
+        let params: usize = t.drafter().named_tensors().iter().map(|(_, w)| w.elem_count()).sum();
+        2 * params as u64 + super::memory::kv_bytes(&t.drafter().config().llama, d.slots, d.max_len)
+    }
+
     /// Whether the engine must record hidden states for these drafters.
     pub(crate) fn needs_hidden(&self) -> bool {
         self.eagle.is_some()

@@ -30,6 +30,7 @@ mod env;
 mod export;
 mod generate;
 mod head;
+mod memory;
 mod parallel;
 mod reward;
 mod rollout;
@@ -57,6 +58,7 @@ pub use export::{
     make_readable, serve_commands, serve_instructions, tokenizer_config, ExportConfig, Exported, EXPORT_DRAFTER_DIR,
     EXPORT_POLICY_DIR, SERVE_FILE,
 };
+pub use memory::DeviceMemoryPlan;
 pub use parallel::shard;
 pub use reward::ScoringConfig;
 pub use rollout::{Observer, Quiet, RolloutOutput, Sample, SdCeiling, CEILING_DEPTHS};
@@ -133,6 +135,8 @@ pub struct Trainer<E: Environment> {
     comm: parallel::SharedComm,
     /// Every rank's gate and bandit state from the checkpoint this trainer resumed, for [`Trainer::with_comm`].
     resumed_decoders: Vec<tlt_scheduler::DecoderState>,
+    /// Whether the device memory plan was checked and reported (before the first rollout on a device).
+    memory_checked: bool,
 }
 
 impl<E: Environment> std::fmt::Debug for Trainer<E> {
@@ -229,6 +233,7 @@ impl<E: Environment> Trainer<E> {
             stopped: None,
             comm: Arc::new(tlt_comm::SelfComm),
             resumed_decoders: Vec::new(),
+            memory_checked: false,
         })
     }
 
@@ -348,6 +353,60 @@ impl<E: Environment> Trainer<E> {
             draft_on(&self.cfg, d, handle);
         }
         self
+    }
+
+    /// The most tokens of one micro-batch of the update (a sequence longer than the token budget runs alone).
+    fn update_rows(&self) -> usize {
+        self.cfg.micro_batch_tokens.max(PROMPT_ROOM + self.cfg.max_new_tokens)
+    }
+
+    /// The device memory this trainer plans for, part by part (`None` with rollouts on the CPU): the rollout
+    /// engine's policy, KV cache (prompts up to 1,024 tokens) and graph pool, the EAGLE drafter's forward, and with
+    /// the update on the device its reference, f32 state and activations. Checked against the device's memory and
+    /// logged before the first rollout.
+    pub fn device_memory_plan(&self) -> Option<DeviceMemoryPlan> {
+        if !self.rollouts.handle().on_device() {
+            return None;
+        }
+        let cfg = self.policy.config();
+        let params = self.policy.weights().num_params() as u64;
+        let slots = self.cfg.prompts_per_step * self.cfg.group_size;
+        let positions = device::cache_positions(PROMPT_ROOM, self.cfg.max_new_tokens).next_multiple_of(256);
+        let update = self.cfg.update_on_device;
+        let kl = self.cfg.grpo.kl.is_some();
+        Some(DeviceMemoryPlan {
+            policy_weights: 2 * params,
+            kv_cache: memory::kv_bytes(cfg, slots, positions),
+            graph_pool: device::GRAPH_BUDGET,
+            drafter: self.drafter.as_ref().map_or(0, RolloutDrafter::device_bytes),
+            reference: if update && kl { 2 * params } else { 0 },
+            optimizer: if update { 16 * params } else { 0 },
+            activations: if update {
+                tlt_model::cuda::train::train_memory(cfg, 0, self.update_rows()) as u64
+            } else {
+                0
+            },
+        })
+    }
+
+    /// Once, before the first rollout on a device: the memory plan against the device's memory (an error when it
+    /// cannot fit), logged.
+    fn check_device_memory(&mut self) -> Result<()> {
+        if self.memory_checked {
+            return Ok(());
+        }
+        let Some(plan) = self.device_memory_plan() else { return Ok(()) };
+        let gpu = self.rollouts.handle().gpu()?;
+        let (free, total) = gpu.memory().map_err(|e| Error::Model(e.into()))?;
+        tracing::info!(device = %gpu.info().name, free, total, "device memory plan:\n{plan}");
+        if plan.total() > total as u64 {
+            return Err(Error::config(
+                "device",
+                format!("the run needs {} bytes of device memory, the device has {total}:\n{plan}", plan.total()),
+            ));
+        }
+        self.memory_checked = true;
+        Ok(())
     }
 
     /// The groups of a step whose sequences this rank trains on (every group for one rank).
@@ -537,6 +596,7 @@ impl<E: Environment> Trainer<E> {
     }
 
     fn try_step(&mut self, obs: &mut dyn Observer, update: &mut UpdateStats) -> Result<StepReport> {
+        self.check_device_memory()?;
         let t_step = Instant::now();
         let step = self.step;
         let g = self.cfg.group_size;
@@ -574,9 +634,9 @@ impl<E: Environment> Trainer<E> {
         };
         // The rollout's copy of the weights is not needed until the next rollout: free it for the update's peak.
         self.rollout_model = None;
+        let rows = self.update_rows();
         let updated = if self.cfg.update_on_device && self.rollouts.handle().on_device() {
-            let max_rows = self.cfg.micro_batch_tokens.max(PROMPT_ROOM + self.cfg.max_new_tokens);
-            self.rollouts.update_policy(&ctx, &mut self.opt, max_rows, &seqs, update)
+            self.rollouts.update_policy(&ctx, &mut self.opt, rows, &seqs, update)
         } else {
             policy_update(&ctx, &mut HostUpdate { opt: &mut self.opt }, &seqs, update)
         };
