@@ -61,7 +61,7 @@ struct Args {
     #[arg(long)]
     steps: Option<u64>,
     /// Where rollouts run (config: `[trainer] device`): `cpu`, or `cuda[:N]` in a build with `--features cuda`
-    /// (the engine and the EAGLE drafter's forward on the GPU; drafter training and the update on the CPU; this
+    /// (the engine, the EAGLE drafter's forward and the policy update on the GPU; drafter training on the CPU; this
     /// version has not run on a GPU: the first GPU run's rollouts failed, fixed since on the simulated device).
     #[arg(long)]
     device: Option<tlt_model::Device>,

@@ -205,7 +205,7 @@ impl<E: Environment> Trainer<E> {
             Mode::Baseline => AdaptiveDecoder::plain()?,
         };
         let rollouts = RolloutDevice::new(cfg.device)?;
-        if cfg.device.is_cuda() && cfg.grpo.tis_cap.is_none() {
+        if cfg.device.is_cuda() && !cfg.update_on_device && cfg.grpo.tis_cap.is_none() {
             tracing::warn!(
                 "rollouts on {} compute log-probabilities in bf16 while the update runs f32 on the CPU; consider \
                  grpo.tis_cap (truncated importance sampling) to correct for the mismatch",
