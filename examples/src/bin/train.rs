@@ -183,6 +183,10 @@ fn trainer(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &RunDir, resume:
     } else {
         Trainer::new(loaded.model, env, tcfg)?
     };
+    if let Some(plan) = t.device_memory_plan() {
+        // Checked against the device before the first rollout; printed here, before anything is allocated.
+        eprintln!("{} device memory plan ({}):\n{plan}", label(mode), t.config().device);
+    }
     Ok(t.with_comm(comm)?)
 }
 
