@@ -69,6 +69,11 @@ impl Layout {
         Ok(Self { b, t, ids, seg, pos, loss_mask })
     }
 
+    /// Each token's position inside its segment (row-major `b * t`; a segment starts at flat index `k - pos[k]`).
+    pub fn positions(&self) -> &[usize] {
+        &self.pos
+    }
+
     /// Whether position `t` of row `r` has a target `s` tokens later in the same segment.
     fn shift_valid(&self, r: usize, i: usize, s: usize) -> bool {
         i + s < self.t && self.seg[r * self.t + i] == self.seg[r * self.t + i + s]

@@ -14,6 +14,8 @@
 //! Limits: at most [`MAX_TREE_NODES`] tentative rows per sequence and top-k at most [`MAX_TOP_K`]; a forward's rows
 //! share one feature width (the proposer never mixes them: committed positions in a catch-up, drafted ones in a
 //! level). The target's features arrive from the host (the engine's recorded hidden states) and are uploaded.
+//!
+//! Training: [`CudaDrafterTrainer`] runs an EAGLE-2 drafter's training step on the device.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -26,6 +28,8 @@ use tlt_kernels::cuda::{
     MAX_TREE_NODES,
 };
 use tlt_model::device_step::{StepLayout, StepMeta};
+
+pub use crate::cuda_train::{CudaDrafterTrainer, DeviceLoss, DraftArena};
 
 use crate::config::DrafterKind;
 use crate::exec::{DraftExecutor, Forward, Group};

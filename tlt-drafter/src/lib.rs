@@ -77,12 +77,14 @@
 //! Default: CPU, any float dtype the target uses (tests run f32 and, for gradient checks, f64).
 //! `cuda::CudaDrafter`, a [`DraftExecutor`] running the drafter's forward and top-k on a device behind the seam
 //! (`tlt_kernels::cuda::Gpu`), is always built: CI runs it on the simulated device; `cuda` adds the CUDA device
-//! (`tlt_kernels::cuda::CudaGpu`).
+//! (`tlt_kernels::cuda::CudaGpu`). `cuda::CudaDrafterTrainer` trains an EAGLE-2 drafter on such a device (forward,
+//! loss, backward and AdamW there), from the batches the CPU trainer builds.
 
 mod batch;
 pub mod checkpoint;
 mod config;
 pub mod cuda;
+mod cuda_train;
 mod eagle2;
 mod eagle3;
 mod error;

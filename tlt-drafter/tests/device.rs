@@ -2,7 +2,8 @@
 //! against the host drafter, on the device the environment gives: in CI the simulated device (`tlt-cuda-sim`'s
 //! `SimGpu`, whose stream runs work late or at seeded points), on a GPU machine the CUDA device (`TLT_REQUIRE_GPU=1`
 //! makes a missing one an error). Also the whole composition on one device: the engine on the device target with
-//! the EAGLE-2 drafter's levels on the device commits plain decoding's tokens.
+//! the EAGLE-2 drafter's levels on the device commits plain decoding's tokens. The EAGLE-2 training step on the device
+//! against the CPU trainer: `device/train.rs`.
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
 mod common;
@@ -205,3 +206,6 @@ fn eagle2_sd_on_the_device_equals_plain_decoding_on_the_device() {
         assert!(c.mean_accept_len() > 1.2, "{}: {:.2} tokens per round", gpu.info().name, c.mean_accept_len());
     }
 }
+
+#[path = "device/train.rs"]
+mod train;

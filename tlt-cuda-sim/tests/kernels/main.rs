@@ -31,6 +31,7 @@ macro_rules! kernel_tests {
 
 mod attention;
 mod common;
+mod draft_train;
 mod kv;
 mod layer;
 mod sampling;
@@ -64,8 +65,15 @@ fn the_simulation_compiles_exactly_our_kernels() {
 #[test]
 fn every_kernel_is_launched_by_a_test() {
     let dev = SimDevice::new();
-    let bodies =
-        [attention::BODIES, kv::BODIES, layer::BODIES, sampling::BODIES, train::BODIES, train_attention::BODIES];
+    let bodies = [
+        attention::BODIES,
+        draft_train::BODIES,
+        kv::BODIES,
+        layer::BODIES,
+        sampling::BODIES,
+        train::BODIES,
+        train_attention::BODIES,
+    ];
     for (name, body) in bodies.iter().flat_map(|b| b.iter()) {
         body(&dev);
         println!("ran {name}");

@@ -116,6 +116,11 @@ pub const SOURCES: &[KernelSource] = &[
         kernels: &["concat_rows_bf16", "top_k_rows_f32"],
     },
     KernelSource {
+        file: "draft_train.cu",
+        text: include_str!("../../cuda/draft_train.cu"),
+        kernels: &["soft_ce_f32", "soft_ce_back_f32", "smooth_l1_f32", "smooth_l1_back_f32"],
+    },
+    KernelSource {
         file: "sampling.cu",
         text: include_str!("../../cuda/sampling.cu"),
         kernels: &["sample_rows_f32", "tree_accept"],

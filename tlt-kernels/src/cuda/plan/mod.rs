@@ -236,12 +236,14 @@ impl RowBuf {
 }
 
 mod attention;
+mod draft_train;
 mod gemm;
 mod rows;
 mod train;
 mod train_attention;
 
 pub use attention::*;
+pub use draft_train::*;
 pub use gemm::*;
 pub use rows::*;
 pub use train::*;

@@ -8,11 +8,15 @@
 //! on a few floats per token), and [`CudaTrainer::backward`] carries that gradient through the model. So every loss
 //! formula exists once, on the host, for the CPU and the device paths alike.
 //!
-//! Written on the device seam ([`Gpu`]): it runs on a CUDA device and, in CI, on the simulated device, every kernel
-//! included. Not supported yet: Qwen3's q/k head norms and biases on other projections than q/k/v (an error at
-//! [`CudaTrainer::new`]).
+//! One decoder layer's forward and backward are reusable units ([`TrainLayer`], with [`LayerScratch`],
+//! [`TrainLayerBufs`], [`LayerGrads`], [`PackedRows`]): `tlt-drafter`'s device trainer runs EAGLE-2's layer with them.
+//!
+//! Written on the device seam ([`Gpu`](tlt_kernels::cuda::Gpu)): it runs on a CUDA device and, in CI, on the
+//! simulated device, every kernel included. Not supported yet: Qwen3's q/k head norms and biases on other projections
+//! than q/k/v (an error at [`CudaTrainer::new`]).
 
 mod batch;
+mod layer;
 mod pass;
 
 use half::bf16;
@@ -20,7 +24,8 @@ use tlt_kernels::cuda::plan::{self, AdamWStep, Buf, SUM_SQUARES_BLOCKS};
 use tlt_kernels::cuda::{gpu, DeviceBuf, SharedGpu};
 
 pub use self::batch::TrainBatch;
-use self::pass::{Acts, Dims, GradBufs, LayerGrads};
+pub use self::layer::{LayerDims, LayerGrads, LayerScratch, PackedRows, TrainLayer, TrainLayerBufs};
+use self::pass::{Acts, Dims, GradBufs};
 use super::CudaLlama;
 use crate::config::LlamaConfig;
 use crate::device_step::WeightBufs;
@@ -61,6 +66,7 @@ fn weight_list(w: &WeightBufs) -> Vec<(String, Buf<bf16>)> {
 /// Every HF-named tensor's elements in the arenas: the stacked q/k/v and gate/up split back into their projections
 /// (rows of a stacked weight are consecutive, so each projection is one range).
 fn hf_ranges(params: &[TrainParam], d: &Dims) -> Result<Vec<(String, std::ops::Range<usize>)>> {
+    let d = &d.layer;
     let kv = (d.qkv - d.q) / 2;
     let mut out = Vec::new();
     for p in params {
@@ -103,6 +109,23 @@ fn hf_ranges(params: &[TrainParam], d: &Dims) -> Result<Vec<(String, std::ops::R
         }
     }
     Ok(out)
+}
+
+/// The factor a global gradient norm of `norm` is clipped by to at most `max_norm` (1: no clipping), exactly as
+/// the host optimizer computes it ([`crate::optim::clip_grad_norm`]): for device optimizers built on the `adamw`
+/// kernel (`tlt_kernels::cuda::plan::adamw`'s `coef`).
+#[must_use]
+pub fn clip_coef(norm: f64, max_norm: Option<f64>) -> f64 {
+    crate::optim::clip_coef(norm, max_norm)
+}
+
+/// `model`'s token embedding and LM head on its device (`[vocab, hidden]` bf16 each; the head is the embedding when
+/// tied): what a drafter trained beside the policy reads (`tlt-drafter`'s device trainer copies them, device to
+/// device, after each policy update). Valid while `model` lives and keeps its weights' buffers.
+#[must_use]
+pub fn embedding_and_head(model: &CudaLlama) -> (Buf<bf16>, Buf<bf16>) {
+    let w = model.w.bufs();
+    (w.embed, w.head.unwrap_or(w.embed))
 }
 
 /// The trainer's f32 arenas, each in [`CudaTrainer::params`] order.
@@ -238,7 +261,7 @@ impl CudaTrainer {
                 .map(|l| {
                     let n = |s: &str| format!("layers.{l}.{s}");
                     Ok(LayerGrads {
-                        in_norm: by_name(&n("in_norm"))?,
+                        in_norm: Some(by_name(&n("in_norm"))?),
                         post_norm: by_name(&n("post_norm"))?,
                         qkv: by_name(&n("qkv"))?,
                         qkv_b: has(&n("qkv_bias")).then(|| by_name(&n("qkv_bias"))).transpose()?,
