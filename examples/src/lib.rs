@@ -1,10 +1,11 @@
-//! Shared bits of the example programs (`generate`, `train`): where the default model lives, logging, and the
-//! data-parallel launch (MPI ranks).
+//! Shared bits of the example programs (`generate`, `train`): where the default model lives, logging, the
+//! data-parallel launch (MPI ranks) and the compact end of `train --mode compare` ([`compare`]).
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+pub mod compare;
 pub mod ranks;
 
 /// `tracing` to stderr, filtered by `RUST_LOG` (default `info`), coloured on a terminal; each line prefixed by

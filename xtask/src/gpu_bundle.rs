@@ -3,6 +3,9 @@
 //! PyTorch cu130's `nvidia-*` wheels or the CUDA toolkit provide the libraries). Send `target/gpu-bundle` there and
 //! run `gpu-bundle/run.sh`; results land in `$OUT` (or `gpu-bundle/out`). With `--weights`, SmolLM2's GGUF is also
 //! split into parts sent by earlier calls ([`split_weights`]), which `run.sh` reassembles for the real-weights tests.
+//! The end-to-end call (`run.sh e2e`: the demo's comparison on the GPU) has a bundle of its own, `target/gpu-e2e`
+//! (`run.sh`, the `train` binary built with `cuda`, 18 MB stripped, its configs): the device tool takes 64 MiB per
+//! call, the repository included, and `target/gpu-bundle` is already 63 MB (2026-11-27).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -13,9 +16,63 @@ use tracing::{info, warn};
 /// One call of the GPU plan on the GPU machine (`run.sh CALL`; see the script's header).
 const RUN_SH: &str = include_str!("gpu_run.sh");
 
-/// The calls of the GPU plan, in order: call 1 (`all`: the CUDA suites, gpu-bench, the peer) and call 2 (`ranks`);
-/// then the sections of call 1 on their own, for reruns.
-pub const CALLS: [&str; 5] = ["all", "ranks", "tests", "bench", "peer"];
+/// The calls of the GPU plan, in order: call 1 (`all`: the CUDA suites, gpu-bench, the peer), call 2 (`ranks`)
+/// and call 3 (`e2e`: the demo's TLT-vs-baseline comparison on the GPU with SmolLM2's real weights, from
+/// `target/gpu-e2e`); then the sections of call 1 on their own, for reruns.
+pub const CALLS: [&str; 6] = ["all", "ranks", "e2e", "tests", "bench", "peer"];
+
+/// The demo's config (`train`'s embedded default), which the `e2e` call's configs start from.
+const DEMO_CONFIG: &str = include_str!("../../examples/configs/demo.toml");
+/// The `e2e` call's config on the GPU, in the bundle.
+const E2E_CONFIG: &str = "e2e.toml";
+/// The `e2e` call's config in a dry run (the CPU), in the bundle.
+const E2E_DRY_CONFIG: &str = "e2e-dry.toml";
+
+/// The `e2e` call's config: the demo's with `overrides` (dotted key, value), a comment line first.
+fn e2e_config(comment: &str, overrides: &[(&str, toml::Value)]) -> Result<String> {
+    let mut cfg: toml::Table = toml::from_str(DEMO_CONFIG).context("parsing the demo config")?;
+    for (key, value) in overrides {
+        let mut path: Vec<&str> = key.split('.').collect();
+        let last = path.pop().context("an empty key")?;
+        let mut table = &mut cfg;
+        for part in path {
+            table = table
+                .entry(part)
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                .as_table_mut()
+                .with_context(|| format!("{key}: {part} is not a table"))?;
+        }
+        table.insert(last.to_string(), value.clone());
+    }
+    Ok(format!("# {comment}\n{}", toml::to_string_pretty(&cfg)?))
+}
+
+/// The `e2e` call's configs, by file name: on the GPU, the demo's with 4 steps and no checkpoints (whose 1.6 GB
+/// of policy and AdamW moments per step would only cost time; the final export is kept, and the two runs' exported
+/// policies are compared bit for bit); in a dry run, the same on the CPU cut to one step of 2 x 2 answers of at
+/// most 16 tokens, no drafter warm-up and a 2-prompt evaluation, so that the dry run runs the call's real
+/// command line on the real weights in about a minute.
+fn e2e_configs() -> Result<[(&'static str, String); 2]> {
+    use toml::Value::Integer;
+    let gpu = e2e_config(
+        "`run.sh e2e` (written by `cargo xtask gpu-bundle`): the demo's config, 4 steps, no checkpoints",
+        &[("trainer.steps", Integer(4)), ("checkpoint_every", Integer(0))],
+    )?;
+    let dry = e2e_config(
+        "`run.sh e2e` in a dry run (written by `cargo xtask gpu-bundle`): the demo's config cut to seconds on a CPU",
+        &[
+            ("trainer.steps", Integer(1)),
+            ("trainer.prompts_per_step", Integer(2)),
+            ("trainer.group_size", Integer(2)),
+            ("trainer.max_new_tokens", Integer(16)),
+            ("trainer.sd.warmup.prompts", Integer(0)),
+            ("eval.prompts", Integer(2)),
+            ("eval.max_new_tokens", Integer(8)),
+            ("checkpoint_every", Integer(0)),
+        ],
+    )?;
+    Ok([(E2E_CONFIG, gpu), (E2E_DRY_CONFIG, dry)])
+}
 
 /// Files one call leaves under `$OUT`: its archive and its summary (the device tool takes at most 8).
 const CALL_FILES: usize = 2;
@@ -78,13 +135,28 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     let name = wheel.file_name().context("the Open MPI wheel's name")?;
     std::fs::copy(&wheel, dir.join(name)).context("copying the Open MPI wheel into the bundle")?;
     let status = cargo()
-        .args(["build", "--release", "-p", "tlt-examples", "--features", "cuda", "--bin", "gpu-bench"])
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "tlt-examples",
+            "--features",
+            "cuda",
+            "--bin",
+            "gpu-bench",
+            "--bin",
+            "train",
+        ])
         .status()
-        .context("cargo build gpu-bench")?;
+        .context("cargo build gpu-bench and train")?;
     if !status.success() {
-        bail!("building gpu-bench failed");
+        bail!("building gpu-bench and train failed");
     }
     copied.push((root.join("target/release/gpu-bench"), bin.join("gpu-bench")));
+    let e2e = root.join("target").join("gpu-e2e");
+    let _ = std::fs::remove_dir_all(&e2e);
+    std::fs::create_dir_all(e2e.join("bin"))?;
+    copied.push((root.join("target/release/train"), e2e.join("bin").join("train")));
     for (from, to) in &copied {
         let stripped = Command::new("strip").arg("-o").arg(to).arg(from).status().is_ok_and(|s| s.success());
         if !stripped {
@@ -93,8 +165,18 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
         }
     }
     write_scripts(root, &dir)?;
-    let bytes: u64 = copied.iter().filter_map(|(_, to)| std::fs::metadata(to).ok()).map(|m| m.len()).sum();
-    info!(dir = %dir.display(), mb = bytes / 1_000_000, "GPU bundle ready: one call per `run.sh CALL`: {CALLS:?}");
+    write_scripts(root, &e2e)?;
+    let size = |d: &Path| -> u64 {
+        copied
+            .iter()
+            .filter(|(_, to)| to.starts_with(d))
+            .filter_map(|(_, to)| std::fs::metadata(to).ok())
+            .map(|m| m.len())
+            .sum()
+    };
+    let (mb, e2e_mb) = (size(&dir), size(&e2e));
+    info!(dir = %dir.display(), mb = mb / 1_000_000, "GPU bundle ready: one call per `run.sh CALL`: {CALLS:?}");
+    info!(dir = %e2e.display(), mb = e2e_mb / 1_000_000, "the `e2e` call's bundle: `target/gpu-e2e/run.sh e2e`");
     Ok(dir)
 }
 
@@ -121,10 +203,13 @@ fn test_executable(cargo: impl Fn() -> Command, package: &str, features: &str, t
     built.into_iter().next().map(|(exe, _)| exe).with_context(|| format!("cargo built no executable for {what}"))
 }
 
-/// Writes `run.sh` and the transformers peer's script into `dir`.
+/// Writes `run.sh`, the transformers peer's script and the `e2e` call's configs into `dir`.
 fn write_scripts(root: &Path, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::copy(root.join("scripts/hf_decode_bench.py"), dir.join("hf_decode_bench.py"))?;
+    for (name, text) in e2e_configs()? {
+        std::fs::write(dir.join(name), text)?;
+    }
     let run = dir.join("run.sh");
     std::fs::write(&run, RUN_SH)?;
     #[cfg(unix)]
@@ -137,13 +222,16 @@ fn write_scripts(root: &Path, dir: &Path) -> Result<()> {
 
 /// `cargo xtask gpu-bundle --dry-run`: runs every call of the plan here with its GPU steps stubbed (`TLT_DRY_RUN=1`:
 /// the test executables and the peer print canned output, one test failing; gpu-bench, the binary `bench`, runs on
-/// the simulated device) and checks each call's output with [`check_call`]. Needs no GPU and no CUDA build.
+/// the simulated device; the `e2e` call runs the binary `train` on the CPU with `gguf`, SmolLM2's weights, and its
+/// dry-run config) and checks each call's output with [`check_call`]. Needs no GPU and no CUDA build.
 ///
 /// # Errors
 /// When a call breaks a rule or the script cannot run.
-pub fn dry_run(root: &Path, bench: &Path) -> Result<()> {
-    if !bench.exists() {
-        bail!("{} is missing: the dry run runs gpu-bench on the simulated device", bench.display());
+pub fn dry_run(root: &Path, bench: &Path, train: &Path, gguf: &Path) -> Result<()> {
+    for (what, bin) in [("gpu-bench on the simulated device", bench), ("train on the CPU", train)] {
+        if !bin.exists() {
+            bail!("{} is missing: the dry run runs {what}", bin.display());
+        }
     }
     let dir = root.join("target").join("gpu-bundle-dry");
     let _ = std::fs::remove_dir_all(&dir);
@@ -157,6 +245,9 @@ pub fn dry_run(root: &Path, bench: &Path) -> Result<()> {
             .env("OUT", &out)
             .env("TLT_DRY_RUN", "1")
             .env("TLT_DRY_BENCH", bench)
+            .env("TLT_DRY_TRAIN", train)
+            .env("TLT_DRY_GGUF", gguf)
+            .current_dir(root)
             .output()
             .with_context(|| format!("running run.sh {call}"))?;
         let files: Vec<String> = std::fs::read_dir(&out)?
@@ -228,6 +319,28 @@ mod tests {
     fn good() -> (Vec<String>, String) {
         let summary = "device: x\nstep-a: rc 0 in 3 s (budget 100 s)\n  test result: ok\nstep-b: rc 1 in 2 s (budget 50 s)\nstatus: FAILED: step-b\n";
         (vec!["c.tar.gz".into(), "c-summary.txt".into()], summary.to_string())
+    }
+
+    #[test]
+    fn the_e2e_configs_are_the_demos_sized_for_the_call() {
+        use tlt_rl::runner::RunConfig;
+        let demo = RunConfig::from_toml(DEMO_CONFIG).unwrap();
+        let [(gpu_name, gpu), (dry_name, dry)] = e2e_configs().unwrap();
+        assert_eq!((gpu_name, dry_name), (E2E_CONFIG, E2E_DRY_CONFIG));
+        let (gpu, dry) = (RunConfig::from_toml(&gpu).unwrap(), RunConfig::from_toml(&dry).unwrap());
+        gpu.trainer.validate().unwrap();
+        dry.trainer.validate().unwrap();
+        // The GPU call: the demo's workload, fewer steps, no checkpoints; everything else as the demo's.
+        assert_eq!((gpu.trainer.steps, gpu.checkpoint_every), (4, 0));
+        let mut same = gpu.clone();
+        same.trainer.steps = demo.trainer.steps;
+        same.checkpoint_every = demo.checkpoint_every;
+        assert_eq!(toml::to_string(&same).unwrap(), toml::to_string(&demo).unwrap());
+        assert!(gpu.export.at_end, "the exported policies are compared bit for bit");
+        // The dry run: seconds on a CPU.
+        let t = &dry.trainer;
+        assert_eq!((t.steps, t.prompts_per_step, t.group_size, t.max_new_tokens), (1, 2, 2, 16));
+        assert_eq!((t.sd.warmup.prompts, dry.eval.prompts, dry.checkpoint_every), (0, 2, 0));
     }
 
     #[test]

@@ -5,6 +5,9 @@
 #           several batches), then the peer (HF transformers eager and compiled)
 #   ranks   call 2: data-parallel GRPO on 2 MPI ranks sharing the GPU (Open MPI from the bundle's pinned wheel): plain
 #           and with the EAGLE drafter trained on rank 0 and its versions sent over MPI to rank 1's device
+#   e2e     call 3, from its own bundle (target/gpu-e2e): the demo's TLT-vs-baseline GRPO comparison on the GPU with
+#           SmolLM2's real weights (the parts sent by earlier calls; without them the call fails at once, saying so),
+#           `train --mode compare --interleave --device cuda` on e2e.toml, its per-step summary last
 #   tests | bench | peer   one section of `all` alone (to rerun it)
 # on a GPU machine with no Rust toolchain (NVRTC 13 and cuBLAS 13 from the Python environment's nvidia-* wheels or
 # the toolkit). Every step has a time budget (its timeout) and is isolated: a failing step is reported and the rest
@@ -12,7 +15,7 @@
 # most 40 lines, naming every step's outcome and budget) and prints the summary last; `cargo xtask gpu-bundle
 # --dry-run` (run by `cargo xtask test`) checks those rules and the budgets. TLT_DRY_RUN=1 stubs every GPU step: the
 # test executables and the peer print canned output, gpu-bench runs on the simulated device (TLT_DRY_BENCH names the
-# binary).
+# binary), the e2e call's train runs on the CPU (TLT_DRY_TRAIN, on TLT_DRY_GGUF with e2e-dry.toml).
 set -uo pipefail
 call=${1:-}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -46,12 +49,16 @@ stub() {
 }
 
 # Runs a step with a time budget (seconds), its output into $log/NAME.log; stubbed in a dry run (but gpu-bench, which
-# runs on the simulated device there). One summary line: name, exit code, seconds, budget.
+# runs on the simulated device there, and a command after `live`, whose caller picks its dry-run form). One summary
+# line: name, exit code, seconds, budget.
 step() {
     local name=$1 budget=$2
     shift 2
     local started=$SECONDS rc=0
-    if [ -n "$dry" ] && [ "$1" != "bench" ]; then
+    if [ "$1" = "live" ]; then
+        shift
+        timeout "$budget" "$@" > "$log/$name.log" 2>&1 || rc=$?
+    elif [ -n "$dry" ] && [ "$1" != "bench" ]; then
         stub "$name" "${mode:-}" > "$log/$name.log" 2>&1 || rc=$?
     elif [ "$1" = "bench" ]; then
         shift
@@ -106,7 +113,7 @@ else
     { nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; } > "$log/env.txt" 2>&1
     say "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
 fi
-if [ "$call" != ranks ]; then
+if [ "$call" != ranks ] && [ "$call" != e2e ]; then
     # The dynamic loader's record of the libraries a test process loads (its own run is not a test).
     step libraries 10 env LD_DEBUG=libs "$here/bin/test-tlt-kernels" gpu:: --test-threads=1
     append "loaded $(grep -E 'calling init: .*(libcuda|nvrtc|cublas)' "$log/libraries.log" | sed 's/.*calling init: //' \
@@ -170,8 +177,47 @@ peer() {
     done
 }
 
+# The demo's comparison on the GPU (its budget and its config's sizing: xtask/README.md, "The GPU plan"): TLT and the
+# baseline in one process, step by step, on SmolLM2's real weights; the loader's record of the libraries it loads;
+# the per-step summary `train` writes last. The runs' exports (GBs) stay out of the archive.
+e2e() {
+    local train="$here/bin/train" config="$here/e2e.toml" device=cuda model=${TLT_SMOLLM2_GGUF:-} budget=440
+    if [ -n "$dry" ]; then
+        train=${TLT_DRY_TRAIN:?a dry run needs TLT_DRY_TRAIN (a train binary)}
+        model=${TLT_DRY_GGUF:?a dry run needs TLT_DRY_GGUF (the SmolLM2 GGUF)}
+        config="$here/e2e-dry.toml" device=cpu
+    fi
+    if [ -z "$model" ]; then
+        status=1
+        failed_steps="$failed_steps e2e-compare"
+        say "e2e-compare: rc 2 in 0 s (budget $budget s); not run: no SmolLM2 weights (send each target/gpu-weights/part-K" \
+            "of \`cargo xtask gpu-bundle --weights\` by its own call first)"
+        return
+    fi
+    local run="$work/e2e-run"
+    step e2e-compare "$budget" live env LD_DEBUG=libs LD_DEBUG_OUTPUT="$log/ld" "$train" --mode compare --interleave \
+        --device "$device" --config "$config" --model "$model" --out "$run"
+    local loaded
+    loaded=$(grep -hE 'calling init: .*(libcuda|nvrtc|cublas)' "$log"/ld.* 2>/dev/null | sed 's/.*calling init: //' \
+        | sort -u | head -3 | xargs -n1 basename 2>/dev/null | tr '\n' ' ')
+    append "loaded ${loaded:-no libcuda, NVRTC or cuBLAS}"
+    for f in summary.txt summary.json config.toml tlt/metrics.jsonl baseline/metrics.jsonl; do
+        [ -f "$run/$f" ] && cp "$run/$f" "$log/e2e-${f//\//-}"
+    done
+    if [ -f "$run/summary.txt" ]; then
+        head -30 "$run/summary.txt" | cut -c1-220 | while IFS= read -r l; do say "  $l"; done
+    else
+        local done_steps
+        done_steps=$(for m in tlt baseline; do echo "$m $(cat "$run/$m/metrics.jsonl" 2>/dev/null | wc -l)"; done | xargs)
+        say "  no summary; steps done: $done_steps; the error (else the log's last lines):"
+        { grep -m1 -A1 -E "^Error|panicked at" "$log/e2e-compare.log" || grep -vE '^\s*$' "$log/e2e-compare.log" | tail -3; } \
+            | grep -vE '^\s*$' | cut -c1-200 | while IFS= read -r l; do say "  $l"; done
+    fi
+}
+
 case "$call" in
     all) tests; bench; peer ;;
+    e2e) e2e ;;
     tests) tests ;;
     bench) bench ;;
     peer) peer ;;
@@ -190,7 +236,7 @@ case "$call" in
             | cut -c1-200 | head -12 | while read -r l; do say "  $l"; done
         ;;
     *)
-        echo "usage: run.sh all|ranks|tests|bench|peer" >&2
+        echo "usage: run.sh all|ranks|e2e|tests|bench|peer" >&2
         exit 2
         ;;
 esac

@@ -8,7 +8,7 @@
 //!   the workspace (`cargo nextest run --release --workspace`, or `cargo test` without nextest) with `TLT_SMOLLM2_GGUF` pointing at the GGUF,
 //!   then the export parity check on a tiny fixture when its Python packages are installed (a SKIP line otherwise);
 //! - `demo`: `fetch-assets`, then the main job: GRPO training of SmolLM2 with TLT rollouts against the baseline
-//!   (the `train` example's `--mode compare` on its embedded config), printing the report;
+//!   (the `train` example's `--mode compare` on its embedded config), printing the report; `--device cuda` on a GPU;
 //! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`, `rollout`, `e2e`, `group`) writing `target/bench/<suite>.json` and `.md`.
 //!
 //! See `xtask/README.md` for every option and every field of the benchmark reports.
@@ -98,19 +98,10 @@ enum Cmd {
         dry_run: bool,
     },
     /// Fetch assets, then the main job: GRPO on SmolLM2-135M-Instruct with TLT rollouts and the baseline with
-    /// the same seeds (steps interleaved), and a report (reward before/after, step-time split, TLT speedup). Output in `target/demo`.
-    Demo {
-        /// Override the number of RL steps of each run.
-        #[arg(long)]
-        steps: Option<u64>,
-        /// A run config instead of the embedded demo config.
-        #[arg(long)]
-        config: Option<PathBuf>,
-        /// Data-parallel ranks (MPI processes, `mpirun -np N`; the `train` binary is then built with `--features
-        /// mpi`).
-        #[arg(long, default_value_t = 1)]
-        ranks: usize,
-    },
+    /// the same seeds (one run after the other, each in a fresh process; `--interleave`: step by step in one), and a
+    /// report (reward before/after, step-time split, TLT speedup, the tail and the bounds) ending with a per-step
+    /// summary. Output in `target/demo`.
+    Demo(DemoArgs),
     /// Fuzz a loader with structure-aware mutations of real files for `--minutes`; findings (panics, aborts,
     /// oversized allocations, hangs) go to `target/fuzz/<target>/findings/`, the summary to `summary.json`.
     Fuzz {
@@ -147,6 +138,33 @@ enum Cmd {
         #[command(subcommand)]
         suite: Suite,
     },
+}
+
+/// Options of `demo`.
+#[derive(Debug, clap::Args)]
+struct DemoArgs {
+    /// Override the number of RL steps of each run.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// A run config instead of the embedded demo config.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Data-parallel ranks (MPI processes, `mpirun -np N`; the `train` binary is then built with `--features
+    /// mpi`).
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// Where rollouts and the policy update run: `cpu`, or `cuda[:N]` (the `train` binary built with `--features
+    /// cuda`, NVRTC from the pinned wheel on the library path; cuBLAS 13 and a driver from the GPU machine).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// The policy: a `.gguf` file or a Hugging Face checkpoint directory (Llama, Qwen2.5, Qwen3) instead of the
+    /// fetched SmolLM2-135M-Instruct GGUF.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Both runs in one process, their steps interleaved (the order alternating), instead of one after the other
+    /// in fresh processes; both trainers resident at once (one rank only).
+    #[arg(long)]
+    interleave: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -333,8 +351,9 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
     }
     // The GPU plan's calls, with their GPU steps stubbed (gpu-bench on the simulated device, as the release tests
     // above built it): the device tool's file and output rules and the plan's budgets hold.
-    let bench = workspace_root().join("target/release/gpu-bench");
-    if let Err(e) = gpu_bundle::dry_run(&workspace_root(), &bench) {
+    let (bench, train) =
+        (workspace_root().join("target/release/gpu-bench"), workspace_root().join("target/release/train"));
+    if let Err(e) = gpu_bundle::dry_run(&workspace_root(), &bench, &train, &gguf) {
         eprintln!("error: gpu-bundle dry run: {e:#}");
         return Ok(ExitCode::FAILURE);
     }
@@ -385,21 +404,37 @@ pub(crate) fn cuda_package_args() -> Vec<&'static str> {
     CUDA_PACKAGES.iter().flat_map(|p| ["-p", p]).collect()
 }
 
-fn demo(steps: Option<u64>, config: Option<&Path>, ranks: usize) -> Result<ExitCode> {
-    let gguf = assets::fetch_assets()?;
+/// `demo`: the `train` example's `--mode compare` (built with the features `args` need) into `target/demo`.
+fn demo(args: &DemoArgs) -> Result<ExitCode> {
+    let cuda = bench_gpu::is_cuda(&args.device)?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => assets::fetch_assets()?,
+    };
     let out = workspace_root().join("target").join("demo");
     let mut cmd = cargo();
     cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "train"]);
-    if ranks > 1 {
-        cmd.args(["--features", "mpi"]);
+    let features: Vec<&str> =
+        [(args.ranks > 1, "mpi"), (cuda, "cuda")].into_iter().filter(|f| f.0).map(|f| f.1).collect();
+    if !features.is_empty() {
+        cmd.args(["--features", &features.join(",")]);
     }
-    cmd.args(["--", "--mode", "compare", "--ranks", &ranks.to_string()]);
-    cmd.arg("--model").arg(&gguf).arg("--out").arg(&out).env("TLT_SMOLLM2_GGUF", &gguf).current_dir(workspace_root());
-    if let Some(s) = steps {
+    if cuda {
+        cmd.env("LD_LIBRARY_PATH", assets::nvrtc_library_path()?);
+    }
+    cmd.args(["--", "--mode", "compare", "--ranks", &args.ranks.to_string(), "--device", &args.device]);
+    cmd.arg("--model").arg(&model).arg("--out").arg(&out).current_dir(workspace_root());
+    if args.model.is_none() {
+        cmd.env("TLT_SMOLLM2_GGUF", &model);
+    }
+    if let Some(s) = args.steps {
         cmd.arg("--steps").arg(s.to_string());
     }
-    if let Some(c) = config {
+    if let Some(c) = &args.config {
         cmd.arg("--config").arg(c);
+    }
+    if args.interleave {
+        cmd.arg("--interleave");
     }
     let _ = std::fs::remove_dir_all(&out);
     Ok(exit_code(run(cmd)?))
@@ -446,16 +481,19 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),
         Cmd::TestCuda { gpu } => cuda_tests(gpu),
         Cmd::GpuBundle { dry_run: true, .. } => {
-            // gpu-bench with the features the release tests build it with, so that a dry run after them rebuilds
-            // nothing.
+            // gpu-bench and train with the features the release tests build them with, so that a dry run after them
+            // rebuilds nothing.
             let status = cargo()
-                .args(["build", "--release", "--workspace", "--bin", "gpu-bench", "--features", &all_features()])
+                .args(["build", "--release", "--workspace", "--bin", "gpu-bench", "--bin", "train"])
+                .args(["--features", &all_features()])
                 .status()
-                .context("cargo build gpu-bench")?;
+                .context("cargo build gpu-bench and train")?;
             if !status.success() {
-                bail!("building gpu-bench failed");
+                bail!("building gpu-bench and train failed");
             }
-            gpu_bundle::dry_run(&workspace_root(), &workspace_root().join("target/release/gpu-bench"))?;
+            let (root, gguf) = (workspace_root(), assets::fetch_assets()?);
+            let (bench, train) = (root.join("target/release/gpu-bench"), root.join("target/release/train"));
+            gpu_bundle::dry_run(&root, &bench, &train, &gguf)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::GpuBundle { weights, dry_run: false } => {
@@ -477,7 +515,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             fuzz::worker(target, seed, from, &gguf)?;
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Demo { steps, config, ranks } => demo(steps, config.as_deref(), ranks),
+        Cmd::Demo(args) => demo(&args),
         Cmd::Roofline => {
             roofline::run(&workspace_root().join("target").join("bench"))?;
             Ok(ExitCode::SUCCESS)

@@ -11,8 +11,9 @@
 //! (`policy/`) and its drafter in the EAGLE format SGLang and vLLM serve (`drafter/`), with `SERVE.md` giving
 //! both engines' command lines (`--export-at-checkpoints` adds `exports/step-<n>/` at every checkpoint). `--mode compare` runs TLT and then the baseline with the same seeds,
 //! each in a fresh process of this binary (both pay the same first-update warm-up of a new process, and only one
-//! trainer's memory is resident at a time), and prints the report `cargo xtask demo` shows (reward before/after,
-//! step-time split, TLT speed-up, peak memory).
+//! trainer's memory is resident at a time), or with `--interleave` both in this process, step by step, and prints
+//! the report `cargo xtask demo` shows (reward before/after, step-time split, TLT speed-up, peak memory), then the
+//! per-step summary of `tlt_examples::compare` (also in `<out>/summary.txt`).
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -21,7 +22,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tlt_examples::default_model;
-use tlt_rl::runner::{run, text_env, Comparison, RunConfig, RunDir, RunOutcome};
+use tlt_rl::runner::{run, run_interleaved, text_env, Comparison, RunConfig, RunDir, RunOutcome};
 use tlt_rl::trainer::{Mode, Observer, TextEnv, Trainer, TrainerConfig, SERVE_FILE};
 
 /// The embedded default configuration.
@@ -37,7 +38,8 @@ enum RunMode {
     Tlt,
     /// Plain rollouts.
     Baseline,
-    /// TLT, then the baseline with the same seeds (each in its own process), and the comparison report.
+    /// TLT, then the baseline with the same seeds (each in its own process; `--interleave`: both in this one,
+    /// step by step), and the comparison report.
     Compare,
 }
 
@@ -86,6 +88,11 @@ struct Args {
     /// with `--features mpi`). Launching it with `mpirun -np N` directly does the same.
     #[arg(long, default_value_t = 1)]
     ranks: usize,
+    /// `--mode compare` only: both trainers in this process, their steps interleaved (the order alternating from
+    /// step to step) instead of one run after the other in fresh processes: a drift of the machine over time
+    /// biases neither run. Both trainers are resident at once (about twice the memory); one rank only.
+    #[arg(long)]
+    interleave: bool,
 }
 
 /// Progress bars: one per rollout (finished requests), a spinner for the other phases.
@@ -268,6 +275,27 @@ fn compare(
     Ok(Comparison::new(tlt, baseline))
 }
 
+/// TLT and the baseline in this process with the same (effective) config, step by step
+/// ([`run_interleaved`]: the order alternates, TLT first on even steps). Each run's outcome also goes to
+/// `<out>/<mode>/outcome.json`; both carry this process's peak memory (both trainers together).
+fn compare_interleaved(model_path: &Path, cfg: &RunConfig, out: &Path, resume: bool) -> Result<Comparison> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    std::fs::write(out.join("config.toml"), toml::to_string_pretty(cfg)?)?;
+    let (dt, db) = (RunDir(out.join("tlt")), RunDir(out.join("baseline")));
+    let mut tt = trainer(model_path, cfg, Mode::Tlt, &dt, resume)?;
+    let mut tb = trainer(model_path, cfg, Mode::Baseline, &db, resume)?;
+    let (mut pt, mut pb) = (Progress::new(label(Mode::Tlt)), Progress::new(label(Mode::Baseline)));
+    let (mut ot, mut ob) = run_interleaved((&mut tt, &dt, &mut pt), (&mut tb, &db, &mut pb), cfg)?;
+    drop((pt, pb));
+    finish(tt, &ot, &dt)?;
+    finish(tb, &ob, &db)?;
+    for (o, d) in [(&mut ot, &dt), (&mut ob, &db)] {
+        o.peak_rss_gb = peak_rss_gb();
+        std::fs::write(d.0.join(OUTCOME_FILE), serde_json::to_string_pretty(o)?)?;
+    }
+    Ok(Comparison::new(ot, ob))
+}
+
 /// This process's peak resident set (VmHWM) in GB, where `/proc` has it (Linux).
 fn peak_rss_gb() -> Option<f64> {
     rss_gb("VmHWM:")
@@ -303,6 +331,9 @@ fn run_main() -> Result<()> {
             std::process::exit(status.code().unwrap_or(1));
         }
     }
+    if args.interleave && (args.mode != RunMode::Compare || args.ranks > 1) {
+        bail!("--interleave runs TLT and the baseline in one process: it needs --mode compare and one rank");
+    }
     let cfg = load_config(&args)?;
     if args.print_config {
         print!("{}", toml::to_string_pretty(&cfg)?);
@@ -317,7 +348,11 @@ fn run_main() -> Result<()> {
             run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), args.resume)?;
         }
         RunMode::Compare => {
-            let cmp = compare(&model, &cfg, &args.out, args.resume, args.ranks, args.drafter.as_deref())?;
+            let cmp = if args.interleave {
+                compare_interleaved(&model, &cfg, &args.out, args.resume)?
+            } else {
+                compare(&model, &cfg, &args.out, args.resume, args.ranks, args.drafter.as_deref())?
+            };
             let plots =
                 tlt_rl::plot::training_plots(&cmp.tlt.metrics, Some(&cmp.baseline.metrics), &args.out.join("plots"))?;
             let summary = args.out.join("summary.json");
@@ -329,6 +364,9 @@ fn run_main() -> Result<()> {
                 plots.len(),
                 summary.display()
             );
+            // Last, so that a caller that keeps only the output's tail (the GPU plan's `e2e` call) keeps it.
+            let (text, path) = tlt_examples::compare::write_summary(&cmp, &args.out)?;
+            print!("\nsummary ({}):\n{text}", path.display());
         }
     }
     Ok(())
