@@ -23,10 +23,12 @@ fn split(m: &StepMetrics) -> [f64; 6] {
     [parts[0], parts[1], parts[2], parts[3], other, m.step_s]
 }
 
-/// Whether a TLT step sampled what the baseline's did, as far as the metrics tell: the same length for every
-/// answer and the same mean reward (necessary for identical tokens, not sufficient: see [`policies_identical`]).
+/// Whether a TLT step sampled the baseline's tokens: the same digest of every answer's tokens
+/// ([`tlt_rl::metrics::tokens_digest`]), the same length for every answer and the same mean reward.
 pub fn same_samples(t: &StepMetrics, b: &StepMetrics) -> bool {
-    t.response_lengths == b.response_lengths && t.reward_mean.to_bits() == b.reward_mean.to_bits()
+    t.tokens_digest == b.tokens_digest
+        && t.response_lengths == b.response_lengths
+        && t.reward_mean.to_bits() == b.reward_mean.to_bits()
 }
 
 /// Whether the two runs under `out` (`tlt/`, `baseline/`) ended with bit-identical policy weights, comparing the
@@ -74,7 +76,7 @@ pub fn summary(cmp: &Comparison, policies: Option<(bool, &str)>) -> String {
     let mut s = String::from(
         "per step, seconds TLT/baseline (step = rollout + rewards waited for + update + drafter trained after the \
          rollout + other):\n| step | rollout | rewards | update | drafter | other | step | rollout x | step x | same \
-         lengths+rewards |\n",
+         tokens |\n",
     );
     let row = |label: &str, t: [f64; 6], b: [f64; 6], same: &str| {
         let cells: Vec<String> = t.iter().zip(&b).map(|(t, b)| format!("{t:.2}/{b:.2}")).collect();
@@ -121,14 +123,11 @@ pub fn summary(cmp: &Comparison, policies: Option<(bool, &str)>) -> String {
         Some((false, rel)) => format!("final policies bit-identical ({rel}): NO"),
         None => "final policies: not compared (neither run kept an export or a checkpoint)".to_string(),
     };
-    let verdict = if same == steps && policies.is_some_and(|p| p.0) && steps > 0 {
-        "identical to the baseline's at every step, as far as checked"
-    } else {
-        "NOT shown to be the baseline's"
-    };
+    let verdict =
+        if same == steps && steps > 0 { "identical to the baseline's at every step" } else { "NOT the baseline's" };
     s.push_str(&format!(
-        "tokens: {verdict} (the tokens themselves are not compared):\n  answer lengths and rewards equal at {same} of \
-         {steps} steps; {weights}\n"
+        "tokens: {verdict} (64-bit digest of every answer's tokens, lengths and rewards equal at {same} of {steps} \
+         steps); {weights}\n"
     ));
     s
 }
@@ -181,15 +180,18 @@ mod tests {
         assert!(s.contains("| 1 |") && s.contains("| NO |"), "step 1's lengths differ");
         assert!(s.contains("| all | 3.00/6.00 |") && s.contains("| 1/2 |"));
         assert!(s.contains("rollout 2.00x, end to end 1.33x"));
-        assert!(s.contains("NOT shown"), "a step that differs fails the check whatever the weights say");
+        assert!(s.contains("NOT the baseline's"), "a step that differs fails the check whatever the weights say");
         assert!(s.lines().count() <= 2 + 8 + 1);
         let same = Comparison::new(
             outcome("tlt", vec![step(0, 2.0, vec![3])]),
             outcome("baseline", vec![step(0, 4.0, vec![3])]),
         );
         assert!(summary(&same, Some((true, POLICY_FILES[0]))).contains("identical to the baseline's at every step"));
-        assert!(summary(&same, Some((false, POLICY_FILES[0]))).contains("NOT shown"));
-        assert!(summary(&same, None).contains("NOT shown"));
+        assert!(summary(&same, None).contains("identical to the baseline's at every step"));
+        // The same lengths and rewards, one token different: the digest tells them apart.
+        let other = StepMetrics { tokens_digest: 7, ..step(0, 4.0, vec![3]) };
+        let differ = Comparison::new(outcome("tlt", vec![step(0, 2.0, vec![3])]), outcome("baseline", vec![other]));
+        assert!(summary(&differ, Some((true, POLICY_FILES[0]))).contains("NOT the baseline's"));
     }
 
     #[test]

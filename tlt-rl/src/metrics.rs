@@ -174,6 +174,10 @@ pub struct StepMetrics {
     pub drafter_prepare_s: f64,
     /// Length of every response, tokens.
     pub response_lengths: Vec<usize>,
+    /// [`tokens_digest`] of every response of the step, in sample order: two runs whose digests are equal sampled
+    /// the same tokens (a 64-bit collision aside); 0 in lines written before it existed.
+    #[serde(default)]
+    pub tokens_digest: u64,
     /// Accepted length of every speculative step.
     #[serde(deserialize_with = "vec_f64_or_nan")]
     pub accept_lens: Vec<f64>,
@@ -413,9 +417,37 @@ pub fn mean_std(xs: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
+/// FNV-1a (64 bits) over every response in order, each as its length then its tokens (little-endian `u32`s): the
+/// same responses give the same digest, and one changed, moved or added token changes it (a collision aside).
+pub fn tokens_digest<'a>(responses: impl IntoIterator<Item = &'a [u32]>) -> u64 {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |x: u32| {
+        for b in x.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(PRIME);
+        }
+    };
+    for r in responses {
+        eat(u32::try_from(r.len()).unwrap_or(u32::MAX));
+        r.iter().for_each(|&t| eat(t));
+    }
+    h
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tokens_digest_tells_responses_apart() {
+        let d = |r: &[&[u32]]| tokens_digest(r.iter().copied());
+        let base = d(&[&[1, 2, 3], &[4]]);
+        assert_eq!(base, d(&[&[1, 2, 3], &[4]]));
+        assert_ne!(base, d(&[&[1, 2, 3], &[5]]), "a changed token");
+        assert_ne!(base, d(&[&[1, 2], &[3, 4]]), "a token moved to the next response");
+        assert_ne!(base, d(&[&[4], &[1, 2, 3]]), "responses reordered");
+        assert_ne!(d(&[]), d(&[&[]]), "an empty response counts");
+    }
 
     fn tmpdir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("tlt-rl-metrics-{name}-{}", std::process::id()));

@@ -315,6 +315,7 @@ impl<E: Environment> Trainer<E> {
             drafter_prepare_s: out.trace.prepare_seconds,
             sd_ceiling: out.sd_ceiling,
             response_lengths: lens,
+            tokens_digest: crate::metrics::tokens_digest(out.samples.iter().map(|s| s.tokens.as_slice())),
             accept_lens: out.trace.accept_lens.clone(),
             ranks: self.comm.size(),
             rank_idle_s: {
