@@ -24,10 +24,11 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
-use tlt_kernels::cuda::plan::{self, AdamWStep, Buf, GemmY, RowBuf, SoftCeBufs, SUM_SQUARES_BLOCKS};
+use tlt_kernels::cuda::plan::{self, Buf, GemmY, RowBuf, SoftCeBufs, SUM_SQUARES_BLOCKS};
 use tlt_kernels::cuda::{gpu, DeviceBuf, Elem, Gpu, SharedGpu};
 use tlt_model::cuda::train::{
-    clip_coef, embedding_and_head, LayerDims, LayerGrads, LayerScratch, PackedRows, TrainLayer, TrainLayerBufs,
+    clipped_adamw_step, embedding_and_head, grad_norm, LayerDims, LayerGrads, LayerScratch, PackedRows, TrainLayer,
+    TrainLayerBufs,
 };
 use tlt_model::cuda::CudaLlama;
 use tlt_model::device_step::LinearBufs;
@@ -573,9 +574,7 @@ impl CudaDrafterTrainer {
     /// # Errors
     /// The device's error.
     pub fn grad_norm(&self) -> Result<f64> {
-        let g = self.gpu.as_ref();
-        g.launch(&plan::sum_squares(self.grad.buf(), self.partials.buf()).map_err(kern)?).map_err(kern)?;
-        Ok(self.partials.to_host(g).map_err(kern)?.iter().sum::<f64>().sqrt())
+        Ok(grad_norm(self.gpu.as_ref(), self.grad.buf(), &self.partials)?)
     }
 
     /// One AdamW step at `lr` from the accumulated gradients, clipped to a global norm of `max_grad_norm`, with the
@@ -583,30 +582,16 @@ impl CudaDrafterTrainer {
     /// A non-finite norm skips the step and changes nothing ([`GradNorm::applied`]).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a negative or non-finite `lr`; the device's error.
+    /// [`Error::Model`] (an invalid config) for a negative or non-finite `lr`; the device's error.
     pub fn apply(&mut self, lr: f64, max_grad_norm: Option<f64>) -> Result<GradNorm> {
-        if !(lr.is_finite() && lr >= 0.0) {
-            return Err(Error::InvalidArgument(format!("learning rate {lr} must be finite and >= 0")));
-        }
-        let before = self.grad_norm()?;
-        if !before.is_finite() {
-            return Ok(GradNorm { before, after: before });
-        }
-        let coef = clip_coef(before, max_grad_norm);
         let hp = self.train.adamw();
-        let s = AdamWStep {
-            lr,
-            beta1: hp.beta1,
-            beta2: hp.beta2,
-            eps: hp.eps,
-            weight_decay: hp.weight_decay,
-            step: self.steps + 1,
-            coef,
-        };
+        let (norm, step) =
+            clipped_adamw_step(self.gpu.as_ref(), self.grad.buf(), &self.partials, &hp, self.steps, lr, max_grad_norm)?;
+        let Some(s) = step else { return Ok(norm) };
         let l = plan::adamw(&s, self.master.buf(), self.m.buf(), self.v.buf(), self.grad.buf(), self.weights.buf());
         self.gpu.launch(&l.map_err(kern)?).map_err(kern)?;
-        self.steps += 1;
-        Ok(GradNorm { before, after: if coef < 1.0 { before * coef } else { before } })
+        self.steps = s.step;
+        Ok(norm)
     }
 
     /// One training step on `samples`, as [`DrafterTrainer::step`](crate::DrafterTrainer::step) takes it: the batch

@@ -9,19 +9,6 @@
 #define DT_THREADS 256
 #define DT_WARPS (DT_THREADS / 32)
 
-// The sum of every thread's v over a block of DT_THREADS in f64, in a fixed order, returned to every thread. part:
-// shared scratch of DT_WARPS entries (the leading barrier lets a caller reuse it at once).
-__device__ __forceinline__ double dt_block_sum_d(double v, double* part)
-{
-    v = tlt_warp_sum_d(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    double t = 0.0;
-    for (int w = 0; w < DT_WARPS; w++) t += part[w];
-    return t;
-}
-
 // The largest element of row x[0 .. n) and its first index (ties to the smaller index; -1 when no element is larger
 // than -inf), returned to every thread. w_val, w_idx: shared scratch of DT_WARPS entries; s_val, s_idx: shared
 // cells for the broadcast.
@@ -73,9 +60,9 @@ extern "C" __global__ void __launch_bounds__(DT_THREADS) soft_ce_f32(
         sd += (double)expf(zd);
         if (et > 0.f) c += (double)et * (double)zd;
     }
-    st = dt_block_sum_d(st, part);
-    sd = dt_block_sum_d(sd, part);
-    c = dt_block_sum_d(c, part);
+    st = tlt_block_sum_d(st, part);
+    sd = tlt_block_sum_d(sd, part);
+    c = tlt_block_sum_d(c, part);
     if (threadIdx.x == 0) {
         const double ls = log(sd);
         loss[r] = (float)(ls - c / st);
@@ -121,7 +108,7 @@ extern "C" __global__ void __launch_bounds__(DT_THREADS) smooth_l1_f32(
     const size_t o = (size_t)r * width;
     double s = 0.0;
     for (int e = threadIdx.x; e < width; e += DT_THREADS) s += (double)dt_smooth_l1(pred[o + e] - target[o + e]);
-    s = dt_block_sum_d(s, part);
+    s = tlt_block_sum_d(s, part);
     if (threadIdx.x == 0) loss[r] = (float)(s / (double)width);
 }
 

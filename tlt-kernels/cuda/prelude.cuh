@@ -50,6 +50,41 @@ __device__ __forceinline__ float tlt_warp_max(float v) {
     return v;
 }
 
+// Block-wide reductions for blocks of whole warps, in a fixed order (each warp's xor butterfly, then the warps' sums
+// in warp order), the result returned to every thread. part: shared scratch, one entry per warp (the leading barrier
+// lets a caller reuse it at once).
+__device__ __forceinline__ float tlt_block_sum(float v, float* part) {
+    v = tlt_warp_sum(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += part[w];
+    return t;
+}
+
+// tlt_block_sum in f64.
+__device__ __forceinline__ double tlt_block_sum_d(double v, double* part) {
+    v = tlt_warp_sum_d(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    double t = 0.0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += part[w];
+    return t;
+}
+
+// The largest v of the block (as tlt_block_sum).
+__device__ __forceinline__ float tlt_block_max(float v, float* part) {
+    v = tlt_warp_max(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = part[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) t = fmaxf(t, part[w]);
+    return t;
+}
+
 // The larger of two (value, index) pairs; ties go to the smaller index (as tlt_kernels::argmax on the CPU).
 __device__ __forceinline__ void tlt_argmax_merge(float& v, int& i, float v2, int i2) {
     if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }

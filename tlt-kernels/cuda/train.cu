@@ -13,43 +13,6 @@
 // A double passed as its bit pattern (launch arguments are int, float, u64 or pointers).
 __device__ __forceinline__ double train_f64(u64_t bits) { return __longlong_as_double((long long)bits); }
 
-// The sum of every thread's v over a block of TRAIN_THREADS, in a fixed order, returned to every thread. part:
-// shared scratch of TRAIN_WARPS entries (the leading barrier lets a caller reuse it at once).
-__device__ __forceinline__ float train_block_sum(float v, float* part)
-{
-    v = tlt_warp_sum(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float t = 0.f;
-    for (int w = 0; w < TRAIN_WARPS; w++) t += part[w];
-    return t;
-}
-
-// train_block_sum in f64.
-__device__ __forceinline__ double train_block_sum_d(double v, double* part)
-{
-    v = tlt_warp_sum_d(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    double t = 0.0;
-    for (int w = 0; w < TRAIN_WARPS; w++) t += part[w];
-    return t;
-}
-
-// The largest v of the block (as train_block_sum).
-__device__ __forceinline__ float train_block_max(float v, float* part)
-{
-    v = tlt_warp_max(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float t = part[0];
-    for (int w = 1; w < TRAIN_WARPS; w++) t = fmaxf(t, part[w]);
-    return t;
-}
-
 // RoPE in place on bf16 rows (x: [rows, stride]): the `heads` vectors of hd starting at column col0 of row r are
 // rotated at position pos[r], rotate-half convention (pairs (i, i + hd/2)), angle pos * inv_freq[i] in f64, its sine
 // and cosine rounded to f32, the rotation in f32: exactly rope_kv_write_bf16's arithmetic. Grid: rows blocks.
@@ -116,8 +79,8 @@ extern "C" __global__ void __launch_bounds__(TRAIN_THREADS) rms_norm_back_f32(
         ss += v * v;
         dot += dyr[e] * tlt_bf2f(w[e]) * v;
     }
-    ss = train_block_sum(ss, part);
-    dot = train_block_sum(dot, part);
+    ss = tlt_block_sum(ss, part);
+    dot = tlt_block_sum(dot, part);
     const float rs = rsqrtf(ss / (float)width + eps);
     const float k = rs * rs * rs * dot / (float)width;
     for (int e = threadIdx.x; e < width; e += TRAIN_THREADS) {
@@ -186,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(TRAIN_THREADS) token_logprobs_f32(
     const float* zr = logits + (size_t)r * vocab;
     float m = TLT_NEG_INF;
     for (int e = threadIdx.x; e < vocab; e += TRAIN_THREADS) m = fmaxf(m, zr[e] * inv_temp);
-    m = train_block_max(m, part);
+    m = tlt_block_max(m, part);
     double s = 0.0, t = 0.0;
     for (int e = threadIdx.x; e < vocab; e += TRAIN_THREADS) {
         const float d = zr[e] * inv_temp - m;
@@ -194,8 +157,8 @@ extern "C" __global__ void __launch_bounds__(TRAIN_THREADS) token_logprobs_f32(
         s += (double)x;
         if (x > 0.f) t += (double)x * (double)d;
     }
-    s = train_block_sum_d(s, part_d);
-    if (entropy != 0) t = train_block_sum_d(t, part_d);
+    s = tlt_block_sum_d(s, part_d);
+    if (entropy != 0) t = tlt_block_sum_d(t, part_d);
     if (threadIdx.x == 0) {
         const double ls = log(s);
         const double l = (double)m + ls;
@@ -269,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(TRAIN_THREADS) sum_squares_f32(
         const double v = (double)x[i];
         s += v * v;
     }
-    s = train_block_sum_d(s, part);
+    s = tlt_block_sum_d(s, part);
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 

@@ -55,13 +55,20 @@ pub(super) struct Layout {
     /// `[b, r]` targets (the response tokens).
     targets: Tensor,
     /// `[b, r]` 1 for a trained token.
-    pub(super) mask: Tensor,
+    mask: Tensor,
     /// `[b, r]` rollout log-probabilities.
-    pub(super) rollout_logp: Tensor,
+    rollout_logp: Tensor,
     /// `[b, r]` log-probabilities under the policy before the step's first update (when precomputed).
-    pub(super) old_logp: Option<Tensor>,
+    old_logp: Option<Tensor>,
     /// `[b]` advantages.
-    pub(super) advantages: Tensor,
+    advantages: Tensor,
+}
+
+impl Layout {
+    /// `r`: response positions per sequence (the longest response of the micro-batch).
+    pub(super) fn response_width(&self) -> Result<usize> {
+        Ok(self.mask.dim(1)?)
+    }
 }
 
 pub(super) fn layout(seqs: &[&TrainSeq], old: Option<&[&[f32]]>, grpo: &GrpoConfig, dev: &Device) -> Result<Layout> {
@@ -313,25 +320,12 @@ fn mini_batch_step(
         let l = layout(&part, part_old.as_deref(), ctx.grpo, &dev)?;
         let (hidden, ck) = response_hidden(ctx.policy, &l, ctx.checkpoint)?;
         let head = ChunkedHead::new(ctx.policy, hidden, &l.targets, temperature, ctx.grpo.entropy_coef > 0.0)?;
-        let old_logp = match &l.old_logp {
-            Some(o) => o.clone(),
-            None => head.logp.as_tensor().detach(),
-        };
         let reference = match (ctx.reference, &ctx.grpo.kl) {
             (Some(m), Some(_)) => Some(response_logprobs(m, &l, temperature)?),
             _ => None,
         };
-        // The engine records log-probabilities at the rollout temperature: the IS correction compares like with like.
-        let inputs = LossInputs {
-            logp: head.logp.as_tensor(),
-            old_logp: &old_logp,
-            rollout_logp: Some(&l.rollout_logp),
-            ref_logp: reference.as_ref(),
-            entropy: head.entropy.as_ref().map(Var::as_tensor),
-            advantages: &l.advantages,
-            mask: &l.mask,
-        };
-        let (loss, s) = policy_loss(&inputs, &norm, ctx.grpo)?;
+        let entropy = head.entropy.as_ref().map(Var::as_tensor);
+        let (loss, s) = micro_loss(ctx, &l, &norm, head.logp.as_tensor(), entropy, reference.as_ref())?;
         stats.merge(&s);
         let loss_grads = loss.to_dtype(DType::F32)?.backward()?;
         let grads = head.backward(&loss_grads, ctx.policy)?;
@@ -354,6 +348,34 @@ fn mini_batch_step(
         tracing::warn!(grad_norm = norm.before, "non-finite gradient norm: optimizer step skipped, weights unchanged");
     }
     Ok(Some(MiniStep { stats, grad_norm: norm.before, micros, applied: norm.applied(), wait_s, sync_s }))
+}
+
+/// The GRPO loss of the micro-batch laid out as `l` (`[b, r]` tensors): the policy's log-probabilities `logp` (and
+/// entropies), the reference's for the KL term, the rollout's for the IS correction (recorded at the rollout
+/// temperature: like with like), and the old policy's: `l`'s when precomputed, else `logp`'s values (a step of one
+/// optimizer step).
+pub(super) fn micro_loss(
+    ctx: &UpdateContext,
+    l: &Layout,
+    norm: &LossNorm,
+    logp: &Tensor,
+    entropy: Option<&Tensor>,
+    reference: Option<&Tensor>,
+) -> Result<(Tensor, LossStats)> {
+    let old_logp = match &l.old_logp {
+        Some(o) => o.clone(),
+        None => logp.detach(),
+    };
+    let inputs = LossInputs {
+        logp,
+        old_logp: &old_logp,
+        rollout_logp: Some(&l.rollout_logp),
+        ref_logp: reference,
+        entropy,
+        advantages: &l.advantages,
+        mask: &l.mask,
+    };
+    policy_loss(&inputs, norm, ctx.grpo)
 }
 
 /// Waits for every rank's backward (timed), then merges the loss statistics and micro-batch counts over the ranks;

@@ -10,8 +10,10 @@ use tlt_model::cuda::CudaLlama;
 use tlt_model::optim::{AdamW, ParamState};
 use tlt_model::Llama;
 
-use super::update::{layout, micro_batches_of, rank_sync, MiniStep, StepPlan, TrainSeq, UpdateBackend, UpdateContext};
-use crate::grpo::{policy_loss, LossInputs, LossStats};
+use super::update::{
+    layout, micro_batches_of, micro_loss, rank_sync, MiniStep, StepPlan, TrainSeq, UpdateBackend, UpdateContext,
+};
+use crate::grpo::LossStats;
 use crate::{Error, Result};
 
 /// The device side of the update: the trainer (master weights, moments, gradients, the training pass's buffers)
@@ -159,7 +161,7 @@ impl UpdateBackend for DeviceUpdate<'_> {
             let part: Vec<&TrainSeq> = micro.iter().map(|&i| &seqs[i]).collect();
             let part_old: Option<Vec<&[f32]>> = old.map(|o| micro.iter().map(|&i| o[i].as_slice()).collect());
             let l = layout(&part, part_old.as_deref(), ctx.grpo, &Device::Cpu)?;
-            let r = l.mask.dim(1)?;
+            let r = l.response_width()?;
             let batch = self.batch(&part)?;
             // The reference first: the policy's forward must be the last before its backward.
             let reference = match (&self.train.reference, &ctx.grpo.kl) {
@@ -174,20 +176,8 @@ impl UpdateBackend for DeviceUpdate<'_> {
             let ent = ent
                 .map(|e| padded(&per_seq(&part, &batch, &e), r).and_then(|t| Ok(Var::from_tensor(&t)?)))
                 .transpose()?;
-            let old_logp = match &l.old_logp {
-                Some(o) => o.clone(),
-                None => logp.as_tensor().detach(),
-            };
-            let inputs = LossInputs {
-                logp: logp.as_tensor(),
-                old_logp: &old_logp,
-                rollout_logp: Some(&l.rollout_logp),
-                ref_logp: reference.as_ref(),
-                entropy: ent.as_ref().map(Var::as_tensor),
-                advantages: &l.advantages,
-                mask: &l.mask,
-            };
-            let (loss, s) = policy_loss(&inputs, &plan.norm, ctx.grpo)?;
+            let entropy = ent.as_ref().map(Var::as_tensor);
+            let (loss, s) = micro_loss(ctx, &l, &plan.norm, logp.as_tensor(), entropy, reference.as_ref())?;
             stats.merge(&s);
             let grads = loss.to_dtype(candle_core::DType::F32)?.backward()?;
             let zeros = || Tensor::zeros(logp.shape(), candle_core::DType::F32, &Device::Cpu);

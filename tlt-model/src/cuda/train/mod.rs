@@ -21,7 +21,7 @@ mod pass;
 
 use half::bf16;
 use tlt_kernels::cuda::plan::{self, AdamWStep, Buf, SUM_SQUARES_BLOCKS};
-use tlt_kernels::cuda::{gpu, DeviceBuf, SharedGpu};
+use tlt_kernels::cuda::{gpu, DeviceBuf, Gpu, SharedGpu};
 
 pub use self::batch::TrainBatch;
 pub use self::layer::{LayerDims, LayerGrads, LayerScratch, PackedRows, TrainLayer, TrainLayerBufs};
@@ -111,12 +111,43 @@ fn hf_ranges(params: &[TrainParam], d: &Dims) -> Result<Vec<(String, std::ops::R
     Ok(out)
 }
 
-/// The factor a global gradient norm of `norm` is clipped by to at most `max_norm` (1: no clipping), exactly as
-/// the host optimizer computes it ([`crate::optim::clip_grad_norm`]): for device optimizers built on the `adamw`
-/// kernel (`tlt_kernels::cuda::plan::adamw`'s `coef`).
-#[must_use]
-pub fn clip_coef(norm: f64, max_norm: Option<f64>) -> f64 {
-    crate::optim::clip_coef(norm, max_norm)
+/// The global L2 norm of the gradients `grad` on the device: f64 partial sums of a fixed grid (`sum_squares` into
+/// `partials`, [`SUM_SQUARES_BLOCKS`] of them), summed in order on the host.
+///
+/// # Errors
+/// [`Error::Kernel`] when the device fails.
+pub fn grad_norm(g: &dyn Gpu, grad: Buf<f32>, partials: &DeviceBuf<f64>) -> Result<f64> {
+    g.launch(&plan::sum_squares(grad, partials.buf())?)?;
+    Ok(partials.to_host(g)?.iter().sum::<f64>().sqrt())
+}
+
+/// What one clipped AdamW step of a device optimizer (built on the `adamw` kernel) does, decided as the host
+/// optimizer decides it ([`crate::optim::AdamW::step`]): the global norm of `grad` ([`grad_norm`]), and for a
+/// finite one the arguments of its `adamw` launches (step `steps + 1`, the clip factor of `max_grad_norm`); `None`
+/// for a non-finite norm, a skipped step that changes nothing.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for a negative or non-finite `lr`; [`Error::Kernel`] when the device fails.
+pub fn clipped_adamw_step(
+    g: &dyn Gpu,
+    grad: Buf<f32>,
+    partials: &DeviceBuf<f64>,
+    hp: &AdamWParams,
+    steps: u64,
+    lr: f64,
+    max_grad_norm: Option<f64>,
+) -> Result<(GradNorm, Option<AdamWStep>)> {
+    if !(lr.is_finite() && lr >= 0.0) {
+        return Err(Error::config("lr", lr, "must be finite and >= 0"));
+    }
+    let before = grad_norm(g, grad, partials)?;
+    if !before.is_finite() {
+        return Ok((GradNorm { before, after: before }, None));
+    }
+    let coef = crate::optim::clip_coef(before, max_grad_norm);
+    let AdamWParams { beta1, beta2, eps, weight_decay } = *hp;
+    let step = AdamWStep { lr, beta1, beta2, eps, weight_decay, step: steps + 1, coef };
+    Ok((GradNorm { before, after: if coef < 1.0 { before * coef } else { before } }, Some(step)))
 }
 
 /// `model`'s token embedding and LM head on its device (`[vocab, hidden]` bf16 each; the head is the embedding when
@@ -148,6 +179,37 @@ pub fn train_memory(cfg: &LlamaConfig, weights: usize, rows: usize) -> usize {
     16 * weights + rows * Dims::new(cfg).bytes_per_row()
 }
 
+/// Each weight's gradient in the gradient arena `grad` (laid out as `params`), by the decoder's structure.
+fn grad_bufs(params: &[TrainParam], grad: &DeviceBuf<f32>, layers: usize) -> Result<GradBufs> {
+    let by_name = |name: &str| -> Result<Buf<f32>> {
+        let p = params
+            .iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| Error::InvalidInput(format!("no trained weight `{name}`")))?;
+        Ok(grad.buf().slice(p.range.clone())?)
+    };
+    let has = |name: &str| params.iter().any(|p| p.name == name);
+    Ok(GradBufs {
+        embed: by_name("embed")?,
+        head: has("head").then(|| by_name("head")).transpose()?,
+        norm: by_name("norm")?,
+        layers: (0..layers)
+            .map(|l| {
+                let n = |s: &str| format!("layers.{l}.{s}");
+                Ok(LayerGrads {
+                    in_norm: Some(by_name(&n("in_norm"))?),
+                    post_norm: by_name(&n("post_norm"))?,
+                    qkv: by_name(&n("qkv"))?,
+                    qkv_b: has(&n("qkv_bias")).then(|| by_name(&n("qkv_bias"))).transpose()?,
+                    o: by_name(&n("o"))?,
+                    gate_up: by_name(&n("gate_up"))?,
+                    down: by_name(&n("down"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?,
+    })
+}
+
 /// AdamW on the device over f32 master weights of a [`CudaLlama`], with the training pass's buffers.
 #[derive(Debug)]
 pub struct CudaTrainer {
@@ -161,6 +223,8 @@ pub struct CudaTrainer {
     m: DeviceBuf<f32>,
     v: DeviceBuf<f32>,
     grad: DeviceBuf<f32>,
+    /// Each weight's gradient in `grad`.
+    grads: GradBufs,
     partials: DeviceBuf<f64>,
     acts: Acts,
     hp: AdamWParams,
@@ -201,11 +265,14 @@ impl CudaTrainer {
         let cfg = model.config().clone();
         let dims = Dims::new(&cfg);
         let hf = hf_ranges(&params, &dims)?;
+        let grad = DeviceBuf::zeros(g, at)?;
+        let grads = grad_bufs(&params, &grad, dims.layers)?;
         Ok(Self {
             hf,
             m: DeviceBuf::zeros(g, at)?,
             v: DeviceBuf::zeros(g, at)?,
-            grad: DeviceBuf::zeros(g, at)?,
+            grad,
+            grads,
             partials: DeviceBuf::zeros(g, SUM_SQUARES_BLOCKS)?,
             acts: Acts::new(g, &dims, max_rows)?,
             master,
@@ -243,37 +310,6 @@ impl CudaTrainer {
         Ok(())
     }
 
-    fn grad_bufs(&self) -> Result<GradBufs> {
-        let by_name = |name: &str| -> Result<Buf<f32>> {
-            let p = self
-                .params
-                .iter()
-                .find(|p| p.name == name)
-                .ok_or_else(|| Error::InvalidInput(format!("no trained weight `{name}`")))?;
-            Ok(self.grad.buf().slice(p.range.clone())?)
-        };
-        let has = |name: &str| self.params.iter().any(|p| p.name == name);
-        Ok(GradBufs {
-            embed: by_name("embed")?,
-            head: has("head").then(|| by_name("head")).transpose()?,
-            norm: by_name("norm")?,
-            layers: (0..self.dims.layers)
-                .map(|l| {
-                    let n = |s: &str| format!("layers.{l}.{s}");
-                    Ok(LayerGrads {
-                        in_norm: Some(by_name(&n("in_norm"))?),
-                        post_norm: by_name(&n("post_norm"))?,
-                        qkv: by_name(&n("qkv"))?,
-                        qkv_b: has(&n("qkv_bias")).then(|| by_name(&n("qkv_bias"))).transpose()?,
-                        o: by_name(&n("o"))?,
-                        gate_up: by_name(&n("gate_up"))?,
-                        down: by_name(&n("down"))?,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?,
-        })
-    }
-
     /// The forward of `batch` through `model` (the policy this trainer trains, or a frozen reference of the same
     /// configuration): every row's log-probability of its target at `temperature` (0 for unscored rows) and, with
     /// `entropy`, each row's entropy. Its activations stay for a [`Self::backward`] (valid for `model` only).
@@ -305,9 +341,8 @@ impl CudaTrainer {
     /// [`Error::Kernel`] when the device fails.
     pub fn backward(&mut self, model: &CudaLlama, g_logp: &[f32], g_ent: Option<&[f32]>) -> Result<()> {
         self.check_model(model)?;
-        let grads = self.grad_bufs()?;
         let w = model.w.bufs();
-        pass::backward(self.gpu.as_ref(), &self.dims, &w, &mut self.acts, &grads, g_logp, g_ent)
+        pass::backward(self.gpu.as_ref(), &self.dims, &w, &mut self.acts, &self.grads, g_logp, g_ent)
     }
 
     /// Sets the accumulated gradients to zero (before a mini-batch's first backward).
@@ -408,14 +443,12 @@ impl CudaTrainer {
         Ok(())
     }
 
-    /// The global L2 norm of the accumulated gradients (f64 partial sums of a fixed grid, summed in order).
+    /// The global L2 norm of the accumulated gradients ([`grad_norm`]).
     ///
     /// # Errors
     /// [`Error::Kernel`] when the device fails.
     pub fn grad_norm(&self) -> Result<f64> {
-        let g = self.gpu.as_ref();
-        g.launch(&plan::sum_squares(self.grad.buf(), self.partials.buf())?)?;
-        Ok(self.partials.to_host(g)?.iter().sum::<f64>().sqrt())
+        grad_norm(self.gpu.as_ref(), self.grad.buf(), &self.partials)
     }
 
     /// One AdamW step at learning rate `lr` from the accumulated gradients, clipped to a global norm of
@@ -428,19 +461,12 @@ impl CudaTrainer {
     /// device fails.
     pub fn step(&mut self, model: &mut CudaLlama, lr: f64, max_grad_norm: Option<f64>) -> Result<GradNorm> {
         self.check_model(model)?;
-        if !(lr.is_finite() && lr >= 0.0) {
-            return Err(Error::config("lr", lr, "must be finite and >= 0"));
-        }
-        let before = self.grad_norm()?;
-        if !before.is_finite() {
-            return Ok(GradNorm { before, after: before });
-        }
-        let coef = crate::optim::clip_coef(before, max_grad_norm);
-        self.steps += 1;
-        let AdamWParams { beta1, beta2, eps, weight_decay } = self.hp;
-        let s = AdamWStep { lr, beta1, beta2, eps, weight_decay, step: self.steps, coef };
-        let w = model.w.bufs();
         let g = self.gpu.as_ref();
+        let (norm, step) =
+            clipped_adamw_step(g, self.grad.buf(), &self.partials, &self.hp, self.steps, lr, max_grad_norm)?;
+        let Some(s) = step else { return Ok(norm) };
+        self.steps = s.step;
+        let w = model.w.bufs();
         for ((_, out), p) in weight_list(&w).iter().zip(&self.params) {
             let r = p.range.clone();
             let arena = |b: &DeviceBuf<f32>| b.buf().slice(r.clone());
@@ -453,6 +479,6 @@ impl CudaTrainer {
                 *out,
             )?)?;
         }
-        Ok(GradNorm { before, after: if coef < 1.0 { before * coef } else { before } })
+        Ok(norm)
     }
 }
