@@ -11,7 +11,7 @@
 //! One decoder layer's forward and backward are reusable units ([`TrainLayer`], with [`LayerScratch`],
 //! [`TrainLayerBufs`], [`LayerGrads`], [`PackedRows`]): `tlt-drafter`'s device trainer runs EAGLE-2's layer with them.
 //!
-//! Written on the device seam ([`Gpu`](tlt_kernels::cuda::Gpu)): it runs on a CUDA device and, in CI, on the
+//! Written on the device seam ([`Gpu`]): it runs on a CUDA device and, in CI, on the
 //! simulated device, every kernel included. Not supported yet: Qwen3's q/k head norms and biases on other projections
 //! than q/k/v (an error at [`CudaTrainer::new`]).
 
