@@ -124,6 +124,44 @@ inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
     const int src = sub >= (int)delta ? lane - (int)delta : lane;
     return ::tlt_sim::from_bits<T>(::tlt_sim::warp_exchange(mask, ::tlt_sim::to_bits(v), src));
 }
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for the warp (every lane must take part, as on a GPU):
+// d += A (16x16 bf16, row-major) * B (16x8 bf16, column-major), with A, B, C and D spread over the lanes in the
+// fragment layout of the PTX ISA (groupID = lane / 4, threadID_in_group = lane % 4): a[0] holds A[g][2t, 2t+1],
+// a[1] A[g+8][2t, 2t+1], a[2] A[g][2t+8, 2t+9], a[3] A[g+8][2t+8, 2t+9] (lower element in the low 16 bits);
+// b0 B[2t, 2t+1][g], b1 B[2t+8, 2t+9][g]; d[0..1] D[g][2t, 2t+1], d[2..3] D[g+8][2t, 2t+1]. Products of bf16 are
+// exact in f32; they are summed in k order onto d. The lanes' operands meet in a per-warp scratch, double-buffered
+// so one warp sync per product suffices (a lane can refill a buffer only after every lane has passed the next sync).
+namespace tlt_sim {
+inline void mma_m16n8k16_bf16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    static thread_local unsigned scratch[32][2][32][6];
+    static thread_local unsigned phase[32][32];
+    const unsigned tid = current->thread_idx.x + current->block_dim.x *
+                                                     (current->thread_idx.y + current->block_dim.y * current->thread_idx.z);
+    const unsigned warp = (tid >> 5) & 31, lane = tid & 31;
+    const unsigned ph = phase[warp][lane] & 1u;
+    phase[warp][lane]++;
+    unsigned* mine = scratch[warp][ph][lane];
+    for (int i = 0; i < 4; i++) mine[i] = a[i];
+    mine[4] = b0;
+    mine[5] = b1;
+    sync_warp(0xffffffffu);
+    auto half = [](unsigned reg, int hi) { return from_bits<float>((uint64_t)((hi ? reg >> 16 : reg & 0xffffu) << 16)); };
+    const int g = (int)lane >> 2, t = (int)lane & 3;
+    for (int i = 0; i < 4; i++) {
+        const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+        float acc = d[i];
+        for (int k = 0; k < 16; k++) {
+            const unsigned* al = scratch[warp][ph][(row & 7) * 4 + (k & 7) / 2];
+            const float av = half(al[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k & 1);
+            const unsigned* bl = scratch[warp][ph][col * 4 + (k & 7) / 2];
+            const float bv = half(bl[4 + (k >= 8 ? 1 : 0)], k & 1);
+            acc += av * bv;
+        }
+        d[i] = acc;
+    }
+}
+}  // namespace tlt_sim
+
 inline unsigned __ballot_sync(unsigned mask, int pred) { return ::tlt_sim::warp_ballot(mask, pred != 0); }
 inline int __any_sync(unsigned mask, int pred) { return ::tlt_sim::warp_ballot(mask, pred != 0) != 0; }
 inline int __all_sync(unsigned mask, int pred) {

@@ -453,7 +453,7 @@ impl CudaDrafter {
         let attn = self.scratch_zeroed::<bf16>(qx.len())?;
         let tree = TreeDims { batch: step.seq_slot.len(), n_max: step.n_max };
         let a = c.dims.attn;
-        let chunks = Chunks::for_shape(tree, a.n_kv_heads, c.dims.max_len, self.target_blocks);
+        let chunks = Chunks::for_shape(tree, a, c.dims.max_len, self.target_blocks);
         let (po, pml) = chunks.part_lens(tree, a.n_heads, a.head_dim);
         let parts =
             if chunks.n_splits > 1 { Some((self.scratch::<f32>(po)?, self.scratch::<f32>(pml)?)) } else { None };

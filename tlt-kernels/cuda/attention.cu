@@ -162,112 +162,261 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) tree_attention_bf16(
     }
 }
 
-#define SPLIT_TILE 32
-#define SPLIT_MAX_GROUP 8
-#define SPLIT_MAX_HD 128
-#define SPLIT_KPAD 8
+#define MMA_ROWS 16
+#define MMA_TILE 16
+#define MMA_WARPS 4
+#define MMA_MAX_HD 128
+#define MMA_STRIDE (MMA_MAX_HD + 8)
+#define MMA_STAGE_BYTES (2 * MMA_WARPS * MMA_TILE * MMA_STRIDE * 2)
+#define MMA_MERGE_BYTES ((MMA_WARPS * MMA_ROWS * MMA_MAX_HD + 2 * MMA_WARPS * MMA_ROWS) * 4)
+#define MMA_SMEM_BYTES (MMA_STAGE_BYTES > MMA_MERGE_BYTES ? MMA_STAGE_BYTES : MMA_MERGE_BYTES)
 
-// Split-K (flash-decoding) attention: the keys a node sees are cut into chunks of split_len, one block per
-// (KV head, chunk); a block has one warp per query head of the KV head's group, which scores the tile's 32 keys one
-// key per lane and keeps its own online softmax, and the K/V tiles are staged in shared memory with 16-byte loads.
-// Visibility, layouts and metadata as tree_attention_bf16. With out != null (a single chunk, n_splits == 1) the
-// block writes the normalised bf16 output; otherwise it writes its chunk's unnormalised f32 output and (max, sum)
-// to part_o [B, n_max, n_heads, n_splits, hd] and part_ml [B, n_max, n_heads, n_splits, 2] for
-// attention_combine_bf16 (a chunk without visible keys writes sum 0). head_dim: a multiple of 8, at most 128.
-// Grid: (n_kv * n_splits, n_max, B); block: (n_heads / n_kv) * 32.
-extern "C" __global__ void __launch_bounds__(SPLIT_MAX_GROUP * 32) attention_split_bf16(
+// Split-K (flash-decoding) attention on the tensor cores, for decode, tree verification and causal chunks. A block
+// serves one KV head, one chunk of the keys and one row tile of a sequence: 16 query rows, (node, head) pairs of
+// 16 / group consecutive nodes times the KV head's group of query heads, so every query head of a group and every
+// node of a tree shares each K/V tile read (verify-k reads the KV once per tile, not k times). The chunk is cut
+// from the keys the tile's rows see (prefix + nodes), not from max_len: n_splits chunks of ceil(len / n_splits)
+// keys rounded to 16, so a graph captured for a long max_len spreads a short context over all its blocks too.
+// The block's 4 warps take alternate 16-key tiles of the chunk, each with its own online softmax: a warp loads
+// its next tile into registers (16-byte loads) while it computes the current one from shared memory, S = Q K^T and
+// O += P V on mma.sync m16n8k16 (bf16 in, f32 accumulation), P split into three bf16 parts so that the
+// products keep f32 accuracy; the warps' states are merged at the end. Visibility, layouts and metadata as
+// tree_attention_bf16. With out != null (n_splits == 1) the block writes the normalised bf16 output; otherwise
+// its chunk's unnormalised f32 output and (max, sum) to part_o [B, n_max, n_heads, n_splits, hd] and part_ml
+// [B, n_max, n_heads, n_splits, 2] for attention_combine_bf16 (a chunk without visible keys writes sum 0).
+// head_dim: a multiple of 16, at most 128; n_heads / n_kv <= 16.
+// Grid: (row_tiles * n_splits * n_kv, 1, B), the row tile fastest (tiles sharing a chunk run together, and meet
+// its K/V in L2); block: 128.
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf16(
     const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache, bf16_t* out, float* part_o, float* part_ml,
     const int* seq_slot, const int* prefix_len, const int* n_nodes, const u64_t* anc,
-    int n_max, int n_heads, int n_kv, int hd, int max_len, int split_len, int n_splits, float scale)
+    int n_max, int n_heads, int n_kv, int hd, int max_len, int n_splits, int row_tiles, float scale)
 {
-    const int kvh = blockIdx.x / n_splits, split = blockIdx.x - kvh * n_splits;
-    const int i = blockIdx.y, b = blockIdx.z;
-    const int nn = n_nodes[b];
-    if (i >= nn) return;
+    const int rt = blockIdx.x % row_tiles;
+    const int split = (blockIdx.x / row_tiles) % n_splits;
+    const int kvh = blockIdx.x / (row_tiles * n_splits);
+    const int b = blockIdx.z;
     const int group = n_heads / n_kv;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int h = kvh * group + warp;
-    const int slot = seq_slot[b];
+    const int per_tile = MMA_ROWS / group;
+    const int nn = n_nodes[b];
+    const int i0 = rt * per_tile;
+    if (i0 >= nn) return;
+    const int i_end = min(nn, i0 + per_tile);
     const int prefix = prefix_len[b];
-    const int total = prefix + (anc ? nn : i + 1);
-    const u64_t mask = anc ? anc[(size_t)b * n_max + i] : 0ull;
-    const int t_begin = split * split_len;
-    const int t_end = min(total, t_begin + split_len);
-    const size_t node_head = ((size_t)b * n_max + i) * n_heads + h;
-    const size_t part = node_head * n_splits + split;
+    const int slot = seq_slot[b];
+    const int len = prefix + (anc ? nn : i_end);
+    int chunk = (len + n_splits - 1) / n_splits;
+    chunk = (chunk + MMA_TILE - 1) / MMA_TILE * MMA_TILE;
+    const int t_begin = min(len, split * chunk);
+    const int t_end = min(len, t_begin + chunk);
 
-    __shared__ float sq[SPLIT_MAX_GROUP][SPLIT_MAX_HD];
-    __shared__ __align__(16) bf16_t sk[SPLIT_TILE][SPLIT_MAX_HD + SPLIT_KPAD];
-    __shared__ __align__(16) bf16_t sv[SPLIT_TILE][SPLIT_MAX_HD];
-    __shared__ float sp[SPLIT_MAX_GROUP][SPLIT_TILE];
+    __shared__ __align__(16) unsigned char smem[MMA_SMEM_BYTES];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    bf16_t* sk = reinterpret_cast<bf16_t*>(smem) + warp * MMA_TILE * MMA_STRIDE;
+    bf16_t* sv = reinterpret_cast<bf16_t*>(smem) + (MMA_WARPS + warp) * MMA_TILE * MMA_STRIDE;
 
-    const size_t qoff = (((size_t)b * n_max + i) * n_heads + (size_t)kvh * group) * hd;
-    for (int e = threadIdx.x; e < group * hd; e += blockDim.x) sq[e / hd][e % hd] = tlt_bf2f(q[qoff + e]) * scale;
-
-    float m = TLT_NEG_INF, l = 0.f;
-    float acc[SPLIT_MAX_HD / 32];
+    // This lane's two rows (g and g + 8): node, head, whether the row exists, and what it sees among the nodes.
+    int node[2], head[2];
+    bool live[2];
+    u64_t mask[2];
 #pragma unroll
-    for (int a = 0; a < SPLIT_MAX_HD / 32; a++) acc[a] = 0.f;
+    for (int h = 0; h < 2; h++) {
+        const int r = g + 8 * h;
+        node[h] = i0 + r / group;
+        head[h] = kvh * group + r % group;
+        live[h] = r < per_tile * group && node[h] < i_end;
+        mask[h] = live[h] && anc ? anc[(size_t)b * n_max + node[h]] : 0ull;
+    }
+    // Q as A fragments, one per 16 head dims (bf16 as stored; the scale is applied to the scores).
+    const int nks = hd / 16;
+    unsigned qa[MMA_MAX_HD / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < MMA_MAX_HD / 16; ks++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = e & 1, d = ks * 16 + 2 * t4 + (e >= 2 ? 8 : 0);
+            unsigned v = 0u;
+            if (ks < nks && live[h]) {
+                const bf16_t* src = q + (((size_t)b * n_max + node[h]) * n_heads + head[h]) * hd + d;
+                v = tlt_pack_bf16x2(src[0], src[1]);
+            }
+            qa[ks][e] = v;
+        }
+    }
+
+    float o[MMA_MAX_HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < MMA_MAX_HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {TLT_NEG_INF, TLT_NEG_INF}, l[2] = {0.f, 0.f};
 
     const size_t row = (size_t)n_kv * hd;
     const size_t base = (size_t)slot * max_len * row + (size_t)kvh * hd;
     const int vecs = hd / 8;
-    for (int t0 = t_begin; t0 < t_end; t0 += SPLIT_TILE) {
-        __syncthreads();
-        for (int e = threadIdx.x; e < SPLIT_TILE * vecs; e += blockDim.x) {
-            const int j = e / vecs, c = e - j * vecs;
-            const int t = t0 + j;
-            uint4 kx = {0u, 0u, 0u, 0u}, vx = {0u, 0u, 0u, 0u};
-            if (t < t_end) {
-                kx = tlt_ld16(k_cache + base + (size_t)t * row + c * 8);
-                vx = tlt_ld16(v_cache + base + (size_t)t * row + c * 8);
-            }
-            tlt_st16(&sk[j][c * 8], kx);
-            tlt_st16(&sv[j][c * 8], vx);
-        }
-        __syncthreads();
-        const int t = t0 + lane;
-        const bool visible = t < t_end && (t < prefix || anc == 0 || ((mask >> (t - prefix)) & 1ull));
-        float s = TLT_NEG_INF;
-        if (visible) {
-            float dot = 0.f;
-            for (int d = 0; d < hd; d++) dot += sq[warp][d] * tlt_bf2f(sk[lane][d]);
-            s = dot;
-        }
-        const float m_new = fmaxf(m, tlt_warp_max(s));
-        const float p = s == TLT_NEG_INF ? 0.f : expf(s - m_new);
-        const float corr = m == TLT_NEG_INF ? 0.f : expf(m - m_new);
-        l = l * corr + tlt_warp_sum(p);
-        m = m_new;
-        sp[warp][lane] = p;
+    // A warp's 16 x hd tile is 2 * hd 16-byte vectors of K (and as many of V): hd / 16 per lane.
+    uint4 pk[MMA_MAX_HD / 16], pv[MMA_MAX_HD / 16];
+    int t0 = t_begin + warp * MMA_TILE;
+#pragma unroll
+    for (int a = 0; a < MMA_MAX_HD / 16; a++) {
+        const int e = lane + 32 * a, j = e / vecs, c = e - j * vecs;
+        const bool in = a < nks && t0 + j < t_end;
+        const uint4 zero = {0u, 0u, 0u, 0u};
+        pk[a] = in ? tlt_ld16(k_cache + base + (size_t)(t0 + j) * row + c * 8) : zero;
+        pv[a] = in ? tlt_ld16(v_cache + base + (size_t)(t0 + j) * row + c * 8) : zero;
+    }
+    for (; t0 < t_end; t0 += MMA_WARPS * MMA_TILE) {
         __syncwarp();
 #pragma unroll
-        for (int a = 0; a < SPLIT_MAX_HD / 32; a++) {
-            const int d = lane + a * 32;
-            if (d < hd) {
-                float o = acc[a] * corr;
-                for (int j = 0; j < SPLIT_TILE; j++) o += sp[warp][j] * tlt_bf2f(sv[j][d]);
-                acc[a] = o;
+        for (int a = 0; a < MMA_MAX_HD / 16; a++) {
+            const int e = lane + 32 * a, j = e / vecs, c = e - j * vecs;
+            if (a < nks) {
+                tlt_st16(sk + j * MMA_STRIDE + c * 8, pk[a]);
+                tlt_st16(sv + j * MMA_STRIDE + c * 8, pv[a]);
             }
         }
         __syncwarp();
-    }
-    if (out != 0) {
+        const int tn = t0 + MMA_WARPS * MMA_TILE;
 #pragma unroll
-        for (int a = 0; a < SPLIT_MAX_HD / 32; a++) {
-            const int d = lane + a * 32;
-            if (d < hd) out[node_head * hd + d] = tlt_f2bf(l > 0.f ? acc[a] / l : 0.f);
+        for (int a = 0; a < MMA_MAX_HD / 16; a++) {
+            const int e = lane + 32 * a, j = e / vecs, c = e - j * vecs;
+            const bool in = a < nks && tn + j < t_end;
+            const uint4 zero = {0u, 0u, 0u, 0u};
+            pk[a] = in ? tlt_ld16(k_cache + base + (size_t)(tn + j) * row + c * 8) : zero;
+            pv[a] = in ? tlt_ld16(v_cache + base + (size_t)(tn + j) * row + c * 8) : zero;
         }
-        return;
+        // S = Q K^T over the tile's 16 keys: two 8-key column blocks.
+        float s[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            const bf16_t* kr = sk + (n * 8 + g) * MMA_STRIDE + 2 * t4;
+#pragma unroll
+            for (int ks = 0; ks < MMA_MAX_HD / 16; ks++) {
+                if (ks < nks) {
+                    const unsigned b0 = *reinterpret_cast<const unsigned*>(kr + ks * 16);
+                    const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + ks * 16 + 8);
+                    tlt_mma_bf16(s[n], qa[ks], b0, b1);
+                }
+            }
+        }
+        // Scale, mask, and the online softmax of each of the lane's rows (a row's 16 scores lie in the 4 lanes of
+        // its quad).
+        float mx[2] = {TLT_NEG_INF, TLT_NEG_INF};
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = e >> 1, t = t0 + n * 8 + 2 * t4 + (e & 1);
+                const int j = t - prefix;
+                const bool visible = live[h] && t < t_end &&
+                                     (t < prefix || (anc ? ((mask[h] >> j) & 1ull) != 0ull : j <= node[h]));
+                s[n][e] = visible ? s[n][e] * scale : TLT_NEG_INF;
+                mx[h] = fmaxf(mx[h], s[n][e]);
+            }
+        }
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float m_new = fmaxf(m[h], mx[h]);
+            corr[h] = m[h] == TLT_NEG_INF ? 0.f : expf(m[h] - m_new);
+            m[h] = m_new;
+            l[h] *= corr[h];
+        }
+        // P as three bf16 A fragments (high, middle and low parts: p = hi + mid + lo within 2^-24 relative, as f32).
+        unsigned pa[3][4];
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                const int h = e >> 1;
+                float p0 = s[n][e] == TLT_NEG_INF ? 0.f : expf(s[n][e] - m[h]);
+                float p1 = s[n][e + 1] == TLT_NEG_INF ? 0.f : expf(s[n][e + 1] - m[h]);
+                l[h] += p0 + p1;
+                // A fragment of P (16 rows x 16 keys): register 2n + h holds row g + 8h, keys 8n + 2t, + 1.
+#pragma unroll
+                for (int part = 0; part < 3; part++) {
+                    const bf16_t b0 = tlt_f2bf(p0), b1 = tlt_f2bf(p1);
+                    pa[part][2 * n + h] = tlt_pack_bf16x2(b0, b1);
+                    p0 -= tlt_bf2f(b0);
+                    p1 -= tlt_bf2f(b1);
+                }
+            }
+        }
+        // O = O * corr + P V, one 8-dim column block at a time.
+        const bf16_t* v0 = sv + (2 * t4) * MMA_STRIDE + g;
+#pragma unroll
+        for (int n = 0; n < MMA_MAX_HD / 8; n++) {
+            if (n < hd / 8) {
+                o[n][0] *= corr[0];
+                o[n][1] *= corr[0];
+                o[n][2] *= corr[1];
+                o[n][3] *= corr[1];
+                const bf16_t* vc = v0 + n * 8;
+                const unsigned b0 = tlt_pack_bf16x2(vc[0], vc[MMA_STRIDE]);
+                const unsigned b1 = tlt_pack_bf16x2(vc[8 * MMA_STRIDE], vc[9 * MMA_STRIDE]);
+                tlt_mma_bf16(o[n], pa[0], b0, b1);
+                tlt_mma_bf16(o[n], pa[1], b0, b1);
+                tlt_mma_bf16(o[n], pa[2], b0, b1);
+            }
+        }
     }
 #pragma unroll
-    for (int a = 0; a < SPLIT_MAX_HD / 32; a++) {
-        const int d = lane + a * 32;
-        if (d < hd) part_o[part * hd + d] = acc[a];
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
     }
-    if (lane == 0) {
-        part_ml[2 * part] = m;
-        part_ml[2 * part + 1] = l;
+
+    // Merge the warps' states: the staging area becomes wo [warps][16][hd], wm and wl [warps][16].
+    __syncthreads();
+    float* wo = reinterpret_cast<float*>(smem);
+    float* wm = wo + MMA_WARPS * MMA_ROWS * MMA_MAX_HD;
+    float* wl = wm + MMA_WARPS * MMA_ROWS;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = g + 8 * h;
+        if (t4 == 0) {
+            wm[warp * MMA_ROWS + r] = m[h];
+            wl[warp * MMA_ROWS + r] = l[h];
+        }
+#pragma unroll
+        for (int n = 0; n < MMA_MAX_HD / 8; n++) {
+            if (n < hd / 8) {
+                float* dst = wo + (warp * MMA_ROWS + r) * MMA_MAX_HD + n * 8 + 2 * t4;
+                dst[0] = o[n][2 * h];
+                dst[1] = o[n][2 * h + 1];
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < MMA_ROWS * hd; e += MMA_WARPS * 32) {
+        const int r = e / hd, d = e - r * hd;
+        const int i = i0 + r / group;
+        if (r >= per_tile * group || i >= i_end) continue;
+        float mm = TLT_NEG_INF;
+        for (int w = 0; w < MMA_WARPS; w++)
+            if (wl[w * MMA_ROWS + r] > 0.f) mm = fmaxf(mm, wm[w * MMA_ROWS + r]);
+        float ll = 0.f, oo = 0.f;
+        for (int w = 0; w < MMA_WARPS; w++) {
+            const float lw = wl[w * MMA_ROWS + r];
+            if (lw > 0.f) {
+                const float f = expf(wm[w * MMA_ROWS + r] - mm);
+                ll += f * lw;
+                oo += f * wo[(w * MMA_ROWS + r) * MMA_MAX_HD + d];
+            }
+        }
+        const size_t node_head = ((size_t)b * n_max + i) * n_heads + kvh * group + r % group;
+        if (out != 0) {
+            out[node_head * hd + d] = tlt_f2bf(ll > 0.f ? oo / ll : 0.f);
+        } else {
+            const size_t part = node_head * n_splits + split;
+            part_o[part * hd + d] = oo;
+            if (d == 0) {
+                part_ml[2 * part] = mm;
+                part_ml[2 * part + 1] = ll;
+            }
+        }
     }
 }
 

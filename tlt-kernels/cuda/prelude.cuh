@@ -35,6 +35,25 @@ __device__ __forceinline__ void tlt_st16(bf16_t* p, uint4 v) {
     *reinterpret_cast<uint4*>(p) = v;
 }
 
+// Two bf16 (as bits) in one 32-bit register, `lo` in the low half (the order of mma fragments).
+__device__ __forceinline__ unsigned tlt_pack_bf16x2(bf16_t lo, bf16_t hi) { return (unsigned)lo | ((unsigned)hi << 16); }
+
+// d += A * B on the tensor cores for the whole warp (mma.sync m16n8k16, bf16 inputs, f32 accumulation; sm_80+):
+// A 16x16 row-major in a[4], B 16x8 column-major in (b0, b1), C = D 16x8 in d[4], in the PTX ISA's fragment layout
+// (g = lane / 4, t = lane % 4): a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..];
+// b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]; d[0..1] = D[g][2t..2t+1], d[2..3] = D[g+8][2t..2t+1]. Every lane
+// must take part. The simulated device computes the same product from the same layout.
+__device__ __forceinline__ void tlt_mma_bf16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+#ifdef TLT_SIM
+    ::tlt_sim::mma_m16n8k16_bf16(d, a, b0, b1);
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
 __device__ __forceinline__ float tlt_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

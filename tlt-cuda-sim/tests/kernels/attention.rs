@@ -143,7 +143,7 @@ fn run(dev: &SimDevice, c: &Case, x: &Inputs, kernel: Kernel, alter: impl Fn(&mu
         }
         Kernel::Split { target_blocks } => {
             let a = x.cache.attn;
-            let chunks = Chunks::for_shape(x.tree, a.n_kv_heads, x.cache.max_len, target_blocks);
+            let chunks = Chunks::for_shape(x.tree, a, x.cache.max_len, target_blocks);
             let (po, pml) = chunks.part_lens(x.tree, a.n_heads, a.head_dim);
             let parts = (dev.zeros::<f32>(po), dev.zeros::<f32>(pml));
             let bufs = Some((parts.0.buf(), parts.1.buf()));
@@ -176,23 +176,48 @@ const KERNELS: [Kernel; 4] = [
 ];
 
 /// Runs case `c` through every kernel of [`KERNELS`] on both interleavings against the f64 reference; returns the
-/// worst error as a fraction of [`first_miss`]'s tolerance (at most 1).
-fn check(dev: &SimDevice, c: &Case, seed: u64) -> f32 {
+/// worst error as a fraction of [`first_miss`]'s tolerance (at most 1) of the tree kernel and of the split kernel.
+fn check(dev: &SimDevice, c: &Case, seed: u64) -> Worst {
+    check_with(dev, c, seed, &KERNELS)
+}
+
+/// [`check`] through `kernels`.
+fn check_with(dev: &SimDevice, c: &Case, seed: u64, kernels: &[Kernel]) -> Worst {
     let x = inputs(c, seed);
     let want = reference(c, &x, None);
-    let mut worst = 0f32;
+    let mut worst = Worst::default();
     for (order, dev) in variants(dev) {
-        for kernel in KERNELS {
+        for &kernel in kernels {
             let got = run(&dev, c, &x, kernel, |_| {});
             if let Some(i) = first_miss(&got, &want) {
                 panic!("{order} {kernel:?} {}: element {i}: {} vs {}", c.name, got[i], want[i]);
             }
-            for (&g, &w) in got.iter().zip(&want) {
-                worst = worst.max((g - w).abs() / (w.abs() * 2f32.powi(-8) + 2f32.powi(-12)));
+            let w = if kernel == Kernel::Tree { &mut worst.tree } else { &mut worst.split };
+            for (&g, &want) in got.iter().zip(&want) {
+                *w = w.max((g - want).abs() / (want.abs() * 2f32.powi(-8) + 2f32.powi(-12)));
             }
         }
     }
     worst
+}
+
+/// The worst errors of [`check`], as fractions of the tolerance.
+#[derive(Debug, Default, Clone, Copy)]
+struct Worst {
+    tree: f32,
+    split: f32,
+}
+
+impl Worst {
+    fn max(self, o: Self) -> Self {
+        Self { tree: self.tree.max(o.tree), split: self.split.max(o.split) }
+    }
+}
+
+impl std::fmt::Display for Worst {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tree kernel {:.2}, split kernel {:.2}", self.tree, self.split)
+    }
 }
 
 fn decode(n_heads: usize, n_kv: usize, hd: usize, keys: [usize; 2], peaked: bool) -> Case {
@@ -211,7 +236,7 @@ fn decode(n_heads: usize, n_kv: usize, hd: usize, keys: [usize; 2], peaked: bool
 const GROUPS: [(usize, usize); 8] = [(2, 2), (4, 2), (6, 2), (8, 2), (5, 1), (12, 2), (7, 1), (16, 2)];
 
 pub fn decode_attention_over_contexts_groups_and_head_dims(dev: &SimDevice) {
-    let (mut ran, mut worst) = (Vec::new(), 0f32);
+    let (mut ran, mut worst) = (Vec::new(), Worst::default());
     for (i, &(h, kv)) in GROUPS.iter().enumerate() {
         for hd in [64, 128] {
             for keys in [[1, 31], [32, 33], [512, 33]] {
@@ -229,7 +254,7 @@ pub fn decode_attention_over_contexts_groups_and_head_dims(dev: &SimDevice) {
     }
     println!(
         "decode attention (tree_attention_bf16; attention_split_bf16 + attention_combine_bf16 in 1, H100 and maximal \
-         chunks): {}; keys 1, 31, 32, 33, 512 (batch 2); 4,096 for groups 1 and 8; worst error {worst:.2} of the \
+         chunks): {}; keys 1, 31, 32, 33, 512 (batch 2); 4,096 for groups 1 and 8; worst error {worst} of the \
          bf16 tolerance (2^-8 relative + 2^-12)",
         ran.join(", ")
     );
@@ -260,11 +285,54 @@ fn causal_case() -> Case {
 }
 
 pub fn tree_and_causal_chunk_attention(dev: &SimDevice) {
-    let worst =
-        [tree_case(false), tree_case(true), causal_case()].iter().map(|c| check(dev, c, 77)).fold(0f32, f32::max);
+    let worst = [tree_case(false), tree_case(true), causal_case()]
+        .iter()
+        .map(|c| check(dev, c, 77))
+        .fold(Worst::default(), Worst::max);
     println!(
         "tree_attention_bf16, attention_split_bf16, attention_combine_bf16: trees of 8/5/1 nodes after prefixes \
-         0/33/100; causal chunks of 40/23 after 0/17; worst error {worst:.2} of the bf16 tolerance"
+         0/33/100; causal chunks of 40/23 after 0/17; worst error {worst} of the bf16 tolerance"
+    );
+}
+
+/// Verify-8 (a chain) and decode at 16,384 and 32,768 keys (one sequence, groups of 4 and 8, head dims 128 and 64),
+/// and trees of 64 and 40 nodes (4 row tiles of 16 nodes with groups of 1; 32 tiles of 2 nodes with groups of 8):
+/// the split kernel with an H100's chunking and with the most chunks, against the f64 reference.
+pub fn long_contexts_and_wide_trees(dev: &SimDevice) {
+    let split = [Kernel::Split { target_blocks: 264 }, Kernel::Split { target_blocks: 1 << 20 }];
+    let mut worst = Worst::default();
+    let chain: Vec<i32> = (-1..7).collect();
+    for (keys, attn) in [(16_384, AttnShape::new(4, 1, 128)), (32_768, AttnShape::new(8, 1, 64))] {
+        for n in [1, 8] {
+            let c = Case {
+                name: format!("{} keys, {n} nodes, {attn:?}", keys),
+                attn,
+                n_max: n,
+                prefix: vec![keys - n],
+                n_nodes: vec![n],
+                parents: (n > 1).then(|| vec![chain.clone()]),
+                peaked: false,
+            };
+            worst = worst.max(check_with(dev, &c, keys as u64 + n as u64, &split));
+        }
+    }
+    let mut rng = Rng::new(64);
+    let parents: Vec<i32> = (0..64).map(|i| if i == 0 { -1 } else { (rng.coin() * f64::from(i)) as i32 }).collect();
+    for (attn, peaked) in [(AttnShape::new(2, 2, 64), false), (AttnShape::new(16, 2, 128), true)] {
+        let c = Case {
+            name: format!("tree of 64 nodes {attn:?}"),
+            attn,
+            n_max: 64,
+            prefix: vec![300, 0],
+            n_nodes: vec![64, 40],
+            parents: Some(vec![parents.clone(), parents[..40].to_vec()]),
+            peaked,
+        };
+        worst = worst.max(check_with(dev, &c, 640, &KERNELS));
+    }
+    println!(
+        "attention_split_bf16 (+ combine): verify-8 and decode at 16,384 keys (groups of 4, d128) and 32,768 keys \
+         (groups of 8, d64); trees of 64 and 40 nodes (groups of 1 and 8); worst error {worst} of the bf16 tolerance"
     );
 }
 
@@ -282,9 +350,11 @@ pub fn negative_controls_are_caught(dev: &SimDevice) {
         // A broken execution: no barriers, so threads read shared tiles before they are written.
         let broken = run(&dev.without_barriers(), &c, &x, kernel, |_| {});
         assert!(first_miss(&broken, &want).is_some(), "{kernel:?}: dropping __syncthreads went unnoticed");
-        // A launch one node short: the last node's rows are never written.
-        let short = run(dev, &c, &x, kernel, |l| l[0].grid[1] -= 1);
-        assert!(first_miss(&short, &want).is_some(), "{kernel:?}: a grid one node short went unnoticed");
+        // A launch one block short (the tree kernel: one node; the split kernel: the last KV head's last row tile
+        // of nodes): those rows are never written.
+        let short =
+            run(dev, &c, &x, kernel, |l| if kernel == Kernel::Tree { l[0].grid[1] -= 1 } else { l[0].grid[0] -= 1 });
+        assert!(first_miss(&short, &want).is_some(), "{kernel:?}: a grid one block short went unnoticed");
     }
     // The split kernel's chunks without their combine: the output is never written.
     let long = decode(4, 2, 64, [1000, 700], false);
@@ -309,20 +379,25 @@ pub fn negative_controls_are_caught(dev: &SimDevice) {
 }
 
 #[test]
-fn split_attention_chunks_the_keys_and_launches_whole_warps() {
-    use tlt_kernels::cuda::plan::MIN_SPLIT_LEN;
+fn split_attention_chunks_fill_the_device_and_row_tiles_share_the_keys() {
+    use tlt_kernels::cuda::plan::{row_tiles, MIN_SPLIT_LEN};
     let one = TreeDims { batch: 1, n_max: 1 };
-    // Batch-1 decode of SmolLM2 (3 KV heads) at 4,096 positions on an H100: 32 chunks of 128 keys, 96 blocks.
-    let c = Chunks::for_shape(one, 3, 4096, 264);
-    assert_eq!(c, Chunks { split_len: 128, n_splits: 32 });
-    // Batch 64 of an 8B model (8 KV heads): the blocks fill the device without splitting.
-    assert_eq!(Chunks::for_shape(TreeDims { batch: 64, n_max: 1 }, 8, 4096, 264).n_splits, 1);
+    // Batch-1 decode of SmolLM2 (3 KV heads, groups of 3) on an H100: 88 chunks would fill it, but a max_len of
+    // 4,096 allows 32 (96 blocks); 16,384 allows the 88 (264 blocks).
+    let smol = AttnShape::new(9, 3, 64);
+    assert_eq!(Chunks::for_shape(one, smol, 4096, 264), Chunks { n_splits: 32 });
+    assert_eq!(Chunks::for_shape(one, smol, 16_384, 264), Chunks { n_splits: 88 });
+    // Verify-8 of an 8B model (groups of 4): 2 row tiles of 4 nodes; batch 64 fills the device without splitting.
+    let llama = AttnShape::new(32, 8, 128);
+    assert_eq!(row_tiles(8, 4), 2);
+    assert_eq!(Chunks::for_shape(TreeDims { batch: 1, n_max: 8 }, llama, 32_768, 264).n_splits, 17);
+    assert_eq!(Chunks::for_shape(TreeDims { batch: 64, n_max: 1 }, llama, 4096, 264).n_splits, 1);
     for (max_len, target) in [(1, 264), (33, 264), (4096, 1), (5000, 1000), (4097, 264)] {
-        let c = Chunks::for_shape(one, 2, max_len, target);
-        assert!(c.split_len.is_multiple_of(32) && c.split_len * c.n_splits >= max_len, "{max_len}: {c:?}");
-        assert!(c.n_splits == 1 || c.split_len >= MIN_SPLIT_LEN, "{max_len}: {c:?}");
+        let c = Chunks::for_shape(one, AttnShape::new(2, 2, 64), max_len, target);
+        assert!(c.n_splits >= 1 && c.n_splits <= max_len.div_ceil(MIN_SPLIT_LEN), "{max_len}: {c:?}");
     }
 }
+
 /// RoPE (rotate-half pairs) at each row's position, in f32 from f64 angles, as the kernel computes it.
 fn rotate(x: &[f32], pos: f64, inv_freq: &[f64]) -> Vec<f32> {
     let half = x.len() / 2;
@@ -456,6 +531,7 @@ pub fn qkv_rope_kv_write_equals_bias_norm_rope_and_write(dev: &SimDevice) {
 kernel_tests!(
     decode_attention_over_contexts_groups_and_head_dims,
     tree_and_causal_chunk_attention,
+    long_contexts_and_wide_trees,
     negative_controls_are_caught,
     rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache,
     qkv_rope_kv_write_equals_bias_norm_rope_and_write,

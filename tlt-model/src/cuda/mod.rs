@@ -565,12 +565,8 @@ impl CudaLlama {
         let batch = graph_batch.unwrap_or(seqs.len());
         let shape = StepShape { batch, n_max, tree };
         let (gpu, cfg, taps) = (&self.gpu, &self.cfg, self.layer_taps().len());
-        let chunks = Chunks::for_shape(
-            TreeDims { batch, n_max },
-            self.cache.attn.n_kv_heads,
-            self.cache.max_len,
-            self.target_blocks,
-        );
+        let chunks =
+            Chunks::for_shape(TreeDims { batch, n_max }, self.cache.attn, self.cache.max_len, self.target_blocks);
         let (mut entry, plan) = self.shapes.checkout(shape, graph_batch.is_some(), || {
             let b = StepBuffers::new(gpu, cfg, batch, n_max, tree, taps, chunks)?;
             let bytes = b.bytes();

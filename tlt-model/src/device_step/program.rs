@@ -161,7 +161,7 @@ impl StepProgram<'_> {
     /// The attention chunking of step shape `b`.
     #[must_use]
     pub fn chunks(&self, batch: usize, n_max: usize) -> Chunks {
-        Chunks::for_shape(TreeDims { batch, n_max }, self.cache.attn.n_kv_heads, self.cache.max_len, self.target_blocks)
+        Chunks::for_shape(TreeDims { batch, n_max }, self.cache.attn, self.cache.max_len, self.target_blocks)
     }
 
     /// Issues the whole forward: embedding, every layer and the LM head into `b.logits`. Per decode layer at most

@@ -2,6 +2,7 @@
 //! and row gathers along accepted paths.
 
 use super::*;
+use crate::attention::AttnShape;
 
 /// Threads per block of the attention-side kernels.
 const ATT_BLOCK: u32 = 128;
@@ -182,30 +183,47 @@ pub fn tree_attention(
     Ok(Launch::new("tree_attention_bf16", grid, ATT_BLOCK, args))
 }
 
-/// Keys a chunk of [`attention`] holds at least (4 tiles of 32).
+/// The fewest keys per chunk [`Chunks::for_shape`] plans for a full context (`max_len / n_splits`).
 pub const MIN_SPLIT_LEN: usize = 128;
 
-/// How [`attention`] cuts each node's keys: `n_splits` chunks of `split_len` keys, one block per (KV head, chunk).
+/// Query rows (node, head) of one block of [`attention`]'s tensor-core kernel: one `m16n8k16` row tile.
+pub const MMA_ROWS: usize = 16;
+
+/// Whether [`attention`] runs the split tensor-core kernel for `attn` (head dims a multiple of 16 up to 128, query
+/// groups up to [`MMA_ROWS`]); other shapes run [`tree_attention`].
+#[must_use]
+pub fn splits_attention(attn: AttnShape) -> bool {
+    let group = attn.n_heads / attn.n_kv_heads.max(1);
+    attn.head_dim.is_multiple_of(16) && attn.head_dim <= 128 && (1..=MMA_ROWS).contains(&group)
+}
+
+/// Row tiles of [`attention`]'s kernel for `n_max` nodes of a query group of `group` heads: `MMA_ROWS / group`
+/// consecutive nodes each.
+#[must_use]
+pub fn row_tiles(n_max: usize, group: usize) -> usize {
+    n_max.div_ceil((MMA_ROWS / group.clamp(1, MMA_ROWS)).max(1)).max(1)
+}
+
+/// How [`attention`] cuts each sequence's keys: `n_splits` chunks, one block per (KV head, chunk, row tile). The
+/// kernel cuts the keys a row tile sees at the step (not `max_len`) into `n_splits` equal chunks, so every chunk
+/// works whatever the context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Chunks {
-    /// Keys per chunk (a multiple of 32).
-    pub split_len: usize,
-    /// Chunks, covering `max_len` keys.
+    /// Chunks per (KV head, row tile, sequence).
     pub n_splits: usize,
 }
 
 impl Chunks {
     /// The chunking of a step shape: enough chunks that the grid holds about `target_blocks` blocks (twice the
-    /// device's multiprocessors), none shorter than [`MIN_SPLIT_LEN`] keys; one chunk when the (KV head, node)
-    /// blocks alone fill the device. Fixed per shape and `max_len`, so a captured graph replays it whatever the
-    /// context lengths.
+    /// device's multiprocessors), at most `max_len / MIN_SPLIT_LEN`; one chunk when the (KV head, row tile,
+    /// sequence) blocks alone fill the device. Fixed per shape and `max_len`, so a captured graph replays it
+    /// whatever the context lengths.
     #[must_use]
-    pub fn for_shape(tree: TreeDims, n_kv_heads: usize, max_len: usize, target_blocks: usize) -> Self {
-        let blocks = (n_kv_heads * tree.n_max * tree.batch).max(1);
+    pub fn for_shape(tree: TreeDims, attn: AttnShape, max_len: usize, target_blocks: usize) -> Self {
+        let group = attn.n_heads / attn.n_kv_heads.max(1);
+        let blocks = (attn.n_kv_heads * row_tiles(tree.n_max, group) * tree.batch).max(1);
         let want = target_blocks.div_ceil(blocks).max(1);
-        let n = want.min(max_len.div_ceil(MIN_SPLIT_LEN)).max(1);
-        let split_len = max_len.div_ceil(n).next_multiple_of(32);
-        Self { split_len, n_splits: max_len.div_ceil(split_len).max(1) }
+        Self { n_splits: want.min(max_len.div_ceil(MIN_SPLIT_LEN)).max(1) }
     }
 
     /// Elements of the partial buffers (`part_o`, `part_ml`) for `tree` with `n_heads` heads of `head_dim` (0 and 0
@@ -220,13 +238,15 @@ impl Chunks {
     }
 }
 
-/// Split-K attention (`attention_split_bf16`, then `attention_combine_bf16` when there is more than one chunk): the
-/// same result as [`tree_attention`] with keys cut into [`Chunks`] across blocks, one warp per query head. `parts`:
-/// the partial buffers of [`Chunks::part_lens`] (ignored with one chunk).
+/// Split-K attention on the tensor cores (`attention_split_bf16`, then `attention_combine_bf16` when there is more
+/// than one chunk): the same result as [`tree_attention`] with the keys cut into [`Chunks`] across blocks, each
+/// block serving 16 query rows (a KV head's whole query group, for as many nodes as fit) so that a tree's nodes and
+/// a group's heads share every K/V read. `parts`: the partial buffers of [`Chunks::part_lens`] (ignored with one
+/// chunk).
 ///
 /// # Errors
-/// As [`tree_attention`]; also for partial buffers of the wrong size. A `head_dim` that is not a multiple of 8 (the
-/// split kernel's 16-byte loads) plans [`tree_attention`] alone, whatever the chunks.
+/// As [`tree_attention`]; also for partial buffers of the wrong size or no chunks. A shape the kernel does not take
+/// ([`splits_attention`]: tiny test drafters have head_dim 4) plans [`tree_attention`] alone, whatever the chunks.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     cache: CacheDims,
@@ -243,17 +263,12 @@ pub fn attention(
 ) -> Result<Vec<Launch>> {
     let mut one = tree_attention(cache, layer, tree, q, k_cache, v_cache, out, seq, anc)?;
     let a = cache.attn;
-    if !a.head_dim.is_multiple_of(8) {
-        // The split kernel loads keys and values 16 bytes (8 bf16) at a time; other even head dims (tiny test
-        // drafters have 4) run the one-block-per-(head, node) kernel. Before this, such drafters failed on the
-        // first GPU run ("split attention needs head_dim % 8 == 0, got 4").
+    if !splits_attention(a) {
+        // Before the first GPU run such drafters failed with "split attention needs head_dim % 8 == 0, got 4".
         return Ok(vec![one]);
     }
-    if chunks.split_len == 0
-        || !chunks.split_len.is_multiple_of(32)
-        || chunks.n_splits * chunks.split_len < cache.max_len
-    {
-        return Err(Error::InvalidArgument(format!("chunks {chunks:?} do not cover {} keys", cache.max_len)));
+    if chunks.n_splits == 0 {
+        return Err(Error::InvalidArgument("attention over no chunks".into()));
     }
     let (po_len, pml_len) = chunks.part_lens(tree, a.n_heads, a.head_dim);
     let (part_o, part_ml) = match (chunks.n_splits, parts) {
@@ -269,14 +284,15 @@ pub fn attention(
     };
     // tree_attention's arguments: q, k, v, out, slot, prefix, nodes, anc, n_max, heads, kv, hd, max_len, scale.
     let scale = one.args.pop().ok_or_else(|| Error::InvalidArgument("attention plan".into()))?;
+    let group = a.n_heads / a.n_kv_heads;
+    let tiles = row_tiles(tree.n_max, group);
     let mut args = one.args[..3].to_vec();
     args.push(if chunks.n_splits == 1 { out.arg() } else { null() });
     args.extend([part_o, part_ml]);
     args.extend_from_slice(&one.args[4..]);
-    args.extend([i32_arg("split_len", chunks.split_len)?, i32_arg("n_splits", chunks.n_splits)?, scale]);
-    let group = a.n_heads / a.n_kv_heads;
-    let grid = [dim("n_kv_heads x chunks", a.n_kv_heads * chunks.n_splits)?, one.grid[1], one.grid[2]];
-    let mut launches = vec![Launch::new("attention_split_bf16", grid, (group * 32) as u32, args)];
+    args.extend([i32_arg("n_splits", chunks.n_splits)?, i32_arg("row_tiles", tiles)?, scale]);
+    let grid = [dim("row tiles x chunks x KV heads", tiles * chunks.n_splits * a.n_kv_heads)?, 1, one.grid[2]];
+    let mut launches = vec![Launch::new("attention_split_bf16", grid, 128, args)];
     if chunks.n_splits > 1 {
         let args = vec![
             part_o,

@@ -267,29 +267,38 @@ mod tests {
     }
 
     #[test]
-    fn attention_of_a_head_dim_not_a_multiple_of_8_runs_the_tree_kernel() {
+    fn attention_of_a_shape_the_tensor_cores_do_not_take_runs_the_tree_kernel() {
         // The tiny test drafters' heads (head_dim 4): the first GPU run failed them with "split attention needs
-        // head_dim % 8 == 0, got 4"; now they plan the one-block-per-(head, node) kernel, whatever the chunks.
-        let cache = CacheDims { layers: 1, slots: 2, max_len: 512, attn: AttnShape::new(4, 2, 4) };
-        let tree = TreeDims { batch: 2, n_max: 3 };
+        // head_dim % 8 == 0, got 4"; now they (and head dims of 8) plan the
+        // one-block-per-(head, node) kernel, whatever the chunks.
         let bf = |n| Buf::<bf16>::new(0x10_0000, n);
         let i = |n| Buf::<i32>::new(0x20_0000, n);
         let seq = SeqBufs { slot: i(2), prefix_len: i(2), n_nodes: i(2) };
-        let q = bf(tree.nodes() * 4 * 4);
-        let chunks = Chunks::for_shape(tree, 2, 512, 264);
-        assert!(chunks.n_splits > 1, "the case asks for several chunks");
+        let tree = TreeDims { batch: 2, n_max: 3 };
         let parts = (Buf::new(0x30_0000, 1 << 20), Buf::new(0x40_0000, 1 << 20));
+        for attn in [AttnShape::new(4, 2, 4), AttnShape::new(4, 2, 8)] {
+            let cache = CacheDims { layers: 1, slots: 2, max_len: 512, attn };
+            let q = bf(tree.nodes() * attn.n_heads * attn.head_dim);
+            let chunks = Chunks::for_shape(tree, attn, 512, 264);
+            assert!(chunks.n_splits > 1, "the case asks for several chunks");
+            let l = attention(cache, 0, tree, chunks, q, bf(cache.len()), bf(cache.len()), q, seq, None, Some(parts));
+            let kernels: Vec<&str> = l.unwrap().iter().map(|l| l.kernel).collect();
+            assert_eq!(kernels, ["tree_attention_bf16"], "{attn:?}");
+        }
+        // Head dims of 16 take the tensor-core kernel: groups of 3 put 5 nodes in a 16-row tile (3 nodes: 1 tile).
+        let attn = AttnShape::new(6, 2, 16);
+        let cache = CacheDims { layers: 1, slots: 2, max_len: 512, attn };
+        let q = bf(tree.nodes() * 6 * 16);
+        let chunks = Chunks::for_shape(tree, attn, 512, 264);
+        let (po, pml) = chunks.part_lens(tree, 6, 16);
+        let parts = (Buf::new(0x30_0000, po), Buf::new(0x40_0000, pml));
         let l = attention(cache, 0, tree, chunks, q, bf(cache.len()), bf(cache.len()), q, seq, None, Some(parts));
-        let kernels: Vec<&str> = l.unwrap().iter().map(|l| l.kernel).collect();
-        assert_eq!(kernels, ["tree_attention_bf16"]);
-        // Head dims of 8 keep the split kernel.
-        let cache8 = CacheDims { attn: AttnShape::new(4, 2, 8), ..cache };
-        let q8 = bf(tree.nodes() * 4 * 8);
-        let (po, pml) = chunks.part_lens(tree, 4, 8);
-        let parts8 = (Buf::new(0x30_0000, po), Buf::new(0x40_0000, pml));
-        let l8 =
-            attention(cache8, 0, tree, chunks, q8, bf(cache8.len()), bf(cache8.len()), q8, seq, None, Some(parts8));
-        assert_eq!(l8.unwrap()[0].kernel, "attention_split_bf16");
+        let l = l.unwrap();
+        assert_eq!(l[0].kernel, "attention_split_bf16");
+        assert_eq!(l[0].grid, [(2 * chunks.n_splits) as u32, 1, 2]);
+        assert_eq!(row_tiles(8, 4), 2);
+        assert_eq!(row_tiles(1, 8), 1);
+        assert_eq!(row_tiles(64, 16), 64);
     }
 
     #[test]
