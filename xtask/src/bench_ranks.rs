@@ -38,8 +38,8 @@ use crate::bench_rollout::{cpu_gate, cpu_mab, fit};
 
 mod md;
 use crate::report::{self, Header};
-use crate::roofline;
 use crate::sysinfo::{self, MachineInfo};
+use tlt_model::device_step::roofline::{self, Hardware};
 
 /// Options of `cargo xtask bench ranks`.
 #[derive(Debug, Clone, clap::Args)]
@@ -399,7 +399,9 @@ fn max_rel_err(line: &Linear, pts: &[(f64, f64)]) -> f64 {
 
 fn gpu_cost(context: usize) -> Result<GpuCost> {
     let (target, draft) = (qwen7b(28), qwen7b(1));
-    let s = |cfg: &LlamaConfig, b, n| roofline::step("Qwen2.5-7B", cfg, b, n, context).map(|c| c.seconds);
+    let s = |cfg: &LlamaConfig, b, n| {
+        roofline::step("Qwen2.5-7B", cfg, Hardware::H100, b, n, context).map(|c| c.seconds).map_err(anyhow::Error::from)
+    };
     let decode_points: Vec<(f64, f64)> =
         [1, 2, 4, 8, 16, 32, 64, 128, 256].iter().map(|&b| Ok((b as f64, s(&target, b, 1)?))).collect::<Result<_>>()?;
     let mut verify_points = Vec::new();
@@ -424,10 +426,11 @@ fn gpu_cost(context: usize) -> Result<GpuCost> {
     };
     Ok(GpuCost {
         source: format!(
-            "`cargo xtask roofline`'s model (xtask/src/roofline.rs: H100 SXM {:.2} TB/s, {:.0} dense bf16 TFLOP/s, {:.0} us \
-             launch floor) applied to Qwen2.5-7B shapes at context {context}; the draft is one such layer plus the head",
-            roofline::H100_BYTES_PER_S / 1e12,
-            roofline::H100_FLOPS / 1e12,
+            "`cargo xtask roofline`'s model (tlt_model::device_step::roofline: H100 SXM {:.2} TB/s, {:.0} dense bf16 \
+             TFLOP/s, {:.0} us launch floor) applied to Qwen2.5-7B shapes at context {context}; the draft is one such \
+             layer plus the head",
+            Hardware::H100.bytes_per_s / 1e12,
+            Hardware::H100.flops / 1e12,
             roofline::LAUNCH_FLOOR_S * 1e6
         ),
         max_rel_err: [

@@ -2,7 +2,8 @@
 # One call of the GPU plan (`cargo xtask gpu-bundle`; the procedure is in xtask/README.md): run.sh CALL, where CALL is
 #   all     call 1, at most 8 minutes by its steps' budgets: every CUDA test suite (NCCL's one-rank test among them),
 #           then gpu-bench on the SmolLM2 and Llama-3-8B shapes (decode, verify, the engine's oracle and EAGLE-2 SD at
-#           several batches), then the peer (HF transformers eager and compiled)
+#           several batches) and the context sweeps (512 to 32K keys) of SmolLM2, Llama-3-8B and Qwen3-8B beside the
+#           roofline's predictions, then the peer (HF transformers eager)
 #   ranks   call 2: data-parallel GRPO on 2 MPI ranks sharing the GPU (Open MPI from the bundle's pinned wheel): plain
 #           and with the EAGLE drafter trained on rank 0 and its versions sent over MPI to rank 1's device
 #   e2e     call 3, from its own bundle (target/gpu-e2e): the demo's TLT-vs-baseline GRPO comparison on the GPU with
@@ -66,7 +67,8 @@ step() {
         if [ -n "$dry" ]; then
             bin=${TLT_DRY_BENCH:?a dry run needs TLT_DRY_BENCH (a gpu-bench binary)}
             set -- --device sim --arch tiny --context 40 --batches 1,2 --steps 2 --verify 2,4 --tau 2,4 \
-                --sd-batches 1,2 --sd-tokens 12 --drafter-batches 1,2 --out "$log/$name.json"
+                --sd-batches 1,2 --sd-tokens 12 --drafter-batches 1,2 --contexts 48,96 --sweep-batches 1,2 \
+                --out "$log/$name.json"
         fi
         timeout "$budget" "$bin" "$@" > "$log/$name.log" 2>&1 || rc=$?
     else
@@ -159,16 +161,26 @@ tests() {
     done
 }
 
+# gpu-bench: SmolLM2's shape in full (decode, verify, SD, its context sweep), Llama-3-8B's decode, verify and oracle
+# SD, then the context sweeps (512 to 32K keys, batch 1 and 64 where they fit, verify-8) of the two 8B shapes; every
+# step measured against the roofline's prediction at the copy bandwidth measured in the same process.
+sweep="--contexts 512,4096,16384,32768 --sweep-batches 1,64 --sweep-verify 8"
 bench() {
-    step gpu-bench-smollm2 80 bench --arch smollm2-135m --sd-tokens 128 --out "$log/gpu-bench-smollm2.json"
+    step gpu-bench-smollm2 100 bench --arch smollm2-135m --sd-tokens 128 $sweep --out "$log/gpu-bench-smollm2.json"
     grep -E '^summary:' "$log/gpu-bench-smollm2.log" | cut -c1-200 | while read -r l; do say "  $l"; done
     step gpu-bench-llama3-8b 45 bench --arch llama3-8b --batches 1,8,64 --verify 8 --tau 4 --sd-batches 1,8 \
         --sd-tokens 64 --no-eagle --out "$log/gpu-bench-llama3-8b.json"
     grep -E '^summary:' "$log/gpu-bench-llama3-8b.log" | cut -c1-200 | while read -r l; do say "  $l"; done
+    for arch in llama3-8b qwen3-8b; do
+        step "gpu-sweep-$arch" 50 bench --arch "$arch" --sweep-only $sweep --out "$log/gpu-sweep-$arch.json"
+        grep -E '^summary:' "$log/gpu-sweep-$arch.log" | cut -c1-200 | while read -r l; do say "  $l"; done
+    done
 }
 
+# HF transformers on the same GPU: eager in call 1 (its compiled mode, 2 minutes, ran on 2026-11-27 and runs with
+# `run.sh peer`).
 peer() {
-    for mode in eager compiled; do
+    for mode in ${1:-eager compiled}; do
         local budget=40
         [ "$mode" = compiled ] && budget=120
         step "transformers-$mode" "$budget" python3 "$here/hf_decode_bench.py" --arch smollm2-135m --batches 1,64 \
@@ -216,7 +228,7 @@ e2e() {
 }
 
 case "$call" in
-    all) tests; bench; peer ;;
+    all) tests; bench; peer eager ;;
     e2e) e2e ;;
     tests) tests ;;
     bench) bench ;;

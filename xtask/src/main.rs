@@ -130,9 +130,14 @@ enum Cmd {
         #[arg(long)]
         gguf: PathBuf,
     },
-    /// The predicted H100 time of the device decode step, op by op, at the benchmark shapes (a roofline of the
-    /// program `CudaLlama` runs); `target/bench/roofline.json` and `.md`.
-    Roofline,
+    /// The predicted time of the device decode step on an H100 and an H200, op by op, at the benchmark shapes (a
+    /// roofline of the program `CudaLlama` runs); `target/bench/roofline.json` and `.md`.
+    Roofline {
+        /// The measured copy bandwidth (TB/s, read + write) of the third table; default: the H200 run's of
+        /// 2026-11-27.
+        #[arg(long, default_value_t = roofline::H200_MEASURED_COPY / 1e12)]
+        copy_bandwidth: f64,
+    },
     /// Run a benchmark suite; results go to `target/bench/<suite>.json` and `.md`.
     Bench {
         #[command(subcommand)]
@@ -516,8 +521,8 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Demo(args) => demo(&args),
-        Cmd::Roofline => {
-            roofline::run(&workspace_root().join("target").join("bench"))?;
+        Cmd::Roofline { copy_bandwidth } => {
+            roofline::run(&workspace_root().join("target").join("bench"), copy_bandwidth * 1e12)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Decode(args) } => {

@@ -6,6 +6,7 @@
 mod layout;
 mod parity;
 mod program;
+pub mod roofline;
 
 pub use layout::{layout, tree_rows_bucket, DeviceSeq, MetaBufs, StepLayout, StepMeta};
 pub use parity::{row_parity, RowParity, BF16_ROW_TOL};

@@ -10,6 +10,7 @@
 //! the sections last, and writes JSON.
 
 mod sd;
+mod sweep;
 
 use std::time::Instant;
 
@@ -17,6 +18,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tlt_kernels::cuda::{gpu, DeviceBuf, SharedGpu, MAX_TREE_NODES};
 use tlt_model::cuda::{CudaLlama, DeviceSeq};
+use tlt_model::device_step::roofline::{self, Hardware};
 use tlt_model::LlamaConfig;
 use tlt_spec_decode::cuda::CudaTarget;
 
@@ -63,6 +65,19 @@ pub struct Args {
     /// embedding and LM head, built on the CPU first (seconds for an 8B shape's vocabulary).
     #[arg(long)]
     no_eagle: bool,
+    /// Contexts of the sweep (decode at `--sweep-batches` and verify-`--sweep-verify` at batch 1, each beside the
+    /// roofline's prediction); none: no sweep.
+    #[arg(long, value_delimiter = ',')]
+    pub contexts: Vec<usize>,
+    /// Batches of the context sweep (those that fit in 3/4 of the device's memory).
+    #[arg(long, value_delimiter = ',', default_value = "1,64")]
+    pub sweep_batches: Vec<usize>,
+    /// Nodes of the sweep's verify (a chain, batch 1).
+    #[arg(long, default_value_t = 8)]
+    pub sweep_verify: usize,
+    /// Only the copy bandwidth and the context sweep.
+    #[arg(long)]
+    sweep_only: bool,
     /// JSON output.
     #[arg(long, default_value = "target/bench/gpu-decode.json")]
     out: std::path::PathBuf,
@@ -187,83 +202,19 @@ fn main() -> Result<()> {
     let cfg = config(&a.arch)?;
     let g = open(&a.device)?;
     let sim = g.info().simulated;
-    let max_batch = a.batches.iter().chain(&a.sd_batches).copied().max().unwrap_or(1);
-    let max_len = a.context + a.verify.iter().copied().max().unwrap_or(1) + a.sd_tokens + 2 * MAX_TREE_NODES + 8;
-    let mut m = CudaLlama::synthetic(cfg.clone(), 42, g.clone(), max_batch, max_len)?;
     let mut s = Sections::default();
     let copy = s.run("copy_bandwidth", || copy_bandwidth(&g, if sim { 1 << 20 } else { 1 << 30 })).unwrap_or(f64::NAN);
-    let weights = m.weight_bytes() as f64;
-    let kv_row = (cfg.kv_dim() * 2 * 2 * cfg.num_hidden_layers) as f64; // K and V, bf16, every layer
-    println!(
-        "{} on {} ({}): weights {:.2} GB, copy bandwidth {:.0} GB/s, context {}",
-        a.arch,
-        a.device,
-        g.info().name,
-        weights / 1e9,
-        copy / 1e9,
-        a.context
-    );
-    let decode = s
-        .run("decode", || {
-            let mut rows = Vec::new();
-            for graphs in [false, true] {
-                if graphs {
-                    m.enable_graphs(max_batch, 8 << 30);
-                }
-                println!(
-                    "\n{}:\n| batch | step ms | tok/s | GB/s (weights + KV) | of copy bw |\n|---:|---:|---:|---:|---:|",
-                    if graphs { "with CUDA graphs" } else { "eager" }
-                );
-                for &b in &a.batches {
-                    let t = time_forward(&mut m, b, 1, a.context, a.steps)?;
-                    let bytes = weights + b as f64 * a.context as f64 * kv_row;
-                    let bw = bytes / t;
-                    println!("| {b} | {:.3} | {:.0} | {:.0} | {:.2} |", t * 1e3, b as f64 / t, bw / 1e9, bw / copy);
-                    rows.push(serde_json::json!({"graphs": graphs, "batch": b, "step_s": t,
-                        "tokens_per_s": b as f64 / t, "bytes": bytes, "bandwidth": bw, "of_copy": bw / copy}));
-                }
-            }
-            println!("\ngraph pool: {:?}", m.graph_stats());
-            Ok(rows)
-        })
-        .unwrap_or_default();
-    s.run("verify", || {
-        let t1 = time_forward(&mut m, 1, 1, a.context, a.steps)?;
-        println!("\n| verify k (batch 1) | ms | verify / decode-1 | oracle SD at tau = k (k x decode / verify) |\n|---:|---:|---:|---:|");
-        let mut rows = vec![serde_json::json!({"k": 1, "step_s": t1})];
-        for &k in &a.verify {
-            let t = time_forward(&mut m, 1, k, a.context, a.steps)?;
-            println!("| {k} | {:.3} | {:.3} | {:.2}x |", t * 1e3, t / t1, k as f64 * t1 / t);
-            rows.push(serde_json::json!({"k": k, "step_s": t, "over_decode": t / t1,
-                "oracle_sd_speedup": k as f64 * t1 / t}));
-        }
-        Ok(rows)
-    });
-    let target = CudaTarget::from_model(m);
-    s.run("oracle_sd", || sd::oracle(&target, &cfg, &a));
-    let mut eagle = None;
-    if !a.no_eagle {
-        s.run("eagle2_drafter", || {
-            eagle = Some(sd::eagle2_runtime(&cfg)?);
-            Ok(())
-        });
+    let hw = Hardware::measured(&g.info().name, g.info().multiprocessors, g.info().total_memory, copy);
+    println!("{} on {} ({}): copy bandwidth {:.0} GB/s", a.arch, a.device, g.info().name, copy / 1e9);
+    if !a.sweep_only {
+        standard(&g, &cfg, &a, hw, &mut s);
     }
-    if let Some(rt) = &eagle {
-        s.run("eagle2_sd", || sd::eagle(&g, &target, rt, &cfg, &a));
-    }
-    println!("\ngraph pool after the engine runs: {:?}", target.with_model(|m| m.graph_stats().cloned())?);
-    drop(target);
-    let graphs_decode: Vec<(usize, f64)> = decode
-        .iter()
-        .filter(|d| d["graphs"] == true)
-        .filter_map(|d| Some((usize::try_from(d["batch"].as_u64()?).ok()?, d["step_s"].as_f64()?)))
-        .collect();
-    if let Some(rt) = &eagle {
-        s.run("drafter_level", || sd::drafter_level(&g, rt, &cfg, &a, &graphs_decode));
+    if !a.contexts.is_empty() {
+        s.run("context_sweep", || sweep::run(&g, &cfg, &a, copy));
     }
     let mut json = serde_json::json!({
         "arch": a.arch, "device": a.device, "device_name": g.info().name, "context": a.context, "steps": a.steps,
-        "weight_bytes": weights, "copy_bandwidth": copy,
+        "copy_bandwidth": copy,
     });
     if let Some(o) = json.as_object_mut() {
         o.extend(s.json.clone());
@@ -281,6 +232,112 @@ fn main() -> Result<()> {
         bail!("{failed} of {} sections failed", s.outcomes.len());
     }
     Ok(())
+}
+
+/// The standard sections on one model at `--context`: decode (eager and graphs) and verify-k, each beside the
+/// roofline's prediction on `hw`, then the engine's oracle and EAGLE-2 speculative decoding and one draft level.
+fn standard(g: &SharedGpu, cfg: &LlamaConfig, a: &Args, hw: Hardware, s: &mut Sections) {
+    let copy = hw.bytes_per_s;
+    let max_batch = a.batches.iter().chain(&a.sd_batches).copied().max().unwrap_or(1);
+    let max_len = a.context + a.verify.iter().copied().max().unwrap_or(1) + a.sd_tokens + 2 * MAX_TREE_NODES + 8;
+    let mut m = match CudaLlama::synthetic(cfg.clone(), 42, g.clone(), max_batch, max_len) {
+        Ok(m) => m,
+        Err(e) => {
+            let msg = format!("{e:#}");
+            eprintln!("section model failed: {msg}");
+            s.json.insert("model".into(), serde_json::json!({ "error": msg }));
+            s.outcomes.push(("model".into(), Some(msg)));
+            return;
+        }
+    };
+    let weights = m.weight_bytes() as f64;
+    s.json.insert("weight_bytes".into(), weights.into());
+    let kv_row = (cfg.kv_dim() * 2 * 2 * cfg.num_hidden_layers) as f64; // K and V, bf16, every layer
+    println!("weights {:.2} GB, context {}", weights / 1e9, a.context);
+    let predict =
+        |b: usize, n: usize| roofline::step(&a.arch, cfg, hw, b, n, a.context).map_or(f64::NAN, |p| p.seconds);
+    let decode = s
+        .run("decode", || {
+            let mut rows = Vec::new();
+            for graphs in [false, true] {
+                if graphs {
+                    m.enable_graphs(max_batch, 8 << 30);
+                }
+                println!(
+                    "\n{}:\n| batch | step ms | tok/s | GB/s (weights + KV) | of copy bw | predicted ms | measured / \
+                     predicted |\n|---:|---:|---:|---:|---:|---:|---:|",
+                    if graphs { "with CUDA graphs" } else { "eager" }
+                );
+                for &b in &a.batches {
+                    let t = time_forward(&mut m, b, 1, a.context, a.steps)?;
+                    let bytes = weights + b as f64 * a.context as f64 * kv_row;
+                    let bw = bytes / t;
+                    let p = predict(b, 1);
+                    println!(
+                        "| {b} | {:.3} | {:.0} | {:.0} | {:.2} | {:.3} | {:.2} |",
+                        t * 1e3,
+                        b as f64 / t,
+                        bw / 1e9,
+                        bw / copy,
+                        p * 1e3,
+                        t / p
+                    );
+                    rows.push(serde_json::json!({"graphs": graphs, "batch": b, "step_s": t,
+                        "tokens_per_s": b as f64 / t, "bytes": bytes, "bandwidth": bw, "of_copy": bw / copy,
+                        "predicted_s": p, "over_predicted": t / p}));
+                }
+            }
+            println!("\ngraph pool: {:?}", m.graph_stats());
+            Ok(rows)
+        })
+        .unwrap_or_default();
+    s.run("verify", || {
+        let t1 = time_forward(&mut m, 1, 1, a.context, a.steps)?;
+        println!(
+            "\n| verify k (batch 1) | ms | verify / decode-1 | oracle SD at tau = k (k x decode / verify) | predicted ms \
+             | measured / predicted |\n|---:|---:|---:|---:|---:|---:|"
+        );
+        let mut rows = vec![serde_json::json!({"k": 1, "step_s": t1})];
+        for &k in &a.verify {
+            let t = time_forward(&mut m, 1, k, a.context, a.steps)?;
+            let p = predict(1, k);
+            println!(
+                "| {k} | {:.3} | {:.3} | {:.2}x | {:.3} | {:.2} |",
+                t * 1e3,
+                t / t1,
+                k as f64 * t1 / t,
+                p * 1e3,
+                t / p
+            );
+            rows.push(serde_json::json!({"k": k, "step_s": t, "over_decode": t / t1,
+                "oracle_sd_speedup": k as f64 * t1 / t, "predicted_s": p, "over_predicted": t / p}));
+        }
+        Ok(rows)
+    });
+    let target = CudaTarget::from_model(m);
+    s.run("oracle_sd", || sd::oracle(&target, cfg, a));
+    let mut eagle = None;
+    if !a.no_eagle {
+        s.run("eagle2_drafter", || {
+            eagle = Some(sd::eagle2_runtime(cfg)?);
+            Ok(())
+        });
+    }
+    if let Some(rt) = &eagle {
+        s.run("eagle2_sd", || sd::eagle(g, &target, rt, cfg, a));
+    }
+    if let Ok(stats) = target.with_model(|m| m.graph_stats().cloned()) {
+        println!("\ngraph pool after the engine runs: {stats:?}");
+    }
+    drop(target);
+    let graphs_decode: Vec<(usize, f64)> = decode
+        .iter()
+        .filter(|d| d["graphs"] == true)
+        .filter_map(|d| Some((usize::try_from(d["batch"].as_u64()?).ok()?, d["step_s"].as_f64()?)))
+        .collect();
+    if let Some(rt) = &eagle {
+        s.run("drafter_level", || sd::drafter_level(g, rt, cfg, a, &graphs_decode));
+    }
 }
 
 /// A few lines for the GPU plan's summary (`run.sh` keeps the lines starting `summary:`): decode at the smallest and
@@ -316,6 +373,9 @@ fn summary(json: &serde_json::Value, outcomes: &[(String, Option<String>)]) -> V
         if !sd.is_empty() {
             lines.push(format!("{key} (speed-up over plain, tokens = plain's): {}", sd.join(", ")));
         }
+    }
+    if let Some(line) = sweep::summary(&rows("context_sweep")) {
+        lines.push(line);
     }
     let failed: Vec<&str> = outcomes.iter().filter(|(_, e)| e.is_some()).map(|(n, _)| n.as_str()).collect();
     lines.push(if failed.is_empty() {
