@@ -510,3 +510,25 @@ extern "C" __global__ void __launch_bounds__(QKV_THREADS) qkv_rope_kv_write_bf16
         }
     }
 }
+
+// The tensor-core product as attention_split_bf16 uses it, for a test against a CPU product: D = A B for one warp,
+// A (16x16) and B (16x8) bf16 row-major in memory, loaded into fragments by tlt_mma_bf16's layout, D (16x8) f32
+// row-major. A wrong reading of the PTX fragment layout shows here, on a GPU, before it shows as wrong attention.
+// Grid: 1; block: 32.
+extern "C" __global__ void mma_bf16_probe(const bf16_t* a, const bf16_t* b, float* d)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    unsigned fa[4];
+    fa[0] = tlt_pack_bf16x2(a[g * 16 + 2 * t], a[g * 16 + 2 * t + 1]);
+    fa[1] = tlt_pack_bf16x2(a[(g + 8) * 16 + 2 * t], a[(g + 8) * 16 + 2 * t + 1]);
+    fa[2] = tlt_pack_bf16x2(a[g * 16 + 2 * t + 8], a[g * 16 + 2 * t + 9]);
+    fa[3] = tlt_pack_bf16x2(a[(g + 8) * 16 + 2 * t + 8], a[(g + 8) * 16 + 2 * t + 9]);
+    const unsigned b0 = tlt_pack_bf16x2(b[(2 * t) * 8 + g], b[(2 * t + 1) * 8 + g]);
+    const unsigned b1 = tlt_pack_bf16x2(b[(2 * t + 8) * 8 + g], b[(2 * t + 9) * 8 + g]);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    tlt_mma_bf16(acc, fa, b0, b1);
+    d[g * 8 + 2 * t] = acc[0];
+    d[g * 8 + 2 * t + 1] = acc[1];
+    d[(g + 8) * 8 + 2 * t] = acc[2];
+    d[(g + 8) * 8 + 2 * t + 1] = acc[3];
+}

@@ -173,6 +173,49 @@ mod gpu {
         tree_attention(&q, &keys, &vals, prefix, Visibility::Tree(&cpu_parents), shape, 0.125, &mut want).unwrap();
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst < 2e-2, "max |gpu - cpu| = {worst} (bf16 output)");
+        // The tensor-core split kernel (what the decoder runs), with one chunk and with as many as the keys allow.
+        for target_blocks in [1, 1 << 20] {
+            let chunks = plan::Chunks::for_shape(tree, shape, cache.max_len, target_blocks);
+            let (po, pml) = chunks.part_lens(tree, 9, 64);
+            let parts = (up(g, &vec![0f32; po.max(1)]), up(g, &vec![0f32; pml.max(1)]));
+            let parts = (chunks.n_splits > 1).then(|| (parts.0.buf(), parts.1.buf()));
+            let out = up(g, &vec![bf16::ZERO; n * 9 * 64]);
+            let launches = plan::attention(
+                cache,
+                layer,
+                tree,
+                chunks,
+                q_dev.buf(),
+                kb,
+                vb,
+                out.buf(),
+                seq,
+                Some(anc.buf()),
+                parts,
+            );
+            for l in launches.unwrap() {
+                g.launch(&l).unwrap();
+            }
+            let got = unbf(&out.to_host(g).unwrap());
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 2e-2, "split attention in {chunks:?}: max |gpu - cpu| = {worst} (bf16 output)");
+        }
+    }
+
+    /// The tensor-core product the split attention is built on (`mma_bf16_probe`), against the CPU's on values whose
+    /// products and sums are exact: a wrong reading of the PTX fragment layout fails here by name.
+    #[test]
+    fn the_tensor_core_product_matches_the_cpu() {
+        let Some(g) = gpu_or_skip("the_tensor_core_product_matches_the_cpu") else { return };
+        let g: &dyn Gpu = g.as_ref();
+        let mut rng = SplitMix64::new(16);
+        let mut eighths =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| (rng.next_f64() * 32.0).floor() as f32 / 8.0 - 2.0).collect() };
+        let (a, b) = (eighths(256), eighths(128));
+        let want: Vec<f32> = (0..128).map(|e| (0..16).map(|k| a[(e / 8) * 16 + k] * b[k * 8 + e % 8]).sum()).collect();
+        let (ad, bd, d) = (up(g, &bf(&a)), up(g, &bf(&b)), up(g, &vec![0f32; 128]));
+        g.launch(&plan::mma_probe(ad.buf(), bd.buf(), d.buf()).unwrap()).unwrap();
+        assert_eq!(d.to_host(g).unwrap(), want, "mma.sync m16n8k16 against the CPU product");
     }
 
     /// Qwen3's q/k head norms: every head vector of 128 (Qwen3's head_dim; 40 vectors, so the last block is

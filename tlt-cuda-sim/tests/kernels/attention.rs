@@ -336,6 +336,26 @@ pub fn long_contexts_and_wide_trees(dev: &SimDevice) {
     );
 }
 
+/// The tensor-core product (`mma_bf16_probe`) equals the CPU's on values whose products and sums are exact in f32;
+/// the control: B read transposed (another fragment layout) is caught.
+pub fn mma_probe_is_the_cpu_product(dev: &SimDevice) {
+    let mut rng = Rng::new(16);
+    // Multiples of 1/8 in [-2, 2]: every product and sum of 16 is exact in f32, so any order gives the same bits.
+    let a: Vec<f32> = (0..256).map(|_| (rng.coin() * 32.0).floor() as f32 / 8.0 - 2.0).collect();
+    let b: Vec<f32> = (0..128).map(|_| (rng.coin() * 32.0).floor() as f32 / 8.0 - 2.0).collect();
+    let product = |b: &[f32], transposed: bool| -> Vec<f32> {
+        let at = |k: usize, n: usize| if transposed { b[(n * 16 + k) % 128] } else { b[k * 8 + n] };
+        (0..128).map(|e| (0..16).map(|k| a[(e / 8) * 16 + k] * at(k, e % 8)).sum()).collect()
+    };
+    let (ab, bb, d) = (dev.upload(&to_bf16(&a)), dev.upload(&to_bf16(&b)), dev.zeros::<f32>(128));
+    dev.launch(&plan::mma_probe(ab.buf(), bb.buf(), d.buf()).unwrap()).unwrap();
+    let got = d.download();
+    assert_eq!(got, product(&b, false), "the product");
+    assert_ne!(got, product(&b, true), "a transposed B must differ");
+    assert!(plan::mma_probe(ab.buf(), ab.buf(), d.buf()).is_err(), "a 16 x 16 B is refused");
+    println!("mma_bf16_probe: a 16x16 by 16x8 product equals the CPU's bit for bit; a transposed B differs");
+}
+
 pub fn negative_controls_are_caught(dev: &SimDevice) {
     let c = tree_case(false);
     let x = inputs(&c, 5);
@@ -532,6 +552,7 @@ kernel_tests!(
     decode_attention_over_contexts_groups_and_head_dims,
     tree_and_causal_chunk_attention,
     long_contexts_and_wide_trees,
+    mma_probe_is_the_cpu_product,
     negative_controls_are_caught,
     rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache,
     qkv_rope_kv_write_equals_bias_norm_rope_and_write,

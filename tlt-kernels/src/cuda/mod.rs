@@ -88,6 +88,7 @@ pub const SOURCES: &[KernelSource] = &[
             "attention_split_bf16",
             "attention_combine_bf16",
             "qkv_rope_kv_write_bf16",
+            "mma_bf16_probe",
         ],
     },
     KernelSource {

@@ -310,6 +310,18 @@ pub fn attention(
     Ok(launches)
 }
 
+/// `mma_bf16_probe`: `d = a b` on the tensor cores for one warp, `a` 16 x 16 and `b` 16 x 8 bf16 row-major, `d`
+/// 16 x 8 f32 row-major: the fragment layout [`attention`] relies on, checked against a CPU product.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] for buffers of other lengths.
+pub fn mma_probe(a: Buf<bf16>, b: Buf<bf16>, d: Buf<f32>) -> Result<Launch> {
+    check_len("a", 256, a.len())?;
+    check_len("b", 128, b.len())?;
+    check_len("d", 128, d.len())?;
+    Ok(Launch::new("mma_bf16_probe", [1, 1, 1], 32, vec![a.arg(), b.arg(), d.arg()]))
+}
+
 /// Moves the accepted path's K/V rows of every layer behind each sequence's committed prefix
 /// (`commit_path_bf16`; `path`: `[batch, max_path]` node indices from the root, increasing; `n_acc`: `[batch]`).
 ///
