@@ -447,67 +447,66 @@ extern "C" __global__ void attention_combine_bf16(
     }
 }
 
-#define QKV_THREADS 256
-#define QKV_MAX_QK 10240
+#define QKV_MAX_THREADS 128
 
-// The epilogue of the fused q/k/v projection, one block per row of qkv ([rows, q_dim + 2 * kv_dim] bf16, one GEMM's
-// output): the bias added (bias: [q_dim + 2 * kv_dim] or null, Qwen2), every head's q and k RMS-normalised (q_norm,
-// k_norm: [hd] or null, Qwen3), RoPE at the row's position (as rope_kv_write_bf16) on q, written to q_out
+// The epilogue of the fused q/k/v projection (qkv: [rows, q_dim + 2 * kv_dim] bf16, one GEMM's output; per row its
+// n_heads q heads, n_kv k heads and n_kv v heads, each hd wide), one block per head vector of a row, one thread per
+// RoPE pair (i, i + hd/2), so a batch-1 step spreads over n_heads + 2 n_kv blocks and every thread loads its two
+// elements at once: the bias added (bias: [q_dim + 2 * kv_dim] or null, Qwen2), a q or k head RMS-normalised
+// (q_norm, k_norm: [hd] or null, Qwen3), RoPE at the row's position (as rope_kv_write_bf16) on q, written to q_out
 // ([rows, n_heads, hd]), and on k, written with v into layer `layer`'s caches at the row's slot and position
 // (k_cache, v_cache: that layer, [slots, max_len, n_kv, hd]). A padded row (slot < 0) or one past max_len writes only
-// q_out. q_dim + kv_dim <= QKV_MAX_QK. Grid: rows blocks; block: QKV_THREADS.
-extern "C" __global__ void __launch_bounds__(QKV_THREADS) qkv_rope_kv_write_bf16(
+// q_out. hd even, hd / 2 <= QKV_MAX_THREADS. Grid: (n_heads + 2 * n_kv, rows); block: hd / 2 rounded up to a warp.
+extern "C" __global__ void __launch_bounds__(QKV_MAX_THREADS) qkv_rope_kv_write_bf16(
     const bf16_t* qkv, const bf16_t* bias, const bf16_t* q_norm, const bf16_t* k_norm, bf16_t* q_out,
     bf16_t* k_cache, bf16_t* v_cache, const int* row_slot, const int* row_pos, const int* row_dst,
     const double* inv_freq, int rows, int n_heads, int n_kv, int hd, int max_len, float eps)
 {
-    const int r = blockIdx.x;
+    const int hh = blockIdx.x, r = blockIdx.y;
     if (r >= rows) return;
-    const int qd = n_heads * hd, kvd = n_kv * hd, width = qd + 2 * kvd;
+    const int kvd = n_kv * hd, width = n_heads * hd + 2 * kvd;
     const int slot = row_slot[r];
     const int dst = row_dst[r];
     const bool write = slot >= 0 && dst >= 0 && dst < max_len;
-    const bf16_t* in = qkv + (size_t)r * width;
     const size_t cache_row = ((size_t)slot * max_len + dst) * kvd;
-    __shared__ float sx[QKV_MAX_QK];
-    for (int e = threadIdx.x; e < qd + 2 * kvd; e += QKV_THREADS) {
-        const float v = tlt_bf2f(in[e]) + (bias ? tlt_bf2f(bias[e]) : 0.f);
-        if (e < qd + kvd) sx[e] = v;
-        else if (write) v_cache[cache_row + (e - qd - kvd)] = tlt_f2bf(v);
+    const bf16_t* in = qkv + (size_t)r * width + (size_t)hh * hd;
+    const int half = hd / 2, i = threadIdx.x;
+    const bool mine = i < half;
+    float x0 = 0.f, x1 = 0.f;
+    if (mine) {
+        x0 = tlt_bf2f(in[i]) + (bias ? tlt_bf2f(bias[hh * hd + i]) : 0.f);
+        x1 = tlt_bf2f(in[i + half]) + (bias ? tlt_bf2f(bias[hh * hd + i + half]) : 0.f);
     }
-    __syncthreads();
+    if (hh >= n_heads + n_kv) {
+        if (mine && write) {
+            const size_t o = cache_row + (size_t)(hh - n_heads - n_kv) * hd;
+            v_cache[o + i] = tlt_f2bf(x0);
+            v_cache[o + i + half] = tlt_f2bf(x1);
+        }
+        return;
+    }
     if (q_norm != 0) {
-        // One warp per head vector (q heads, then k heads).
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        for (int hh = warp; hh < n_heads + n_kv; hh += QKV_THREADS / 32) {
-            float* xv = sx + hh * hd;
-            float ss = 0.f;
-            for (int e = lane; e < hd; e += 32) ss += xv[e] * xv[e];
-            ss = tlt_warp_sum(ss);
-            const float inv = rsqrtf(ss / (float)hd + eps);
-            const bf16_t* w = hh < n_heads ? q_norm : k_norm;
-            for (int e = lane; e < hd; e += 32) xv[e] = xv[e] * inv * tlt_bf2f(w[e]);
+        __shared__ float part[QKV_MAX_THREADS / 32];
+        const float ss = tlt_block_sum(x0 * x0 + x1 * x1, part);
+        const float inv = rsqrtf(ss / (float)hd + eps);
+        const bf16_t* w = hh < n_heads ? q_norm : k_norm;
+        if (mine) {
+            x0 = x0 * inv * tlt_bf2f(w[i]);
+            x1 = x1 * inv * tlt_bf2f(w[i + half]);
         }
-        __syncthreads();
     }
-    const int half = hd / 2;
-    const double pos = (double)row_pos[r];
-    for (int idx = threadIdx.x; idx < (n_heads + n_kv) * half; idx += QKV_THREADS) {
-        const int h = idx / half;
-        const int i = idx - h * half;
-        double sd, cd;
-        sincos(pos * inv_freq[i], &sd, &cd);
-        const float s = (float)sd, c = (float)cd;
-        const float x0 = sx[h * hd + i], x1 = sx[h * hd + i + half];
-        const bf16_t y0 = tlt_f2bf(x0 * c - x1 * s), y1 = tlt_f2bf(x1 * c + x0 * s);
-        if (h < n_heads) {
-            q_out[((size_t)r * n_heads + h) * hd + i] = y0;
-            q_out[((size_t)r * n_heads + h) * hd + i + half] = y1;
-        } else if (write) {
-            const size_t o = cache_row + (size_t)(h - n_heads) * hd;
-            k_cache[o + i] = y0;
-            k_cache[o + i + half] = y1;
-        }
+    if (!mine) return;
+    double sd, cd;
+    sincos((double)row_pos[r] * inv_freq[i], &sd, &cd);
+    const float sn = (float)sd, cs = (float)cd;
+    const bf16_t y0 = tlt_f2bf(x0 * cs - x1 * sn), y1 = tlt_f2bf(x1 * cs + x0 * sn);
+    if (hh < n_heads) {
+        q_out[((size_t)r * n_heads + hh) * hd + i] = y0;
+        q_out[((size_t)r * n_heads + hh) * hd + i + half] = y1;
+    } else if (write) {
+        const size_t o = cache_row + (size_t)(hh - n_heads) * hd;
+        k_cache[o + i] = y0;
+        k_cache[o + i + half] = y1;
     }
 }
 

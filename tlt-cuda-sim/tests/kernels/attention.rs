@@ -479,7 +479,9 @@ pub fn rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache(dev: &Si
 /// The fused q/k/v epilogue equals its parts: bias, per-head RMSNorm (Qwen3), RoPE, the cache write.
 pub fn qkv_rope_kv_write_equals_bias_norm_rope_and_write(dev: &SimDevice) {
     for (order, dev) in variants(dev) {
-        for (h, kv, hd, bias, norm) in [(4, 2, 64, false, false), (6, 2, 64, true, false), (8, 4, 128, false, true)] {
+        for (h, kv, hd, bias, norm) in
+            [(4, 2, 64, false, false), (6, 2, 64, true, false), (8, 4, 128, false, true), (4, 2, 16, true, true)]
+        {
             let a = AttnShape::new(h, kv, hd);
             let cache = CacheDims { layers: 2, slots: 3, max_len: 48, attn: a };
             let (qd, kvd) = (h * hd, kv * hd);

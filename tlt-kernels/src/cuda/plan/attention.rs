@@ -75,17 +75,16 @@ pub fn rope_kv_write(
     Ok(Launch::new("rope_kv_write_bf16", [dim("rows", rows)?, 1, 1], ATT_BLOCK, args))
 }
 
-/// The largest `q_dim + kv_dim` of [`qkv_rope_kv_write`] (`QKV_MAX_QK`: the row's q and k staged in 40 KiB of shared
-/// memory).
-pub const MAX_QK_WIDTH: usize = 10_240;
+/// The largest head dim of [`qkv_rope_kv_write`] (one thread per RoPE pair, at most 128 a block).
+pub const MAX_QKV_HEAD_DIM: usize = 256;
 
-/// The epilogue of the fused q/k/v projection (`qkv_rope_kv_write_bf16`): for every row of `qkv` (`[rows, q_dim + 2
-/// kv_dim]`, one GEMM's output), the bias added (Qwen2), every head's q and k RMS-normalised with `qk_norm` (Qwen3),
-/// RoPE at the row's position on q (into `q_out`, `[rows, n_heads, head_dim]`) and on k, and k and v written into
-/// layer `layer` of the caches, as [`rope_kv_write`] does.
+/// The epilogue of the fused q/k/v projection (`qkv_rope_kv_write_bf16`, one block per head vector of a row): for
+/// every row of `qkv` (`[rows, q_dim + 2 kv_dim]`, one GEMM's output), the bias added (Qwen2), every head's q and k
+/// RMS-normalised with `qk_norm` (Qwen3), RoPE at the row's position on q (into `q_out`, `[rows, n_heads,
+/// head_dim]`) and on k, and k and v written into layer `layer` of the caches, as [`rope_kv_write`] does.
 ///
 /// # Errors
-/// As [`rope_kv_write`]; also for `q_dim + kv_dim` above [`MAX_QK_WIDTH`] or a bias or norm of the wrong length.
+/// As [`rope_kv_write`]; also for a head dim above [`MAX_QKV_HEAD_DIM`] or a bias or norm of the wrong length.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_rope_kv_write(
     cache: CacheDims,
@@ -104,8 +103,8 @@ pub fn qkv_rope_kv_write(
     let tail = cache_write_args(cache, layer, rows, k_cache, v_cache, meta, inv_freq)?;
     let a = cache.attn;
     let (qd, kvd) = (a.n_heads * a.head_dim, cache.row());
-    if qd + kvd > MAX_QK_WIDTH {
-        return Err(Error::InvalidArgument(format!("q_dim + kv_dim = {} exceeds {MAX_QK_WIDTH}", qd + kvd)));
+    if a.head_dim > MAX_QKV_HEAD_DIM {
+        return Err(Error::InvalidArgument(format!("head_dim {} exceeds {MAX_QKV_HEAD_DIM}", a.head_dim)));
     }
     check_len("qkv", rows * (qd + 2 * kvd), qkv.len())?;
     if let Some(b) = bias {
@@ -124,7 +123,9 @@ pub fn qkv_rope_kv_write(
         q_out.arg(),
     ];
     let args: Vec<Arg> = head.into_iter().chain(tail).chain([Arg::F32(eps)]).collect();
-    Ok(Launch::new("qkv_rope_kv_write_bf16", [dim("rows", rows)?, 1, 1], 256, args))
+    let vectors = dim("head vectors", a.n_heads + 2 * a.n_kv_heads)?;
+    let block = (a.head_dim / 2).next_multiple_of(32) as u32;
+    Ok(Launch::new("qkv_rope_kv_write_bf16", [vectors, dim("rows", rows)?, 1], block, args))
 }
 
 /// Attention of each sequence's nodes over layer `layer` of the cache (`tree_attention_bf16`): `out =
