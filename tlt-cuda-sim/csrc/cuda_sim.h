@@ -189,6 +189,11 @@ inline T atomicExch(T* p, T v) {
     return old;
 }
 inline void __threadfence() {}
+// A load that bypasses L1 on a GPU (another block's writes after its __threadfence); plain here.
+template <class T>
+inline T __ldcg(const T* p) {
+    return *p;
+}
 inline void __threadfence_block() {}
 
 // Bit casts and math intrinsics.

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use half::bf16;
 use tlt_kernels::cuda::packing::Packing;
-use tlt_kernels::cuda::plan::{self, Buf, Chunks, GemmY, Launch, RowBuf, RowBufs, SeqBufs};
+use tlt_kernels::cuda::plan::{self, Buf, Chunks, GemmY, Launch, RowBuf, RowBufs, SeqBufs, SplitParts};
 use tlt_kernels::cuda::{
     gpu, CacheDims, DeviceBuf, DeviceLinear, Elem, Fetched, Recycler, Scratch, SharedGpu, Staged, TreeDims, MAX_TOP_K,
     MAX_TREE_NODES,
@@ -454,11 +454,15 @@ impl CudaDrafter {
         let tree = TreeDims { batch: step.seq_slot.len(), n_max: step.n_max };
         let a = c.dims.attn;
         let chunks = Chunks::for_shape(tree, a, c.dims.max_len, self.target_blocks);
-        let (po, pml) = chunks.part_lens(tree, a.n_heads, a.head_dim);
-        let parts =
-            if chunks.n_splits > 1 { Some((self.scratch::<f32>(po)?, self.scratch::<f32>(pml)?)) } else { None };
+        let [po, pml, pa] = chunks.part_lens(tree, a);
+        let parts = if chunks.n_splits > 1 {
+            // The arrival counters must start at zero (scratch is recycled); the kernel leaves them zero.
+            Some((self.scratch::<f32>(po)?, self.scratch::<f32>(pml)?, self.scratch_zeroed::<i32>(pa)?))
+        } else {
+            None
+        };
         let seq = SeqBufs { slot: meta.seq_slot, prefix_len: meta.seq_prefix, n_nodes: meta.seq_nodes };
-        let part_bufs = parts.as_ref().map(|(o, ml)| (o.buf(), ml.buf()));
+        let part_bufs = parts.as_ref().map(|(o, ml, n)| SplitParts { o: o.buf(), ml: ml.buf(), arrivals: n.buf() });
         for launch in
             plan::attention(c.dims, 0, tree, chunks, qb, kc, vc, attn.buf(), seq, meta.anc, part_bufs).map_err(kern)?
         {

@@ -181,15 +181,17 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) tree_attention_bf16(
 // its next tile into registers (16-byte loads) while it computes the current one from shared memory, S = Q K^T and
 // O += P V on mma.sync m16n8k16 (bf16 in, f32 accumulation), P split into three bf16 parts so that the
 // products keep f32 accuracy; the warps' states are merged at the end. Visibility, layouts and metadata as
-// tree_attention_bf16. With out != null (n_splits == 1) the block writes the normalised bf16 output; otherwise
-// its chunk's unnormalised f32 output and (max, sum) to part_o [B, n_max, n_heads, n_splits, hd] and part_ml
-// [B, n_max, n_heads, n_splits, 2] for attention_combine_bf16 (a chunk without visible keys writes sum 0).
+// tree_attention_bf16. With one chunk the block writes the normalised bf16 output; otherwise its chunk's
+// unnormalised f32 output and (max, sum) to part_o [B, n_max, n_heads, n_splits, hd] and part_ml
+// [B, n_max, n_heads, n_splits, 2] (a chunk without visible keys writes sum 0), and the last block of the chunks to
+// arrive (arrivals: one counter per (sequence, row tile, KV head), [B, row_tiles, n_kv], zero before the launch and
+// left zero) combines them into out: no second launch. part_o, part_ml and arrivals may be null with one chunk.
 // head_dim: a multiple of 16, at most 128; n_heads / n_kv <= 16.
 // Grid: (row_tiles * n_splits * n_kv, 1, B), the row tile fastest (tiles sharing a chunk run together, and meet
 // its K/V in L2); block: 128.
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf16(
     const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache, bf16_t* out, float* part_o, float* part_ml,
-    const int* seq_slot, const int* prefix_len, const int* n_nodes, const u64_t* anc,
+    int* arrivals, const int* seq_slot, const int* prefix_len, const int* n_nodes, const u64_t* anc,
     int n_max, int n_heads, int n_kv, int hd, int max_len, int n_splits, int row_tiles, float scale)
 {
     const int rt = blockIdx.x % row_tiles;
@@ -216,34 +218,31 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
     bf16_t* sk = reinterpret_cast<bf16_t*>(smem) + warp * MMA_TILE * MMA_STRIDE;
     bf16_t* sv = reinterpret_cast<bf16_t*>(smem) + (MMA_WARPS + warp) * MMA_TILE * MMA_STRIDE;
 
-    // This lane's two rows (g and g + 8): node, head, whether the row exists, and what it sees among the nodes.
-    int node[2], head[2];
+    // This lane's two rows (g and g + 8): node, head and whether the row exists; what each of the 16 rows sees among
+    // the nodes is kept in shared memory (registers are the kernel's limit).
+    __shared__ u64_t smask[MMA_ROWS];
+    int node[2];
     bool live[2];
-    u64_t mask[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int r = g + 8 * h;
         node[h] = i0 + r / group;
-        head[h] = kvh * group + r % group;
         live[h] = r < per_tile * group && node[h] < i_end;
-        mask[h] = live[h] && anc ? anc[(size_t)b * n_max + node[h]] : 0ull;
     }
-    // Q as A fragments, one per 16 head dims (bf16 as stored; the scale is applied to the scores).
+    // The tile's 16 query rows (bf16 as stored, zero for rows that do not exist; the scale is applied to the
+    // scores), read as A fragments from shared memory at every tile (in registers they would spill).
+    __shared__ __align__(16) bf16_t sq[MMA_ROWS][MMA_STRIDE];
+    if (threadIdx.x < MMA_ROWS) {
+        const int r = threadIdx.x, i = i0 + r / group;
+        smask[r] = anc && r < per_tile * group && i < i_end ? anc[(size_t)b * n_max + i] : 0ull;
+    }
+    for (int e = threadIdx.x; e < MMA_ROWS * hd; e += MMA_WARPS * 32) {
+        const int r = e / hd, d = e - r * hd, i = i0 + r / group;
+        const bool exists = r < per_tile * group && i < i_end;
+        sq[r][d] = exists ? q[(((size_t)b * n_max + i) * n_heads + kvh * group + r % group) * hd + d] : (bf16_t)0;
+    }
+    __syncthreads();
     const int nks = hd / 16;
-    unsigned qa[MMA_MAX_HD / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < MMA_MAX_HD / 16; ks++) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int h = e & 1, d = ks * 16 + 2 * t4 + (e >= 2 ? 8 : 0);
-            unsigned v = 0u;
-            if (ks < nks && live[h]) {
-                const bf16_t* src = q + (((size_t)b * n_max + node[h]) * n_heads + head[h]) * hd + d;
-                v = tlt_pack_bf16x2(src[0], src[1]);
-            }
-            qa[ks][e] = v;
-        }
-    }
 
     float o[MMA_MAX_HD / 8][4];
 #pragma unroll
@@ -293,9 +292,12 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
 #pragma unroll
             for (int ks = 0; ks < MMA_MAX_HD / 16; ks++) {
                 if (ks < nks) {
+                    const unsigned* q0 = reinterpret_cast<const unsigned*>(&sq[g][ks * 16 + 2 * t4]);
+                    const unsigned* q1 = reinterpret_cast<const unsigned*>(&sq[g + 8][ks * 16 + 2 * t4]);
+                    const unsigned qa[4] = {q0[0], q1[0], q0[4], q1[4]};
                     const unsigned b0 = *reinterpret_cast<const unsigned*>(kr + ks * 16);
                     const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + ks * 16 + 8);
-                    tlt_mma_bf16(s[n], qa[ks], b0, b1);
+                    tlt_mma_bf16(s[n], qa, b0, b1);
                 }
             }
         }
@@ -309,7 +311,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
                 const int h = e >> 1, t = t0 + n * 8 + 2 * t4 + (e & 1);
                 const int j = t - prefix;
                 const bool visible = live[h] && t < t_end &&
-                                     (t < prefix || (anc ? ((mask[h] >> j) & 1ull) != 0ull : j <= node[h]));
+                                     (t < prefix || (anc ? ((smask[g + 8 * h] >> j) & 1ull) != 0ull : j <= node[h]));
                 s[n][e] = visible ? s[n][e] * scale : TLT_NEG_INF;
                 mx[h] = fmaxf(mx[h], s[n][e]);
             }
@@ -407,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
             }
         }
         const size_t node_head = ((size_t)b * n_max + i) * n_heads + kvh * group + r % group;
-        if (out != 0) {
+        if (n_splits == 1) {
             out[node_head * hd + d] = tlt_f2bf(ll > 0.f ? oo / ll : 0.f);
         } else {
             const size_t part = node_head * n_splits + split;
@@ -418,33 +420,40 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
             }
         }
     }
-}
+    if (n_splits == 1) return;
 
-// Combines the chunks of attention_split_bf16: out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s over the
-// chunks with l_s > 0 (M: their largest m_s). Grid: (n_heads, n_max, B); block: 128.
-extern "C" __global__ void attention_combine_bf16(
-    const float* part_o, const float* part_ml, bf16_t* out, const int* n_nodes, int n_max, int n_heads, int hd,
-    int n_splits)
-{
-    const int h = blockIdx.x, i = blockIdx.y, b = blockIdx.z;
-    if (i >= n_nodes[b]) return;
-    const size_t node_head = ((size_t)b * n_max + i) * n_heads + h;
-    const size_t base = node_head * n_splits;
-    float mx = TLT_NEG_INF;
-    for (int s = 0; s < n_splits; s++)
-        if (part_ml[2 * (base + s) + 1] > 0.f) mx = fmaxf(mx, part_ml[2 * (base + s)]);
-    float sum = 0.f;
-    for (int s = 0; s < n_splits; s++) {
-        const float l = part_ml[2 * (base + s) + 1];
-        if (l > 0.f) sum += expf(part_ml[2 * (base + s)] - mx) * l;
-    }
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.f;
-        for (int s = 0; s < n_splits; s++) {
-            if (part_ml[2 * (base + s) + 1] > 0.f) o += expf(part_ml[2 * (base + s)] - mx) * part_o[(base + s) * hd + d];
+    // The last of the n_splits blocks of this (sequence, row tile, KV head) to arrive combines the chunks, in chunk
+    // order whichever block that is: out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s over the chunks with
+    // l_s > 0 (M: their largest m_s), and resets the counter for the next launch (a replayed graph).
+    __shared__ int s_last;
+    const int arrival = (b * row_tiles + rt) * n_kv + kvh;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(arrivals + arrival, 1) == n_splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < MMA_ROWS * hd; e += MMA_WARPS * 32) {
+        const int r = e / hd, d = e - r * hd;
+        const int i = i0 + r / group;
+        if (r >= per_tile * group || i >= i_end) continue;
+        const size_t node_head = ((size_t)b * n_max + i) * n_heads + kvh * group + r % group;
+        const size_t base = node_head * n_splits;
+        float mx = TLT_NEG_INF;
+        for (int sp = 0; sp < n_splits; sp++)
+            if (__ldcg(part_ml + 2 * (base + sp) + 1) > 0.f) mx = fmaxf(mx, __ldcg(part_ml + 2 * (base + sp)));
+        float sum = 0.f, o = 0.f;
+        for (int sp = 0; sp < n_splits; sp++) {
+            const float l = __ldcg(part_ml + 2 * (base + sp) + 1);
+            if (l > 0.f) {
+                const float f = expf(__ldcg(part_ml + 2 * (base + sp)) - mx);
+                sum += f * l;
+                o += f * __ldcg(part_o + (base + sp) * hd + d);
+            }
         }
         out[node_head * hd + d] = tlt_f2bf(sum > 0.f ? o / sum : 0.f);
     }
+    if (threadIdx.x == 0) arrivals[arrival] = 0;
 }
 
 #define QKV_MAX_THREADS 128

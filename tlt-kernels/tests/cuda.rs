@@ -176,9 +176,10 @@ mod gpu {
         // The tensor-core split kernel (what the decoder runs), with one chunk and with as many as the keys allow.
         for target_blocks in [1, 1 << 20] {
             let chunks = plan::Chunks::for_shape(tree, shape, cache.max_len, target_blocks);
-            let (po, pml) = chunks.part_lens(tree, 9, 64);
-            let parts = (up(g, &vec![0f32; po.max(1)]), up(g, &vec![0f32; pml.max(1)]));
-            let parts = (chunks.n_splits > 1).then(|| (parts.0.buf(), parts.1.buf()));
+            let [po, pml, pa] = chunks.part_lens(tree, shape);
+            let parts = (up(g, &vec![0f32; po.max(1)]), up(g, &vec![0f32; pml.max(1)]), up(g, &vec![0i32; pa.max(1)]));
+            let bufs = plan::SplitParts { o: parts.0.buf(), ml: parts.1.buf(), arrivals: parts.2.buf() };
+            let parts = (chunks.n_splits > 1).then_some(bufs);
             let out = up(g, &vec![bf16::ZERO; n * 9 * 64]);
             let launches = plan::attention(
                 cache,

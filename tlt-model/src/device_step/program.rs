@@ -1,7 +1,7 @@
 //! The decoder forward as a program ([`StepProgram::record`]).
 
 use half::bf16;
-use tlt_kernels::cuda::plan::{self, Buf, Chunks, GemmEx, GemmY, Launch, RowBufs, SeqBufs};
+use tlt_kernels::cuda::plan::{self, Buf, Chunks, GemmEx, GemmY, Launch, RowBufs, SeqBufs, SplitParts};
 use tlt_kernels::cuda::{CacheDims, TreeDims};
 
 use super::MetaBufs;
@@ -96,9 +96,9 @@ pub struct StepBufs {
     pub q: Buf<bf16>,
     /// `[rows, q_dim]`: attention outputs.
     pub attn: Buf<bf16>,
-    /// Split attention's partial outputs and (max, sum) per chunk ([`tlt_kernels::cuda::plan::Chunks::part_lens`];
-    /// empty with one chunk).
-    pub parts: (Buf<f32>, Buf<f32>),
+    /// Split attention's partial outputs, (max, sum) per chunk and arrival counters (zeroed once)
+    /// ([`tlt_kernels::cuda::plan::Chunks::part_lens`]; empty with one chunk).
+    pub parts: SplitParts,
     /// `[rows, hidden]`: a layer's output projections.
     pub o: Buf<bf16>,
     /// `[rows, 2 intermediate]`: the fused gate/up projection's output.
@@ -164,9 +164,9 @@ impl StepProgram<'_> {
         Chunks::for_shape(TreeDims { batch, n_max }, self.cache.attn, self.cache.max_len, self.target_blocks)
     }
 
-    /// Issues the whole forward: embedding, every layer and the LM head into `b.logits`. Per decode layer at most
-    /// 10 launches: the fused q/k/v GEMM, its epilogue (bias, Qwen3 head norms, RoPE, cache write), split attention
-    /// and its combine, the output GEMM, the residual add fused with the MLP's norm, the fused gate/up GEMM, the
+    /// Issues the whole forward: embedding, every layer and the LM head into `b.logits`. Per decode layer 9
+    /// launches: the fused q/k/v GEMM, its epilogue (bias, Qwen3 head norms, RoPE, cache write), split attention
+    /// (its chunks combined by their last block), the output GEMM, the residual add fused with the MLP's norm, the fused gate/up GEMM, the
     /// activation, the down GEMM, and the residual add fused with the next layer's norm (or the final one).
     /// Launches, GEMMs and device copies only: nothing allocates, synchronises or reads the host, so a CUDA stream
     /// can capture it into a graph.

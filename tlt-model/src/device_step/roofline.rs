@@ -7,7 +7,7 @@
 
 use half::bf16;
 use serde::Serialize;
-use tlt_kernels::cuda::plan::{row_tiles, splits_attention, Buf, GemmEx, Launch, MMA_ROWS};
+use tlt_kernels::cuda::plan::{row_tiles, splits_attention, Buf, GemmEx, Launch, SplitParts, MMA_ROWS};
 use tlt_kernels::cuda::{CacheDims, TreeDims};
 use tlt_kernels::AttnShape;
 
@@ -144,7 +144,8 @@ impl DeviceOps for Counter<'_> {
                 let kv = self.batch as f64 * keys * kvd * 2.0 * 2.0;
                 let group = c.num_attention_heads / c.kv_heads().max(1);
                 let tiles = (self.batch * c.kv_heads() * row_tiles(self.n_max, group)) as f64;
-                let out = if self.n_splits > 1 { parts } else { nodes * heads * hd * 2.0 };
+                // With several chunks the partials are written, then read back by each tile's last block.
+                let out = if self.n_splits > 1 { 2.0 * parts } else { 0.0 } + nodes * heads * hd * 2.0;
                 (kv + nodes * qd * 2.0 + out, tiles * MMA_ROWS as f64 * keys * hd * 2.0 * 4.0)
             }
             // One block per (KV head, node): the K and V are read once per node (L2 shares them).
@@ -152,7 +153,6 @@ impl DeviceOps for Counter<'_> {
                 let kv = self.batch as f64 * keys * kvd * 2.0 * 2.0;
                 (kv + nodes * qd * 4.0, nodes * heads * keys * hd * 4.0)
             }
-            "attention_combine_bf16" => (parts + nodes * qd * 2.0, nodes * heads * self.n_splits as f64 * hd * 3.0),
             "silu_mul_packed_bf16" => (rows * i * 6.0, rows * i * 5.0),
             "bias_add_bf16" | "add_bf16_to_f32" | "silu_mul_bf16" | "head_rms_norm_bf16" | "rope_kv_write_bf16" => {
                 (rows * h * 6.0, rows * h)
@@ -245,7 +245,7 @@ pub fn step(
     let tree = TreeDims { batch, n_max };
     let chunks = program.chunks(batch, n_max);
     let n_splits = if splits_attention(attn) { chunks.n_splits } else { 1 };
-    let (po, pml) = chunks.part_lens(tree, cfg.num_attention_heads, hd);
+    let [po, pml, pa] = chunks.part_lens(tree, attn);
     let meta = StepMeta::new(batch, n_max, n_max > 1);
     let b = StepBufs {
         batch,
@@ -256,7 +256,7 @@ pub fn step(
         qkv: fake(rows * (qd + 2 * kvd)),
         q: fake(rows * qd),
         attn: fake(rows * qd),
-        parts: (fake(po), fake(pml)),
+        parts: SplitParts { o: fake(po), ml: fake(pml), arrivals: fake(pa) },
         o: fake(rows * h),
         gate_up: fake(rows * 2 * i),
         act: fake(rows * i),

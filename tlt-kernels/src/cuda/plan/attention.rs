@@ -227,23 +227,38 @@ impl Chunks {
         Self { n_splits: want.min(max_len.div_ceil(MIN_SPLIT_LEN)).max(1) }
     }
 
-    /// Elements of the partial buffers (`part_o`, `part_ml`) for `tree` with `n_heads` heads of `head_dim` (0 and 0
-    /// with one chunk, which writes the output directly).
+    /// Elements of the buffers of [`SplitParts`] for `tree` and `attn` (`[o, ml, arrivals]`; all 0 with one chunk,
+    /// which writes the output directly).
     #[must_use]
-    pub fn part_lens(&self, tree: TreeDims, n_heads: usize, head_dim: usize) -> (usize, usize) {
+    pub fn part_lens(&self, tree: TreeDims, attn: AttnShape) -> [usize; 3] {
         if self.n_splits == 1 {
-            return (0, 0);
+            return [0; 3];
         }
-        let parts = tree.nodes() * n_heads * self.n_splits;
-        (parts * head_dim, parts * 2)
+        let parts = tree.nodes() * attn.n_heads * self.n_splits;
+        let group = attn.n_heads / attn.n_kv_heads.max(1);
+        [parts * attn.head_dim, parts * 2, tree.batch * row_tiles(tree.n_max, group) * attn.n_kv_heads]
     }
 }
 
-/// Split-K attention on the tensor cores (`attention_split_bf16`, then `attention_combine_bf16` when there is more
-/// than one chunk): the same result as [`tree_attention`] with the keys cut into [`Chunks`] across blocks, each
-/// block serving 16 query rows (a KV head's whole query group, for as many nodes as fit) so that a tree's nodes and
-/// a group's heads share every K/V read. `parts`: the partial buffers of [`Chunks::part_lens`] (ignored with one
-/// chunk).
+/// The scratch of [`attention`] over several chunks ([`Chunks::part_lens`]): each chunk's partial output (`o`, f32
+/// `[batch, n_max, n_heads, n_splits, head_dim]`) and (max, sum) (`ml`), and one arrival counter per (sequence, row
+/// tile, KV head) (`arrivals`): **zero before the first launch**; the kernel leaves them zero, so a captured graph
+/// replays.
+#[derive(Debug, Clone, Copy)]
+pub struct SplitParts {
+    /// Partial outputs.
+    pub o: Buf<f32>,
+    /// Partial (max, sum) pairs.
+    pub ml: Buf<f32>,
+    /// Arrival counters (zeroed once).
+    pub arrivals: Buf<i32>,
+}
+
+/// Split-K attention on the tensor cores (`attention_split_bf16`, one launch: with several chunks the last block of
+/// each to arrive combines them): the same result as [`tree_attention`] with the keys cut into [`Chunks`] across
+/// blocks, each block serving 16 query rows (a KV head's whole query group, for as many nodes as fit) so that a
+/// tree's nodes and a group's heads share every K/V read. `parts`: the scratch of [`Chunks::part_lens`] (ignored
+/// with one chunk).
 ///
 /// # Errors
 /// As [`tree_attention`]; also for partial buffers of the wrong size or no chunks. A shape the kernel does not take
@@ -260,7 +275,7 @@ pub fn attention(
     out: Buf<bf16>,
     seq: SeqBufs,
     anc: Option<Buf<u64>>,
-    parts: Option<(Buf<f32>, Buf<f32>)>,
+    parts: Option<SplitParts>,
 ) -> Result<Vec<Launch>> {
     let mut one = tree_attention(cache, layer, tree, q, k_cache, v_cache, out, seq, anc)?;
     let a = cache.attn;
@@ -271,13 +286,14 @@ pub fn attention(
     if chunks.n_splits == 0 {
         return Err(Error::InvalidArgument("attention over no chunks".into()));
     }
-    let (po_len, pml_len) = chunks.part_lens(tree, a.n_heads, a.head_dim);
-    let (part_o, part_ml) = match (chunks.n_splits, parts) {
-        (1, _) => (null(), null()),
-        (_, Some((o, ml))) => {
-            check_len("part_o", po_len, o.len())?;
-            check_len("part_ml", pml_len, ml.len())?;
-            (o.arg(), ml.arg())
+    let lens = chunks.part_lens(tree, a);
+    let (part_o, part_ml, arrivals) = match (chunks.n_splits, parts) {
+        (1, _) => (null(), null(), null()),
+        (_, Some(p)) => {
+            check_len("part_o", lens[0], p.o.len())?;
+            check_len("part_ml", lens[1], p.ml.len())?;
+            check_len("arrivals", lens[2], p.arrivals.len())?;
+            (p.o.arg(), p.ml.arg(), p.arrivals.arg())
         }
         (_, None) => {
             return Err(Error::InvalidArgument("split attention over several chunks needs partial buffers".into()))
@@ -287,28 +303,12 @@ pub fn attention(
     let scale = one.args.pop().ok_or_else(|| Error::InvalidArgument("attention plan".into()))?;
     let group = a.n_heads / a.n_kv_heads;
     let tiles = row_tiles(tree.n_max, group);
-    let mut args = one.args[..3].to_vec();
-    args.push(if chunks.n_splits == 1 { out.arg() } else { null() });
-    args.extend([part_o, part_ml]);
+    let mut args = one.args[..4].to_vec();
+    args.extend([part_o, part_ml, arrivals]);
     args.extend_from_slice(&one.args[4..]);
     args.extend([i32_arg("n_splits", chunks.n_splits)?, i32_arg("row_tiles", tiles)?, scale]);
     let grid = [dim("row tiles x chunks x KV heads", tiles * chunks.n_splits * a.n_kv_heads)?, 1, one.grid[2]];
-    let mut launches = vec![Launch::new("attention_split_bf16", grid, 128, args)];
-    if chunks.n_splits > 1 {
-        let args = vec![
-            part_o,
-            part_ml,
-            out.arg(),
-            seq.n_nodes.arg(),
-            i32_arg("n_max", tree.n_max)?,
-            i32_arg("n_heads", a.n_heads)?,
-            i32_arg("head_dim", a.head_dim)?,
-            i32_arg("n_splits", chunks.n_splits)?,
-        ];
-        let grid = [dim("n_heads", a.n_heads)?, one.grid[1], one.grid[2]];
-        launches.push(Launch::new("attention_combine_bf16", grid, 128, args));
-    }
-    Ok(launches)
+    Ok(vec![Launch::new("attention_split_bf16", grid, 128, args)])
 }
 
 /// `mma_bf16_probe`: `d = a b` on the tensor cores for one warp, `a` 16 x 16 and `b` 16 x 8 bf16 row-major, `d`

@@ -275,7 +275,8 @@ mod tests {
         let i = |n| Buf::<i32>::new(0x20_0000, n);
         let seq = SeqBufs { slot: i(2), prefix_len: i(2), n_nodes: i(2) };
         let tree = TreeDims { batch: 2, n_max: 3 };
-        let parts = (Buf::new(0x30_0000, 1 << 20), Buf::new(0x40_0000, 1 << 20));
+        let parts =
+            SplitParts { o: Buf::new(0x30_0000, 1 << 20), ml: Buf::new(0x40_0000, 1 << 20), arrivals: Buf::new(0, 4) };
         for attn in [AttnShape::new(4, 2, 4), AttnShape::new(4, 2, 8)] {
             let cache = CacheDims { layers: 1, slots: 2, max_len: 512, attn };
             let q = bf(tree.nodes() * attn.n_heads * attn.head_dim);
@@ -290,10 +291,12 @@ mod tests {
         let cache = CacheDims { layers: 1, slots: 2, max_len: 512, attn };
         let q = bf(tree.nodes() * 6 * 16);
         let chunks = Chunks::for_shape(tree, attn, 512, 264);
-        let (po, pml) = chunks.part_lens(tree, 6, 16);
-        let parts = (Buf::new(0x30_0000, po), Buf::new(0x40_0000, pml));
+        let [po, pml, pa] = chunks.part_lens(tree, attn);
+        assert_eq!(pa, 2 * 2, "a row tile per sequence and KV head");
+        let parts = SplitParts { o: Buf::new(0x30_0000, po), ml: Buf::new(0x40_0000, pml), arrivals: Buf::new(0, pa) };
         let l = attention(cache, 0, tree, chunks, q, bf(cache.len()), bf(cache.len()), q, seq, None, Some(parts));
         let l = l.unwrap();
+        assert_eq!(l.len(), 1, "the chunks combine inside the kernel");
         assert_eq!(l[0].kernel, "attention_split_bf16");
         assert_eq!(l[0].grid, [(2 * chunks.n_splits) as u32, 1, 2]);
         assert_eq!(row_tiles(8, 4), 2);
