@@ -171,6 +171,22 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) tree_attention_bf16(
 #define MMA_MERGE_BYTES ((MMA_WARPS * MMA_ROWS * MMA_MAX_HD + 2 * MMA_WARPS * MMA_ROWS) * 4)
 #define MMA_SMEM_BYTES (MMA_STAGE_BYTES > MMA_MERGE_BYTES ? MMA_STAGE_BYTES : MMA_MERGE_BYTES)
 
+// A warp's 16-key tile of K and V (keys t0 .. t0 + 15 of one KV head: k, v point at key 0 of it, keys `row` apart)
+// into registers, 16 bytes at a time: the tile is 2 * hd vectors of each, hd / 16 per lane; keys at or past t_end
+// are zeros.
+__device__ __forceinline__ void mma_load_tile(uint4* pk, uint4* pv, const bf16_t* k, const bf16_t* v, size_t row,
+                                              int t0, int t_end, int lane, int vecs, int nks)
+{
+#pragma unroll
+    for (int a = 0; a < MMA_MAX_HD / 16; a++) {
+        const int e = lane + 32 * a, j = e / vecs, c = e - j * vecs;
+        const bool in = a < nks && t0 + j < t_end;
+        const uint4 zero = {0u, 0u, 0u, 0u};
+        pk[a] = in ? tlt_ld16(k + (size_t)(t0 + j) * row + c * 8) : zero;
+        pv[a] = in ? tlt_ld16(v + (size_t)(t0 + j) * row + c * 8) : zero;
+    }
+}
+
 // Split-K (flash-decoding) attention on the tensor cores, for decode, tree verification and causal chunks. A block
 // serves one KV head, one chunk of the keys and one row tile of a sequence: 16 query rows, (node, head) pairs of
 // 16 / group consecutive nodes times the KV head's group of query heads, so every query head of a group and every
@@ -255,14 +271,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
     // A warp's 16 x hd tile is 2 * hd 16-byte vectors of K (and as many of V): hd / 16 per lane.
     uint4 pk[MMA_MAX_HD / 16], pv[MMA_MAX_HD / 16];
     int t0 = t_begin + warp * MMA_TILE;
-#pragma unroll
-    for (int a = 0; a < MMA_MAX_HD / 16; a++) {
-        const int e = lane + 32 * a, j = e / vecs, c = e - j * vecs;
-        const bool in = a < nks && t0 + j < t_end;
-        const uint4 zero = {0u, 0u, 0u, 0u};
-        pk[a] = in ? tlt_ld16(k_cache + base + (size_t)(t0 + j) * row + c * 8) : zero;
-        pv[a] = in ? tlt_ld16(v_cache + base + (size_t)(t0 + j) * row + c * 8) : zero;
-    }
+    mma_load_tile(pk, pv, k_cache + base, v_cache + base, row, t0, t_end, lane, vecs, nks);
     for (; t0 < t_end; t0 += MMA_WARPS * MMA_TILE) {
         __syncwarp();
 #pragma unroll
@@ -274,15 +283,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
             }
         }
         __syncwarp();
-        const int tn = t0 + MMA_WARPS * MMA_TILE;
-#pragma unroll
-        for (int a = 0; a < MMA_MAX_HD / 16; a++) {
-            const int e = lane + 32 * a, j = e / vecs, c = e - j * vecs;
-            const bool in = a < nks && tn + j < t_end;
-            const uint4 zero = {0u, 0u, 0u, 0u};
-            pk[a] = in ? tlt_ld16(k_cache + base + (size_t)(tn + j) * row + c * 8) : zero;
-            pv[a] = in ? tlt_ld16(v_cache + base + (size_t)(tn + j) * row + c * 8) : zero;
-        }
+        mma_load_tile(pk, pv, k_cache + base, v_cache + base, row, t0 + MMA_WARPS * MMA_TILE, t_end, lane, vecs, nks);
         // S = Q K^T over the tile's 16 keys: two 8-key column blocks.
         float s[2][4];
 #pragma unroll
