@@ -128,10 +128,12 @@ pub fn atomic_write(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
 }
 
-/// Writes a whole directory atomically: `write` fills a fresh temporary sibling of `dir`, everything in it is
-/// fsync'ed, and it is renamed into place (an existing `dir` is moved aside first and removed after), so `dir`
-/// is always either the old complete directory or the new complete one. On a failure the temporary directory
-/// is removed and `dir` is untouched.
+/// Writes a whole directory so that a kill at any instruction leaves a complete one to find: `write` fills the
+/// fixed sibling `.NAME.partial`, everything in it is fsync'ed, it is renamed to `.NAME.next` (complete from then
+/// on), the current `dir` (if any) is renamed to `.NAME.old`, `.NAME.next` is renamed to `dir`, and `.NAME.old` is
+/// removed, with the parent fsync'ed after each rename. [`recover_dir`] (run first here, and by readers before they
+/// look) finishes or undoes whatever a kill interrupted: `dir` is then the old complete directory or the new one.
+/// On an error of `write` the partial directory is removed and `dir` is untouched. One writer per `dir` at a time.
 ///
 /// # Errors
 /// `write`'s error, or [`Error::Io`] from the file system (converted into `E`).
@@ -139,31 +141,105 @@ pub fn write_dir_atomic<E: From<Error>>(
     dir: &Path,
     write: impl FnOnce(&Path) -> std::result::Result<(), E>,
 ) -> std::result::Result<(), E> {
-    let tmp = sibling(dir, "tmp")?;
-    let out = (|| {
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    recover_dir(dir)?;
+    write_dir_steps(dir, write, usize::MAX)
+}
+
+/// [`write_dir_atomic`]'s protocol, stopping after its first `stop` steps as a kill there would (the tests' crash
+/// points): 1 partial written and synced, 2 renamed to next, 3 the old `dir` moved aside, 4 next in place, 5 the old
+/// one removed.
+fn write_dir_steps<E: From<Error>>(
+    dir: &Path,
+    write: impl FnOnce(&Path) -> std::result::Result<(), E>,
+    stop: usize,
+) -> std::result::Result<(), E> {
+    let [partial, next, old] = siblings(dir)?;
+    let filled = (|| {
+        if partial.exists() {
+            std::fs::remove_dir_all(&partial).map_err(|e| Error::io(&partial, e))?;
         }
-        std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        write(&tmp)?;
-        sync_tree(&tmp).map_err(E::from)
+        std::fs::create_dir_all(&partial).map_err(|e| Error::io(&partial, e))?;
+        write(&partial)?;
+        sync_tree(&partial).map_err(E::from)
     })();
-    if let Err(e) = out {
-        let _ = std::fs::remove_dir_all(&tmp);
+    if let Err(e) = filled {
+        let _ = std::fs::remove_dir_all(&partial);
         return Err(e);
     }
-    if dir.exists() {
-        let old = sibling(dir, "old")?;
-        std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
-        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
-        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
-    } else {
-        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
-    }
-    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        sync(parent)?;
+    let steps: [&dyn Fn() -> Result<()>; 4] = [
+        &|| rename_synced(&partial, &next),
+        &|| if dir.exists() { rename_synced(dir, &old) } else { Ok(()) },
+        &|| rename_synced(&next, dir),
+        &|| if old.exists() { std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e)) } else { Ok(()) },
+    ];
+    for step in steps.iter().take(stop.saturating_sub(1)) {
+        step()?;
     }
     Ok(())
+}
+
+/// Brings `dir` (written by [`write_dir_atomic`]) to a complete state after a kill: a complete `.NAME.next` is put
+/// in place (the interrupted write finished), a partial `.NAME.partial` and a leftover `.NAME.old` are removed; a
+/// `dir` lost by the earlier two-rename protocol (its aside copy `.NAME.old-PID-N` left, `dir` gone) is restored from
+/// that copy, and that protocol's temporaries are removed. Returns whether `dir` exists. Safe to run when nothing
+/// was interrupted (it then changes nothing), and by several processes at once (a rename another one made first is
+/// not an error).
+///
+/// # Errors
+/// [`Error::Io`] from the file system.
+pub fn recover_dir(dir: &Path) -> Result<bool> {
+    let [partial, next, old] = siblings(dir)?;
+    let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
+    let remove = |p: &Path| match std::fs::remove_dir_all(p) {
+        Err(e) if !gone(&e) => Err(Error::io(p, e)),
+        _ => Ok(()),
+    };
+    if partial.exists() {
+        remove(&partial)?;
+    }
+    if next.exists() {
+        if dir.exists() {
+            remove(&old)?;
+            rename_synced(dir, &old).or_else(|e| if dir.exists() { Err(e) } else { Ok(()) })?;
+        }
+        rename_synced(&next, dir).or_else(|e| if dir.exists() { Ok(()) } else { Err(e) })?;
+    }
+    // The earlier protocol's leftovers: `.NAME.old-PID-N` (the replaced directory) and `.NAME.tmp-PID-N`.
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if let Some(name) = dir.file_name().map(|n| n.to_string_lossy().into_owned()) {
+        let mut legacy_old = Vec::new();
+        if let Ok(entries) = std::fs::read_dir(parent) {
+            for entry in entries.flatten() {
+                let file = entry.file_name().to_string_lossy().into_owned();
+                if file.starts_with(&format!(".{name}.old-")) {
+                    legacy_old.push(entry.path());
+                } else if file.starts_with(&format!(".{name}.tmp-")) {
+                    remove(&entry.path())?;
+                }
+            }
+        }
+        if !dir.exists() {
+            if let Some(newest) = legacy_old.iter().max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok()) {
+                rename_synced(newest, dir).or_else(|e| if dir.exists() { Ok(()) } else { Err(e) })?;
+            }
+        }
+        for p in legacy_old.iter().filter(|p| p.exists()) {
+            remove(p)?;
+        }
+    }
+    if old.exists() {
+        remove(&old)?;
+    }
+    Ok(dir.exists())
+}
+
+/// Renames `from` to `to` and fsyncs the parent of `to` (the rename is durable once this returns).
+fn rename_synced(from: &Path, to: &Path) -> Result<()> {
+    std::fs::rename(from, to).map_err(|e| Error::io(to, e))?;
+    match to.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => sync(parent),
+        None => Ok(()),
+    }
 }
 
 fn sync(path: &Path) -> Result<()> {
@@ -183,15 +259,124 @@ fn sync_tree(dir: &Path) -> Result<()> {
 }
 
 /// A hidden sibling path of `dir` unique to this process and call.
-fn sibling(dir: &Path, tag: &str) -> Result<PathBuf> {
-    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// The fixed siblings of `dir` that [`write_dir_atomic`] uses: `.NAME.partial`, `.NAME.next`, `.NAME.old`.
+fn siblings(dir: &Path) -> Result<[PathBuf; 3]> {
     let name = dir.file_name().ok_or_else(|| {
         Error::io(dir, std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path has no final component"))
     })?;
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let file = format!(".{}.{tag}-{}-{n}", name.to_string_lossy(), std::process::id());
-    Ok(match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.join(file),
-        _ => PathBuf::from(file),
-    })
+    let at = |tag: &str| {
+        let file = format!(".{}.{tag}", name.to_string_lossy());
+        match dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.join(file),
+            _ => PathBuf::from(file),
+        }
+    };
+    Ok([at("partial"), at("next"), at("old")])
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
+    use super::*;
+
+    /// A fresh directory under the system's temporary one, removed on drop.
+    struct Root(PathBuf);
+
+    impl Root {
+        fn new() -> Self {
+            static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let p = std::env::temp_dir().join(format!("tlt-dir-atomic-{}-{n}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&p);
+            std::fs::create_dir_all(&p).unwrap();
+            Self(p)
+        }
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Root {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn content(dir: &Path) -> Option<String> {
+        std::fs::read_to_string(dir.join("state")).ok()
+    }
+
+    fn write_state(text: &'static str) -> impl FnOnce(&Path) -> Result<()> {
+        move |d: &Path| std::fs::write(d.join("state"), text).map_err(|e| Error::io(d, e))
+    }
+
+    fn leftovers(parent: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(parent)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with('.'))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// A kill after every step of the protocol, with and without an earlier directory: recovery always leaves a
+    /// complete directory (the old one before the new one is complete, the new one from then on) and nothing else.
+    #[test]
+    fn a_kill_at_every_step_of_a_directory_write_leaves_a_complete_directory() {
+        for existed in [false, true] {
+            for stop in 1..=5 {
+                let root = Root::new();
+                let dir = root.path().join("checkpoint");
+                if existed {
+                    write_dir_atomic(&dir, write_state("old")).unwrap();
+                }
+                write_dir_steps(&dir, write_state("new"), stop).unwrap();
+                let exists = recover_dir(&dir).unwrap();
+                let want = match (stop, existed) {
+                    (1, false) => None,
+                    (1, true) => Some("old"),
+                    _ => Some("new"),
+                };
+                assert_eq!(content(&dir).as_deref(), want, "existed {existed}, killed after step {stop}");
+                assert_eq!(exists, want.is_some());
+                assert!(leftovers(root.path()).is_empty(), "{:?}", leftovers(root.path()));
+                // Recovery changes nothing when nothing was interrupted, and the next write succeeds.
+                assert_eq!(recover_dir(&dir).unwrap(), exists);
+                write_dir_atomic(&dir, write_state("next")).unwrap();
+                assert_eq!(content(&dir).as_deref(), Some("next"));
+            }
+        }
+    }
+
+    /// The earlier protocol (old directory renamed aside, then the new one renamed into place) killed between its
+    /// two renames: the directory is gone, which a reader took as "no checkpoint" (the negative control); recovery
+    /// restores the aside copy and removes that protocol's temporary.
+    #[test]
+    fn the_two_rename_protocol_loses_the_directory_and_recovery_restores_it() {
+        let root = Root::new();
+        let dir = root.path().join("checkpoint");
+        write_dir_atomic(&dir, write_state("old")).unwrap();
+        let (tmp, aside) = (root.path().join(".checkpoint.tmp-77-0"), root.path().join(".checkpoint.old-77-1"));
+        std::fs::create_dir(&tmp).unwrap();
+        std::fs::write(tmp.join("state"), "new").unwrap();
+        std::fs::rename(&dir, &aside).unwrap();
+        // Killed here: no checkpoint directory.
+        assert!(!dir.exists(), "the control must lose the directory");
+        assert!(recover_dir(&dir).unwrap());
+        assert_eq!(content(&dir).as_deref(), Some("old"));
+        assert!(leftovers(root.path()).is_empty(), "{:?}", leftovers(root.path()));
+    }
+
+    /// A failing `write` leaves the earlier directory untouched and no partial one.
+    #[test]
+    fn a_failed_write_leaves_the_directory_as_it_was() {
+        let root = Root::new();
+        let dir = root.path().join("checkpoint");
+        write_dir_atomic(&dir, write_state("old")).unwrap();
+        let e = write_dir_atomic(&dir, |_: &Path| -> Result<()> { Err(Error::InvalidInput("disk full".into())) });
+        assert!(e.is_err());
+        assert_eq!(content(&dir).as_deref(), Some("old"));
+        assert!(leftovers(root.path()).is_empty());
+    }
 }

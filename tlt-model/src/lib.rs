@@ -59,7 +59,7 @@ pub use config::{Architecture, AttentionBias, EosTokens, LlamaConfig, RopeScalin
 pub use device::Device;
 pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, load_gguf, load_gguf_with, unpermute_rows, GgufFile, GgufWeights};
-pub use hf::{atomic_write, load_hf_dir, save_hf_dir, write_dir_atomic};
+pub use hf::{atomic_write, load_hf_dir, recover_dir, save_hf_dir, write_dir_atomic};
 pub use model::{ForwardOutput, Llama, LogitsFor, SeqInput, Tap};
 pub use tlt_kernels::WeightDType;
 pub use tokenizer::{decode, encode, load_tokenizer_json, tokenizer_from_gguf_vocab, GgufVocab};

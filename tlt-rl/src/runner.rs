@@ -192,6 +192,15 @@ impl RunDir {
     pub fn has_checkpoint(&self) -> bool {
         self.checkpoint().join(STATE_FILE).exists()
     }
+    /// Brings the checkpoint directory to a complete state after a kill ([`tlt_model::recover_dir`]: an interrupted
+    /// write finished or undone) and returns whether a checkpoint exists.
+    ///
+    /// # Errors
+    /// File-system failures.
+    pub fn recover_checkpoint(&self) -> Result<bool> {
+        tlt_model::recover_dir(&self.checkpoint())?;
+        Ok(self.has_checkpoint())
+    }
 }
 
 /// A run in progress: its metrics file, outcome so far and clock. [`run`] drives one to the end; a comparison

@@ -67,9 +67,13 @@ struct Args {
     /// version has not run on a GPU: the first GPU run's rollouts failed, fixed since on the simulated device).
     #[arg(long)]
     device: Option<tlt_model::Device>,
-    /// Continue from `<out>/<mode>/checkpoint` when it exists.
+    /// Continue from `<out>/<mode>/checkpoint` (after recovering it from an interrupted write); an error where there
+    /// is none, unless `--allow-fresh`.
     #[arg(long)]
     resume: bool,
+    /// With `--resume`: start a fresh run where no checkpoint exists.
+    #[arg(long, requires = "resume")]
+    allow_fresh: bool,
     /// Also export the policy and drafter at every checkpoint (`<out>/<mode>/exports/step-<n>`), not only at the
     /// end (config: `[export] at_checkpoints = true`).
     #[arg(long)]
@@ -176,15 +180,60 @@ fn load_config(args: &Args) -> Result<RunConfig> {
     Ok(cfg)
 }
 
-/// A trainer for `mode` in `dir` (resumed from its checkpoint when asked and present), one rank of this
-/// process's job.
-fn trainer(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &RunDir, resume: bool) -> Result<Trainer<TextEnv>> {
+/// What `--resume` (and `--allow-fresh`) ask of a run directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resume {
+    /// A fresh run.
+    No,
+    /// Continue from the checkpoint; none is an error.
+    Required,
+    /// Continue from the checkpoint, or start fresh where there is none.
+    OrFresh,
+}
+
+impl Resume {
+    fn of(args: &Args) -> Self {
+        match (args.resume, args.allow_fresh) {
+            (false, _) => Self::No,
+            (true, false) => Self::Required,
+            (true, true) => Self::OrFresh,
+        }
+    }
+
+    /// The flags that ask for it (a child process's command line).
+    fn flags(self) -> &'static [&'static str] {
+        match self {
+            Self::No => &[],
+            Self::Required => &["--resume"],
+            Self::OrFresh => &["--resume", "--allow-fresh"],
+        }
+    }
+
+    /// Whether `dir` resumes: its checkpoint recovered from an interrupted write first; an error when `--resume`
+    /// finds none without `--allow-fresh` (a fresh run there would truncate its metrics).
+    fn resumes(self, dir: &RunDir) -> Result<bool> {
+        Ok(match self {
+            Self::No => false,
+            _ if dir.recover_checkpoint()? => true,
+            Self::OrFresh => false,
+            Self::Required => anyhow::bail!(
+                "--resume: no checkpoint in {} (pass --allow-fresh to start a fresh run there)",
+                dir.checkpoint().display()
+            ),
+        })
+    }
+}
+
+/// A trainer for `mode` in `dir` (resumed from its checkpoint when asked), one rank of this process's job.
+fn trainer(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &RunDir, resume: Resume) -> Result<Trainer<TextEnv>> {
+    // Before anything is loaded: `--resume` without a checkpoint fails at once.
+    let resuming = resume.resumes(dir)?;
     let comm = tlt_examples::ranks::communicator()?;
     let loaded = tlt_model::load(model_path).with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = loaded.tokenizer.context("the checkpoint carries no tokenizer")?;
     let env = text_env(&cfg.task, tokenizer, loaded.chat_template.as_deref())?;
     let tcfg = TrainerConfig { mode, ..cfg.trainer.clone() };
-    let t = if resume && dir.has_checkpoint() {
+    let t = if resuming {
         tracing::info!(checkpoint = %dir.checkpoint().display(), "resuming");
         Trainer::resume(&dir.checkpoint(), loaded.model, env, tcfg)?
     } else {
@@ -222,7 +271,7 @@ fn finish(t: Trainer<TextEnv>, out: &RunOutcome, dir: &RunDir) -> Result<()> {
 }
 
 /// One run in `dir`; its outcome, with this process's peak memory, also goes to `<dir>/outcome.json`.
-fn run_mode(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &Path, resume: bool) -> Result<RunOutcome> {
+fn run_mode(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &Path, resume: Resume) -> Result<RunOutcome> {
     let dir = RunDir(dir.to_path_buf());
     let mut t = trainer(model_path, cfg, mode, &dir, resume)?;
     let rank = t.rank();
@@ -242,7 +291,7 @@ fn compare(
     model_path: &Path,
     cfg: &RunConfig,
     out: &Path,
-    resume: bool,
+    resume: Resume,
     ranks: usize,
     drafter: Option<&str>,
 ) -> Result<Comparison> {
@@ -254,9 +303,7 @@ fn compare(
     for mode in ["tlt", "baseline"] {
         let mut cmd = std::process::Command::new(&exe);
         cmd.args(["--mode", mode, "--config"]).arg(&config).arg("--model").arg(model_path).arg("--out").arg(out);
-        if resume {
-            cmd.arg("--resume");
-        }
+        cmd.args(resume.flags());
         cmd.args(["--ranks", &ranks.to_string()]);
         if let Some(kind) = drafter {
             cmd.args(["--drafter", kind]);
@@ -278,7 +325,7 @@ fn compare(
 /// TLT and the baseline in this process with the same (effective) config, step by step
 /// ([`run_interleaved`]: the order alternates, TLT first on even steps). Each run's outcome also goes to
 /// `<out>/<mode>/outcome.json`; both carry this process's peak memory (both trainers together).
-fn compare_interleaved(model_path: &Path, cfg: &RunConfig, out: &Path, resume: bool) -> Result<Comparison> {
+fn compare_interleaved(model_path: &Path, cfg: &RunConfig, out: &Path, resume: Resume) -> Result<Comparison> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     std::fs::write(out.join("config.toml"), toml::to_string_pretty(cfg)?)?;
     let (dt, db) = (RunDir(out.join("tlt")), RunDir(out.join("baseline")));
@@ -342,16 +389,16 @@ fn run_main() -> Result<()> {
     let model = args.model.clone().unwrap_or_else(default_model);
     match args.mode {
         RunMode::Tlt => {
-            run_mode(&model, &cfg, Mode::Tlt, &args.out.join("tlt"), args.resume)?;
+            run_mode(&model, &cfg, Mode::Tlt, &args.out.join("tlt"), Resume::of(&args))?;
         }
         RunMode::Baseline => {
-            run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), args.resume)?;
+            run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), Resume::of(&args))?;
         }
         RunMode::Compare => {
             let cmp = if args.interleave {
-                compare_interleaved(&model, &cfg, &args.out, args.resume)?
+                compare_interleaved(&model, &cfg, &args.out, Resume::of(&args))?
             } else {
-                compare(&model, &cfg, &args.out, args.resume, args.ranks, args.drafter.as_deref())?
+                compare(&model, &cfg, &args.out, Resume::of(&args), args.ranks, args.drafter.as_deref())?
             };
             let plots =
                 tlt_rl::plot::training_plots(&cmp.tlt.metrics, Some(&cmp.baseline.metrics), &args.out.join("plots"))?;

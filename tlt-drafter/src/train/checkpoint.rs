@@ -60,9 +60,9 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
 }
 
 impl DrafterTrainer {
-    /// Writes a checkpoint to `dir`, replacing any there: the files go to a temporary sibling directory, are
-    /// flushed, and the directory is renamed into place, so `dir` is either the previous checkpoint or the new
-    /// one in full (a crash between the two renames leaves the previous one as `.<name>.old-*`).
+    /// Writes a checkpoint to `dir`, replacing any there, by [`tlt_model::write_dir_atomic`]: a kill at any point
+    /// leaves the previous checkpoint or the new one in full, once [`tlt_model::recover_dir`] has run (which
+    /// [`Self::resume`] does).
     ///
     /// # Errors
     /// On I/O failure (the temporary directory is removed).
@@ -129,6 +129,7 @@ impl DrafterTrainer {
     /// [`Error::MissingTensor`] / [`Error::ShapeMismatch`] / [`Error::UnexpectedTensor`] for moments that do
     /// not match the drafter, and the drafter loaders' errors (e.g. a target of another shape).
     pub fn resume(dir: &Path, target: &Llama) -> Result<Self> {
+        tlt_model::recover_dir(dir)?;
         let state = Self::read_state(dir)?;
         state.drafter.check_target(target.config())?;
         let ddir = dir.join(DRAFTER_DIR);

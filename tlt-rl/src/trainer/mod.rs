@@ -237,7 +237,8 @@ impl<E: Environment> Trainer<E> {
         })
     }
 
-    /// Resumes the run checkpointed in `dir`. `initial` is the run's starting policy (the KL reference; its
+    /// Resumes the run checkpointed in `dir` (first brought to a complete state by [`tlt_model::recover_dir`], if a
+    /// kill interrupted its last write). `initial` is the run's starting policy (the KL reference; its
     /// weights are replaced by the checkpoint's); `cfg` must equal the checkpoint's config except for `steps`,
     /// `device` and `scoring`.
     ///
@@ -250,6 +251,7 @@ impl<E: Environment> Trainer<E> {
     /// # Errors
     /// [`Error::Checkpoint`] if the checkpoint is incomplete or belongs to another run.
     pub fn resume(dir: &Path, initial: Llama, env: E, cfg: TrainerConfig) -> Result<Self> {
+        tlt_model::recover_dir(dir)?;
         let state = TrainerState::read(dir)?;
         // The step count, the rollout device, where the update runs and the scoring workers may change on resume.
         let same = TrainerConfig {
