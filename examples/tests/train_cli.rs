@@ -31,7 +31,9 @@ fn resume_without_a_checkpoint_is_an_error_unless_a_fresh_start_is_allowed() {
     let (ok, err) = train(&out, &["--resume"]);
     assert!(!ok && !err.contains("no checkpoint in"), "{err}");
     assert!(out.join("tlt").join("checkpoint").join("state.json").exists(), "recovered into place");
-    let (ok, err) = train(&out, &["--allow-fresh"]);
-    assert!(!ok && err.contains("--resume"), "--allow-fresh needs --resume: {err}");
+    for flag in ["--allow-fresh", "--allow-changed-task"] {
+        let (ok, err) = train(&out, &[flag]);
+        assert!(!ok && err.contains("--resume"), "{flag} needs --resume: {err}");
+    }
     let _ = std::fs::remove_dir_all(&out);
 }

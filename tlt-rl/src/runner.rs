@@ -84,6 +84,67 @@ pub struct RunConfig {
     pub checkpoint_every: u64,
     /// Exporting the policy and its drafter for serving (default: at the end of the run only).
     pub export: ExportConfig,
+    /// Resume even where the run's data or scoring ([`RunIdentity`]) differ from its checkpoint's (`train
+    /// --allow-changed-task`; never read from a config file).
+    #[serde(skip)]
+    pub allow_changed_task: bool,
+}
+
+/// What decides a run's data and scoring: its [`TaskSpec`] (generator or file, seed, held-out split, system
+/// message, rewards), the SHA-256 of a file dataset's bytes, and the evaluation prompts. Saved as `run.json` in the
+/// run directory when a run starts; a resumed run whose identity differs is refused ([`Session::start`]), since it
+/// would reorder the data or move held-out problems into training.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunIdentity {
+    /// The task.
+    pub task: TaskSpec,
+    /// SHA-256 (hex) of the JSONL file's bytes, for a file dataset.
+    pub jsonl_sha256: Option<String>,
+    /// Evaluation prompts.
+    pub eval_prompts: usize,
+}
+
+impl RunIdentity {
+    /// The identity of `cfg` (reads the JSONL file, if any).
+    ///
+    /// # Errors
+    /// An unreadable JSONL file.
+    pub fn of(cfg: &RunConfig) -> Result<Self> {
+        use sha2::Digest as _;
+        let jsonl_sha256 = match &cfg.task.jsonl {
+            Some(p) => {
+                let bytes = std::fs::read(p).map_err(|e| Error::io(p, e))?;
+                Some(sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect())
+            }
+            None => None,
+        };
+        Ok(Self { task: cfg.task.clone(), jsonl_sha256, eval_prompts: cfg.eval.prompts })
+    }
+
+    /// Every setting of `self` that `other` changes, as `path: old -> new` (empty: the same run).
+    #[must_use]
+    pub fn differences(&self, other: &Self) -> Vec<String> {
+        fn walk(path: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+            match (a, b) {
+                (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
+                    let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+                    for k in keys {
+                        let null = serde_json::Value::Null;
+                        let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                        walk(&p, x.get(k).unwrap_or(&null), y.get(k).unwrap_or(&null), out);
+                    }
+                }
+                _ if a != b => out.push(format!("{path}: {a} -> {b}")),
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        let (a, b) = (serde_json::to_value(self), serde_json::to_value(other));
+        if let (Ok(a), Ok(b)) = (a, b) {
+            walk("", &a, &b, &mut out);
+        }
+        out
+    }
 }
 
 impl RunConfig {
@@ -172,6 +233,10 @@ impl RunDir {
             r => self.0.join("ranks").join(format!("rank-{r}.jsonl")),
         }
     }
+    /// The run's [`RunIdentity`] (`run.json`).
+    pub fn identity(&self) -> PathBuf {
+        self.0.join("run.json")
+    }
     /// The checkpoint directory.
     pub fn checkpoint(&self) -> PathBuf {
         self.0.join("checkpoint")
@@ -214,9 +279,10 @@ pub struct Session {
 }
 
 impl Session {
-    /// Opens `dir` for `trainer`: a fresh run warms its drafter up ([`Trainer::warm_up_drafter`]), evaluates and
-    /// starts `metrics.jsonl`; a resumed one (steps done > 0) keeps the file's lines up to its checkpoint and
-    /// appends. In a data-parallel run every rank opens a session: rank 0 evaluates, exports and writes
+    /// Opens `dir` for `trainer`: a fresh run warms its drafter up ([`Trainer::warm_up_drafter`]), evaluates, saves
+    /// its [`RunIdentity`] and starts `metrics.jsonl`; a resumed one (steps done > 0) is refused when its identity
+    /// differs from the saved one (unless [`RunConfig::allow_changed_task`]: then the new one is saved), keeps the
+    /// metrics file's lines up to its checkpoint, appends, and evaluates before its first step too. In a data-parallel run every rank opens a session: rank 0 evaluates, exports and writes
     /// `metrics.jsonl`, the others their own lines ([`RunDir::metrics_of`]).
     ///
     /// # Errors
@@ -237,9 +303,15 @@ impl Session {
         if let Some(parent) = metrics.parent() {
             std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
         }
+        let identity = RunIdentity::of(cfg)?;
         let writer = if trainer.steps_done() > 0 {
+            Self::check_identity(&identity, cfg, dir)?;
             truncate_after(&metrics, trainer.steps_done().saturating_sub(1))?;
             out.metrics = read_metrics(&metrics)?;
+            if cfg.eval.prompts > 0 && trainer.rank() == 0 {
+                obs.on_phase(trainer.steps_done(), "eval");
+                out.before = Some(trainer.evaluate(Self::eval_range(cfg), cfg.eval.max_new_tokens)?);
+            }
             MetricsWriter::append(&metrics)?
         } else {
             out.warmup = trainer.warm_up_drafter(obs)?;
@@ -261,7 +333,43 @@ impl Session {
             }
             MetricsWriter::create(&metrics)?
         };
+        if trainer.rank() == 0 {
+            let (path, tmp) = (dir.identity(), dir.0.join("run.json.tmp"));
+            std::fs::write(&tmp, serde_json::to_string_pretty(&identity)?).map_err(|e| Error::io(&tmp, e))?;
+            std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
+        }
         Ok(Self { cfg: cfg.clone(), dir: dir.clone(), writer, out, seconds: 0.0 })
+    }
+
+    /// A resumed run's identity against the saved one: differences are an error listing them, unless allowed.
+    fn check_identity(identity: &RunIdentity, cfg: &RunConfig, dir: &RunDir) -> Result<()> {
+        let path = dir.identity();
+        let saved = match std::fs::read_to_string(&path) {
+            Ok(text) => serde_json::from_str::<RunIdentity>(&text)
+                .map_err(|e| Error::parse(path.display().to_string(), e.to_string()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::warn!(path = %path.display(), "resuming a run without a saved identity: saving this one");
+                return Ok(());
+            }
+            Err(e) => return Err(Error::io(&path, e)),
+        };
+        let diff = saved.differences(identity);
+        if diff.is_empty() {
+            return Ok(());
+        }
+        if cfg.allow_changed_task {
+            tracing::warn!(changes = %diff.join("; "), "resuming with changed data or scoring, as allowed");
+            return Ok(());
+        }
+        Err(Error::InvalidConfig {
+            field: "task".into(),
+            reason: format!(
+                "the run in {} was checkpointed with other data or scoring: {} (resume with the saved settings, or \
+                 pass --allow-changed-task to resume anyway)",
+                dir.0.display(),
+                diff.join("; ")
+            ),
+        })
     }
 
     fn eval_range(cfg: &RunConfig) -> std::ops::Range<u64> {

@@ -1,5 +1,6 @@
 //! The run's byproduct on a tiny seeded model: the runner exports the policy (HF directory) and its drafter (EAGLE,
-//! serving layout) at the end and, when asked, at every checkpoint, and both reload with our own loaders.
+//! serving layout) at the end and, when asked, at every checkpoint, and both reload with our own loaders; the run's
+//! identity (`run.json`) refuses a resume with other data or scoring.
 
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
@@ -8,7 +9,7 @@ use std::path::{Path, PathBuf};
 use tlt_drafter::checkpoint::load_eagle2;
 use tlt_drafter::SaveDType;
 use tlt_model::{EosTokens, Llama, LlamaConfig};
-use tlt_rl::runner::{run, EvalSpec, RunConfig, RunDir};
+use tlt_rl::runner::{run, EvalSpec, RunConfig, RunDir, TaskSpec};
 use tlt_rl::task::{Score, Split};
 use tlt_rl::trainer::{
     DrafterChoice, DrafterSchedule, Environment, ExportConfig, Mode, Prompt, Quiet, SdConfig, Trainer, TrainerConfig,
@@ -176,4 +177,37 @@ fn baseline_run_exports_the_policy_alone_at_the_end_only() {
     assert!(!dir2.join("export").exists());
     std::fs::remove_dir_all(&dir).unwrap();
     std::fs::remove_dir_all(&dir2).unwrap();
+}
+
+/// A resumed run whose data or scoring changed since its checkpoint is refused with the changes named (the data
+/// seed; the JSONL file's bytes); `allow_changed_task` resumes it, and the resumed run evaluates before its first
+/// step.
+#[test]
+fn a_resume_with_changed_data_is_refused_unless_allowed() {
+    let dir = temp_dir("identity");
+    let jsonl = dir.with_extension("jsonl");
+    std::fs::write(&jsonl, "{\"question\": \"1 + 1?\", \"answer\": \"#### 2\"}\n").unwrap();
+    let mut cfg = run_config(Mode::Baseline, ExportConfig { at_end: false, ..ExportConfig::default() });
+    cfg.trainer.steps = 1;
+    cfg.eval.prompts = 2;
+    cfg.task.jsonl = Some(jsonl.clone());
+    let mut t = Trainer::new(tiny_model(3), Env, cfg.trainer.clone()).unwrap();
+    run(&mut t, &cfg, &RunDir(dir.clone()), &mut Quiet).unwrap();
+    let resumed = |cfg: &RunConfig| {
+        let mut more = cfg.clone();
+        more.trainer.steps = 2;
+        let mut t = Trainer::resume(&dir.join("checkpoint"), tiny_model(3), Env, more.trainer.clone()).unwrap();
+        run(&mut t, &more, &RunDir(dir.clone()), &mut Quiet)
+    };
+    let seed = RunConfig { task: TaskSpec { seed: 9, ..cfg.task.clone() }, ..cfg.clone() };
+    let e = resumed(&seed).unwrap_err().to_string();
+    assert!(e.contains("task.seed: 0 -> 9") && e.contains("--allow-changed-task"), "{e}");
+    std::fs::write(&jsonl, "{\"question\": \"2 + 2?\", \"answer\": \"#### 4\"}\n").unwrap();
+    let e = resumed(&cfg).unwrap_err().to_string();
+    assert!(e.contains("jsonl_sha256") && !e.contains("task.seed"), "{e}");
+    let out = resumed(&RunConfig { allow_changed_task: true, ..cfg.clone() }).unwrap();
+    assert_eq!(out.metrics.len(), 2, "the checkpoint's step and the resumed one");
+    assert!(out.before.is_some(), "a resumed run evaluates before its first step");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&jsonl);
 }

@@ -6,8 +6,10 @@
 //! cargo run --release -p tlt-examples --bin train -- --config my.toml --mode tlt --out runs/a --resume
 //! ```
 //!
-//! Each run directory gets `metrics.jsonl` (one line per step), `checkpoint/` (atomic; `--resume` continues from
-//! it bit for bit), `plots/` (PNG + SVG) and `export/`: the RL-trained policy as a Hugging Face directory
+//! Each run directory gets `metrics.jsonl` (one line per step), `run.json` (the task's data and scoring, which a
+//! resume must match unless `--allow-changed-task`), `checkpoint/` (crash-consistent: a kill at any point leaves
+//! the previous or the new checkpoint, recovered at `--resume`; `--resume` continues from it bit for bit and is an
+//! error without one unless `--allow-fresh`), `plots/` (PNG + SVG) and `export/`: the RL-trained policy as a Hugging Face directory
 //! (`policy/`) and its drafter in the EAGLE format SGLang and vLLM serve (`drafter/`), with `SERVE.md` giving
 //! both engines' command lines (`--export-at-checkpoints` adds `exports/step-<n>/` at every checkpoint). `--mode compare` runs TLT and then the baseline with the same seeds,
 //! each in a fresh process of this binary (both pay the same first-update warm-up of a new process, and only one
@@ -74,6 +76,11 @@ struct Args {
     /// With `--resume`: start a fresh run where no checkpoint exists.
     #[arg(long, requires = "resume")]
     allow_fresh: bool,
+    /// With `--resume`: resume even though the task's data or scoring (`run.json`: task, seed, JSONL file and its
+    /// bytes, held-out split, rewards, evaluation prompts) changed since the run started (default: an error listing
+    /// the changes).
+    #[arg(long, requires = "resume")]
+    allow_changed_task: bool,
     /// Also export the policy and drafter at every checkpoint (`<out>/<mode>/exports/step-<n>`), not only at the
     /// end (config: `[export] at_checkpoints = true`).
     #[arg(long)]
@@ -304,6 +311,9 @@ fn compare(
         let mut cmd = std::process::Command::new(&exe);
         cmd.args(["--mode", mode, "--config"]).arg(&config).arg("--model").arg(model_path).arg("--out").arg(out);
         cmd.args(resume.flags());
+        if cfg.allow_changed_task {
+            cmd.arg("--allow-changed-task");
+        }
         cmd.args(["--ranks", &ranks.to_string()]);
         if let Some(kind) = drafter {
             cmd.args(["--drafter", kind]);
@@ -381,7 +391,8 @@ fn run_main() -> Result<()> {
     if args.interleave && (args.mode != RunMode::Compare || args.ranks > 1) {
         bail!("--interleave runs TLT and the baseline in one process: it needs --mode compare and one rank");
     }
-    let cfg = load_config(&args)?;
+    let mut cfg = load_config(&args)?;
+    cfg.allow_changed_task = args.allow_changed_task;
     if args.print_config {
         print!("{}", toml::to_string_pretty(&cfg)?);
         return Ok(());
