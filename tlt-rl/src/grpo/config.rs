@@ -89,7 +89,7 @@ pub enum Truncation {
 /// GRPO knobs, with verl/TRL names in the field docs.
 ///
 /// Defaults: `std_norm` true, `mean_level` group, `adv_eps` 1e-6, `loss_agg` token-mean, `clip_low` 0.2,
-/// `clip_high` 0.28, no dual clip, no KL (no reference model), `entropy_coef` 0, zero-variance groups kept (verl),
+/// `clip_high` 0.2 (verl's; DAPO's clip-higher is 0.28, opt-in), no dual clip (verl caps at 3: `tlt-rl/README.md`), no KL (no reference model), `entropy_coef` 0, zero-variance groups kept (verl),
 /// truncation kept, no TIS (the rollout and the update share weights and precision: see [`Self::tis_cap`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -104,7 +104,8 @@ pub struct GrpoConfig {
     pub loss_agg: LossAgg,
     /// Lower clip: the ratio is clipped at `1 - clip_low` (verl `clip_ratio_low`). In `[0, 1)`. Default 0.2.
     pub clip_low: f64,
-    /// Upper clip: the ratio is clipped at `1 + clip_high` (verl `clip_ratio_high`, DAPO clip-higher). Default 0.28.
+    /// Upper clip: the ratio is clipped at `1 + clip_high` (verl `clip_ratio_high`; DAPO's clip-higher sets 0.28).
+    /// Default 0.2, verl's.
     pub clip_high: f64,
     /// Dual-clip bound `c > 1` for negative advantages: the token loss is capped at `-A * c` (verl `clip_ratio_c`,
     /// e.g. 3.0). Default `None`.
@@ -139,7 +140,7 @@ impl Default for GrpoConfig {
             adv_eps: 1e-6,
             loss_agg: LossAgg::TokenMean,
             clip_low: 0.2,
-            clip_high: 0.28,
+            clip_high: 0.2,
             dual_clip: None,
             kl: None,
             entropy_coef: 0.0,
@@ -210,6 +211,27 @@ impl GrpoConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// verl's defaults, copied from volcengine/verl @ 03d67c629a31 (`verl/trainer/config/actor/actor.yaml`:
+    /// `clip_ratio_low: 0.2`, `clip_ratio_high: 0.2`, `loss_agg_mode: token-mean`, `entropy_coeff: 0`,
+    /// `use_kl_loss: false`) and @ 945104debb7a (`verl/utils/reward_score/gsm8k.py`: `compute_score(...,
+    /// format_score=0., score=1.)`); `norm_adv_by_std_in_grpo` defaults to true in verl's GRPO. The one default
+    /// that differs, the dual clip (`clip_ratio_c: 3.0`, applied by verl's vanilla loss), is listed with its reason
+    /// in `tlt-rl/README.md`.
+    #[test]
+    fn grpo_and_reward_defaults_are_verls() {
+        let (clip_ratio_low, clip_ratio_high, entropy_coeff, use_kl_loss) = (0.2, 0.2, 0.0, false);
+        let (format_score, score) = (0.0, 1.0);
+        let g = GrpoConfig::default();
+        assert_eq!((g.clip_low, g.clip_high, g.entropy_coef), (clip_ratio_low, clip_ratio_high, entropy_coeff));
+        assert_eq!(g.kl.is_some(), use_kl_loss);
+        assert_eq!(g.loss_agg, LossAgg::TokenMean);
+        assert!(g.std_norm);
+        assert_eq!(g.dual_clip, None, "the listed difference: verl caps at 3");
+        let r = crate::task::RewardConfig::default();
+        assert_eq!((r.correct_reward, r.format_reward), (score, format_score));
+        assert!(!r.flexible, "verl's GSM8K method defaults to strict");
+    }
 
     #[test]
     fn grpo_config_defaults_validate_and_roundtrip() {

@@ -17,8 +17,10 @@ fn t1(v: &[f64]) -> Tensor {
     Tensor::from_vec(v.to_vec(), v.len(), &Device::Cpu).unwrap()
 }
 
+/// The default GRPO loss with DAPO's clip-higher (0.28, not the default 0.2), so that the hand-computed cases tell the
+/// two clip bounds apart.
 fn plain() -> GrpoConfig {
-    GrpoConfig { tis_cap: None, ..GrpoConfig::default() }
+    GrpoConfig { tis_cap: None, clip_high: 0.28, ..GrpoConfig::default() }
 }
 
 /// Loss, d loss / d logp and stats of a single token with advantage `a` and ratio `ratio`.

@@ -241,7 +241,8 @@ mod tests {
     }
 
     fn grade(numbers: &[i64], target: i64, completion: &str) -> Score {
-        score_answer(&Answer::Countdown { numbers: numbers.to_vec(), target }, completion, &RewardConfig::default())
+        let bonus = RewardConfig { format_reward: 0.1, ..RewardConfig::default() };
+        score_answer(&Answer::Countdown { numbers: numbers.to_vec(), target }, completion, &bonus)
     }
 
     #[test]
@@ -263,7 +264,7 @@ mod tests {
             sorted.sort_unstable();
             assert_eq!(used, sorted, "every number exactly once: {solution}");
             let s = t.score(&p, &format!("<think>hmm</think>\n<answer> {solution} </answer>"));
-            assert!(s.correct && (s.reward - 1.1).abs() < 1e-12, "{solution}: {s:?}");
+            assert!(s.correct && (s.reward - 1.0).abs() < 1e-12, "{solution}: {s:?}");
             targets.insert(*target);
         }
         assert!(targets.len() > 50, "{}", targets.len());

@@ -7,8 +7,9 @@
 //! - [`Countdown`]: TinyZero-style "reach the target with these numbers", answered in `<answer></answer>`;
 //! - [`JsonlTask`]: GSM8K/MATH-style JSONL files (`question`, `answer`), answered in `\boxed{}` or after `####`.
 //!
-//! Rewards follow TinyZero/verl: [`RewardConfig::correct_reward`] plus [`RewardConfig::format_reward`] for a correct
-//! answer in the required format, the format reward alone for a wrong answer in that format, nothing otherwise.
+//! Rewards follow verl (1 for a correct answer, 0 otherwise, by default) and TinyZero (with a format bonus):
+//! [`RewardConfig::correct_reward`] plus [`RewardConfig::format_reward`] (default 0) for a correct answer in the
+//! required format, the format reward alone for a wrong answer in that format, nothing otherwise.
 //! Verifiers are native Rust (no sympy, no child process), look at the last [`MAX_EXAMINED_BYTES`] of a completion
 //! only, use exact rational arithmetic (`i128`) and check a deadline inside their loops, so a pathological completion
 //! yields [`Score::timed_out`] instead of a hang. Scoring never panics.
@@ -106,7 +107,8 @@ pub struct RewardConfig {
     /// Added for a correct answer. Default 1.0.
     pub correct_reward: f64,
     /// Given when the answer is in the required format (`\boxed{}` or `####`; `<answer></answer>` for Countdown),
-    /// right or wrong. Default 0.1.
+    /// right or wrong. Default 0, verl's (its GSM8K `format_score`): a correct answer scores 1, anything else 0;
+    /// TinyZero's bonus was 0.1.
     pub format_reward: f64,
     /// Time budget of one verification in milliseconds; past it the score is [`Score::TIMED_OUT`]. Default 1000.
     pub time_limit_ms: u64,
@@ -117,7 +119,7 @@ pub struct RewardConfig {
 
 impl Default for RewardConfig {
     fn default() -> Self {
-        Self { correct_reward: 1.0, format_reward: 0.1, time_limit_ms: 1000, flexible: false }
+        Self { correct_reward: 1.0, format_reward: 0.0, time_limit_ms: 1000, flexible: false }
     }
 }
 
@@ -297,8 +299,9 @@ pub(crate) fn tail(s: &str, max_bytes: usize) -> &str {
 mod tests {
     use super::*;
 
+    /// TinyZero's format bonus, so that the tests see every reward level.
     fn cfg() -> RewardConfig {
-        RewardConfig::default()
+        RewardConfig { format_reward: 0.1, ..RewardConfig::default() }
     }
 
     #[test]
@@ -313,7 +316,7 @@ mod tests {
     #[test]
     fn task_reward_config_defaults_and_validation() {
         let c: RewardConfig = serde_json::from_str("{}").unwrap();
-        assert_eq!(c, RewardConfig { correct_reward: 1.0, format_reward: 0.1, time_limit_ms: 1000, flexible: false });
+        assert_eq!(c, RewardConfig { correct_reward: 1.0, format_reward: 0.0, time_limit_ms: 1000, flexible: false });
         assert!(serde_json::from_str::<RewardConfig>(r#"{"bogus": 1}"#).is_err());
         assert!(RewardConfig { time_limit_ms: 0, ..cfg() }.validate().is_err());
         assert!(RewardConfig { correct_reward: f64::NAN, ..cfg() }.validate().is_err());
