@@ -12,7 +12,8 @@ use tlt_rl::trainer::{DynamicSampling, Mode, Quiet, Trainer, TrainerConfig};
 
 /// Rewards so large that the loss overflows f32 (advantages of about ±1e300 without std normalisation): the gradient
 /// norm is not finite, the optimizer step is skipped and counted, and the weights stay exactly as they were
-/// (before the fix AdamW ran with a NaN or infinite norm and wrote NaN into every weight).
+/// (before the fix AdamW ran with a NaN or infinite norm and wrote NaN into every weight); the step's loss statistics
+/// leave it out and its `grad_norm` is NaN.
 #[test]
 fn a_non_finite_gradient_norm_skips_the_step_and_leaves_the_weights() {
     let env = fn_env(|_, c: &[u32]| {
@@ -28,6 +29,10 @@ fn a_non_finite_gradient_norm_skips_the_step_and_leaves_the_weights() {
     let m = &r.metrics;
     assert!(m.informative_groups > 0, "no group had reward variance: the test needs one ({m:?})");
     assert_eq!((m.optimizer_steps, m.skipped_optimizer_steps), (0, 1), "{m:?}");
+    // The skipped step's loss is left out of the step's statistics (it merged a NaN before), and the gradient norm
+    // says that no finite one was seen (it read 0 before).
+    assert!(m.loss.is_finite() && m.pg_loss.is_finite(), "{m:?}");
+    assert!(m.grad_norm.is_nan(), "{m:?}");
     let after = weights(&t);
     assert!(after.values().flatten().all(|x| x.is_finite()), "non-finite weights");
     assert!(after == before, "a skipped step moved the weights");

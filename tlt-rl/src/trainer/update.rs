@@ -16,10 +16,11 @@ use crate::Result;
 /// What one policy update did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct UpdateStats {
-    /// Loss statistics merged over every micro-batch of every optimizer step (token-weighted; `loss` is the mean
-    /// of the mini-batch losses, and `tokens` counts each pass).
+    /// Loss statistics merged over every micro-batch of every optimizer step taken (token-weighted; `loss` is the
+    /// mean of the mini-batch losses, and `tokens` counts each pass); skipped steps are left out.
     pub loss: LossStats,
-    /// Mean global gradient norm before clipping over the optimizer steps taken (0 without an update).
+    /// Mean global gradient norm before clipping over the optimizer steps taken (0 without an update; NaN when every
+    /// step was skipped for a non-finite norm).
     pub grad_norm: f64,
     /// Optimizer (AdamW) steps taken.
     #[serde(default)]
@@ -456,12 +457,14 @@ pub(crate) fn policy_update(
                 return Err(crate::Error::InvalidArgument("injected update failure".into()));
             }
             let Some(m) = backend.mini_batch_step(ctx, seqs, mb, old.as_deref())? else { continue };
-            stats.loss.merge(&m.stats);
             stats.micro_batches += m.micros;
             stats.grad_sync_s += m.sync_s;
             stats.grad_wait_s += m.wait_s;
-            passes += 1;
             if m.applied {
+                // Only applied steps enter the loss statistics: a skipped one's loss is what made its gradient
+                // non-finite (NaN or infinite), which would poison the step's mean.
+                stats.loss.merge(&m.stats);
+                passes += 1;
                 grad_norm_sum += m.grad_norm;
                 stats.optimizer_steps += 1;
             } else {
@@ -474,6 +477,9 @@ pub(crate) fn policy_update(
     }
     if stats.optimizer_steps > 0 {
         stats.grad_norm = grad_norm_sum / stats.optimizer_steps as f64;
+    } else if stats.skipped_steps > 0 {
+        // Every step was skipped for a non-finite norm: say so (0 would read as a converged update).
+        stats.grad_norm = f64::NAN;
     }
     Ok(())
 }
