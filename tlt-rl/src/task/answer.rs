@@ -29,11 +29,16 @@ pub(crate) fn extract_within<'a>(text: &'a str, deadline: &mut Deadline) -> Resu
             return Ok(Some(boxed));
         }
     }
-    Ok(text.rfind("####").and_then(|p| {
+    Ok(hashes_answer(text))
+}
+
+/// What follows the last `####` (as [`extract_answer`] reads it), ignoring `\boxed{}`: verl's GSM8K grader.
+pub(crate) fn hashes_answer(text: &str) -> Option<&str> {
+    text.rfind("####").and_then(|p| {
         let rest = text[p..].trim_start_matches('#').trim_start();
         let line = rest.lines().next().unwrap_or("").trim();
         (!line.is_empty()).then(|| leading_number(line).unwrap_or(line))
-    }))
+    })
 }
 
 /// The number that leads `line` (after an optional `$` or `\$`): `-?` then digits, `.` and `,`, without trailing
@@ -102,11 +107,12 @@ fn last_boxed<'a>(text: &'a str, deadline: &mut Deadline) -> Result<Option<&'a s
 }
 
 /// Grades `text` against the ground truth `truth` (an [`super::Answer::Number`]).
-pub(crate) fn verify(truth: &str, text: &str, deadline: &mut Deadline) -> Verdict {
+pub(crate) fn verify(truth: &str, text: &str, deadline: &mut Deadline, hashes_only: bool) -> Verdict {
     if deadline.tick().is_err() {
         return Verdict::TimedOut;
     }
-    match extract_within(text, deadline) {
+    let pred = if hashes_only { Ok(hashes_answer(text)) } else { extract_within(text, deadline) };
+    match pred {
         Err(TimedOut) => Verdict::TimedOut,
         Ok(None) => Verdict::Unformatted,
         Ok(Some(pred)) if answers_equal(pred, truth) => Verdict::Correct,
@@ -458,7 +464,7 @@ mod tests {
             assert!(answers_equal("12", pred), "symmetric: {pred}");
         }
         for pred in ["\\boxed{12 apples}", "\\boxed{\\text{12}}", "\\boxed{12\\%}", "\\boxed{x = 12}"] {
-            assert!(matches!(verify("12", pred, &mut Deadline::none()), Verdict::Correct), "{pred}");
+            assert!(matches!(verify("12", pred, &mut Deadline::none(), false), Verdict::Correct), "{pred}");
         }
         let different = [
             "13 apples",

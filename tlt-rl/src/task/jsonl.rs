@@ -26,8 +26,10 @@ struct Item {
 ///   `\boxed{...}`, or a bare answer (a string or a JSON number).
 ///
 /// Other fields are ignored and blank lines are skipped. The prompt is the question followed by verl's instruction
-/// (answer after `####` for GSM8K-style lines, within `\boxed{}` otherwise); completions are graded by
-/// [`extract_answer`] and [`super::answers_equal`], so either format is accepted.
+/// (answer after `####` for GSM8K-style lines, within `\boxed{}` otherwise). Completions of GSM8K-style lines are
+/// graded by the answer after `####` alone, as verl's GSM8K grader ([`RewardConfig::accept_boxed`], or a custom
+/// instruction, accepts `\boxed{}` too); others by [`extract_answer`] (`\boxed{}`, else `####`); then
+/// [`super::answers_equal`].
 ///
 /// ```
 /// use tlt_rl::task::{JsonlTask, Task};
@@ -167,7 +169,13 @@ impl Task for JsonlTask {
         };
         let prompt =
             if instruction.is_empty() { item.question.clone() } else { format!("{} {instruction}", item.question) };
-        Ok(Problem { index, prompt, answer: Answer::Number(item.answer.clone()) })
+        // GSM8K lines asked for `####` are graded by it alone (verl's grader) unless boxed answers are accepted.
+        let answer = if item.hashes && self.instruction.is_none() && !self.reward.accept_boxed {
+            Answer::Hashes(item.answer.clone())
+        } else {
+            Answer::Number(item.answer.clone())
+        };
+        Ok(Problem { index, prompt, answer })
     }
 
     fn score(&self, problem: &Problem, completion: &str) -> Score {
@@ -189,7 +197,7 @@ mod tests {
 
     fn answer(t: &JsonlTask, i: u64) -> String {
         match t.problem(i).unwrap().answer {
-            Answer::Number(s) => s,
+            Answer::Number(s) | Answer::Hashes(s) => s,
             other => panic!("{other:?}"),
         }
     }
@@ -219,7 +227,6 @@ mod tests {
         let t = JsonlTask::from_str("mix", DATA).unwrap();
         let cases = [
             (0, "24 + 48 = 72\n#### 72", true),
-            (0, "So the total is \\boxed{72}.", true),
             (0, "#### 71", false),
             (1, "\\boxed{\\dfrac{10}{12}}", true),
             (1, "\\boxed{0.8333}", false),
@@ -233,9 +240,18 @@ mod tests {
             assert_eq!((s.correct, s.formatted), (correct, true), "{i}: {completion}");
         }
         assert_eq!(t.score(&t.problem(0).unwrap(), "72"), Score::ZERO);
-        let t = t
-            .with_reward(RewardConfig { correct_reward: 2.0, format_reward: 0.0, time_limit_ms: 50, flexible: false })
-            .unwrap();
+        // GSM8K lines are graded by `####` alone (verl's grader): a boxed answer is unformatted, and with both the
+        // `####` one decides; `accept_boxed` (or a custom instruction) accepts a box, which then wins.
+        let (boxed, both) = ("So the total is \\boxed{72}.", "\\boxed{71}\n#### 72");
+        assert_eq!(t.score(&t.problem(0).unwrap(), boxed), Score::ZERO);
+        assert!(t.score(&t.problem(0).unwrap(), both).correct);
+        let accepting = t.clone().with_reward(RewardConfig { accept_boxed: true, ..RewardConfig::default() }).unwrap();
+        assert!(accepting.score(&accepting.problem(0).unwrap(), boxed).correct);
+        assert!(!accepting.score(&accepting.problem(0).unwrap(), both).correct);
+        let custom = t.clone().with_instruction("Answer in \\boxed{}.");
+        assert!(custom.score(&custom.problem(0).unwrap(), boxed).correct);
+        let t =
+            t.with_reward(RewardConfig { correct_reward: 2.0, time_limit_ms: 50, ..RewardConfig::default() }).unwrap();
         assert_eq!(t.score(&t.problem(0).unwrap(), "#### 72").reward, 2.0);
         assert_eq!(t.reward().time_limit_ms, 50);
     }

@@ -69,6 +69,9 @@ pub enum Answer {
     /// A numeric ground truth as text (`"42"`, `"-3.5"`, `"1/3"`, `"\frac{1}{3}"`), compared with
     /// [`answers_equal`] against the completion's [`extract_answer`].
     Number(String),
+    /// A numeric ground truth graded by the answer after the last `####` alone (a `\boxed{}` answer is unformatted):
+    /// verl's GSM8K grader, for GSM8K files ([`RewardConfig::accept_boxed`] turns it into [`Self::Number`]).
+    Hashes(String),
     /// A Countdown puzzle: an equation over `numbers` (each used exactly once, `+ - * /` and parentheses) must equal
     /// `target`.
     Countdown {
@@ -115,11 +118,14 @@ pub struct RewardConfig {
     /// Numeric answers without the required format are still judged by the last number in the completion (verl's
     /// GSM8K `flexible` mode): correct earns `correct_reward` without the format reward. Default false (strict).
     pub flexible: bool,
+    /// GSM8K files (reference answers after `####`, asked for with the default instruction) also accept an answer in
+    /// `\boxed{}`, which then wins over `####`. Default false: `####` alone, as verl's GSM8K grader.
+    pub accept_boxed: bool,
 }
 
 impl Default for RewardConfig {
     fn default() -> Self {
-        Self { correct_reward: 1.0, format_reward: 0.0, time_limit_ms: 1000, flexible: false }
+        Self { correct_reward: 1.0, format_reward: 0.0, time_limit_ms: 1000, flexible: false, accept_boxed: false }
     }
 }
 
@@ -173,13 +179,14 @@ pub fn score_answer(answer: &Answer, completion: &str, reward: &RewardConfig) ->
     let mut deadline = Deadline::after_ms(reward.time_limit_ms);
     let text = tail(completion, MAX_EXAMINED_BYTES);
     let verdict = match answer {
-        Answer::Number(truth) => answer::verify(truth, text, &mut deadline),
+        Answer::Number(truth) => answer::verify(truth, text, &mut deadline, false),
+        Answer::Hashes(truth) => answer::verify(truth, text, &mut deadline, true),
         Answer::Countdown { numbers, target } => countdown::verify(numbers, *target, text, &mut deadline),
     };
     match verdict {
         Verdict::TimedOut => Score::TIMED_OUT,
         Verdict::Unformatted => match answer {
-            Answer::Number(truth)
+            Answer::Number(truth) | Answer::Hashes(truth)
                 if reward.flexible && answer::last_number(text).is_some_and(|n| answers_equal(n, truth)) =>
             {
                 Score { reward: reward.correct_reward, correct: true, formatted: false, timed_out: false }
@@ -316,7 +323,14 @@ mod tests {
     #[test]
     fn task_reward_config_defaults_and_validation() {
         let c: RewardConfig = serde_json::from_str("{}").unwrap();
-        assert_eq!(c, RewardConfig { correct_reward: 1.0, format_reward: 0.0, time_limit_ms: 1000, flexible: false });
+        let verl = RewardConfig {
+            correct_reward: 1.0,
+            format_reward: 0.0,
+            time_limit_ms: 1000,
+            flexible: false,
+            accept_boxed: false,
+        };
+        assert_eq!(c, verl);
         assert!(serde_json::from_str::<RewardConfig>(r#"{"bogus": 1}"#).is_err());
         assert!(RewardConfig { time_limit_ms: 0, ..cfg() }.validate().is_err());
         assert!(RewardConfig { correct_reward: f64::NAN, ..cfg() }.validate().is_err());
