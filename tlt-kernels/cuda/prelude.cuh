@@ -59,49 +59,38 @@ __device__ __forceinline__ float tlt_warp_sum(float v) {
     return v;
 }
 
-__device__ __forceinline__ double tlt_warp_sum_d(double v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 __device__ __forceinline__ float tlt_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-// Block-wide reductions for blocks of whole warps, in a fixed order (each warp's xor butterfly, then the warps' sums
-// in warp order), the result returned to every thread. part: shared scratch, one entry per warp (the leading barrier
-// lets a caller reuse it at once).
-__device__ __forceinline__ float tlt_block_sum(float v, float* part) {
-    v = tlt_warp_sum(v);
+// A block-wide reduction by `op` for blocks of whole warps, in a fixed order (each warp's xor butterfly, then the
+// warps' results in warp order), the result returned to every thread. part: shared scratch, one entry per warp (the
+// leading barrier lets a caller reuse it at once).
+template <class T, class Op>
+__device__ __forceinline__ T tlt_block_reduce(T v, T* part, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     __syncthreads();
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
     __syncthreads();
-    float t = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += part[w];
+    T t = part[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) t = op(t, part[w]);
     return t;
+}
+
+// The block's sum (tlt_block_reduce).
+__device__ __forceinline__ float tlt_block_sum(float v, float* part) {
+    return tlt_block_reduce(v, part, [](float a, float b) { return a + b; });
 }
 
 // tlt_block_sum in f64.
 __device__ __forceinline__ double tlt_block_sum_d(double v, double* part) {
-    v = tlt_warp_sum_d(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    double t = 0.0;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += part[w];
-    return t;
+    return tlt_block_reduce(v, part, [](double a, double b) { return a + b; });
 }
 
-// The largest v of the block (as tlt_block_sum).
+// The largest v of the block (tlt_block_reduce).
 __device__ __forceinline__ float tlt_block_max(float v, float* part) {
-    v = tlt_warp_max(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float t = part[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); w++) t = fmaxf(t, part[w]);
-    return t;
+    return tlt_block_reduce(v, part, [](float a, float b) { return fmaxf(a, b); });
 }
 
 // The larger of two (value, index) pairs; ties go to the smaller index (as tlt_kernels::argmax on the CPU).
