@@ -141,8 +141,36 @@ pub fn write_dir_atomic<E: From<Error>>(
     dir: &Path,
     write: impl FnOnce(&Path) -> std::result::Result<(), E>,
 ) -> std::result::Result<(), E> {
+    if crate::chaos::fires("ckpt.two_rename") {
+        return write_dir_two_renames(dir, write);
+    }
     recover_dir(dir)?;
     write_dir_steps(dir, write, usize::MAX)
+}
+
+/// The chaos harness's negative control (kill point `ckpt.two_rename` armed): the protocol this crate used before
+/// [`write_dir_atomic`], which moves the current `dir` aside and then renames the new one into place, so a kill
+/// between the two renames (`ckpt.two_rename.between`) leaves no `dir`. [`recover_dir`] is off while it is armed,
+/// as no recovery existed then.
+fn write_dir_two_renames<E: From<Error>>(
+    dir: &Path,
+    write: impl FnOnce(&Path) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let at = |tag: &str| dir.with_file_name(format!(".{name}.{tag}-{}-0", std::process::id()));
+    let (tmp, aside) = (at("tmp"), at("old"));
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    write(&tmp)?;
+    sync_tree(&tmp)?;
+    if dir.exists() {
+        rename_synced(dir, &aside)?;
+    }
+    crate::chaos::kill_point_on("ckpt.two_rename.between", Some(dir));
+    rename_synced(&tmp, dir)?;
+    if aside.exists() {
+        std::fs::remove_dir_all(&aside).map_err(|e| Error::io(&aside, e))?;
+    }
+    Ok(())
 }
 
 /// [`write_dir_atomic`]'s protocol, stopping after its first `stop` steps as a kill there would (the tests' crash
@@ -160,6 +188,7 @@ fn write_dir_steps<E: From<Error>>(
         }
         std::fs::create_dir_all(&partial).map_err(|e| Error::io(&partial, e))?;
         write(&partial)?;
+        crate::chaos::kill_point_on("ckpt.written", Some(dir));
         sync_tree(&partial).map_err(E::from)
     })();
     if let Err(e) = filled {
@@ -172,8 +201,10 @@ fn write_dir_steps<E: From<Error>>(
         &|| rename_synced(&next, dir),
         &|| if old.exists() { std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e)) } else { Ok(()) },
     ];
-    for step in steps.iter().take(stop.saturating_sub(1)) {
+    const AFTER: [&str; 4] = ["ckpt.rename.next", "ckpt.rename.old", "ckpt.rename.in", "ckpt.removed.old"];
+    for (step, point) in steps.iter().zip(AFTER).take(stop.saturating_sub(1)) {
         step()?;
+        crate::chaos::kill_point_on(point, Some(dir));
     }
     Ok(())
 }
@@ -188,6 +219,9 @@ fn write_dir_steps<E: From<Error>>(
 /// # Errors
 /// [`Error::Io`] from the file system.
 pub fn recover_dir(dir: &Path) -> Result<bool> {
+    if crate::chaos::fires("ckpt.two_rename") {
+        return Ok(dir.exists());
+    }
     let [partial, next, old] = siblings(dir)?;
     let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
     let remove = |p: &Path| match std::fs::remove_dir_all(p) {

@@ -36,6 +36,7 @@
 
 pub mod assets;
 mod cache;
+pub mod chaos;
 mod config;
 pub mod cuda;
 mod device;

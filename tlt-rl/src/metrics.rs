@@ -268,6 +268,11 @@ impl MetricsWriter {
     pub fn write(&mut self, m: &StepMetrics) -> Result<()> {
         let mut line = serde_json::to_string(m)?;
         line.push('\n');
+        if tlt_model::chaos::fires("metrics.torn") {
+            // The harness's torn append: half the line on disk, then the process dies.
+            let _ = self.file.write_all(&line.as_bytes()[..line.len() / 2]).and_then(|()| self.file.sync_data());
+            tlt_model::chaos::kill_now("metrics.torn");
+        }
         self.file.write_all(line.as_bytes()).map_err(|e| Error::io(&self.path, e))?;
         self.file.flush().map_err(|e| Error::io(&self.path, e))?;
         self.file.sync_data().map_err(|e| Error::io(&self.path, e))

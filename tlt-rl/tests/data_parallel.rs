@@ -12,11 +12,11 @@
 //!   balanced run's;
 //! - on 3 ranks with rank 1 slow, the others steal from it (one victim per request) in every step, and step 0's
 //!   tokens are the 2-rank run's;
-//! - with the online EAGLE-2 drafter and rank 1 slow (20 ms per round), rank 0 trains the drafter once its share is decoded and rank 1
+//! - with the online EAGLE-2 drafter on the tail schedule and rank 1 slow (20 ms per round), rank 0 trains the drafter once its share is decoded and rank 1
 //!   installs new versions mid-rollout in every step; both ranks end each step on the same version, and the tokens
 //!   and policy are the plain run's;
-//! - with the EAGLE-2 drafter owing most of its drafter steps at the step's end (ranks balanced), both ranks take
-//!   them together (gradients all-reduced): rank 1, which never trains alone, ends every step with rank 0's step
+//! - with the EAGLE-2 drafter on a fixed schedule (every drafter step at the step's end; ranks balanced), both
+//!   ranks take them together (gradients all-reduced): rank 1, which never trains alone, ends every step with rank 0's step
 //!   count and version, and the tokens and policy are the plain run's;
 //! - on a GPU (`TLT_DP_DEVICE=<ordinal>`, with tlt-rl's `cuda` feature; the GPU bundle's `ranks` call runs it, and
 //!   only it): both ranks roll out on that one device, plainly and then with the EAGLE scenario above, and agree in
@@ -82,13 +82,14 @@ fn config(setup: Setup) -> TrainerConfig {
     };
     cfg.sd.drafter = DrafterChoice::Suffix;
     if setup.mode.starts_with("eagle") {
-        // The online EAGLE-2 drafter, a version published after every drafter step.
+        // The online EAGLE-2 drafter, a version published after every drafter step, trained in rank 0's idle time
+        // (the tail schedule).
         cfg.sd.drafter = DrafterChoice::Eagle2;
         cfg.sd.publish_every = 1;
+        cfg.sd.schedule = DrafterSchedule::Tail;
     }
     if setup.mode == "eagle-joint" {
-        // Far more drafter steps per RL step than rank 0 takes in a balanced rollout's idle time: most are owed at
-        // the step's end, where every rank takes them together.
+        // A fixed schedule across ranks: all 64 drafter steps at the step's end, every rank taking them together.
         cfg.sd.schedule = DrafterSchedule::Fixed { steps: 64 };
     }
     cfg.ppo_mini_batch_size = Some(4);
@@ -380,8 +381,8 @@ fn idle_rank_trains_the_drafter(out: &Path, plain: &RunLog, env: &[(&str, String
     (r0, r1)
 }
 
-/// The online EAGLE-2 drafter owing most of its 64 drafter steps per RL step at the step's end (ranks balanced):
-/// both ranks take them together, each a share of every batch with the gradients all-reduced. Rank 1, which never
+/// The online EAGLE-2 drafter on a fixed schedule of 64 drafter steps per RL step, all at the step's end (ranks
+/// balanced): both ranks take them together, each a share of every batch with the gradients all-reduced. Rank 1, which never
 /// trains alone, counts as many drafter steps as rank 0 at every step's end (it joined rank 0's trainer and stepped
 /// with it); both end on the same version, and the tokens and policy are the plain run's.
 fn ranks_train_the_drafter_together(root: &Path, plain: &RunLog) {
@@ -390,11 +391,11 @@ fn ranks_train_the_drafter_together(root: &Path, plain: &RunLog) {
     assert!(ok, "mpirun -np 2 (eagle-joint) failed:\n{err}");
     let (r0, r1) = (read_log(&out, 0), read_log(&out, 1));
     println!(
-        "eagle, 64 drafter steps per RL step, most at the step's end (mpirun {secs:.1} s): drafter steps at each step's \
+        "eagle, 64 drafter steps per RL step, all at the step's end (mpirun {secs:.1} s): drafter steps at each step's \
          end [rank 0] {:?} [rank 1] {:?}; versions {:?}",
         r0.drafter_steps, r1.drafter_steps, r0.drafter_version
     );
-    assert!(r0.drafter_steps.iter().enumerate().all(|(k, &n)| n >= 64 * (k as u64 + 1)), "{:?}", r0.drafter_steps);
+    assert!(r0.drafter_steps.iter().enumerate().all(|(k, &n)| n == 64 * (k as u64 + 1)), "{:?}", r0.drafter_steps);
     assert_eq!(r1.drafter_steps, r0.drafter_steps, "rank 1 did not take the owed drafter steps with rank 0");
     assert_eq!(r0.drafter_version, r1.drafter_version, "the ranks end a step on different drafter versions");
     assert_eq!(r0.tokens, plain.tokens, "the drafted run sampled other tokens");

@@ -138,6 +138,21 @@ enum Cmd {
         #[arg(long, default_value_t = roofline::H200_MEASURED_COPY / 1e12)]
         copy_bandwidth: f64,
     },
+    /// Fault injection: `train` on a tiny model killed by SIGKILL at seeded points (rollout rounds, optimizer
+    /// steps, drafter steps, checkpoint writes, metrics appends; one rank of a 2-rank MPI job), resumed until done
+    /// and compared bit for bit with an uninterrupted run, plus the two-rename negative control (the
+    /// `tlt-examples` `chaos` test, larger than in `test`); the kills' tally in `target/chaos/report.json`.
+    Chaos {
+        /// Landed kills on one rank.
+        #[arg(long, default_value_t = 200)]
+        kills: usize,
+        /// Landed kills on a 2-rank job (needs `mpirun`).
+        #[arg(long, default_value_t = 40)]
+        rank_kills: usize,
+        /// Seed of the kills' choice.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Run a benchmark suite; results go to `target/bench/<suite>.json` and `.md`.
     Bench {
         #[command(subcommand)]
@@ -296,7 +311,7 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
     if nextest {
         // The MPI tests run below under `cargo test` (one is a custom harness nextest cannot list).
         cmd.args(["nextest", "run", "--release", "--workspace", "--features", &all]);
-        cmd.args(["-E", "not (binary(mpi) | binary(data_parallel) | binary(nccl))"]);
+        cmd.args(["-E", "not (binary(mpi) | binary(data_parallel) | binary(nccl) | binary(chaos))"]);
     } else {
         warn!("cargo-nextest is not installed; falling back to `cargo test`");
         cmd.args(["test", "--release", "--workspace", "--features", &all]);
@@ -344,10 +359,11 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         ),
     }
     // The MPI engine across processes (`mpirun -np 2` and 3), data-parallel GRPO on 2 ranks against one (a missing
-    // MPI runtime fails here rather than skipping), and NCCL's error without a driver: the build above, linked.
+    // MPI runtime fails here rather than skipping), NCCL's error without a driver, and the chaos harness at its
+    // default size (it kills ranks of 2-rank jobs): the build above, linked.
     let mut mpi = cargo();
     mpi.args(["test", "--release", "--workspace", "--features", &all]);
-    mpi.args(["--test", "mpi", "--test", "data_parallel", "--test", "nccl", "--", "--nocapture"]);
+    mpi.args(["--test", "mpi", "--test", "data_parallel", "--test", "nccl", "--test", "chaos", "--", "--nocapture"]);
     mpi.env("TLT_REQUIRE_MPI", "1");
     env(&mut mpi);
     let code = run(mpi)?;
@@ -363,6 +379,22 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `chaos`: the chaos harness (`examples/tests/chaos.rs`) at the asked size, with every feature (`train` has its
+/// kill points), MPI required; the tally goes to `target/chaos/report.json`.
+fn chaos(kills: usize, rank_kills: usize, seed: u64) -> Result<ExitCode> {
+    let report = workspace_root().join("target").join("chaos").join("report.json");
+    let mut cmd = cargo();
+    cmd.args(["test", "--release", "--workspace", "--features", &all_features(), "--test", "chaos"]);
+    cmd.args(["--", "--nocapture", "--test-threads", "1"]);
+    cmd.env("TLT_CHAOS_KILLS", kills.to_string()).env("TLT_CHAOS_RANK_KILLS", rank_kills.to_string());
+    cmd.env("TLT_CHAOS_SEED", seed.to_string()).env("TLT_CHAOS_REPORT", &report).env("TLT_REQUIRE_MPI", "1");
+    let code = run(cmd)?;
+    if code.success() {
+        println!("chaos report: {}", report.display());
+    }
+    Ok(exit_code(code))
 }
 
 /// `test-cuda`: the CUDA path's tests alone, with the CUDA features: NVRTC compiles of our kernels for sm_80 and
@@ -386,7 +418,7 @@ fn cuda_tests(gpu: bool) -> Result<ExitCode> {
 
 /// Every feature of the workspace's optional code: CUDA (with `tlt-examples`') and MPI/NCCL.
 fn all_features() -> String {
-    format!("{CUDA_FEATURES},tlt-examples/cuda,{MPI_FEATURES}")
+    format!("{CUDA_FEATURES},tlt-examples/cuda,{MPI_FEATURES},tlt-examples/failpoints")
 }
 
 /// The test targets of the CUDA path: the NVRTC and GPU-kernel tests (`cuda`), and the device tests of the host
@@ -521,6 +553,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Demo(args) => demo(&args),
+        Cmd::Chaos { kills, rank_kills, seed } => chaos(kills, rank_kills, seed),
         Cmd::Roofline { copy_bandwidth } => {
             roofline::run(&workspace_root().join("target").join("bench"), copy_bandwidth * 1e12)?;
             Ok(ExitCode::SUCCESS)

@@ -382,6 +382,11 @@ fn main() -> Result<()> {
 fn run_main() -> Result<()> {
     tlt_examples::ranks::share_cores();
     tlt_examples::init_logging();
+    // The chaos harness's kill points (`FAILPOINTS`), on every rank or only on `TLT_CHAOS_RANK`.
+    let rank = tlt_examples::ranks::launched().map_or(0, |(r, _)| r);
+    if std::env::var("TLT_CHAOS_RANK").map_or(true, |r| r == rank.to_string()) {
+        tlt_model::chaos::arm_from_env()?;
+    }
     let args = Args::parse();
     if args.mode != RunMode::Compare {
         if let Some(status) = tlt_examples::ranks::relaunch(args.ranks)? {

@@ -200,8 +200,8 @@ impl RolloutDrafter {
     pub(crate) fn on_finished(&self, f: &Finished, step: u64) -> Result<()> {
         if let Some(e) = self.eagle.as_ref() {
             let sample = FeatureSample::from_finished(f, step)?;
-            if sample.train_positions() > 0 && !Self::send_features(e, &sample)? {
-                e.buffer.push(sample)?;
+            if sample.train_positions() > 0 {
+                Self::keep_features(e, sample)?;
             }
         }
         Ok(())
@@ -247,6 +247,7 @@ impl RolloutDrafter {
                 if step()? == MicroStepOutcome::NoData {
                     break;
                 }
+                tlt_model::chaos::kill_point("drafter.step");
             }
             e.train_s += t.elapsed().as_secs_f64();
         }

@@ -5,8 +5,11 @@
 //! and hot-swap it as one process does. At the step's end every rank installs rank 0's final weights and version
 //! ([`RolloutDrafter::sync_replicas`]), so checkpoints (rank 0's) and the publication after the update agree.
 //!
-//! The schedule's meaning across ranks: `off` trains nothing; `tail` and `fixed` train in the trainer's idle time,
-//! `fixed { steps }` at least `steps` per RL step (the rest at the step's end).
+//! The schedule's meaning across ranks: `off` trains nothing; `tail` trains in the trainer's idle time (how many
+//! steps, on which features, depends on the ranks' timing); `fixed { steps }` takes exactly `steps` per RL step at
+//! the step's end, on the step's features taken in in rank order (each rank's in the order it finished them), so
+//! the drafter does not depend on timing: the same run gives the same drafter bit for bit, and a killed run
+//! resumes to it.
 //!
 //! Mid-rollout one rank trains: the others are still decoding, or idle at different times. At the step's end every
 //! rank is idle at once, so the drafter steps a `fixed` schedule still owes are taken by all ranks together: rank 0
@@ -16,7 +19,7 @@
 //! two ranks take such a step in 0.55x one rank's time.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
@@ -92,11 +95,36 @@ pub(super) struct Replica {
     /// Drafter steps the trainer took in its idle time this step, and their seconds.
     idle_steps: u64,
     idle_s: f64,
+    /// `fixed` schedule: the trainer holds the step's features, `(rank, sample)` in arrival order, until the step's
+    /// end, and takes them in in rank order then ([`Self::take_in`]); otherwise features enter the buffer at once.
+    ordered: Option<Mutex<Vec<(usize, FeatureSample)>>>,
 }
 
 impl Replica {
     fn is_trainer(&self) -> bool {
         self.comm.rank() == TRAINER
+    }
+
+    /// The trainer's `sample` from rank `from`: into `buffer` now, or held for the step's end (`fixed`).
+    fn take_in(&self, buffer: &OnlineBuffer, from: usize, sample: FeatureSample) -> Result<()> {
+        match &self.ordered {
+            Some(held) => held.lock().unwrap_or_else(PoisonError::into_inner).push((from, sample)),
+            None => {
+                buffer.push(sample)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The held features into `buffer`, rank by rank (a stable sort keeps each rank's own order).
+    fn release(&self, buffer: &OnlineBuffer) -> Result<()> {
+        let Some(held) = &self.ordered else { return Ok(()) };
+        let mut held = std::mem::take(&mut *held.lock().unwrap_or_else(PoisonError::into_inner));
+        held.sort_by_key(|(from, _)| *from);
+        for (_, sample) in held {
+            buffer.push(sample)?;
+        }
+        Ok(())
     }
 }
 
@@ -128,11 +156,6 @@ fn install(e: &OnlineEagle, w: WireWeights) -> Result<bool> {
     let runtime = t.runtime(&RuntimeOptions::default())?;
     drop(t);
     Ok(e.slot.publish_as(runtime, w.version))
-}
-
-fn push_wire(buffer: &OnlineBuffer, bytes: &[u8], from: usize) -> Result<()> {
-    buffer.push(from_wire(decode(bytes, from)?)?)?;
-    Ok(())
 }
 
 fn to_wire(sample: &FeatureSample) -> WireSample {
@@ -208,18 +231,26 @@ impl RolloutDrafter {
                 swaps: 0,
                 idle_steps: 0,
                 idle_s: 0.0,
+                ordered: matches!(e.schedule, DrafterSchedule::Fixed { .. }).then(|| Mutex::new(Vec::new())),
             });
         }
         Ok(())
     }
 
-    /// A finished request's features go to the trainer rank; `false` when this rank keeps them (rank 0, or no
-    /// replication).
-    pub(super) fn send_features(e: &OnlineEagle, sample: &FeatureSample) -> Result<bool> {
-        let Some(r) = e.replica.as_ref().filter(|r| !r.is_trainer()) else { return Ok(false) };
-        r.comm.send(TRAINER, TAG_FEATURES, &encode(&to_wire(sample))?)?;
-        r.sent_features.fetch_add(1, Ordering::Relaxed);
-        Ok(true)
+    /// A finished request's features become training data: on the trainer rank (or without replication) they
+    /// enter its buffer (held for the step's end on a `fixed` schedule), another rank sends them to the trainer.
+    pub(super) fn keep_features(e: &OnlineEagle, sample: FeatureSample) -> Result<()> {
+        match e.replica.as_ref() {
+            None => {
+                e.buffer.push(sample)?;
+            }
+            Some(r) if r.is_trainer() => r.take_in(&e.buffer, TRAINER, sample)?,
+            Some(r) => {
+                r.comm.send(TRAINER, TAG_FEATURES, &encode(&to_wire(&sample))?)?;
+                r.sent_features.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
     }
 
     /// Between rounds: the trainer takes in the features that arrived; another rank installs the newest version
@@ -228,7 +259,7 @@ impl RolloutDrafter {
         let Some(r) = e.replica.as_mut() else { return Ok(()) };
         if r.is_trainer() {
             while let Some((from, bytes)) = r.comm.try_recv(TAG_FEATURES)? {
-                push_wire(&e.buffer, &bytes, from)?;
+                r.take_in(&e.buffer, from, from_wire(decode(&bytes, from)?)?)?;
                 r.received_features += 1;
             }
             return Ok(());
@@ -253,7 +284,7 @@ impl RolloutDrafter {
     /// it trained (false: not the trainer, no replication, or no data yet).
     pub(crate) fn idle_step(&mut self, busy: &[bool]) -> Result<bool> {
         let Some(e) = self.eagle.as_mut() else { return Ok(false) };
-        if !e.replica.as_ref().is_some_and(Replica::is_trainer) || e.schedule == DrafterSchedule::Off {
+        if !e.replica.as_ref().is_some_and(Replica::is_trainer) || e.schedule != DrafterSchedule::Tail {
             return Ok(false);
         }
         Self::poll_replica(e)?;
@@ -303,10 +334,13 @@ impl RolloutDrafter {
         if comm.rank() == TRAINER {
             while e.replica.as_ref().map_or(0, |r| r.received_features) < in_flight {
                 let (from, bytes) = comm.recv(TAG_FEATURES)?;
-                push_wire(&e.buffer, &bytes, from)?;
                 if let Some(r) = e.replica.as_mut() {
+                    r.take_in(&e.buffer, from, from_wire(decode(&bytes, from)?)?)?;
                     r.received_features += 1;
                 }
+            }
+            if let Some(r) = e.replica.as_ref() {
+                r.release(&e.buffer)?;
             }
         }
         let joint_s = self.joint_steps(&comm, min_steps)?;
@@ -376,6 +410,7 @@ impl RolloutDrafter {
             };
             let mut t = e.trainer.lock();
             t.step_with(&share, |buf| comm.all_reduce_sum_f32(buf))?;
+            tlt_model::chaos::kill_point("drafter.step");
             if rank == TRAINER && t.steps_done().is_multiple_of(e.publish_every) {
                 e.slot.publish(t.runtime(&RuntimeOptions::default())?);
             }

@@ -286,6 +286,7 @@ pub(crate) fn run_rollout<T: Target>(
             d.on_round(engine.num_live())?;
         }
         obs.on_round(engine.num_live(), finished, total, tokens);
+        tlt_model::chaos::kill_point("rollout.round");
         if let Some(hook) = give_away.as_mut() {
             let waiting: Vec<usize> = (0..prompts.len()).filter(|&g| started[g] == 0 && !given[g]).collect();
             for g in hook(&waiting)? {

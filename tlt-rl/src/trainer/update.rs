@@ -336,6 +336,7 @@ fn mini_batch_step(
             None => accumulate_grads(&mut acc, grads)?,
         }
         micros += 1;
+        tlt_model::chaos::kill_point("update.micro");
     }
     let (wait_s, t_sync) = rank_sync(ctx, &mut stats, &mut micros)?;
     let grads = match (ctx.comm.size(), acc) {
@@ -345,6 +346,7 @@ fn mini_batch_step(
     };
     let sync_s = if ctx.comm.size() > 1 { t_sync.elapsed().as_secs_f64() } else { 0.0 };
     let norm = opt.step(&grads, ctx.lr, ctx.max_grad_norm)?;
+    tlt_model::chaos::kill_point("update.step");
     if !norm.applied() {
         tracing::warn!(grad_norm = norm.before, "non-finite gradient norm: optimizer step skipped, weights unchanged");
     }
