@@ -39,14 +39,16 @@ pub fn share_cores() {
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
 }
 
-/// The job this process is a rank of: MPI (feature `mpi`) when a launcher started it, else one rank.
+/// The job this process is a rank of: MPI (feature `mpi`) when a launcher started it, its waits bounded by
+/// `deadlines`, else one rank.
 ///
 /// # Errors
 /// MPI fails to initialise; or a launcher started several ranks of a binary built without `--features mpi`.
-pub fn communicator() -> Result<Arc<dyn Comm>> {
+pub fn communicator(deadlines: tlt_comm::Deadlines) -> Result<Arc<dyn Comm>> {
+    let _ = deadlines;
     match launched() {
         #[cfg(feature = "mpi")]
-        Some(_) => Ok(Arc::new(tlt_comm::mpi::MpiComm::init().context("initialising MPI")?)),
+        Some(_) => Ok(Arc::new(tlt_comm::mpi::MpiComm::init_with(deadlines).context("initialising MPI")?)),
         #[cfg(not(feature = "mpi"))]
         Some((_, size)) if size > 1 => {
             bail!("launched as one of {size} MPI ranks, but this binary was built without `--features mpi`")

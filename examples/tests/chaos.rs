@@ -43,7 +43,7 @@ fn killed_runs_resume_to_the_uninterrupted_result() {
             continue;
         }
         let reference = fx.run(&format!("reference-{ranks}"), ranks);
-        let expected = reference.complete(&[]).final_state();
+        let expected = reference.complete().final_state();
         let mut landed = 0;
         let mut trial = 0;
         while landed < want {
@@ -113,7 +113,7 @@ fn the_two_rename_checkpoint_write_loses_the_checkpoint_and_is_caught() {
     assert!(!out.status.success() && err.contains("no checkpoint in"), "the lost checkpoint went unnoticed:\n{err}");
     // The same kill with today's write: the resume finds the checkpoint and completes the reference run.
     let reference = fx.run("reference", 1);
-    let expected = reference.complete(&[]).final_state();
+    let expected = reference.complete().final_state();
     let run = fx.run("renames", 1);
     let out = run.train(false, Some("ckpt.rename.old=3*off->return"));
     let err = chaos_support::stderr(&out);
@@ -121,8 +121,51 @@ fn the_two_rename_checkpoint_write_loses_the_checkpoint_and_is_caught() {
     let passes = format!("tlt-chaos: at ckpt.rename.old ({})", run.dir().join("checkpoint").display());
     assert_eq!(err.matches(&passes).count(), 2, "not killed in the second checkpoint write:\n{err}");
     assert!(!run.dir().join("checkpoint").exists(), "the checkpoint was not moved aside when the kill landed");
-    let state = run.complete(&[]).final_state();
+    let state = run.complete().final_state();
     assert_eq!(chaos_support::first_difference(&expected, &state), None);
     println!("negative control: the two-rename write killed between its renames lost the checkpoint and `--resume` refused; the same kill point in today's write resumed to the reference");
+    fx.clean();
+}
+
+/// No rank hangs: rank 1 of a 2-rank job stops itself (`SIGSTOP`) in a rollout round of step 1; rank 0, waiting
+/// for it, ends the job once its liveness check has gone unanswered for 3 s (`--rank-silence-s 3`), with an error
+/// naming rank 1 and what rank 0 waited for, and the launcher takes the stopped rank down with it. The checkpoint
+/// of step 0 is intact: `--resume` completes the run to the uninterrupted one's result, bit for bit.
+#[test]
+fn a_stopped_rank_ends_the_job_with_an_error_naming_it_and_the_run_resumes() {
+    let mpi = tlt_comm::launch::mpirun_on_path();
+    assert!(
+        mpi || std::env::var_os("TLT_REQUIRE_MPI").is_none(),
+        "TLT_REQUIRE_MPI is set but `mpirun` is not on the PATH"
+    );
+    if !mpi {
+        println!("SKIP a_stopped_rank_ends_the_job_with_an_error_naming_it_and_the_run_resumes: no `mpirun`");
+        return;
+    }
+    let fx = Fixture::new("chaos-stop");
+    let reference = fx.run("reference-2", 2).complete();
+    // Rank 1's rounds per step, from the uninterrupted run: stop half-way through step 1.
+    let per_step = reference.hits("rollout.round") / 2 / 4;
+    let expected = reference.final_state();
+    let run = fx.run("stopped", 2);
+    let t = std::time::Instant::now();
+    let stop = format!("rollout.round={}*off->return(stop)", per_step + per_step / 2);
+    let out = run.train_on(false, Some(&stop), Some(1), &["--rank-silence-s", "3"]);
+    let secs = t.elapsed().as_secs_f64();
+    let err = chaos_support::stderr(&out);
+    assert!(!out.status.success(), "the job survived a stopped rank:\n{err}");
+    assert!(err.contains("tlt-chaos: stopped at rollout.round"), "rank 1 did not stop:\n{err}");
+    let line =
+        err.lines().find(|l| l.contains("stopped waiting for")).unwrap_or_else(|| panic!("no wait error:\n{err}"));
+    assert!(line.contains("rank 1 has not answered for 3.0s (stopped, dead or hung"), "{line}");
+    let waited: f64 =
+        line.split(" after ").nth(1).and_then(|s| s.split('s').next()).and_then(|s| s.parse().ok()).unwrap_or(f64::MAX);
+    assert!(waited < 3.0 + 1.0 + 2.0, "rank 0 waited {waited} s (silence limit 3 s, asked after 1 s):\n{line}");
+    assert!(secs < 60.0, "the job took {secs:.1} s to end");
+    println!("rank 1 stopped: the job ended after {secs:.1} s with: {line}");
+    assert!(run.dir().join("checkpoint").join("state.json").exists(), "no checkpoint of step 0 to resume from");
+    let state = run.complete().final_state();
+    assert_eq!(chaos_support::first_difference(&expected, &state), None, "the resumed run differs");
+    println!("resumed after the stopped rank: the run completed to the uninterrupted result, bit for bit");
     fx.clean();
 }

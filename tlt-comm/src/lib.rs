@@ -50,6 +50,38 @@ pub enum Error {
         /// The library's message.
         message: String,
     },
+    /// A wait for other ranks lasted [`Deadlines::wait`], or a rank did not answer for [`Deadlines::silence`]
+    /// (stopped, dead or hung): the job cannot go on. Checkpoints written before stay usable.
+    #[error("rank {rank} stopped waiting for {what} after {waited:.1?}: {peers}")]
+    Unresponsive {
+        /// The rank that gave up.
+        rank: usize,
+        /// What it waited for.
+        what: String,
+        /// How long it waited.
+        waited: std::time::Duration,
+        /// Every other rank: answering or silent, and what it last said it was doing.
+        peers: String,
+    },
+}
+
+/// How long a rank waits for the others before it gives up with [`Error::Unresponsive`]. A busy rank answers the
+/// others' liveness checks (MPI: a service thread), so a long wait for a rank that is still working lasts up to
+/// `wait`, while a rank that stopped answering (`SIGSTOP`, a dead host, a hung process) ends the wait after
+/// `silence`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// The longest wait for other ranks in one operation (a collective, a receive, a polling loop). Default 30
+    /// minutes: well above a GRPO step's rollout on the machines this runs on.
+    pub wait: std::time::Duration,
+    /// How long a rank may leave a liveness check unanswered. Default 60 s.
+    pub silence: std::time::Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Self { wait: std::time::Duration::from_secs(30 * 60), silence: std::time::Duration::from_secs(60) }
+    }
 }
 
 /// `Result` with this crate's [`Error`].
@@ -111,8 +143,20 @@ pub trait Comm: Send + Sync {
     /// The next message with `tag` from any rank, waiting for it: `(sender, bytes)`.
     ///
     /// # Errors
-    /// [`Error::Invalid`] in a one-rank job (nothing can ever arrive); the engine's failure.
+    /// [`Error::Invalid`] in a one-rank job (nothing can ever arrive); [`Error::Unresponsive`] past the job's
+    /// [`Deadlines`]; the engine's failure.
     fn recv(&self, tag: Tag) -> Result<(usize, Vec<u8>)>;
+
+    /// For code that waits for other ranks in a polling loop (`what` it waits for, `since` when it started),
+    /// called on every turn: an error once the wait has lasted the job's [`Deadlines::wait`] or another rank has
+    /// not answered for [`Deadlines::silence`]. One rank: never an error.
+    ///
+    /// # Errors
+    /// [`Error::Unresponsive`] as said; the engine's failure.
+    fn check_wait(&self, what: &str, since: std::time::Instant) -> Result<()> {
+        let _ = (what, since);
+        Ok(())
+    }
 }
 
 /// The job of one rank: every collective is the identity and no message ever arrives.

@@ -1,8 +1,21 @@
 //! Ranks as MPI processes (feature `mpi`): [`MpiComm`] over `MPI_COMM_WORLD` of the system's MPI library (Open MPI or
 //! MPICH, through rsmpi). Launch with `mpirun -np N <program>` (or `srun`); a program started without a launcher is
 //! a one-rank job.
+//!
+//! **No wait is unbounded.** Every collective runs as MPI's immediate (non-blocking) form, polled with the lock
+//! released, and every wait (collectives, [`Comm::recv`], callers' loops through [`Comm::check_wait`]) ends with
+//! [`Error::Unresponsive`] once it has lasted [`Deadlines::wait`], or sooner when a rank stops answering: after a
+//! second of waiting a rank asks the others what they are doing (`PING`), and each rank's service thread answers
+//! (`PONG`, with its current operation) even while its main thread computes; a rank that leaves a question
+//! unanswered for [`Deadlines::silence`] is stopped, dead or hung. The error names every other rank, whether it
+//! answers and what it last said it was doing. An abandoned operation keeps its buffers (MPI may still write them)
+//! and marks the communicator failed: dropping it then aborts the job instead of finalising MPI with ranks that
+//! may never arrive.
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
@@ -13,20 +26,43 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use mpi::{Count, Threading};
 
-use crate::{check_rank, Comm, Error, Result, Tag};
+use crate::{check_rank, Comm, Deadlines, Error, Result, Tag};
+
+/// Liveness questions and answers: tags above every [`Tag`] a caller may use.
+const PING: i32 = 32_766;
+const PONG: i32 = 32_767;
+/// The highest tag a caller may use (MPI guarantees tags up to 32,767).
+const MAX_TAG: Tag = 32_765;
+/// How long a wait runs before the waiting rank asks the others whether they are alive, and how often it asks.
+const ASK_AFTER: Duration = Duration::from_secs(1);
+/// How often the service thread answers questions.
+const SERVICE_POLL: Duration = Duration::from_millis(50);
+
+/// A buffer an immediate operation reads or writes, leaked so that it lives as long as MPI may use it; taken back
+/// once the operation completed, and never freed when it is abandoned.
+struct Leaked<T: 'static>(*mut [T]);
+
+impl<T: 'static> Leaked<T> {
+    fn new(v: Vec<T>) -> (Self, &'static mut [T]) {
+        let buf: &'static mut [T] = Box::leak(v.into_boxed_slice());
+        (Self(std::ptr::from_mut(buf)), buf)
+    }
+
+    /// The buffer back.
+    ///
+    /// # Safety
+    /// The operation that used the buffer has completed (MPI no longer reads or writes it), and the `&'static`
+    /// reference [`Self::new`] returned is no longer used.
+    unsafe fn take(self) -> Vec<T> {
+        // SAFETY: `self.0` came from `Box::leak` in `new`; the caller guarantees nothing else uses it.
+        unsafe { Box::from_raw(self.0) }.into_vec()
+    }
+}
 
 /// A message on its way: MPI's request and the buffer it reads, owned here until the request completes.
 struct Pending {
     request: Request<'static, [u8]>,
-    buf: *mut [u8],
-}
-
-impl Pending {
-    /// Frees the buffer of a completed request.
-    fn free(buf: *mut [u8]) {
-        // SAFETY: `buf` came from `Box::leak` in `send`, and its request has completed, so MPI no longer reads it.
-        drop(unsafe { Box::from_raw(buf) });
-    }
+    buf: Leaked<u8>,
 }
 
 /// The MPI handles; the pending sends go first (completed on drop), then the world communicator, then the universe,
@@ -43,16 +79,33 @@ impl Handles {
         let mut still = Vec::with_capacity(self.pending.len());
         for p in self.pending.drain(..) {
             match p.request.test() {
-                Ok(_) => Pending::free(p.buf),
+                // SAFETY: the send completed, and its `&'static` buffer went into the consumed request.
+                Ok(_) => drop(unsafe { p.buf.take() }),
                 Err(request) => still.push(Pending { request, buf: p.buf }),
             }
         }
         self.pending = still;
     }
+
+    /// Sends a copy of `bytes` to `to` with `tag` without waiting (completed by later calls).
+    fn send(&mut self, to: i32, tag: i32, bytes: &[u8]) {
+        self.progress();
+        let (buf, data) = Leaked::new(bytes.to_vec());
+        let request = self.world.process_at_rank(to).immediate_send_with_tag(StaticScope, &*data, tag);
+        self.pending.push(Pending { request, buf });
+    }
+
+    /// A message with `tag` from any rank, if one has arrived.
+    fn try_recv(&mut self, tag: i32) -> Option<(usize, Vec<u8>)> {
+        self.progress();
+        let probed = self.world.any_process().immediate_matched_probe_with_tag(tag)?;
+        let (bytes, status) = probed.matched_receive_vec::<u8>();
+        usize::try_from(status.source_rank()).ok().map(|from| (from, bytes))
+    }
 }
 
 /// How long a closing rank waits for its last messages to be taken before it aborts the job.
-const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Drop for Handles {
     fn drop(&mut self) {
@@ -64,10 +117,10 @@ impl Drop for Handles {
             eprintln!("tlt-comm: a rank is panicking: aborting the MPI job");
             self.world.abort(101);
         }
-        let deadline = std::time::Instant::now() + DRAIN_TIMEOUT;
-        while !self.pending.is_empty() && std::time::Instant::now() < deadline {
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        while !self.pending.is_empty() && Instant::now() < deadline {
             self.progress();
-            std::thread::sleep(std::time::Duration::from_millis(1));
+            std::thread::sleep(Duration::from_millis(1));
         }
         if !self.pending.is_empty() {
             eprintln!(
@@ -79,12 +132,42 @@ impl Drop for Handles {
     }
 }
 
-/// `MPI_COMM_WORLD` as a [`Comm`]. Every call holds one lock, so the MPI library needs only
+/// What this rank knows of another: when it last answered, what it said it was doing, and since when a question
+/// to it is unanswered.
+#[derive(Debug, Clone)]
+struct Peer {
+    heard: Option<Instant>,
+    doing: String,
+    asked: Option<Instant>,
+}
+
+/// State shared by the communicator and its service thread.
+struct Shared {
+    handles: Mutex<Handles>,
+    peers: Mutex<Vec<Peer>>,
+    /// This rank's current operation, sent in answers.
+    doing: Mutex<String>,
+    deadlines: Mutex<Deadlines>,
+    /// Operations started (numbers them in `doing`).
+    ops: AtomicU64,
+    /// An operation was abandoned (why): finalising could wait forever.
+    failed: Mutex<Option<String>>,
+    stop: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a lock leaves no MPI state half-changed on our side: keep going.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// `MPI_COMM_WORLD` as a [`Comm`]. Every MPI call holds one lock, so the MPI library needs only
 /// `MPI_THREAD_SERIALIZED` (checked at [`MpiComm::init`]). Messages go out as immediate (non-blocking) sends of a
 /// copy of the bytes, completed by later calls: two ranks sending each other large messages never wait on each
-/// other (a blocking send of a large message waits until its receiver polls for it).
+/// other (a blocking send of a large message waits until its receiver polls for it). Waits are bounded by
+/// [`Deadlines`] (see the module docs).
 pub struct MpiComm {
-    handles: Mutex<Handles>,
+    shared: Arc<Shared>,
+    service: Option<JoinHandle<()>>,
     rank: usize,
     size: usize,
 }
@@ -95,23 +178,32 @@ impl std::fmt::Debug for MpiComm {
     }
 }
 
-// SAFETY: the MPI handles are plain integers or pointers owned by the MPI library; every use goes through the mutex,
-// so calls are serialised across threads, which `init` checked the library allows (MPI_THREAD_SERIALIZED or more).
-unsafe impl Send for MpiComm {}
+// SAFETY: the MPI handles are plain integers or pointers owned by the MPI library; every use goes through the
+// mutex, so calls are serialised across threads, which `init` checked the library allows (MPI_THREAD_SERIALIZED or
+// more). The leaked buffers' raw pointers are only dereferenced by the thread holding that mutex.
+unsafe impl Send for Shared {}
 // SAFETY: as above: shared references only reach the handles through the mutex.
-unsafe impl Sync for MpiComm {}
+unsafe impl Sync for Shared {}
 
 fn count(n: usize) -> Result<Count> {
     Count::try_from(n).map_err(|_| Error::Invalid(format!("{n} elements exceed MPI's int count")))
 }
 
 impl MpiComm {
-    /// Initialises MPI (once per process) and joins the world communicator.
+    /// Initialises MPI (once per process) and joins the world communicator, with the default [`Deadlines`].
     ///
     /// # Errors
     /// [`Error::Unavailable`] when MPI was already initialised in this process, or the library offers less than
     /// `MPI_THREAD_SERIALIZED`.
     pub fn init() -> Result<Self> {
+        Self::init_with(Deadlines::default())
+    }
+
+    /// [`Self::init`] with `deadlines`; starts the service thread that answers the other ranks' liveness checks.
+    ///
+    /// # Errors
+    /// As [`Self::init`].
+    pub fn init_with(deadlines: Deadlines) -> Result<Self> {
         let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| Error::Unavailable("MPI was already initialised in this process".into()))?;
         if !matches!(threading, Threading::Serialized | Threading::Multiple) {
@@ -122,21 +214,147 @@ impl MpiComm {
         let world = universe.world();
         let (rank, size) = (world.rank(), world.size());
         let as_usize = |v: i32| usize::try_from(v).map_err(|_| Error::Unavailable(format!("MPI returned {v}")));
-        Ok(Self {
-            rank: as_usize(rank)?,
-            size: as_usize(size)?,
+        let (rank, size) = (as_usize(rank)?, as_usize(size)?);
+        let shared = Arc::new(Shared {
             handles: Mutex::new(Handles { pending: Vec::new(), world, _universe: universe }),
-        })
+            peers: Mutex::new(vec![Peer { heard: None, doing: "(not heard from yet)".into(), asked: None }; size]),
+            doing: Mutex::new("starting".into()),
+            deadlines: Mutex::new(deadlines),
+            ops: AtomicU64::new(0),
+            failed: Mutex::new(None),
+            stop: AtomicBool::new(false),
+        });
+        let service = (size > 1).then(|| {
+            let shared = shared.clone();
+            std::thread::Builder::new().name("tlt-comm-liveness".into()).spawn(move || serve(&shared))
+        });
+        let service =
+            service.transpose().map_err(|e| Error::Unavailable(format!("starting the liveness thread: {e}")))?;
+        Ok(Self { shared, service, rank, size })
+    }
+
+    /// The waits' limits from now on.
+    pub fn set_deadlines(&self, deadlines: Deadlines) {
+        *lock(&self.shared.deadlines) = deadlines;
     }
 
     fn world(&self) -> MutexGuard<'_, Handles> {
-        // A panic while holding the lock leaves no MPI state half-changed on our side: keep going.
-        self.handles.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.shared.handles)
     }
 
     fn peer(&self, rank: usize) -> Result<i32> {
         check_rank(self, rank)?;
         i32::try_from(rank).map_err(|_| Error::Invalid(format!("rank {rank}")))
+    }
+
+    /// Says (in answers to liveness checks) that this rank now runs `op`; returns its description.
+    fn enter(&self, op: &str) -> String {
+        let n = self.shared.ops.fetch_add(1, Ordering::Relaxed) + 1;
+        let what = format!("{op} #{n}");
+        *lock(&self.shared.doing) = format!("in {what}");
+        what
+    }
+
+    fn leave(&self, what: &str) {
+        *lock(&self.shared.doing) = format!("computing, after {what}");
+    }
+
+    /// Polls `request` (started by `start` under the lock) until it completes, the lock released between polls,
+    /// and bounded by [`Comm::check_wait`]; on an error the request is abandoned (its buffers stay leaked) and
+    /// the communicator marked failed.
+    fn complete<R: ?Sized>(&self, what: &str, request: Request<'static, R, StaticScope>) -> Result<()> {
+        let since = Instant::now();
+        let mut request = Some(request);
+        let mut spins = 0u32;
+        loop {
+            if let Some(r) = request.take() {
+                let _held = self.world();
+                match r.test() {
+                    Ok(_) => return Ok(()),
+                    Err(r) => request = Some(r),
+                }
+            }
+            if let Err(e) = self.check_wait(what, since) {
+                // Abandoned: MPI may still use the request's buffers, so they stay leaked.
+                std::mem::forget(request);
+                return Err(e);
+            }
+            spins += 1;
+            if spins < 200 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    }
+
+    /// An all-reduce (sum) of `buf` in place.
+    fn all_reduce<T>(&self, op: &str, buf: &mut [T]) -> Result<()>
+    where
+        T: Copy + Default + 'static,
+        [T]: Buffer + BufferMut,
+    {
+        let what = self.enter(op);
+        let (send, send_ref) = Leaked::new(buf.to_vec());
+        let (recv, recv_ref) = Leaked::new(vec![T::default(); buf.len()]);
+        let request =
+            self.world().world.immediate_all_reduce_into(StaticScope, &*send_ref, recv_ref, SystemOperation::sum());
+        self.complete(&what, request)?;
+        // SAFETY: the all-reduce completed; its references went into the consumed request.
+        let (_, out) = unsafe { (send.take(), recv.take()) };
+        buf.copy_from_slice(&out);
+        self.leave(&what);
+        Ok(())
+    }
+
+    /// Every rank's `mine` (one value each), in rank order.
+    fn all_gather_one(&self, what: &str, mine: Count) -> Result<Vec<Count>> {
+        let (send, send_ref) = Leaked::new(vec![mine]);
+        let (recv, recv_ref) = Leaked::new(vec![0 as Count; self.size]);
+        let request = self.world().world.immediate_all_gather_into(StaticScope, &*send_ref, recv_ref);
+        self.complete(what, request)?;
+        // SAFETY: completed, as above.
+        Ok(unsafe { (send.take(), recv.take()) }.1)
+    }
+
+    /// `root`'s `buf` into every rank's `buf` (same length everywhere).
+    fn broadcast_into(&self, what: &str, root: i32, buf: &mut [u8]) -> Result<()> {
+        let (data, data_ref) = Leaked::new(buf.to_vec());
+        let request = self.world().world.process_at_rank(root).immediate_broadcast_into(StaticScope, data_ref);
+        self.complete(what, request)?;
+        // SAFETY: completed, as above.
+        buf.copy_from_slice(&unsafe { data.take() });
+        Ok(())
+    }
+}
+
+/// The service thread: answers the other ranks' liveness questions with what this rank is doing, until stopped.
+fn serve(shared: &Shared) {
+    while !shared.stop.load(Ordering::Relaxed) {
+        {
+            let mut h = lock(&shared.handles);
+            while let Some((from, _)) = h.try_recv(PING) {
+                let doing = lock(&shared.doing).clone();
+                if let Ok(to) = i32::try_from(from) {
+                    h.send(to, PONG, doing.as_bytes());
+                }
+            }
+        }
+        std::thread::sleep(SERVICE_POLL);
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.service.take() {
+            let _ = t.join();
+        }
+        if let Some(why) = lock(&self.shared.failed).take() {
+            // An abandoned operation: other ranks may never arrive at what finalising waits for.
+            eprintln!("tlt-comm: {why}: aborting the MPI job");
+            self.world().world.abort(75);
+        }
     }
 }
 
@@ -150,26 +368,24 @@ impl Comm for MpiComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.world().world.barrier();
+        let what = self.enter("barrier");
+        let request = self.world().world.immediate_barrier();
+        self.complete(&what, request)?;
+        self.leave(&what);
         Ok(())
     }
 
     fn all_reduce_sum_f32(&self, buf: &mut [f32]) -> Result<()> {
-        let send = buf.to_vec();
-        self.world().world.all_reduce_into(&send[..], buf, SystemOperation::sum());
-        Ok(())
+        self.all_reduce("all-reduce (f32)", buf)
     }
 
     fn all_reduce_sum_f64(&self, buf: &mut [f64]) -> Result<()> {
-        let send = buf.to_vec();
-        self.world().world.all_reduce_into(&send[..], buf, SystemOperation::sum());
-        Ok(())
+        self.all_reduce("all-reduce (f64)", buf)
     }
 
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let h = self.world();
-        let mut lens = vec![0 as Count; self.size];
-        h.world.all_gather_into(&count(mine.len())?, &mut lens[..]);
+        let what = self.enter("all-gather");
+        let lens = self.all_gather_one(&what, count(mine.len())?)?;
         let mut displs = Vec::with_capacity(self.size);
         let mut total: Count = 0;
         for &l in &lens {
@@ -179,33 +395,44 @@ impl Comm for MpiComm {
         }
         if total == 0 {
             // Every part empty: nothing to move (and MPI may reject a zero-length buffer's dangling address).
+            self.leave(&what);
             return Ok(vec![Vec::new(); self.size]);
         }
-        let mut all = vec![0u8; usize::try_from(total).unwrap_or(0)];
-        {
-            let mut part = PartitionMut::new(&mut all[..], &lens[..], &displs[..]);
-            h.world.all_gather_varcount_into(mine, &mut part);
-        }
+        let (send, send_ref) = Leaked::new(mine.to_vec());
+        let (all, all_ref) = Leaked::new(vec![0u8; usize::try_from(total).unwrap_or(0)]);
+        let part: &'static mut PartitionMut<'static, [u8], Vec<Count>, Vec<Count>> =
+            Box::leak(Box::new(PartitionMut::new(all_ref, lens.clone(), displs.clone())));
+        let part_ptr = std::ptr::from_mut(part);
+        let request = self.world().world.immediate_all_gather_varcount_into(StaticScope, &*send_ref, part);
+        self.complete(&what, request)?;
+        // SAFETY: the gather completed; the partition (and through it the buffer) went into the consumed request.
+        let all = unsafe {
+            drop(Box::from_raw(part_ptr));
+            drop(send.take());
+            all.take()
+        };
         let mut out = Vec::with_capacity(self.size);
         for (&d, &l) in displs.iter().zip(&lens) {
             let (d, l) = (usize::try_from(d).unwrap_or(0), usize::try_from(l).unwrap_or(0));
             out.push(all[d..d + l].to_vec());
         }
+        self.leave(&what);
         Ok(out)
     }
 
     fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) -> Result<()> {
         let root = self.peer(root)?;
-        let h = self.world();
-        let p = h.world.process_at_rank(root);
-        let mut len = u64::try_from(buf.len()).unwrap_or(u64::MAX);
-        p.broadcast_into(&mut len);
+        let what = self.enter("broadcast");
+        let mut len = u64::try_from(buf.len()).unwrap_or(u64::MAX).to_le_bytes();
+        self.broadcast_into(&what, root, &mut len)?;
+        let len = u64::from_le_bytes(len);
         buf.resize(usize::try_from(len).map_err(|_| Error::Invalid(format!("a broadcast of {len} bytes")))?, 0);
         count(buf.len())?;
         if !buf.is_empty() {
             // A zero-length broadcast has nothing to move (and MPI may reject an empty buffer's dangling address).
-            p.broadcast_into(&mut buf[..]);
+            self.broadcast_into(&what, root, buf)?;
         }
+        self.leave(&what);
         Ok(())
     }
 
@@ -213,35 +440,82 @@ impl Comm for MpiComm {
         if to == self.rank {
             return Err(Error::Invalid(format!("rank {to} sending to itself")));
         }
+        if tag > MAX_TAG {
+            return Err(Error::Invalid(format!("tag {tag} (at most {MAX_TAG}; higher ones are the liveness checks')")));
+        }
         let to = self.peer(to)?;
         count(bytes.len())?;
-        let mut h = self.world();
-        h.progress();
-        let buf: &'static [u8] = Box::leak(bytes.to_vec().into_boxed_slice());
-        let request = h.world.process_at_rank(to).immediate_send_with_tag(StaticScope, buf, i32::from(tag));
-        h.pending.push(Pending { request, buf: std::ptr::from_ref(buf).cast_mut() });
+        self.world().send(to, i32::from(tag), bytes);
         Ok(())
     }
 
     fn try_recv(&self, tag: Tag) -> Result<Option<(usize, Vec<u8>)>> {
-        let mut h = self.world();
-        h.progress();
-        let Some(probed) = h.world.any_process().immediate_matched_probe_with_tag(i32::from(tag)) else {
-            return Ok(None);
-        };
-        let (bytes, status) = probed.matched_receive_vec::<u8>();
-        let from =
-            usize::try_from(status.source_rank()).map_err(|_| Error::Invalid("a message from no rank".into()))?;
-        Ok(Some((from, bytes)))
+        Ok(self.world().try_recv(i32::from(tag)))
     }
 
     fn recv(&self, tag: Tag) -> Result<(usize, Vec<u8>)> {
         // Poll rather than block inside the lock: other threads of this rank keep their access to MPI.
+        let what = self.enter(&format!("a receive (tag {tag})"));
+        let since = Instant::now();
         loop {
             if let Some(m) = self.try_recv(tag)? {
+                self.leave(&what);
                 return Ok(m);
             }
-            std::thread::sleep(std::time::Duration::from_micros(200));
+            self.check_wait(&what, since)?;
+            std::thread::sleep(Duration::from_micros(200));
         }
+    }
+
+    fn check_wait(&self, what: &str, since: Instant) -> Result<()> {
+        let waited = since.elapsed();
+        if waited < ASK_AFTER {
+            return Ok(());
+        }
+        let deadlines = *lock(&self.shared.deadlines);
+        let now = Instant::now();
+        let mut peers = lock(&self.shared.peers);
+        {
+            let mut h = self.world();
+            while let Some((from, bytes)) = h.try_recv(PONG) {
+                if let Some(p) = peers.get_mut(from) {
+                    *p = Peer { heard: Some(now), doing: String::from_utf8_lossy(&bytes).into_owned(), asked: None };
+                }
+            }
+            for (r, p) in peers.iter_mut().enumerate() {
+                let recent = p.heard.is_some_and(|t| now.duration_since(t) < ASK_AFTER);
+                if r != self.rank && p.asked.is_none() && !recent {
+                    if let Ok(to) = i32::try_from(r) {
+                        h.send(to, PING, &[]);
+                        p.asked = Some(now);
+                    }
+                }
+            }
+        }
+        let silent = |p: &Peer| p.asked.is_some_and(|t| now.duration_since(t) > deadlines.silence);
+        if waited <= deadlines.wait && !peers.iter().any(silent) {
+            return Ok(());
+        }
+        let report: Vec<String> = peers
+            .iter()
+            .enumerate()
+            .filter(|&(r, _)| r != self.rank)
+            .map(|(r, p)| {
+                let last = match p.heard {
+                    Some(t) => format!("last answered {:.1?} ago, {}", now.duration_since(t), p.doing),
+                    None => "never answered".to_string(),
+                };
+                if silent(p) {
+                    format!("rank {r} has not answered for {:.1?} (stopped, dead or hung; {last})", deadlines.silence)
+                } else {
+                    format!("rank {r} answers ({last})")
+                }
+            })
+            .collect();
+        let e = Error::Unresponsive { rank: self.rank, what: what.to_string(), waited, peers: report.join("; ") };
+        // The job cannot go on: dropping this communicator aborts it rather than finalising (which waits for
+        // every rank).
+        *lock(&self.shared.failed) = Some(e.to_string());
+        Err(e)
     }
 }

@@ -53,3 +53,45 @@ fn a_rank_closing_with_an_undelivered_message_aborts_the_job() {
     assert!(stderr.contains("aborting the MPI job"), "{stderr}");
     assert!(secs < 40.0, "took {secs:.1} s");
 }
+
+/// `mpirun -np 2 tlt-comm-check` with rank 1 late for a barrier (`late`: `stop` or milliseconds of computing) under
+/// `deadlines` (`<wait ms>,<silence ms>`): (success, seconds, output).
+fn late(late: &str, deadlines: &str) -> (bool, f64, String) {
+    let t = std::time::Instant::now();
+    let out = mpirun(2)
+        .env("TLT_COMM_CHECK_LATE", late)
+        .env("TLT_COMM_CHECK_DEADLINES", deadlines)
+        .arg(env!("CARGO_BIN_EXE_tlt-comm-check"))
+        .output()
+        .unwrap_or_else(|e| panic!("mpirun: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), t.elapsed().as_secs_f64(), text)
+}
+
+/// No wait is unbounded: a rank stopped with SIGSTOP ends the job after the silence limit (2 s) with an error
+/// naming it and what rank 0 waited for; a rank that computes for 4 s still answers, so the same limits let the
+/// barrier complete; and a rank that computes past the wait limit (1.5 s) ends the job with an error saying it
+/// answers and what it is doing.
+#[test]
+fn a_stopped_or_late_rank_ends_the_wait_with_an_error_naming_it() {
+    if !mpirun_found() {
+        println!("SKIP a_stopped_or_late_rank_ends_the_wait_with_an_error_naming_it: no `mpirun`");
+        return;
+    }
+    let (ok, secs, text) = late("stop", "60000,2000");
+    println!("rank 1 stopped: mpirun returned after {secs:.1} s:\n{text}");
+    assert!(!ok, "the job survived a stopped rank:\n{text}");
+    assert!(text.contains("rank 0 stopped waiting for barrier"), "{text}");
+    assert!(text.contains("rank 1 has not answered for 2.0s (stopped, dead or hung"), "{text}");
+    assert!(secs < 30.0, "took {secs:.1} s to end the job");
+
+    let (ok, secs, text) = late("4000", "60000,2000");
+    assert!(ok, "a busy rank that answers failed the job:\n{text}");
+    assert!(text.contains("rank 0 of 2: barrier after 4.") || text.contains("rank 0 of 2: barrier after 3."), "{text}");
+    println!("rank 1 computing for 4 s under a 2 s silence limit: the barrier completed ({secs:.1} s)");
+
+    let (ok, secs, text) = late("6000", "1500,5000");
+    println!("rank 1 computing past the 1.5 s wait limit: mpirun returned after {secs:.1} s:\n{text}");
+    assert!(!ok, "a wait past its limit did not end the job:\n{text}");
+    assert!(text.contains("rank 0 stopped waiting for barrier") && text.contains("rank 1 answers"), "{text}");
+}

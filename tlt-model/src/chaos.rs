@@ -8,7 +8,8 @@
 //!
 //! Points are armed through the `FAILPOINTS` environment variable in the [`fail`](https://docs.rs/fail) crate's
 //! syntax (`name=actions;...`), read by [`arm_from_env`]; a point *fires* when its actions evaluate to `return`.
-//! `ckpt.rename.old=2*off->return` kills the process the third time a checkpoint write reaches that point. With
+//! `ckpt.rename.old=2*off->return` kills the process the third time a checkpoint write reaches that point;
+//! `rollout.round=5*off->return(stop)` stops it there (`SIGSTOP`), as a hung or suspended rank. With
 //! the crate's `failpoints` feature off (the default) every function here is empty and [`arm_from_env`] refuses a
 //! set `FAILPOINTS`, so a harness never believes it killed a build that cannot be killed.
 //!
@@ -73,6 +74,11 @@ pub fn fires(name: &str) -> bool {
 #[inline]
 #[must_use]
 pub fn fires_on(name: &str, on: Option<&std::path::Path>) -> bool {
+    fired(name, on).is_some()
+}
+
+/// When point `name` fires, the argument of its `return(ARG)` action (`Some(None)`: no argument).
+fn fired(name: &str, on: Option<&std::path::Path>) -> Option<Option<String>> {
     #[cfg(feature = "failpoints")]
     {
         static TRACE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -80,12 +86,12 @@ pub fn fires_on(name: &str, on: Option<&std::path::Path>) -> bool {
             let on = on.map(|p| format!(" ({})", p.display())).unwrap_or_default();
             say(&format!("tlt-chaos: at {name}{on}\n"));
         }
-        fail::eval(name, |_| ()).is_some()
+        fail::eval(name, |arg| arg)
     }
     #[cfg(not(feature = "failpoints"))]
     {
         let _ = (name, on);
-        false
+        None
     }
 }
 
@@ -95,11 +101,24 @@ pub fn kill_point(name: &str) {
     kill_point_on(name, None);
 }
 
-/// [`kill_point`] about the file or directory `on` (named in the trace).
+/// [`kill_point`] about the file or directory `on` (named in the trace). An action `return(stop)` stops the
+/// process here instead (`SIGSTOP`: it stays, holding its resources and answering nothing, until continued).
 #[inline]
 pub fn kill_point_on(name: &str, on: Option<&std::path::Path>) {
-    if fires_on(name, on) {
-        kill_now(name);
+    match fired(name, on) {
+        Some(Some(arg)) if arg == "stop" => stop_now(name),
+        Some(_) => kill_now(name),
+        None => {}
+    }
+}
+
+/// Stops this process by `SIGSTOP` (saying where on stderr first); returns if it is continued.
+fn stop_now(name: &str) {
+    say(&format!("tlt-chaos: stopped at {name}\n"));
+    #[cfg(feature = "failpoints")]
+    // SAFETY: `raise` has no memory-safety preconditions.
+    unsafe {
+        libc::raise(libc::SIGSTOP);
     }
 }
 

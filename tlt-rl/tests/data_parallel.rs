@@ -7,13 +7,14 @@
 //! - both ranks hold the same weights bit for bit, and they agree with one rank's within a float-summation
 //!   tolerance after every step (the gradients are summed per rank, then across ranks); tokens of later steps
 //!   that flip because of that rounding are counted and printed;
-//! - with rank 1 slow (5 ms more per round) and one group decoding at a time per rank, rank 0 takes groups rank 1
-//!   has not started in every step, the rollout's makespan falls below 0.6x, and the tokens and weights equal the
-//!   balanced run's;
-//! - on 3 ranks with rank 1 slow, the others steal from it (one victim per request) in every step, and step 0's
+//! - with rank 1 held back (each of its rounds waits until rank 0 has decoded its own share: slow by the order of
+//!   events, whatever the machine's speed) and one group decoding at a time per rank, rank 0 takes groups rank 1
+//!   has not started in every step, rank 1 runs fewer rounds than without stealing, and the tokens and
+//!   weights equal the balanced run's;
+//! - on 3 ranks with rank 1 held back, the others steal from it (one victim per request) in every step, and step 0's
 //!   tokens are the 2-rank run's;
-//! - with the online EAGLE-2 drafter on the tail schedule and rank 1 slow (20 ms per round), rank 0 trains the drafter once its share is decoded and rank 1
-//!   installs new versions mid-rollout in every step; both ranks end each step on the same version, and the tokens
+//! - with the online EAGLE-2 drafter on the tail schedule and rank 1 held back (then 20 ms per round), rank 0
+//!   trains the drafter once its share is decoded and rank 1 installs new versions mid-rollout in every step; both ranks end each step on the same version, and the tokens
 //!   and policy are the plain run's;
 //! - with the EAGLE-2 drafter on a fixed schedule (every drafter step at the step's end; ranks balanced), both
 //!   ranks take them together (gradients all-reduced): rank 1, which never trains alone, ends every step with rank 0's step
@@ -58,6 +59,8 @@ struct RunLog {
     drafter_version: Vec<u64>,
     /// Per step: this rank's drafter trainer's steps at the step's end.
     drafter_steps: Vec<u64>,
+    /// Per step: this rank's engine rounds (of its own groups and those it stole).
+    rounds: Vec<usize>,
     /// Per step: EAGLE weight versions this rank had uploaded to its rollout device by the step's end (0 on the CPU).
     device_uploads: Vec<u64>,
     /// The final weights by name.
@@ -103,23 +106,63 @@ fn config(setup: Setup) -> TrainerConfig {
     cfg
 }
 
-/// A rollout observer that takes `0` per engine round (a slow rank).
-struct Slow(Duration);
+/// Rank 1, made the slow rank by the order of events rather than by the machine's speed: each of its rounds waits
+/// until rank 0 has decoded its own share of the step (rank 0's [`Marks`] file), then takes `extra` more.
+struct Held {
+    dir: PathBuf,
+    step: u64,
+    extra: Duration,
+}
 
-impl Observer for Slow {
+impl Observer for Held {
+    fn on_phase(&mut self, step: u64, phase: &str) {
+        if phase == "rollout" {
+            self.step = step;
+        }
+    }
+
     fn on_round(&mut self, _: usize, _: usize, _: usize, _: usize) {
-        std::thread::sleep(self.0);
+        let mark = self.dir.join(format!("rank0-share-{}", self.step));
+        let t = Instant::now();
+        while !mark.exists() {
+            assert!(t.elapsed() < Duration::from_secs(300), "rank 0 never finished its share of step {}", self.step);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(self.extra);
     }
 }
 
-/// How a rank runs: checkpoint directory, resume from it, the step at whose start rank 1 exits, rank 1's delay per
-/// rollout round.
+/// Rank 0: marks (a file) the end of its own share's decoding in each step: the last round of the step's first
+/// rollout job, where every request of the job has finished.
+struct Marks {
+    dir: PathBuf,
+    step: Option<u64>,
+    marked: bool,
+}
+
+impl Observer for Marks {
+    fn on_phase(&mut self, step: u64, phase: &str) {
+        if phase == "rollout" && self.step != Some(step) {
+            (self.step, self.marked) = (Some(step), false);
+        }
+    }
+
+    fn on_round(&mut self, _: usize, finished: usize, total: usize, _: usize) {
+        if let (Some(step), false, true) = (self.step, self.marked, finished == total) {
+            std::fs::write(self.dir.join(format!("rank0-share-{step}")), b"").unwrap();
+            self.marked = true;
+        }
+    }
+}
+
+/// How a rank runs: checkpoint directory, resume from it, the step at whose start rank 1 exits, and whether rank 1
+/// is held back ([`Held`]: the directory of rank 0's marks, and rank 1's extra delay per round).
 #[derive(Debug, Default)]
 struct RankOpts {
     ckpt: Option<PathBuf>,
     resume: bool,
     die_at: Option<u64>,
-    slow: Option<Duration>,
+    held: Option<(PathBuf, Duration)>,
 }
 
 /// Runs steps up to [`STEPS`] as one rank of `comm`: resuming from the checkpoint if asked, checkpointing after every
@@ -153,11 +196,13 @@ fn run_rank(comm: Arc<dyn Comm>, setup: Setup, opts: &RankOpts) -> RunLog {
         swaps: vec![],
         drafter_version: vec![],
         drafter_steps: vec![],
+        rounds: vec![],
         device_uploads: vec![],
         weights: BTreeMap::new(),
     };
-    let mut obs: Box<dyn Observer> = match opts.slow {
-        Some(d) if comm.rank() == 1 => Box::new(Slow(d)),
+    let mut obs: Box<dyn Observer> = match (&opts.held, comm.rank()) {
+        (Some((dir, extra)), 1) => Box::new(Held { dir: dir.clone(), step: 0, extra: *extra }),
+        (Some((dir, _)), 0) => Box::new(Marks { dir: dir.clone(), step: None, marked: false }),
         _ => Box::new(Quiet),
     };
     while t.steps_done() < STEPS {
@@ -170,6 +215,7 @@ fn run_rank(comm: Arc<dyn Comm>, setup: Setup, opts: &RankOpts) -> RunLog {
         log.swaps.push(r.metrics.drafter_swaps);
         log.drafter_version.push(r.metrics.drafter_version);
         log.drafter_steps.push(r.metrics.drafter_steps);
+        log.rounds.push(r.metrics.active_requests.len());
         log.device_uploads.push(t.drafter_device_uploads());
         log.tokens.push(r.samples.iter().map(|(s, _, _)| s.tokens.clone()).collect());
         log.rewards.push(r.samples.iter().map(|(_, _, w)| *w).collect());
@@ -198,7 +244,7 @@ fn rank_main(out: &Path) {
         ckpt: var("TLT_DP_CKPT").map(PathBuf::from),
         resume: var("TLT_DP_RESUME").is_some(),
         die_at: var("TLT_DP_DIE_AT").map(|s| s.parse().unwrap()),
-        slow: var("TLT_DP_SKEW").map(|ms| Duration::from_millis(ms.parse().unwrap())),
+        held: var("TLT_DP_SKEW").map(|ms| (out.to_path_buf(), Duration::from_millis(ms.parse().unwrap()))),
     };
     let log = run_rank(comm.clone(), setup, &opts);
     let path = out.join(format!("rank{}.json", comm.rank()));
@@ -289,14 +335,15 @@ fn imbalance(log: &RunLog) -> Vec<f64> {
     log.rank_rollout_s.iter().map(|r| r.iter().copied().fold(0.0, f64::max) / (r.iter().sum::<f64>() / 2.0)).collect()
 }
 
-/// Rank 1 takes 5 ms more per round and each rank decodes one group at a time: without stealing rank 0 idles
-/// while rank 1's queued groups wait; with it rank 0 takes them, and the tokens and weights stay those of the
-/// balanced run (coins keyed by request, gradients by the groups' owners).
+/// Rank 1 held back ([`Held`]: its rounds wait until rank 0 has decoded its own share) and each rank decoding one
+/// group at a time: without stealing rank 0 idles while rank 1's queued groups wait; with it rank 0 takes them in
+/// every step, so rank 1 decodes fewer groups (fewer engine rounds: counted, not timed), and the
+/// tokens and weights stay those of the balanced run (coins keyed by request, gradients by the groups' owners).
 fn stealing_is_lossless(root: &Path, balanced: &RunLog) {
     let mut runs = Vec::new();
     for steal in [false, true] {
         let out = root.join(format!("skew-steal-{steal}"));
-        let mut env = vec![("TLT_DP_SKEW", "5".to_string())];
+        let mut env = vec![("TLT_DP_SKEW", "0".to_string())];
         if !steal {
             env.push(("TLT_DP_NOSTEAL", "1".into()));
         }
@@ -309,41 +356,39 @@ fn stealing_is_lossless(root: &Path, balanced: &RunLog) {
         let imb = imbalance(&r0);
         let makespan: Vec<f64> = r0.rank_rollout_s.iter().map(|r| r.iter().copied().fold(0.0, f64::max)).collect();
         println!(
-            "skewed, steal {steal} (mpirun {secs:.1} s): groups stolen per step {:?}; rollout makespan per step \
-             {makespan:.3?} s; imbalance (slowest / mean rank's decoding) {imb:.2?}; rank rollout seconds {:.3?}",
-            r0.stolen, r0.rank_rollout_s
+            "skewed, steal {steal} (mpirun {secs:.1} s): groups stolen per step {:?}; rank 1's rounds per step {:?}; \
+             rollout makespan per step {makespan:.3?} s; imbalance (slowest / mean rank's decoding) {imb:.2?}; rank \
+             rollout seconds {:.3?}",
+            r0.stolen, r1.rounds, r0.rank_rollout_s
         );
-        runs.push((r0.stolen.clone(), makespan));
+        runs.push((r0.stolen.clone(), r1.rounds.clone()));
     }
     let (no_steal, steal) = (&runs[0], &runs[1]);
     assert!(no_steal.0.iter().all(|&n| n == 0), "nothing is stolen when stealing is off");
     assert!(steal.0.iter().all(|&n| n > 0), "a rank out of work takes queued groups every step: {:?}", steal.0);
-    let median = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    // Rank 1 keeps 1-2 of its 4 groups: its rollout, the step's makespan, at most about half of what it was.
+    // Rank 1 decodes fewer of its groups, one at a time: fewer rounds over the run (a step's stolen group may be
+    // one that needs no round: every answer ending at its first token).
+    let total = |v: &[usize]| v.iter().sum::<usize>();
     assert!(
-        median(&steal.1) < 0.6 * median(&no_steal.1),
-        "stealing did not shorten the rollout: makespans {:?} vs {:?}",
+        total(&steal.1) < total(&no_steal.1),
+        "stealing did not lighten rank 1's rollout: its rounds per step {:?} vs {:?}",
         steal.1,
         no_steal.1
     );
 }
 
-/// Three ranks (8 groups: 3, 3 and 2), rank 1 slow (5 ms more per round) and one group decoding at a time: the
+/// Three ranks (8 groups: 3, 3 and 2), rank 1 held back ([`Held`]) and one group decoding at a time: the
 /// others steal from it, each asking one rank at a time. Every step moves groups, the three ranks hold the same
 /// weights, step 0's tokens are the 2-rank balanced run's (coins keyed by request), and the weights stay within
 /// float-summation distance of it.
 fn three_ranks_steal(root: &Path, balanced: &RunLog) {
     let out = root.join("three-ranks");
-    let (ok, secs, err) = mpirun_n(3, &out, &[("TLT_DP_SKEW", "5".to_string())]);
+    let (ok, secs, err) = mpirun_n(3, &out, &[("TLT_DP_SKEW", "0".to_string())]);
     assert!(ok, "mpirun -np 3 (skewed) failed:\n{err}");
     let logs: Vec<RunLog> = (0..3).map(|r| read_log(&out, r)).collect();
     let (gap, _) = weight_gap(&balanced.weights, &logs[0].weights);
     println!(
-        "3 ranks, rank 1 slow (mpirun {secs:.1} s): groups stolen per step {:?}; rank rollout seconds {:.3?}; max \
+        "3 ranks, rank 1 held back (mpirun {secs:.1} s): groups stolen per step {:?}; rank rollout seconds {:.3?}; max \
          |weight gap| to 2 ranks {gap:.3e}",
         logs[0].stolen, logs[0].rank_rollout_s
     );
@@ -354,21 +399,23 @@ fn three_ranks_steal(root: &Path, balanced: &RunLog) {
     assert!(gap < 1e-4, "weights {gap:e} away from 2 ranks'");
 }
 
-/// Rank 1 slow (20 ms more per round) and no stealing, with the online EAGLE-2 drafter: rank 0 decodes its share,
+/// Rank 1 held back ([`Held`], then 20 ms more per round) and no stealing, with the online EAGLE-2 drafter (tail
+/// schedule): rank 0 decodes its share,
 /// then trains the drafter on the features of both ranks while rank 1 still decodes; rank 1 hot-swaps the versions
 /// mid-rollout; both ranks end every step on the same drafter version, and the tokens and policy are those of the
 /// `plain` run (speculation is lossless, and the drafter never touches the update). `env` adds to the scenario's
 /// (the device); returns both ranks' logs.
 fn idle_rank_trains_the_drafter(out: &Path, plain: &RunLog, env: &[(&str, String)]) -> (RunLog, RunLog) {
-    // 20 ms per round: rank 0 (drafting and then training the EAGLE drafter) finishes its share well before rank 1
-    // in every step, even on a loaded machine.
+    // Rank 0 finishes its share before rank 1's second round in every step (the hold: an order of events); the
+    // 20 ms per round that follow leave rank 1 rounds in which to receive rank 0's first versions (a drafter step
+    // of this model takes well under a millisecond).
     let mut env = env.to_vec();
     env.extend([("TLT_DP_MODE", "eagle".to_string()), ("TLT_DP_SKEW", "20".into()), ("TLT_DP_NOSTEAL", "1".into())]);
     let (ok, secs, err) = mpirun(out, &env);
     assert!(ok, "mpirun -np 2 (eagle) failed:\n{err}");
     let (r0, r1) = (read_log(out, 0), read_log(out, 1));
     println!(
-        "eagle, rank 1 slow (mpirun {secs:.1} s): drafter versions installed mid-rollout per step {:?}; drafter \
+        "eagle, rank 1 held back (mpirun {secs:.1} s): drafter versions installed mid-rollout per step {:?}; drafter \
          version at each step's end [rank 0] {:?} [rank 1] {:?}; rank rollout seconds {:.3?}",
         r0.swaps, r0.drafter_version, r1.drafter_version, r0.rank_rollout_s
     );

@@ -115,7 +115,7 @@ fn main() -> Result<()> {
     if let Some(status) = ranks::relaunch(2)? {
         std::process::exit(status.code().unwrap_or(1));
     }
-    let comm = ranks::communicator()?;
+    let comm = ranks::communicator(tlt_comm::Deadlines::default())?;
     ensure!(comm.size() == 2, "drafter-ranks runs as 2 ranks, not {}", comm.size());
     let path = args.model.clone().unwrap_or_else(default_model);
     if !path.exists() {

@@ -27,6 +27,9 @@ use tlt_examples::default_model;
 use tlt_rl::runner::{run, run_interleaved, text_env, Comparison, RunConfig, RunDir, RunOutcome};
 use tlt_rl::trainer::{Mode, Observer, TextEnv, Trainer, TrainerConfig, SERVE_FILE};
 
+/// The ranks' wait limits of this process (`--rank-wait-s`, `--rank-silence-s`), set once from the command line.
+static DEADLINES: std::sync::OnceLock<tlt_comm::Deadlines> = std::sync::OnceLock::new();
+
 /// The embedded default configuration.
 const DEMO_CONFIG: &str = include_str!("../../configs/demo.toml");
 
@@ -99,6 +102,14 @@ struct Args {
     /// with `--features mpi`). Launching it with `mpirun -np N` directly does the same.
     #[arg(long, default_value_t = 1)]
     ranks: usize,
+    /// With several ranks: the longest a rank waits for the others in one operation (a collective, a message, the
+    /// end of their rollouts) before the job ends with an error naming them, seconds.
+    #[arg(long, default_value_t = 1800.0)]
+    rank_wait_s: f64,
+    /// With several ranks: a rank that leaves a liveness check unanswered this long (stopped, dead or hung) ends
+    /// the job with an error naming it, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    rank_silence_s: f64,
     /// `--mode compare` only: both trainers in this process, their steps interleaved (the order alternating from
     /// step to step) instead of one run after the other in fresh processes: a drift of the machine over time
     /// biases neither run. Both trainers are resident at once (about twice the memory); one rank only.
@@ -235,7 +246,7 @@ impl Resume {
 fn trainer(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &RunDir, resume: Resume) -> Result<Trainer<TextEnv>> {
     // Before anything is loaded: `--resume` without a checkpoint fails at once.
     let resuming = resume.resumes(dir)?;
-    let comm = tlt_examples::ranks::communicator()?;
+    let comm = tlt_examples::ranks::communicator(DEADLINES.get().copied().unwrap_or_default())?;
     let loaded = tlt_model::load(model_path).with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = loaded.tokenizer.context("the checkpoint carries no tokenizer")?;
     let env = text_env(&cfg.task, tokenizer, loaded.chat_template.as_deref())?;
@@ -315,6 +326,10 @@ fn compare(
             cmd.arg("--allow-changed-task");
         }
         cmd.args(["--ranks", &ranks.to_string()]);
+        if let Some(d) = DEADLINES.get() {
+            cmd.args(["--rank-wait-s", &d.wait.as_secs_f64().to_string()]);
+            cmd.args(["--rank-silence-s", &d.silence.as_secs_f64().to_string()]);
+        }
         if let Some(kind) = drafter {
             cmd.args(["--drafter", kind]);
         }
@@ -388,6 +403,14 @@ fn run_main() -> Result<()> {
         tlt_model::chaos::arm_from_env()?;
     }
     let args = Args::parse();
+    let secs = |s: f64, flag: &str| {
+        std::time::Duration::try_from_secs_f64(s).ok().filter(|d| !d.is_zero()).with_context(|| format!("{flag} {s}"))
+    };
+    let deadlines = tlt_comm::Deadlines {
+        wait: secs(args.rank_wait_s, "--rank-wait-s")?,
+        silence: secs(args.rank_silence_s, "--rank-silence-s")?,
+    };
+    let _ = DEADLINES.set(deadlines);
     if args.mode != RunMode::Compare {
         if let Some(status) = tlt_examples::ranks::relaunch(args.ranks)? {
             std::process::exit(status.code().unwrap_or(1));

@@ -268,15 +268,22 @@ impl Run<'_> {
     /// `train` once (`--resume` when asked) with `failpoints` armed (on one rank of `TLT_CHAOS_RANK`'s choosing,
     /// set by the caller) and the kill points' hits traced.
     pub fn train(&self, resume: bool, failpoints: Option<&str>) -> Output {
-        self.train_on(resume, failpoints, None)
+        self.train_on(resume, failpoints, None, &[])
     }
 
-    /// [`Self::train`] on `rank` only (all ranks: `None`); `resume` as [`Resume`] says.
-    fn train_on(&self, resume: impl Into<Resume>, failpoints: Option<&str>, rank: Option<usize>) -> Output {
+    /// [`Self::train`] with the points armed on `rank` only (all ranks: `None`), `resume` as [`Resume`] says, and
+    /// `extra` arguments.
+    pub fn train_on(
+        &self,
+        resume: impl Into<Resume>,
+        failpoints: Option<&str>,
+        rank: Option<usize>,
+        extra: &[&str],
+    ) -> Output {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_train"));
         cmd.args(["--mode", "tlt", "--no-export", "--config"]).arg(&self.fx.config);
         cmd.arg("--model").arg(&self.fx.model).arg("--out").arg(&self.out);
-        cmd.args(["--ranks", &self.ranks.to_string()]);
+        cmd.args(["--ranks", &self.ranks.to_string()]).args(extra);
         match resume.into() {
             Resume::No => {}
             Resume::Checkpoint => {
@@ -297,7 +304,7 @@ impl Run<'_> {
     }
 
     /// Runs (or resumes, where a checkpoint exists) to the end without kills, counting each point's hits.
-    pub fn complete(mut self, _: &[&str]) -> Self {
+    pub fn complete(mut self) -> Self {
         let resume = self.dir().join("run.json").exists();
         let out = self.train(resume, None);
         assert!(out.status.success(), "an uninterrupted run failed:\n{}", stderr(&out));
@@ -335,7 +342,7 @@ impl Run<'_> {
                 (true, true) => Resume::Checkpoint,
                 (true, false) => Resume::OrFresh,
             };
-            let out = self.train_on(how, spec.as_deref(), choice.as_ref().map(|k| k.rank));
+            let out = self.train_on(how, spec.as_deref(), choice.as_ref().map(|k| k.rank), &[]);
             let text = stderr(&out);
             checkpointed |=
                 text.contains(&format!("tlt-chaos: at ckpt.rename.next ({})", self.dir().join("checkpoint").display()));
@@ -350,6 +357,11 @@ impl Run<'_> {
                 _ => panic!("`train` failed without a kill (after kills at {kills:?}):\n{text}"),
             }
         }
+    }
+
+    /// How often point `name` was reached in [`Self::complete`]'s process (all ranks).
+    pub fn hits(&self, name: &str) -> u64 {
+        self.hits.get(name).copied().unwrap_or(0)
     }
 
     fn reference_hits(&self) -> HashMap<String, u64> {

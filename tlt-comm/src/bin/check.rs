@@ -1,12 +1,42 @@
 //! `mpirun -np N tlt-comm-check`: every [`tlt_comm::Comm`] operation of [`tlt_comm::mpi::MpiComm`] across the ranks,
 //! each result checked on every rank; prints one line per rank and exits non-zero on the first wrong result.
+//!
+//! `TLT_COMM_CHECK_LATE=stop|<ms>` instead checks the deadlines: rank 1 stops itself (`SIGSTOP`) or computes for
+//! `<ms>` before a barrier that rank 0 enters at once, with the limits of `TLT_COMM_CHECK_DEADLINES=<wait
+//! ms>,<silence ms>`.
 
 use std::process::ExitCode;
 
+use std::time::{Duration, Instant};
+
 use tlt_comm::mpi::MpiComm;
-use tlt_comm::Comm;
+use tlt_comm::{Comm, Deadlines};
+
+/// Rank 1 late for a barrier: stopped or computing, as `late` says.
+fn late_for_a_barrier(late: &str) -> Result<String, String> {
+    let ms = |s: &str| s.trim().parse::<u64>().map(Duration::from_millis).map_err(|e| format!("`{s}`: {e}"));
+    let limits = std::env::var("TLT_COMM_CHECK_DEADLINES").unwrap_or_else(|_| "30000,2000".into());
+    let (wait, silence) = limits.split_once(',').ok_or("TLT_COMM_CHECK_DEADLINES is `<wait ms>,<silence ms>`")?;
+    let c = MpiComm::init_with(Deadlines { wait: ms(wait)?, silence: ms(silence)? }).map_err(|e| e.to_string())?;
+    let (r, n) = (c.rank(), c.size());
+    if r == 1 {
+        if late == "stop" {
+            let pid = std::process::id().to_string();
+            std::process::Command::new("kill").args(["-STOP", &pid]).status().map_err(|e| e.to_string())?;
+        } else {
+            // Busy, as a rank still decoding its share: the main thread does not touch MPI.
+            std::thread::sleep(ms(late)?);
+        }
+    }
+    let t = Instant::now();
+    c.barrier().map_err(|e| format!("rank {r}: {e}"))?;
+    Ok(format!("rank {r} of {n}: barrier after {:.1} s", t.elapsed().as_secs_f64()))
+}
 
 fn run() -> Result<String, String> {
+    if let Ok(late) = std::env::var("TLT_COMM_CHECK_LATE") {
+        return late_for_a_barrier(&late);
+    }
     let c = MpiComm::init().map_err(|e| e.to_string())?;
     let (r, n) = (c.rank(), c.size());
     let e = |e: tlt_comm::Error| e.to_string();

@@ -235,11 +235,14 @@ pub(super) fn ask_for_work(comm: &dyn Comm, done: &mut [bool]) -> Result<Vec<usi
             continue;
         }
         comm.send(victim, TAG_STEAL, &[])?;
+        let since = std::time::Instant::now();
         let granted = loop {
             if let Some((from, bytes)) = comm.try_recv(TAG_GRANT)? {
                 break decode::<Vec<usize>>(&bytes, from)?;
             }
-            if !serve_idle(comm, done)? {
+            let served = serve_idle(comm, done)?;
+            comm.check_wait(&format!("rank {victim}'s answer to a request for work"), since)?;
+            if !served {
                 std::thread::sleep(POLL);
             }
         };
@@ -263,10 +266,14 @@ pub(super) fn finish_rollout(
         comm.send(r, TAG_DONE, &[])?;
     }
     done[me] = true;
+    let since = std::time::Instant::now();
     while !done.iter().all(|&d| d) {
         if !serve_idle(comm, done)? {
             let busy: Vec<bool> = done.iter().map(|d| !d).collect();
-            if !idle(&busy)? {
+            let worked = idle(&busy)?;
+            let waiting: Vec<String> = (0..done.len()).filter(|&r| !done[r]).map(|r| r.to_string()).collect();
+            comm.check_wait(&format!("rank(s) {} to finish their rollout", waiting.join(", ")), since)?;
+            if !worked {
                 std::thread::sleep(POLL);
             }
         }
