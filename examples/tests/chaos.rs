@@ -160,7 +160,7 @@ fn a_stopped_rank_ends_the_job_with_an_error_naming_it_and_the_run_resumes() {
     assert!(line.contains("rank 1 has not answered for 3.0s (stopped, dead or hung"), "{line}");
     let waited: f64 =
         line.split(" after ").nth(1).and_then(|s| s.split('s').next()).and_then(|s| s.parse().ok()).unwrap_or(f64::MAX);
-    assert!(waited < 3.0 + 1.0 + 2.0, "rank 0 waited {waited} s (silence limit 3 s, asked after 1 s):\n{line}");
+    assert!(waited < 3.0 + 1.0 + 5.0, "rank 0 waited {waited} s (silence limit 3 s, asked after 1 s):\n{line}");
     assert!(secs < 60.0, "the job took {secs:.1} s to end");
     println!("rank 1 stopped: the job ended after {secs:.1} s with: {line}");
     assert!(run.dir().join("checkpoint").join("state.json").exists(), "no checkpoint of step 0 to resume from");

@@ -65,7 +65,8 @@ pub enum DrafterSchedule {
     /// hidden states, paused when the rollout ends (TLT's idle-worker training). Timing-dependent.
     #[default]
     Tail,
-    /// `steps` synchronous steps after each rollout (deterministic: for tests and bit-exact resume).
+    /// `steps` synchronous steps after each rollout (deterministic: for tests and bit-exact resume; with several
+    /// ranks, taken by all of them together at the step's end, on the features in rank order).
     Fixed {
         /// Drafter steps per RL step.
         steps: u64,
