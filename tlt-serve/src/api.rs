@@ -1,0 +1,338 @@
+//! The wire types: SGLang's native `/generate` and OpenAI's `/v1/completions`, as their clients send and read them,
+//! and their validation into a [`Job`](crate::worker::Job)'s [`Sampling`]. Every field a client may get wrong is
+//! checked here, and an error names it (`sampling_params.temperature`, `input_ids[3]`).
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// SGLang's `sampling_params` (the fields this server honours; others are refused rather than ignored).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 is greedy. Default 1.
+    pub temperature: Option<f64>,
+    /// Nucleus mass in `(0, 1]`. Default 1.
+    pub top_p: Option<f64>,
+    /// Most probable tokens kept; `-1` (SGLang's "off") or absent: all.
+    pub top_k: Option<i64>,
+    /// New tokens at most. Default 128 (SGLang's).
+    pub max_new_tokens: Option<u64>,
+    /// Tokens that end a request (kept in its output), besides the model's end of sequence unless `ignore_eos`.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Do not stop at the model's end-of-sequence token.
+    pub ignore_eos: Option<bool>,
+    /// Seed of the request's sampling stream. Default 0.
+    pub sampling_seed: Option<u64>,
+}
+
+/// A prompt: text, or token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Token ids.
+    Ids(Vec<i64>),
+    /// Text, tokenised by the server.
+    Text(String),
+}
+
+/// SGLang's `POST /generate` body (one prompt; the batched form is not served yet).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateRequest {
+    /// The prompt as text.
+    pub text: Option<String>,
+    /// The prompt as token ids.
+    pub input_ids: Option<Vec<i64>>,
+    /// Sampling.
+    #[serde(default)]
+    pub sampling_params: SamplingParams,
+    /// Return the log-probability of every output token.
+    #[serde(default)]
+    pub return_logprob: bool,
+    /// The client's request id (echoed in `meta_info.id`).
+    pub rid: Option<String>,
+    /// Streaming (not served yet: refused).
+    #[serde(default)]
+    pub stream: bool,
+}
+
+/// Why a request ended, as SGLang says it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct FinishReason {
+    /// `stop` (a stop token) or `length` (`max_new_tokens` or the context).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The stop token that ended it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub matched: Option<u32>,
+}
+
+/// SGLang's `meta_info`.
+#[derive(Debug, Clone, Serialize)]
+pub struct MetaInfo {
+    /// The request id (the client's `rid`, else one made here).
+    pub id: String,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from a cache (none: every prompt is prefilled).
+    pub cached_tokens: usize,
+    /// The weights' version.
+    pub weight_version: String,
+    /// `[logprob, token_id, text]` per output token, with `return_logprob` (text is null: not decoded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output_token_logprobs: Option<Vec<(f32, u32, Option<String>)>>,
+    /// Speculative rounds of this request.
+    pub spec_verify_ct: usize,
+    /// Drafted tokens accepted in them.
+    pub spec_accept_token_num: usize,
+}
+
+/// SGLang's `/generate` answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerateResponse {
+    /// The output decoded (empty without a tokenizer).
+    pub text: String,
+    /// The output token ids.
+    pub output_ids: Vec<u32>,
+    /// Everything else.
+    pub meta_info: MetaInfo,
+}
+
+/// OpenAI's `POST /v1/completions` body (the fields this server honours).
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// Any name (this server serves one model).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Text or token ids.
+    pub prompt: Prompt,
+    /// New tokens at most. Default 16 (OpenAI's).
+    pub max_tokens: Option<u64>,
+    /// Default 1.
+    pub temperature: Option<f64>,
+    /// Default 1.
+    pub top_p: Option<f64>,
+    /// Completions per prompt (1 only, for now).
+    pub n: Option<u64>,
+    /// Return the top `logprobs` log-probabilities per token (0 only: the sampled token's).
+    pub logprobs: Option<u64>,
+    /// Seed of the sampling stream.
+    pub seed: Option<u64>,
+    /// Streaming (not served yet: refused).
+    #[serde(default)]
+    pub stream: bool,
+}
+
+/// What the worker needs of a request's sampling: validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// Temperature (0: greedy).
+    pub temperature: f32,
+    /// Nucleus mass.
+    pub top_p: Option<f32>,
+    /// Top-k.
+    pub top_k: Option<usize>,
+    /// New tokens at most.
+    pub max_new_tokens: usize,
+    /// Stop tokens (`None`: the model's end of sequence).
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Sampling seed.
+    pub seed: u64,
+}
+
+/// What the server knows of its model, to check requests against.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Token ids are below this.
+    pub vocab_size: usize,
+    /// Prompt plus output fit in this.
+    pub context: usize,
+    /// The model's end-of-sequence tokens.
+    pub eos: Vec<u32>,
+}
+
+fn invalid(field: &str, reason: impl Into<String>) -> Error {
+    Error::Invalid { field: field.into(), reason: reason.into() }
+}
+
+/// `ids` checked against the vocabulary and the context (`max_new_tokens` more must fit).
+///
+/// # Errors
+/// [`Error::Invalid`] naming the field and, for a bad id, its index.
+pub fn check_ids(field: &str, ids: &[i64], max_new_tokens: usize, limits: &Limits) -> Result<Vec<u32>> {
+    if ids.is_empty() {
+        return Err(invalid(field, "the prompt is empty"));
+    }
+    let mut out = Vec::with_capacity(ids.len());
+    for (i, &id) in ids.iter().enumerate() {
+        match u32::try_from(id) {
+            Ok(t) if (t as usize) < limits.vocab_size => out.push(t),
+            _ => {
+                return Err(invalid(
+                    &format!("{field}[{i}]"),
+                    format!("{id} is not a token id (0..{})", limits.vocab_size),
+                ))
+            }
+        }
+    }
+    if out.len() + max_new_tokens > limits.context {
+        return Err(invalid(
+            field,
+            format!(
+                "{} prompt tokens + {max_new_tokens} new tokens exceed the model's context of {}",
+                out.len(),
+                limits.context
+            ),
+        ));
+    }
+    Ok(out)
+}
+
+/// The temperature, top-p and top-k as the sampler takes them.
+fn sampling_values(
+    prefix: &str,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+) -> Result<(f32, Option<f32>, Option<usize>)> {
+    let temperature = temperature.unwrap_or(1.0);
+    if !(temperature.is_finite() && (0.0..=100.0).contains(&temperature)) {
+        return Err(invalid(&format!("{prefix}temperature"), format!("{temperature} is not in [0, 100]")));
+    }
+    let top_p = match top_p {
+        None => None,
+        Some(p) if p.is_finite() && p > 0.0 && p <= 1.0 => (p < 1.0).then_some(p as f32),
+        Some(p) => return Err(invalid(&format!("{prefix}top_p"), format!("{p} is not in (0, 1]"))),
+    };
+    let top_k = match top_k {
+        None | Some(-1) => None,
+        Some(k) if k >= 1 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+        Some(k) => return Err(invalid(&format!("{prefix}top_k"), format!("{k} is neither -1 nor >= 1"))),
+    };
+    Ok((temperature as f32, top_p, top_k))
+}
+
+/// Most new tokens a request may ask for.
+pub const MAX_NEW_TOKENS: u64 = 1 << 20;
+
+fn new_tokens(field: &str, n: Option<u64>, default: u64) -> Result<usize> {
+    match n.unwrap_or(default) {
+        0 => Err(invalid(field, "must be at least 1")),
+        n if n > MAX_NEW_TOKENS => Err(invalid(field, format!("{n} exceeds {MAX_NEW_TOKENS}"))),
+        n => Ok(usize::try_from(n).unwrap_or(usize::MAX)),
+    }
+}
+
+impl SamplingParams {
+    /// Validated, with the model's end-of-sequence tokens added to the stop tokens unless `ignore_eos`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the field.
+    pub fn validate(&self, limits: &Limits) -> Result<Sampling> {
+        let (temperature, top_p, top_k) =
+            sampling_values("sampling_params.", self.temperature, self.top_p, self.top_k)?;
+        let max_new_tokens = new_tokens("sampling_params.max_new_tokens", self.max_new_tokens, 128)?;
+        let mut stop: Vec<u32> = if self.ignore_eos.unwrap_or(false) { Vec::new() } else { limits.eos.clone() };
+        for (i, &t) in self.stop_token_ids.iter().flatten().enumerate() {
+            if t as usize >= limits.vocab_size {
+                return Err(invalid(&format!("sampling_params.stop_token_ids[{i}]"), format!("{t} is not a token id")));
+            }
+            if !stop.contains(&t) {
+                stop.push(t);
+            }
+        }
+        stop.sort_unstable();
+        Ok(Sampling {
+            temperature,
+            top_p,
+            top_k,
+            max_new_tokens,
+            stop_token_ids: Some(stop),
+            seed: self.sampling_seed.unwrap_or(0),
+        })
+    }
+}
+
+impl CompletionRequest {
+    /// Validated sampling (OpenAI's defaults: 16 tokens, temperature 1).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the field; `n > 1`, `logprobs > 0` and streaming are refused (not served yet).
+    pub fn validate(&self, limits: &Limits) -> Result<Sampling> {
+        if self.n.unwrap_or(1) != 1 {
+            return Err(invalid("n", "only n = 1 is served (send a request per sample)"));
+        }
+        if self.logprobs.unwrap_or(0) > 1 {
+            return Err(invalid("logprobs", "only the sampled token's log-probability is served (0 or 1)"));
+        }
+        if self.stream {
+            return Err(invalid("stream", "streaming is not served yet"));
+        }
+        let (temperature, top_p, _) = sampling_values("", self.temperature, self.top_p, None)?;
+        let mut stop = limits.eos.clone();
+        stop.sort_unstable();
+        Ok(Sampling {
+            temperature,
+            top_p,
+            top_k: None,
+            max_new_tokens: new_tokens("max_tokens", self.max_tokens, 16)?,
+            stop_token_ids: Some(stop),
+            seed: self.seed.unwrap_or(0),
+        })
+    }
+}
+
+/// OpenAI's completion choice.
+#[derive(Debug, Clone, Serialize)]
+pub struct Choice {
+    /// Always 0 (one choice).
+    pub index: usize,
+    /// The completion.
+    pub text: String,
+    /// `stop` or `length`.
+    pub finish_reason: String,
+    /// With `logprobs`: the sampled tokens' log-probabilities.
+    pub logprobs: Option<ChoiceLogprobs>,
+}
+
+/// OpenAI's `logprobs` of a choice (the sampled tokens only).
+#[derive(Debug, Clone, Serialize)]
+pub struct ChoiceLogprobs {
+    /// Each token's text.
+    pub tokens: Vec<String>,
+    /// Each token's log-probability.
+    pub token_logprobs: Vec<f32>,
+}
+
+/// OpenAI's token counts.
+#[derive(Debug, Clone, Serialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Both.
+    pub total_tokens: usize,
+}
+
+/// OpenAI's `/v1/completions` answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionResponse {
+    /// `cmpl-<n>`.
+    pub id: String,
+    /// `text_completion`.
+    pub object: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served model's name.
+    pub model: String,
+    /// One choice.
+    pub choices: Vec<Choice>,
+    /// Token counts.
+    pub usage: Usage,
+}

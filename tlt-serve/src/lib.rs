@@ -1,0 +1,96 @@
+//! # tlt-serve
+//!
+//! A rollout server with TLT's engine inside, for trainers that talk to their rollout engine over HTTP (slime,
+//! verl's and NeMo-RL's SGLang backends, TRL's `vllm-serve` mode): the request surface of SGLang's native
+//! `/generate` and OpenAI's `/v1/completions`, on axum and tokio, in front of an engine thread that batches
+//! continuously ([`worker`]): requests join the running batch at round boundaries, and with speculation on each
+//! round drafts (prompt-lookup n-grams, for now) and verifies in one batched target forward. Output log-probs are the
+//! target's, from the pass that committed each token.
+//!
+//! Work in progress (issue 35). Served: `POST /generate` (one prompt, `input_ids` or `text`, `sampling_params`,
+//! `return_logprob`), `POST /v1/completions` (one prompt, `n = 1`), `GET /health`, `/health_generate`,
+//! `/get_model_info`, `/get_server_info`, `/v1/models`. Every request is validated ([`api`]): a bad field is a 400
+//! with a JSON error naming it. Not yet: streaming, batched `/generate`, the TRL and chat surfaces, weight updates,
+//! the EAGLE drafter trained online, the SD gate and bandit, aborts, metrics.
+//!
+//! **Where it sits:** depends on tlt-model and tlt-spec-decode (the engine), axum and tokio.
+
+pub mod api;
+pub mod routes;
+pub mod worker;
+
+/// Everything that can go wrong in `tlt-serve`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A request field is wrong: a 400 naming it.
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// The field (`sampling_params.temperature`, `input_ids[3]`).
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The engine failed on a request.
+    #[error("engine: {0}")]
+    Engine(String),
+    /// The engine thread is gone (the server is shutting down).
+    #[error("the engine thread stopped")]
+    Stopped,
+    /// Loading the model or tokenizer, or the tokenizer on a prompt.
+    #[error("{0}")]
+    Model(String),
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A server's settings besides its model.
+#[derive(Debug, Clone, Default)]
+pub struct ServeConfig {
+    /// How the engine thread decodes.
+    pub decode: worker::DecodeConfig,
+    /// The model's name in answers (its path).
+    pub model_name: String,
+    /// The weights' version in answers. Default `"default"` (SGLang's).
+    pub weight_version: Option<String>,
+}
+
+/// A running server's parts: the router to serve, and the engine thread, which ends once the router (every clone
+/// of its state) is dropped.
+pub struct Server {
+    /// The HTTP routes.
+    pub router: axum::Router,
+    /// The engine thread.
+    pub engine: std::thread::JoinHandle<()>,
+}
+
+impl Server {
+    /// Starts the engine thread on `model` and builds the routes in front of it.
+    ///
+    /// # Errors
+    /// [`Error::Model`] when the engine thread cannot start.
+    pub fn start(model: tlt_model::Llama, tokenizer: Option<tokenizers::Tokenizer>, cfg: ServeConfig) -> Result<Self> {
+        let c = model.config();
+        let limits = api::Limits {
+            vocab_size: c.vocab_size,
+            context: c.max_position_embeddings,
+            eos: c.eos_token_id.as_ref().map(tlt_model::EosTokens::ids).unwrap_or_default(),
+        };
+        let (jobs, rx) = std::sync::mpsc::channel();
+        let decode = cfg.decode.clone();
+        let engine = std::thread::Builder::new()
+            .name("tlt-serve-engine".into())
+            .spawn(move || worker::run(&model, &rx, &decode))
+            .map_err(|e| Error::Model(format!("starting the engine thread: {e}")))?;
+        let state = std::sync::Arc::new(routes::AppState {
+            jobs,
+            tokenizer: tokenizer.map(std::sync::Arc::new),
+            limits,
+            model_name: cfg.model_name,
+            weight_version: cfg.weight_version.unwrap_or_else(|| "default".into()),
+            next_id: std::sync::atomic::AtomicU64::new(0),
+        });
+        Ok(Self { router: routes::router(state), engine })
+    }
+}

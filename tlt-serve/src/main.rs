@@ -1,0 +1,57 @@
+//! `tlt-serve --model PATH [--port N] [--no-speculate]`: an SGLang- and OpenAI-compatible rollout server with
+//! TLT's engine inside (see the crate docs for what is served).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use tlt_serve::worker::DecodeConfig;
+use tlt_serve::{ServeConfig, Server};
+
+/// Command line.
+#[derive(Debug, Parser)]
+#[command(about = "An SGLang- and OpenAI-compatible rollout server with TLT's speculative decoding inside")]
+struct Args {
+    /// A `.gguf` file or an HF checkpoint directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0: any free one; the chosen address is logged).
+    #[arg(long, default_value_t = 30000)]
+    port: u16,
+    /// Plain decoding (no speculation).
+    #[arg(long)]
+    no_speculate: bool,
+    /// The weights' version reported to clients.
+    #[arg(long)]
+    weight_version: Option<String>,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let loaded = tlt_model::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
+    let cfg = ServeConfig {
+        decode: DecodeConfig { speculate: !args.no_speculate, ..DecodeConfig::default() },
+        model_name: args.model.display().to_string(),
+        weight_version: args.weight_version,
+    };
+    let server = Server::start(loaded.model, loaded.tokenizer, cfg)?;
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    tracing::info!(address = %listener.local_addr()?, "serving");
+    axum::serve(listener, server.router)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutting down");
+        })
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,234 @@
+//! The HTTP surface: axum handlers that validate a request ([`crate::api`]), hand it to the engine thread
+//! ([`crate::worker`]) and shape its output as SGLang or OpenAI clients read it. Errors are JSON:
+//! `{"error": {"message", "type", "param", "code"}}` (OpenAI's shape), 400 for a bad request naming the field, 503
+//! when the engine thread is gone, 500 for an engine failure.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use tokenizers::Tokenizer;
+use tokio::sync::oneshot;
+
+use crate::api::{
+    check_ids, Choice, ChoiceLogprobs, CompletionRequest, CompletionResponse, FinishReason, GenerateRequest,
+    GenerateResponse, Limits, MetaInfo, Prompt, Sampling, Usage,
+};
+use crate::worker::{Job, Output};
+use crate::Error;
+
+/// Largest request body (bytes); a larger one is a 413.
+pub const BODY_LIMIT: usize = 16 << 20;
+
+/// What the handlers share.
+pub struct AppState {
+    /// The engine thread's queue.
+    pub jobs: mpsc::Sender<Job>,
+    /// The model's tokenizer (text prompts and outputs need it).
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    /// Request limits.
+    pub limits: Limits,
+    /// The served model's name (its path).
+    pub model_name: String,
+    /// The weights' version (`weight_version` in SGLang's answers).
+    pub weight_version: String,
+    /// Request ids made here.
+    pub next_id: AtomicU64,
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let (status, kind, param) = match &self {
+            Error::Invalid { field, .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", Some(field.clone())),
+            Error::Model(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+            Error::Stopped => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None),
+            Error::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        };
+        let body =
+            json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": status.as_u16()}});
+        (status, Json(body)).into_response()
+    }
+}
+
+/// A body that is not the expected JSON: a 400 (413 when too large) saying why, in the same shape.
+fn rejected(r: &JsonRejection) -> Response {
+    let status = r.status();
+    let body = json!({"error": {"message": r.body_text(), "type": "invalid_request_error", "param": null,
+        "code": status.as_u16()}});
+    (status, Json(body)).into_response()
+}
+
+/// The router over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/generate", post(generate))
+        .route("/v1/completions", post(completions))
+        .route("/health", get(health))
+        .route("/health_generate", get(health_generate))
+        .route("/get_model_info", get(model_info))
+        .route("/get_server_info", get(server_info))
+        .route("/v1/models", get(models))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(state)
+}
+
+impl AppState {
+    /// Runs `prompt` with `sampling` on the engine thread.
+    async fn submit(&self, prompt: Vec<u32>, sampling: Sampling) -> crate::Result<Output> {
+        let (reply, rx) = oneshot::channel();
+        self.jobs.send(Job { prompt, sampling, reply }).map_err(|_| Error::Stopped)?;
+        rx.await.map_err(|_| Error::Stopped)?
+    }
+
+    fn tokenize(&self, field: &str, text: &str) -> crate::Result<Vec<i64>> {
+        let tok = self.tokenizer.as_ref().ok_or_else(|| Error::Invalid {
+            field: field.into(),
+            reason: "this model has no tokenizer: send token ids".into(),
+        })?;
+        let enc = tok.encode(text, false).map_err(|e| Error::Model(format!("tokenizing `{field}`: {e}")))?;
+        Ok(enc.get_ids().iter().map(|&t| i64::from(t)).collect())
+    }
+
+    fn detokenize(&self, ids: &[u32]) -> String {
+        self.tokenizer.as_ref().and_then(|t| t.decode(ids, true).ok()).unwrap_or_default()
+    }
+
+    fn id(&self, prefix: &str) -> String {
+        format!("{prefix}{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+async fn generate(State(s): State<Arc<AppState>>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
+    let Json(req) = match body {
+        Ok(b) => b,
+        Err(r) => return rejected(&r),
+    };
+    match run_generate(&s, req).await {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<GenerateResponse> {
+    if req.stream {
+        return Err(Error::Invalid { field: "stream".into(), reason: "streaming is not served yet".into() });
+    }
+    let sampling = req.sampling_params.validate(&s.limits)?;
+    let (field, ids) = match (&req.input_ids, &req.text) {
+        (Some(ids), None) => ("input_ids", ids.clone()),
+        (None, Some(text)) => ("text", s.tokenize("text", text)?),
+        _ => {
+            return Err(Error::Invalid {
+                field: "input_ids".into(),
+                reason: "give exactly one of text and input_ids".into(),
+            })
+        }
+    };
+    let prompt = check_ids(field, &ids, sampling.max_new_tokens, &s.limits)?;
+    let out = s.submit(prompt, sampling).await?;
+    let logprobs =
+        req.return_logprob.then(|| out.logprobs.iter().zip(&out.tokens).map(|(&l, &t)| (l, t, None)).collect());
+    let finish_reason = match (out.stopped, out.tokens.last()) {
+        (true, Some(&t)) => FinishReason { kind: "stop".into(), matched: Some(t) },
+        _ => FinishReason { kind: "length".into(), matched: None },
+    };
+    Ok(GenerateResponse {
+        text: s.detokenize(&out.tokens),
+        meta_info: MetaInfo {
+            id: req.rid.clone().unwrap_or_else(|| s.id("")),
+            finish_reason,
+            prompt_tokens: out.prompt_tokens,
+            completion_tokens: out.tokens.len(),
+            cached_tokens: 0,
+            weight_version: s.weight_version.clone(),
+            output_token_logprobs: logprobs,
+            spec_verify_ct: out.spec_rounds,
+            spec_accept_token_num: out.spec_accepted,
+        },
+        output_ids: out.tokens,
+    })
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<CompletionRequest>, JsonRejection>) -> Response {
+    let Json(req) = match body {
+        Ok(b) => b,
+        Err(r) => return rejected(&r),
+    };
+    match run_completion(&s, req).await {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run_completion(s: &AppState, req: CompletionRequest) -> crate::Result<CompletionResponse> {
+    let sampling = req.validate(&s.limits)?;
+    let ids = match &req.prompt {
+        Prompt::Ids(ids) => ids.clone(),
+        Prompt::Text(text) => s.tokenize("prompt", text)?,
+    };
+    let prompt = check_ids("prompt", &ids, sampling.max_new_tokens, &s.limits)?;
+    let out = s.submit(prompt, sampling).await?;
+    let logprobs = (req.logprobs.unwrap_or(0) > 0).then(|| ChoiceLogprobs {
+        tokens: out.tokens.iter().map(|&t| s.detokenize(&[t])).collect(),
+        token_logprobs: out.logprobs.clone(),
+    });
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    Ok(CompletionResponse {
+        id: s.id("cmpl-"),
+        object: "text_completion".into(),
+        created,
+        model: req.model.clone().unwrap_or_else(|| s.model_name.clone()),
+        choices: vec![Choice {
+            index: 0,
+            text: s.detokenize(&out.tokens),
+            finish_reason: if out.stopped { "stop" } else { "length" }.into(),
+            logprobs,
+        }],
+        usage: Usage {
+            prompt_tokens: out.prompt_tokens,
+            completion_tokens: out.tokens.len(),
+            total_tokens: out.prompt_tokens + out.tokens.len(),
+        },
+    })
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+/// Healthy when the engine thread decodes: one token of a one-token prompt.
+async fn health_generate(State(s): State<Arc<AppState>>) -> Response {
+    let sampling = Sampling {
+        temperature: 0.0,
+        top_p: None,
+        top_k: None,
+        max_new_tokens: 1,
+        stop_token_ids: Some(Vec::new()),
+        seed: 0,
+    };
+    match s.submit(vec![0], sampling).await {
+        Ok(_) => StatusCode::OK.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn model_info(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({"model_path": s.model_name, "tokenizer_path": s.model_name, "is_generation": true,
+        "weight_version": s.weight_version}))
+}
+
+async fn server_info(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({"model_path": s.model_name, "context_length": s.limits.context, "vocab_size": s.limits.vocab_size,
+        "weight_version": s.weight_version, "version": env!("CARGO_PKG_VERSION"), "engine": "tlt-serve"}))
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({"object": "list", "data": [{"id": s.model_name, "object": "model", "owned_by": "tlt-serve"}]}))
+}
