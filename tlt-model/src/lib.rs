@@ -63,7 +63,9 @@ pub use gguf::{hf_to_gguf_name, load_gguf, load_gguf_with, unpermute_rows, GgufF
 pub use hf::{atomic_write, load_hf_dir, recover_dir, save_hf_dir, write_dir_atomic};
 pub use model::{ForwardOutput, Llama, LogitsFor, SeqInput, Tap};
 pub use tlt_kernels::WeightDType;
-pub use tokenizer::{decode, encode, load_tokenizer_json, tokenizer_from_gguf_vocab, GgufVocab};
+pub use tokenizer::{
+    byte_tokenizer, decode, encode, load_tokenizer_json, tokenizer_from_gguf_vocab, GgufVocab, BYTE_TOKENIZER_SPECIALS,
+};
 pub use train::{accumulate_grads, Checkpoints};
 pub use weights::{LayerWeights, Linear, LlamaWeights, ProjectionShape, Projections, QkNorm, TensorSource};
 

@@ -24,6 +24,49 @@ const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 const QWEN2_REGEX: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// The special tokens of [`byte_tokenizer`], with ids 256, 257 and 258 after the 256 bytes.
+pub const BYTE_TOKENIZER_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// A byte-level BPE tokenizer without merges: one token per byte (id = the byte), then ChatML's special tokens
+/// ([`BYTE_TOKENIZER_SPECIALS`], ids 256-258): 259 tokens. For tiny test models and fixtures that need real text
+/// in and out (`save_hf_dir` writes it as `tokenizer.json`).
+///
+/// # Errors
+/// Never in practice; the `tokenizers` crate's error, as [`Error::Tokenizer`], if it refused the definition.
+pub fn byte_tokenizer() -> Result<Tokenizer> {
+    // GPT-2's byte-to-character map: printable bytes stand for themselves, the others for 256 + their rank.
+    let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let mut extra = 0;
+    let mut vocab = serde_json::Map::new();
+    for b in 0u32..256 {
+        let c = if printable(b) {
+            char::from_u32(b)
+        } else {
+            extra += 1;
+            char::from_u32(255 + extra)
+        };
+        vocab.insert(c.unwrap_or('\u{fffd}').to_string(), b.into());
+    }
+    let added: Vec<serde_json::Value> = BYTE_TOKENIZER_SPECIALS
+        .iter()
+        .enumerate()
+        .map(|(i, content)| {
+            serde_json::json!({"id": 256 + i, "content": content, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let byte_level =
+        serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let value = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+        "pre_tokenizer": byte_level, "post_processor": null, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": []}
+    });
+    serde_json::from_value(value).map_err(|e| Error::Tokenizer(e.to_string()))
+}
+
 /// Loads a Hugging Face `tokenizer.json`.
 ///
 /// The text is parsed as JSON first and the tokenizer built from that value: `tokenizers` deserializes some

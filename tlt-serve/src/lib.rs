@@ -9,14 +9,15 @@
 //!
 //! Work in progress (issue 35). Served: `POST /generate` (one prompt, `input_ids` or `text`, `sampling_params`,
 //! `return_logprob`), `POST /v1/completions` (one prompt, `n = 1`), `GET /health`, `/health_generate`,
-//! `/get_model_info`, `/get_server_info`, `/v1/models`. Every request is validated ([`api`]): a bad field is a 400
-//! with a JSON error naming it. Not yet: streaming, batched `/generate`, the TRL and chat surfaces, weight updates,
-//! the EAGLE drafter trained online, the SD gate and bandit, aborts, metrics.
+//! `/get_model_info`, `/get_server_info`, `/v1/models`, and TRL's `vllm-serve` surface ([`trl`]). Every request is
+//! validated ([`api`]): a bad field is a 400 with a JSON error naming it. Not yet: streaming, batched `/generate`,
+//! chat completions, weight updates, the EAGLE drafter trained online, the SD gate and bandit, aborts, metrics.
 //!
 //! **Where it sits:** depends on tlt-model and tlt-spec-decode (the engine), axum and tokio.
 
 pub mod api;
 pub mod routes;
+pub mod trl;
 pub mod worker;
 
 /// Everything that can go wrong in `tlt-serve`.

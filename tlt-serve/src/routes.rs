@@ -58,7 +58,7 @@ impl IntoResponse for Error {
 }
 
 /// A body that is not the expected JSON: a 400 (413 when too large) saying why, in the same shape.
-fn rejected(r: &JsonRejection) -> Response {
+pub(crate) fn rejected(r: &JsonRejection) -> Response {
     let status = r.status();
     let body = json!({"error": {"message": r.body_text(), "type": "invalid_request_error", "param": null,
         "code": status.as_u16()}});
@@ -75,6 +75,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/get_model_info", get(model_info))
         .route("/get_server_info", get(server_info))
         .route("/v1/models", get(models))
+        .route("/generate/", post(crate::trl::generate))
+        .route("/health/", get(crate::trl::health))
+        .route("/get_world_size/", get(crate::trl::world_size))
+        .route("/get_tensor_parallel_size/", get(crate::trl::tensor_parallel_size))
+        .route("/reset_prefix_cache/", post(crate::trl::reset_prefix_cache))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(state)
 }
@@ -82,12 +87,21 @@ pub fn router(state: Arc<AppState>) -> Router {
 impl AppState {
     /// Runs `prompt` with `sampling` on the engine thread.
     async fn submit(&self, prompt: Vec<u32>, sampling: Sampling) -> crate::Result<Output> {
-        let (reply, rx) = oneshot::channel();
-        self.jobs.send(Job { prompt, sampling, reply }).map_err(|_| Error::Stopped)?;
-        rx.await.map_err(|_| Error::Stopped)?
+        self.enqueue(prompt, sampling)?.await.map_err(|_| Error::Stopped)?
     }
 
-    fn tokenize(&self, field: &str, text: &str) -> crate::Result<Vec<i64>> {
+    /// Queues `prompt` with `sampling` for the engine thread; its output arrives on the returned channel.
+    pub(crate) fn enqueue(
+        &self,
+        prompt: Vec<u32>,
+        sampling: Sampling,
+    ) -> crate::Result<oneshot::Receiver<crate::Result<Output>>> {
+        let (reply, rx) = oneshot::channel();
+        self.jobs.send(Job { prompt, sampling, reply }).map_err(|_| Error::Stopped)?;
+        Ok(rx)
+    }
+
+    pub(crate) fn tokenize(&self, field: &str, text: &str) -> crate::Result<Vec<i64>> {
         let tok = self.tokenizer.as_ref().ok_or_else(|| Error::Invalid {
             field: field.into(),
             reason: "this model has no tokenizer: send token ids".into(),

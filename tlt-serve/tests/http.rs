@@ -227,3 +227,42 @@ fn many_requests_at_once_all_complete() {
     let done = handles.into_iter().map(|h| h.join().is_ok()).filter(|&ok| ok).count();
     assert_eq!(done, n, "{} of {n} requests failed", n - done);
 }
+
+/// TRL's surface: a batch of prompts with `n` completions each, prompt-major, the same tokens with speculation on
+/// and off, log-probs as long as the completions; unserved options refused by name.
+#[test]
+fn the_trl_surface_batches_prompts_times_n() {
+    let (sd, plain) = (serve(true), serve(false));
+    assert_eq!(get(sd, "/health/"), 200);
+    assert_eq!(get(sd, "/get_world_size/"), 200);
+    assert_eq!(post(sd, "/reset_prefix_cache/", &json!({})).0, 200);
+    let prompts: Vec<Vec<u32>> = prompts().into_iter().take(3).collect();
+    let body = json!({"prompts": prompts, "n": 4, "temperature": 0.7, "max_tokens": 10, "logprobs": 0});
+    let (a, b) = (post(sd, "/generate/", &body), post(plain, "/generate/", &body));
+    assert_eq!((a.0, b.0), (200, 200), "{a:?} {b:?}");
+    let (a, b) = (a.1, b.1);
+    assert_eq!(a["prompt_ids"], json!(prompts));
+    let completions = a["completion_ids"].as_array().unwrap();
+    assert_eq!(completions.len(), 12);
+    assert_eq!(a["completion_ids"], b["completion_ids"], "SD on and off differ through /generate/");
+    for (c, l) in completions.iter().zip(a["logprobs"].as_array().unwrap()) {
+        assert_eq!(c.as_array().unwrap().len(), l.as_array().unwrap().len());
+    }
+    let distinct: std::collections::BTreeSet<String> = completions[..4].iter().map(ToString::to_string).collect();
+    assert!(distinct.len() > 1, "a prompt's 4 samples are all the same: {completions:?}");
+    for (extra, param) in [
+        (json!({"repetition_penalty": 1.2}), "repetition_penalty"),
+        (json!({"min_p": 0.1}), "min_p"),
+        (json!({"generation_kwargs": {"seed": 1}}), "generation_kwargs.seed"),
+        (json!({"top_k": 0}), "top_k"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (json!({"prompts": [[3, 999]]}), "prompts[0][1]"),
+    ] {
+        let mut body = json!({"prompts": [[3, 4]]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, v) = post(sd, "/generate/", &body);
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
+    }
+}

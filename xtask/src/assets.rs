@@ -123,7 +123,8 @@ fn ensure_wheel(dir: &Path, requirement: &str, prefix: &str) -> Result<PathBuf> 
 }
 
 /// Python packages the EAGLE export check (`scripts/check_eagle_export.py`) needs, pinned.
-const PY_CHECK_REQUIREMENTS: [&str; 2] = ["safetensors==0.8.0", "numpy==2.4.6"];
+/// (`openai`: `tlt-serve`'s OpenAI endpoints read by the official client, `tests/openai_client.rs`.)
+const PY_CHECK_REQUIREMENTS: [&str; 3] = ["safetensors==0.8.0", "numpy==2.4.6", "openai==3.51.0"];
 
 /// Installs [`PY_CHECK_REQUIREMENTS`] with `pip install --target` into `<cache>/pydeps` (once; a marker file
 /// records success) and returns that directory, for `PYTHONPATH`.

@@ -89,22 +89,6 @@ pub struct Fixture {
     config: PathBuf,
 }
 
-/// GPT-2's byte-to-character map, which byte-level BPE tokenizers use.
-fn byte_chars() -> Vec<char> {
-    let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
-    let mut extra = 0;
-    (0u32..256)
-        .map(|b| {
-            if printable(b) {
-                char::from_u32(b).unwrap()
-            } else {
-                extra += 1;
-                char::from_u32(255 + extra).unwrap()
-            }
-        })
-        .collect()
-}
-
 /// Makes the model at `path` sample diverse answers that hold the digit 0 now and then: the LM head is scaled down
 /// to logits of about unit spread (random weights give ~8: nearly greedy sampling), every token's embedding gets a
 /// constant first component, which the residual stream carries to the final norm, and the LM head's row of `0`
@@ -132,26 +116,6 @@ fn digits_likely(path: &Path) {
 /// The embedding's constant component and the LM-head weight of `0` on it.
 const DIGIT_PULL: (f32, f32) = (20.0, 0.7);
 
-/// `tokenizer.json` of a byte-level BPE with no merges (one token per byte, ids 0-255) and ChatML's special tokens.
-fn tokenizer_json() -> serde_json::Value {
-    let vocab: serde_json::Map<String, serde_json::Value> =
-        byte_chars().iter().enumerate().map(|(i, c)| (c.to_string(), i.into())).collect();
-    let special = |id: usize, content: &str| {
-        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
-            "normalized": false, "special": true})
-    };
-    let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
-        "use_regex": true});
-    serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null,
-        "added_tokens": [special(256, "<|endoftext|>"), special(257, "<|im_start|>"), special(258, "<|im_end|>")],
-        "normalizer": null, "pre_tokenizer": byte_level, "post_processor": null, "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab, "merges": []}
-    })
-}
-
 impl Fixture {
     /// A fresh root under the temporary directory, with a seeded 2-layer model (hidden 64, vocabulary 264) whose
     /// end of sequence is `<|im_end|>`, and the run config.
@@ -160,9 +124,7 @@ impl Fixture {
         let _ = std::fs::remove_dir_all(&root);
         let model = root.join("model");
         std::fs::create_dir_all(&model).unwrap();
-        let text = serde_json::to_vec(&tokenizer_json()).unwrap();
-        std::fs::write(model.join("tokenizer.json"), &text).unwrap();
-        let tokenizer = tlt_model::load_tokenizer_json(&model.join("tokenizer.json")).unwrap();
+        let tokenizer = tlt_model::byte_tokenizer().unwrap();
         let mut cfg = LlamaConfig::tiny(264, 64, 2);
         cfg.eos_token_id = Some(EosTokens::One(258));
         let llama = Llama::random(cfg, 17).unwrap();

@@ -1,0 +1,160 @@
+//! TRL's `vllm-serve` surface (`trl vllm-serve`, `vllm_mode="server"`): `POST /generate/` with a batch of prompts
+//! and `n` completions each, `GET /health/`, `/get_world_size/`, `/get_tensor_parallel_size/`, and
+//! `POST /reset_prefix_cache/` (nothing is cached across requests: a no-op that says so). Sampling options this
+//! server does not implement (`repetition_penalty` other than 1, `min_p` above 0, guided decoding, extra
+//! `generation_kwargs`) are refused with a 400 naming them rather than ignored.
+
+use std::sync::Arc;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::api::{check_ids, Prompt, SamplingParams};
+use crate::routes::{rejected, AppState};
+use crate::Error;
+
+/// TRL's `/generate/` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TrlGenerateRequest {
+    /// Prompts, as text or token ids.
+    pub prompts: Vec<Prompt>,
+    /// Completions per prompt. Default 1.
+    pub n: Option<u64>,
+    /// Must be 1 (not implemented otherwise).
+    pub repetition_penalty: Option<f64>,
+    /// Default 1.
+    pub temperature: Option<f64>,
+    /// Default 1.
+    pub top_p: Option<f64>,
+    /// `-1` (default): off.
+    pub top_k: Option<i64>,
+    /// Must be 0 (not implemented otherwise).
+    pub min_p: Option<f64>,
+    /// Default 16.
+    pub max_tokens: Option<u64>,
+    /// Must be null (not implemented).
+    pub guided_decoding_regex: Option<String>,
+    /// Must be empty (not implemented).
+    #[serde(default)]
+    pub generation_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Return each sampled token's log-probability (any value above 0; only the sampled token's is returned).
+    pub logprobs: Option<u64>,
+}
+
+/// TRL's `/generate/` answer: every prompt's ids, and its `n` completions in order (prompt-major).
+#[derive(Debug, Clone, Serialize)]
+pub struct TrlGenerateResponse {
+    /// Each prompt's token ids.
+    pub prompt_ids: Vec<Vec<u32>>,
+    /// Each completion's token ids.
+    pub completion_ids: Vec<Vec<u32>>,
+    /// Each completion's tokens' log-probabilities (the target's, at the sampling temperature).
+    pub logprobs: Vec<Vec<f32>>,
+}
+
+fn refuse(field: &str, reason: &str) -> Error {
+    Error::Invalid { field: field.into(), reason: reason.into() }
+}
+
+/// `POST /generate/`.
+pub async fn generate(
+    State(s): State<Arc<AppState>>,
+    body: Result<Json<TrlGenerateRequest>, JsonRejection>,
+) -> Response {
+    let Json(req) = match body {
+        Ok(b) => b,
+        Err(r) => return rejected(&r),
+    };
+    match run(&s, req).await {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run(s: &AppState, req: TrlGenerateRequest) -> crate::Result<TrlGenerateResponse> {
+    if req.repetition_penalty.is_some_and(|p| p != 1.0) {
+        return Err(refuse("repetition_penalty", "only 1.0 is served"));
+    }
+    if req.min_p.is_some_and(|p| p != 0.0) {
+        return Err(refuse("min_p", "only 0.0 is served"));
+    }
+    if req.guided_decoding_regex.is_some() {
+        return Err(refuse("guided_decoding_regex", "guided decoding is not served"));
+    }
+    if let Some(k) = req.generation_kwargs.keys().next() {
+        return Err(refuse(&format!("generation_kwargs.{k}"), "extra generation arguments are not served"));
+    }
+    let n = match req.n.unwrap_or(1) {
+        0 => return Err(refuse("n", "must be at least 1")),
+        n if n > 1024 => return Err(refuse("n", "at most 1024 completions per prompt")),
+        n => n as usize,
+    };
+    if req.prompts.is_empty() {
+        return Err(refuse("prompts", "no prompt"));
+    }
+    let params = SamplingParams {
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        max_new_tokens: Some(req.max_tokens.unwrap_or(16)),
+        ..SamplingParams::default()
+    };
+    let sampling = params.validate(&s.limits).map_err(|e| match e {
+        Error::Invalid { field, reason } => {
+            let field = field.trim_start_matches("sampling_params.").replace("max_new_tokens", "max_tokens");
+            Error::Invalid { field, reason }
+        }
+        other => other,
+    })?;
+    let mut prompt_ids = Vec::with_capacity(req.prompts.len());
+    for (i, p) in req.prompts.iter().enumerate() {
+        let field = format!("prompts[{i}]");
+        let ids = match p {
+            Prompt::Ids(ids) => ids.clone(),
+            Prompt::Text(text) => s.tokenize(&field, text)?,
+        };
+        prompt_ids.push(check_ids(&field, &ids, sampling.max_new_tokens, &s.limits)?);
+    }
+    // Every completion queued before any is awaited: the engine batches them all (a prompt's n samples share its
+    // sampling, so they run in one engine, each on its own sampling stream).
+    let mut pending = Vec::with_capacity(prompt_ids.len() * n);
+    for p in &prompt_ids {
+        for _ in 0..n {
+            pending.push(s.enqueue(p.clone(), sampling.clone())?);
+        }
+    }
+    let (mut completion_ids, mut logprobs) = (Vec::with_capacity(pending.len()), Vec::with_capacity(pending.len()));
+    for rx in pending {
+        let out = rx.await.map_err(|_| Error::Stopped)??;
+        completion_ids.push(out.tokens);
+        logprobs.push(out.logprobs);
+    }
+    let _ = req.logprobs;
+    Ok(TrlGenerateResponse { prompt_ids, completion_ids, logprobs })
+}
+
+/// `GET /health/`.
+pub async fn health() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// `GET /get_world_size/`: one process serves.
+pub async fn world_size() -> Json<serde_json::Value> {
+    Json(json!({"world_size": 1}))
+}
+
+/// `GET /get_tensor_parallel_size/`.
+pub async fn tensor_parallel_size() -> Json<serde_json::Value> {
+    Json(json!({"tensor_parallel_size": 1}))
+}
+
+/// `POST /reset_prefix_cache/`: nothing is cached across requests.
+pub async fn reset_prefix_cache() -> Json<serde_json::Value> {
+    Json(
+        json!({"message": "Request received, resetting prefix cache status: True (nothing is cached across requests)"}),
+    )
+}
