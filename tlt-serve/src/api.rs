@@ -143,6 +143,9 @@ pub struct Sampling {
     pub stop_token_ids: Option<Vec<u32>>,
     /// Sampling seed.
     pub seed: u64,
+    /// The request's coin stream under `seed`: its tokens depend on (seed, stream, prompt, sampling) alone, never on
+    /// when it arrived or what ran beside it. 0 for a single request; TRL's `n` samples of a batch take 0, 1, ...
+    pub stream: u64,
 }
 
 /// What the server knows of its model, to check requests against.
@@ -254,6 +257,7 @@ impl SamplingParams {
             max_new_tokens,
             stop_token_ids: Some(stop),
             seed: self.sampling_seed.unwrap_or(0),
+            stream: 0,
         })
     }
 }
@@ -283,6 +287,7 @@ impl CompletionRequest {
             max_new_tokens: new_tokens("max_tokens", self.max_tokens, 16)?,
             stop_token_ids: Some(stop),
             seed: self.seed.unwrap_or(0),
+            stream: 0,
         })
     }
 }

@@ -9,14 +9,16 @@
 //!
 //! Work in progress (issue 35). Served: `POST /generate` (one prompt, `input_ids` or `text`, `sampling_params`,
 //! `return_logprob`), `POST /v1/completions` (one prompt, `n = 1`), `GET /health`, `/health_generate`,
-//! `/get_model_info`, `/get_server_info`, `/v1/models`, and TRL's `vllm-serve` surface ([`trl`]). Every request is
-//! validated ([`api`]): a bad field is a 400 with a JSON error naming it. Not yet: streaming, batched `/generate`,
-//! chat completions, weight updates, the EAGLE drafter trained online, the SD gate and bandit, aborts, metrics.
+//! `/get_model_info`, `/get_server_info`, `/v1/models`, `/get_weight_version`, `/metrics` ([`stats`]),
+//! `/pause_generation`, `/continue_generation`, `/flush_cache`, and TRL's `vllm-serve` surface ([`trl`]). Every
+//! request is validated ([`api`]): a bad field is a 400 with a JSON error naming it. Not yet: streaming, batched
+//! `/generate`, chat completions, weight updates, the EAGLE drafter trained online, the SD gate and bandit, aborts.
 //!
 //! **Where it sits:** depends on tlt-model and tlt-spec-decode (the engine), axum and tokio.
 
 pub mod api;
 pub mod routes;
+pub mod stats;
 pub mod trl;
 pub mod worker;
 
@@ -80,9 +82,11 @@ impl Server {
         };
         let (jobs, rx) = std::sync::mpsc::channel();
         let decode = cfg.decode.clone();
+        let stats = std::sync::Arc::new(stats::Stats::default());
+        let engine_stats = stats.clone();
         let engine = std::thread::Builder::new()
             .name("tlt-serve-engine".into())
-            .spawn(move || worker::run(&model, &rx, &decode))
+            .spawn(move || worker::run(&model, &rx, &decode, &engine_stats))
             .map_err(|e| Error::Model(format!("starting the engine thread: {e}")))?;
         let state = std::sync::Arc::new(routes::AppState {
             jobs,
@@ -91,6 +95,7 @@ impl Server {
             model_name: cfg.model_name,
             weight_version: cfg.weight_version.unwrap_or_else(|| "default".into()),
             next_id: std::sync::atomic::AtomicU64::new(0),
+            stats,
         });
         Ok(Self { router: routes::router(state), engine })
     }

@@ -21,6 +21,7 @@ use crate::api::{
     check_ids, Choice, ChoiceLogprobs, CompletionRequest, CompletionResponse, FinishReason, GenerateRequest,
     GenerateResponse, Limits, MetaInfo, Prompt, Sampling, Usage,
 };
+use crate::stats::Stats;
 use crate::worker::{Job, Output};
 use crate::Error;
 
@@ -41,6 +42,8 @@ pub struct AppState {
     pub weight_version: String,
     /// Request ids made here.
     pub next_id: AtomicU64,
+    /// Counters and the pause switch, shared with the engine thread.
+    pub stats: Arc<Stats>,
 }
 
 impl IntoResponse for Error {
@@ -75,6 +78,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/get_model_info", get(model_info))
         .route("/get_server_info", get(server_info))
         .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/get_weight_version", get(weight_version))
+        .route("/flush_cache", post(flush_cache).get(flush_cache))
+        .route("/pause_generation", post(pause))
+        .route("/continue_generation", post(resume))
         .route("/generate/", post(crate::trl::generate))
         .route("/health/", get(crate::trl::health))
         .route("/get_world_size/", get(crate::trl::world_size))
@@ -97,7 +105,11 @@ impl AppState {
         sampling: Sampling,
     ) -> crate::Result<oneshot::Receiver<crate::Result<Output>>> {
         let (reply, rx) = oneshot::channel();
-        self.jobs.send(Job { prompt, sampling, reply }).map_err(|_| Error::Stopped)?;
+        Stats::add(&self.stats.waiting, 1);
+        if self.jobs.send(Job { prompt, sampling, reply }).is_err() {
+            Stats::sub(&self.stats.waiting, 1);
+            return Err(Error::Stopped);
+        }
         Ok(rx)
     }
 
@@ -226,6 +238,7 @@ async fn health_generate(State(s): State<Arc<AppState>>) -> Response {
         max_new_tokens: 1,
         stop_token_ids: Some(Vec::new()),
         seed: 0,
+        stream: 0,
     };
     match s.submit(vec![0], sampling).await {
         Ok(_) => StatusCode::OK.into_response(),
@@ -245,4 +258,35 @@ async fn server_info(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> 
 
 async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
     Json(json!({"object": "list", "data": [{"id": s.model_name, "object": "model", "owned_by": "tlt-serve"}]}))
+}
+
+/// `GET /metrics`: Prometheus' text format.
+async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.stats.prometheus()).into_response()
+}
+
+async fn weight_version(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({"weight_version": s.weight_version}))
+}
+
+/// `/flush_cache`: nothing is cached across requests; as SGLang, it succeeds only when no request waits or runs.
+async fn flush_cache(State(s): State<Arc<AppState>>) -> Response {
+    if s.stats.idle() {
+        (StatusCode::OK, "Cache flushed (nothing is cached across requests).").into_response()
+    } else {
+        let body = json!({"error": {"message": "requests are waiting or running: flush when idle",
+            "type": "invalid_request_error", "param": null, "code": 400}});
+        (StatusCode::BAD_REQUEST, Json(body)).into_response()
+    }
+}
+
+/// `/pause_generation`: requests are still taken, none advances until `/continue_generation`.
+async fn pause(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    s.stats.paused.store(true, Ordering::Relaxed);
+    Json(json!({"message": "generation paused"}))
+}
+
+async fn resume(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    s.stats.paused.store(false, Ordering::Relaxed);
+    Json(json!({"message": "generation continued"}))
 }

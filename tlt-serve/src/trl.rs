@@ -120,11 +120,12 @@ async fn run(s: &AppState, req: TrlGenerateRequest) -> crate::Result<TrlGenerate
         prompt_ids.push(check_ids(&field, &ids, sampling.max_new_tokens, &s.limits)?);
     }
     // Every completion queued before any is awaited: the engine batches them all (a prompt's n samples share its
-    // sampling, so they run in one engine, each on its own sampling stream).
+    // sampling, so they run in one engine), completion k of the batch on coin stream k.
     let mut pending = Vec::with_capacity(prompt_ids.len() * n);
-    for p in &prompt_ids {
-        for _ in 0..n {
-            pending.push(s.enqueue(p.clone(), sampling.clone())?);
+    for (i, p) in prompt_ids.iter().enumerate() {
+        for j in 0..n {
+            let stream = (i * n + j) as u64;
+            pending.push(s.enqueue(p.clone(), crate::api::Sampling { stream, ..sampling.clone() })?);
         }
     }
     let (mut completion_ids, mut logprobs) = (Vec::with_capacity(pending.len()), Vec::with_capacity(pending.len()));

@@ -12,6 +12,7 @@ use tlt_spec_decode::{Drafter, Engine, FinishReason, NgramDrafter, Plan, Request
 use tokio::sync::oneshot;
 
 use crate::api::Sampling;
+use crate::stats::Stats;
 use crate::{Error, Result};
 
 /// A request for the engine thread.
@@ -108,18 +109,29 @@ impl<'m> Lane<'m> {
 
     /// One round; the requests it finished go back to their handlers. On an engine error every request of the lane
     /// gets it, and the lane is to be dropped (returns false).
-    fn round(&mut self, plan: &Plan) -> bool {
+    fn round(&mut self, plan: &Plan, stats: &Stats) -> bool {
         let drafter = self.drafter.as_mut().map(|d| d as &mut dyn Drafter);
         let plan = drafter.is_some().then_some(plan);
+        let before = self.engine.counters().seq_rounds;
         if let Err(e) = self.engine.round(drafter, plan) {
+            Stats::sub(&stats.running, self.replies.len() as u64);
+            Stats::add(&stats.failed, self.replies.len() as u64);
             for (_, reply) in self.replies.drain() {
                 let _ = reply.send(Err(Error::Engine(e.to_string())));
             }
             return false;
         }
+        Stats::add(&stats.rounds, 1);
+        Stats::add(&stats.request_rounds, self.engine.counters().seq_rounds.saturating_sub(before));
         for f in self.engine.take_finished() {
             let Some(reply) = self.replies.remove(&f.id) else { continue };
-            let spec_accepted = f.sd_rounds.iter().map(|&(_, n)| n.saturating_sub(1) as usize).sum();
+            let spec_accepted: usize = f.sd_rounds.iter().map(|&(_, n)| n.saturating_sub(1) as usize).sum();
+            Stats::sub(&stats.running, 1);
+            Stats::add(&stats.finished, 1);
+            Stats::add(&stats.prompt_tokens, f.prompt.len() as u64);
+            Stats::add(&stats.generated_tokens, f.tokens.len() as u64);
+            Stats::add(&stats.spec_rounds, f.sd_rounds.len() as u64);
+            Stats::add(&stats.spec_accepted, spec_accepted as u64);
             let _ = reply.send(Ok(Output {
                 prompt_tokens: f.prompt.len(),
                 spec_rounds: f.sd_rounds.len(),
@@ -133,8 +145,12 @@ impl<'m> Lane<'m> {
     }
 }
 
-/// The engine thread's loop: until every sender of `jobs` is gone and nothing runs.
-pub fn run(model: &Llama, jobs: &mpsc::Receiver<Job>, cfg: &DecodeConfig) {
+/// How long a paused engine thread sleeps between looks at its queue and the pause switch.
+const PAUSED_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// The engine thread's loop: until every sender of `jobs` is gone and nothing runs. While `stats.paused` it admits
+/// requests but runs no round (`/pause_generation`): no request advances, none is lost.
+pub fn run(model: &Llama, jobs: &mpsc::Receiver<Job>, cfg: &DecodeConfig, stats: &Stats) {
     let mut lanes: Vec<Lane<'_>> = Vec::new();
     loop {
         let busy = lanes.iter().any(|l| !l.engine.is_idle());
@@ -147,15 +163,20 @@ pub fn run(model: &Llama, jobs: &mpsc::Receiver<Job>, cfg: &DecodeConfig) {
             }
         };
         for job in first.into_iter().chain(jobs.try_iter()) {
-            admit(model, &mut lanes, job, cfg);
+            admit(model, &mut lanes, job, cfg, stats);
         }
-        lanes.retain_mut(|l| l.engine.is_idle() || l.round(&cfg.plan));
+        if stats.paused.load(std::sync::atomic::Ordering::Relaxed) {
+            std::thread::sleep(PAUSED_POLL);
+            continue;
+        }
+        lanes.retain_mut(|l| l.engine.is_idle() || l.round(&cfg.plan, stats));
         lanes.retain(|l| !l.engine.is_idle() || !l.replies.is_empty());
     }
 }
 
 /// Adds `job` to the lane of its sampling (made when new); an error goes straight back to its handler.
-fn admit<'m>(model: &'m Llama, lanes: &mut Vec<Lane<'m>>, job: Job, cfg: &DecodeConfig) {
+fn admit<'m>(model: &'m Llama, lanes: &mut Vec<Lane<'m>>, job: Job, cfg: &DecodeConfig, stats: &Stats) {
+    Stats::sub(&stats.waiting, 1);
     let key = Key::of(&job.sampling);
     let at = match lanes.iter().position(|l| l.key == key) {
         Some(i) => i,
@@ -165,17 +186,22 @@ fn admit<'m>(model: &'m Llama, lanes: &mut Vec<Lane<'m>>, job: Job, cfg: &Decode
                 lanes.len() - 1
             }
             Err(e) => {
+                Stats::add(&stats.failed, 1);
                 let _ = job.reply.send(Err(e));
                 return;
             }
         },
     };
     let lane = &mut lanes[at];
+    // The request's coins are keyed by its own stream, not by its position in the lane.
+    lane.engine.key_streams_from(job.sampling.stream);
     match lane.engine.add_request_with_limit(&job.prompt, job.sampling.max_new_tokens) {
         Ok(id) => {
+            Stats::add(&stats.running, 1);
             lane.replies.insert(id, job.reply);
         }
         Err(e) => {
+            Stats::add(&stats.failed, 1);
             let _ = job.reply.send(Err(Error::Engine(e.to_string())));
         }
     }

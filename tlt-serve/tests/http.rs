@@ -60,11 +60,28 @@ fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
 }
 
 fn get(addr: SocketAddr, path: &str) -> u16 {
+    get_body(addr, path).0
+}
+
+/// `GET path`: (status, body).
+fn get_body(addr: SocketAddr, path: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).unwrap();
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
-    out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, out.split("\r\n\r\n").nth(1).unwrap_or("").to_string())
+}
+
+/// The value of Prometheus metric `name` in `/metrics`.
+fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let (status, text) = get_body(addr, "/metrics");
+    assert_eq!(status, 200);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&format!("tlt_serve_{name} ")))
+        .unwrap_or_else(|| panic!("no {name}:\n{text}"));
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
 /// Prompts that repeat themselves (the n-gram drafter finds drafts in them), and plain ones.
@@ -265,4 +282,35 @@ fn the_trl_surface_batches_prompts_times_n() {
         let (status, v) = post(sd, "/generate/", &body);
         assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
     }
+}
+
+/// `/metrics` counts what the server did; `/pause_generation` holds a request (admitted, not advanced) and
+/// `/continue_generation` lets it finish; `/flush_cache` succeeds only when idle.
+#[test]
+fn metrics_count_requests_and_a_paused_server_holds_them() {
+    let addr = serve(true);
+    let tokens: usize = prompts().iter().map(|p| ids(&generate(addr, p, 0.0, 0)).len()).sum();
+    assert_eq!(metric(addr, "requests_total"), 6.0);
+    assert_eq!(metric(addr, "generation_tokens_total"), tokens as f64);
+    assert_eq!((metric(addr, "running_requests"), metric(addr, "waiting_requests")), (0.0, 0.0));
+    assert!(metric(addr, "engine_rounds_total") > 0.0 && metric(addr, "spec_accept_length") >= 1.0);
+    assert_eq!(post(addr, "/flush_cache", &json!({})).0, 200);
+
+    assert_eq!(post(addr, "/pause_generation", &json!({})).0, 200);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(generate(addr, &[3, 4, 5], 0.0, 0)).unwrap());
+    let t = std::time::Instant::now();
+    while metric(addr, "running_requests") < 1.0 {
+        assert!(t.elapsed().as_secs() < 60, "the request was never admitted");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let rounds = metric(addr, "engine_rounds_total");
+    assert!(rx.try_recv().is_err(), "a request finished while generation was paused");
+    assert_eq!(post(addr, "/flush_cache", &json!({})).0, 400, "flushed with a request running");
+    assert_eq!(metric(addr, "engine_rounds_total"), rounds, "the engine ran a round while paused");
+    assert_eq!(post(addr, "/continue_generation", &json!({})).0, 200);
+    let out = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the held request never finished");
+    assert_eq!(ids(&out).len(), 24);
+    assert_eq!(metric(addr, "requests_total"), 7.0);
+    assert_eq!(get(addr, "/get_weight_version"), 200);
 }
