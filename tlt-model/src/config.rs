@@ -293,6 +293,14 @@ impl LlamaConfig {
         self.num_attention_heads * self.head_dim()
     }
 
+    /// Whether `other` computes the same function shape for shape: equal once the defaults each leaves implicit
+    /// (`head_dim`, `num_key_value_heads`) are filled in, as a checkpoint written and read back has them.
+    pub fn same_architecture(&self, other: &Self) -> bool {
+        let resolved =
+            |c: &Self| Self { head_dim: Some(c.head_dim()), num_key_value_heads: Some(c.kv_heads()), ..c.clone() };
+        resolved(self) == resolved(other)
+    }
+
     /// End-of-sequence ids (empty when the config names none).
     pub fn eos_ids(&self) -> Vec<u32> {
         self.eos_token_id.as_ref().map(EosTokens::ids).unwrap_or_default()

@@ -60,12 +60,78 @@ pub struct GenerateRequest {
 /// Why a request ended, as SGLang says it.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct FinishReason {
-    /// `stop` (a stop token) or `length` (`max_new_tokens` or the context).
+    /// `stop` (a stop token), `length` (`max_new_tokens` or the context) or `abort`.
     #[serde(rename = "type")]
     pub kind: String,
     /// The stop token that ended it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub matched: Option<u32>,
+    /// Why it was aborted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+impl FinishReason {
+    /// SGLang's reason for an output that ended for `reason` with `last` its last token.
+    pub fn of(reason: tlt_spec_decode::FinishReason, last: Option<u32>) -> Self {
+        let kind = finish_kind(reason).to_owned();
+        match reason {
+            tlt_spec_decode::FinishReason::Stop => Self { kind, matched: last, message: None },
+            tlt_spec_decode::FinishReason::Abort => {
+                Self { kind, matched: None, message: Some("aborted before it finished".into()) }
+            }
+            _ => Self { kind, matched: None, message: None },
+        }
+    }
+}
+
+/// The word SGLang, OpenAI and TRL clients read for `reason`: `stop`, `length` or `abort`.
+pub fn finish_kind(reason: tlt_spec_decode::FinishReason) -> &'static str {
+    match reason {
+        tlt_spec_decode::FinishReason::Stop | tlt_spec_decode::FinishReason::StopString { .. } => "stop",
+        tlt_spec_decode::FinishReason::Length => "length",
+        tlt_spec_decode::FinishReason::Abort => "abort",
+    }
+}
+
+/// SGLang's `POST /abort_request` body.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct AbortRequest {
+    /// The request id to end.
+    #[serde(default)]
+    pub rid: Option<String>,
+    /// End every request.
+    #[serde(default)]
+    pub abort_all: bool,
+}
+
+/// SGLang's `POST /pause_generation` body (may be empty).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct PauseRequest {
+    /// `abort` (default: end the running requests, which answer with what they have) or `in_place` (keep them;
+    /// they go on after `/continue_generation`). `retract` is refused: re-prefilling after an update would mix two
+    /// weight versions in one response.
+    #[serde(default)]
+    pub mode: Option<String>,
+}
+
+/// SGLang's `POST /update_weights_from_disk` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct UpdateWeightsRequest {
+    /// An HF checkpoint directory (config.json + safetensors) or a `.gguf` file of the served architecture.
+    pub model_path: String,
+    /// `auto` or absent (the format is read off the path).
+    #[serde(default)]
+    pub load_format: Option<String>,
+    /// Accepted (nothing is cached across requests).
+    #[serde(default)]
+    pub flush_cache: Option<bool>,
+    /// End the running requests now instead of letting them finish on the old weights.
+    #[serde(default)]
+    pub abort_all_requests: bool,
+    /// The new weights' version; absent: the version stays.
+    #[serde(default)]
+    pub weight_version: Option<String>,
 }
 
 /// SGLang's `meta_info`.
@@ -144,7 +210,9 @@ pub struct Sampling {
     /// Sampling seed.
     pub seed: u64,
     /// The request's coin stream under `seed`: its tokens depend on (seed, stream, prompt, sampling) alone, never on
-    /// when it arrived or what ran beside it. 0 for a single request; TRL's `n` samples of a batch take 0, 1, ...
+    /// what ran beside it. A request with a seed takes stream 0 (the same seed, the same sample); one without takes
+    /// a stream of its own from the server's counter ([`crate::routes::AppState::fresh_streams`]), so that the
+    /// samples of a GRPO group sent as separate unseeded requests differ, as on SGLang.
     pub stream: u64,
 }
 

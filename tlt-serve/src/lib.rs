@@ -17,6 +17,7 @@
 //! **Where it sits:** depends on tlt-model and tlt-spec-decode (the engine), axum and tokio.
 
 pub mod api;
+pub mod control;
 pub mod routes;
 pub mod stats;
 pub mod trl;
@@ -37,6 +38,9 @@ pub enum Error {
     /// The engine failed on a request.
     #[error("engine: {0}")]
     Engine(String),
+    /// The server cannot do it now (another weight update runs; requests paused in place): a 409 saying why.
+    #[error("{0}")]
+    Busy(String),
     /// The engine thread is gone (the server is shutting down).
     #[error("the engine thread stopped")]
     Stopped,
@@ -83,18 +87,20 @@ impl Server {
         let (jobs, rx) = std::sync::mpsc::channel();
         let decode = cfg.decode.clone();
         let stats = std::sync::Arc::new(stats::Stats::default());
+        *stats.weight_version.write().map_err(|_| Error::Model("the version lock is poisoned".into()))? =
+            cfg.weight_version.as_deref().unwrap_or("default").into();
         let engine_stats = stats.clone();
         let engine = std::thread::Builder::new()
             .name("tlt-serve-engine".into())
-            .spawn(move || worker::run(&model, &rx, &decode, &engine_stats))
+            .spawn(move || worker::run(model, &rx, &decode, &engine_stats))
             .map_err(|e| Error::Model(format!("starting the engine thread: {e}")))?;
         let state = std::sync::Arc::new(routes::AppState {
-            jobs,
+            msgs: jobs,
             tokenizer: tokenizer.map(std::sync::Arc::new),
             limits,
             model_name: cfg.model_name,
-            weight_version: cfg.weight_version.unwrap_or_else(|| "default".into()),
             next_id: std::sync::atomic::AtomicU64::new(0),
+            next_stream: std::sync::atomic::AtomicU64::new(1),
             stats,
         });
         Ok(Self { router: routes::router(state), engine })

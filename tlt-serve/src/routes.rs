@@ -18,12 +18,12 @@ use tokenizers::Tokenizer;
 use tokio::sync::oneshot;
 
 use crate::api::{
-    check_ids, Choice, ChoiceLogprobs, CompletionRequest, CompletionResponse, FinishReason, GenerateRequest,
-    GenerateResponse, Limits, MetaInfo, Prompt, Sampling, Usage,
+    check_ids, finish_kind, Choice, ChoiceLogprobs, CompletionRequest, CompletionResponse, FinishReason,
+    GenerateRequest, GenerateResponse, Limits, MetaInfo, Prompt, Sampling, Usage,
 };
 use crate::stats::Stats;
-use crate::worker::{Job, Output};
-use crate::Error;
+use crate::worker::{Job, Msg, Output};
+use crate::{control, Error};
 
 /// Largest request body (bytes); a larger one is a 413.
 pub const BODY_LIMIT: usize = 16 << 20;
@@ -31,17 +31,17 @@ pub const BODY_LIMIT: usize = 16 << 20;
 /// What the handlers share.
 pub struct AppState {
     /// The engine thread's queue.
-    pub jobs: mpsc::Sender<Job>,
+    pub msgs: mpsc::Sender<Msg>,
     /// The model's tokenizer (text prompts and outputs need it).
     pub tokenizer: Option<Arc<Tokenizer>>,
     /// Request limits.
     pub limits: Limits,
     /// The served model's name (its path).
     pub model_name: String,
-    /// The weights' version (`weight_version` in SGLang's answers).
-    pub weight_version: String,
     /// Request ids made here.
     pub next_id: AtomicU64,
+    /// The next coin stream for requests without a seed (from 1: seeded requests take stream 0).
+    pub next_stream: AtomicU64,
     /// Counters and the pause switch, shared with the engine thread.
     pub stats: Arc<Stats>,
 }
@@ -51,6 +51,7 @@ impl IntoResponse for Error {
         let (status, kind, param) = match &self {
             Error::Invalid { field, .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", Some(field.clone())),
             Error::Model(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+            Error::Busy(_) => (StatusCode::CONFLICT, "invalid_request_error", None),
             Error::Stopped => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None),
             Error::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
         };
@@ -68,6 +69,24 @@ pub(crate) fn rejected(r: &JsonRejection) -> Response {
     (status, Json(body)).into_response()
 }
 
+/// A JSON endpoint: the body parsed (or its rejection answered), `run` on it, its answer as JSON or an error.
+pub(crate) async fn answer<T, R>(
+    s: Arc<AppState>,
+    body: Result<Json<T>, JsonRejection>,
+    run: impl AsyncFnOnce(&AppState, T) -> crate::Result<R>,
+) -> Response
+where
+    R: serde::Serialize,
+{
+    match body {
+        Ok(Json(req)) => match run(&s, req).await {
+            Ok(r) => Json(r).into_response(),
+            Err(e) => e.into_response(),
+        },
+        Err(r) => rejected(&r),
+    }
+}
+
 /// The router over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -79,10 +98,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/get_server_info", get(server_info))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
-        .route("/get_weight_version", get(weight_version))
-        .route("/flush_cache", post(flush_cache).get(flush_cache))
-        .route("/pause_generation", post(pause))
-        .route("/continue_generation", post(resume))
+        .route("/get_weight_version", get(control::weight_version))
+        .route("/flush_cache", post(control::flush_cache).get(control::flush_cache))
+        .route("/pause_generation", post(control::pause))
+        .route("/continue_generation", post(control::resume))
+        .route("/abort_request", post(control::abort))
+        .route("/update_weights_from_disk", post(control::update_weights))
         .route("/generate/", post(crate::trl::generate))
         .route("/health/", get(crate::trl::health))
         .route("/get_world_size/", get(crate::trl::world_size))
@@ -93,24 +114,33 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 impl AppState {
-    /// Runs `prompt` with `sampling` on the engine thread.
-    async fn submit(&self, prompt: Vec<u32>, sampling: Sampling) -> crate::Result<Output> {
-        self.enqueue(prompt, sampling)?.await.map_err(|_| Error::Stopped)?
+    /// Runs `prompt` with `sampling` on the engine thread. Dropping the future (the client went away) aborts it.
+    async fn submit(&self, rid: Option<String>, prompt: Vec<u32>, sampling: Sampling) -> crate::Result<Output> {
+        self.enqueue(rid, prompt, sampling)?.await.map_err(|_| Error::Stopped)?
     }
 
-    /// Queues `prompt` with `sampling` for the engine thread; its output arrives on the returned channel.
+    /// Queues `prompt` with `sampling` for the engine thread; its output arrives on the returned channel (dropping
+    /// it aborts the request at the next round boundary).
     pub(crate) fn enqueue(
         &self,
+        rid: Option<String>,
         prompt: Vec<u32>,
         sampling: Sampling,
     ) -> crate::Result<oneshot::Receiver<crate::Result<Output>>> {
         let (reply, rx) = oneshot::channel();
         Stats::add(&self.stats.waiting, 1);
-        if self.jobs.send(Job { prompt, sampling, reply }).is_err() {
+        if self.msgs.send(Msg::Job(Job { rid, prompt, sampling, reply })).is_err() {
             Stats::sub(&self.stats.waiting, 1);
             return Err(Error::Stopped);
         }
         Ok(rx)
+    }
+
+    /// Sends the engine thread a control message made around `reply` and waits for its answer.
+    pub(crate) async fn control<A>(&self, msg: impl FnOnce(oneshot::Sender<A>) -> Msg) -> crate::Result<A> {
+        let (reply, rx) = oneshot::channel();
+        self.msgs.send(msg(reply)).map_err(|_| Error::Stopped)?;
+        rx.await.map_err(|_| Error::Stopped)
     }
 
     pub(crate) fn tokenize(&self, field: &str, text: &str) -> crate::Result<Vec<i64>> {
@@ -126,27 +156,28 @@ impl AppState {
         self.tokenizer.as_ref().and_then(|t| t.decode(ids, true).ok()).unwrap_or_default()
     }
 
+    /// `n` coin streams no request took before (unseeded requests); the first of them.
+    pub(crate) fn fresh_streams(&self, n: u64) -> u64 {
+        self.next_stream.fetch_add(n, Ordering::Relaxed)
+    }
+
     fn id(&self, prefix: &str) -> String {
         format!("{prefix}{}", self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 }
 
 async fn generate(State(s): State<Arc<AppState>>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
-    let Json(req) = match body {
-        Ok(b) => b,
-        Err(r) => return rejected(&r),
-    };
-    match run_generate(&s, req).await {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => e.into_response(),
-    }
+    answer(s, body, run_generate).await
 }
 
 async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<GenerateResponse> {
     if req.stream {
         return Err(Error::Invalid { field: "stream".into(), reason: "streaming is not served yet".into() });
     }
-    let sampling = req.sampling_params.validate(&s.limits)?;
+    let mut sampling = req.sampling_params.validate(&s.limits)?;
+    if req.sampling_params.sampling_seed.is_none() {
+        sampling.stream = s.fresh_streams(1);
+    }
     let (field, ids) = match (&req.input_ids, &req.text) {
         (Some(ids), None) => ("input_ids", ids.clone()),
         (None, Some(text)) => ("text", s.tokenize("text", text)?),
@@ -158,22 +189,19 @@ async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<Gener
         }
     };
     let prompt = check_ids(field, &ids, sampling.max_new_tokens, &s.limits)?;
-    let out = s.submit(prompt, sampling).await?;
+    let rid = req.rid.clone().unwrap_or_else(|| s.id(""));
+    let out = s.submit(Some(rid.clone()), prompt, sampling).await?;
     let logprobs =
         req.return_logprob.then(|| out.logprobs.iter().zip(&out.tokens).map(|(&l, &t)| (l, t, None)).collect());
-    let finish_reason = match (out.stopped, out.tokens.last()) {
-        (true, Some(&t)) => FinishReason { kind: "stop".into(), matched: Some(t) },
-        _ => FinishReason { kind: "length".into(), matched: None },
-    };
     Ok(GenerateResponse {
         text: s.detokenize(&out.tokens),
         meta_info: MetaInfo {
-            id: req.rid.clone().unwrap_or_else(|| s.id("")),
-            finish_reason,
+            id: rid,
+            finish_reason: FinishReason::of(out.reason, out.tokens.last().copied()),
             prompt_tokens: out.prompt_tokens,
             completion_tokens: out.tokens.len(),
             cached_tokens: 0,
-            weight_version: s.weight_version.clone(),
+            weight_version: out.weight_version.to_string(),
             output_token_logprobs: logprobs,
             spec_verify_ct: out.spec_rounds,
             spec_accept_token_num: out.spec_accepted,
@@ -183,38 +211,35 @@ async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<Gener
 }
 
 async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<CompletionRequest>, JsonRejection>) -> Response {
-    let Json(req) = match body {
-        Ok(b) => b,
-        Err(r) => return rejected(&r),
-    };
-    match run_completion(&s, req).await {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => e.into_response(),
-    }
+    answer(s, body, run_completion).await
 }
 
 async fn run_completion(s: &AppState, req: CompletionRequest) -> crate::Result<CompletionResponse> {
-    let sampling = req.validate(&s.limits)?;
+    let mut sampling = req.validate(&s.limits)?;
+    if req.seed.is_none() {
+        sampling.stream = s.fresh_streams(1);
+    }
     let ids = match &req.prompt {
         Prompt::Ids(ids) => ids.clone(),
         Prompt::Text(text) => s.tokenize("prompt", text)?,
     };
     let prompt = check_ids("prompt", &ids, sampling.max_new_tokens, &s.limits)?;
-    let out = s.submit(prompt, sampling).await?;
+    let id = s.id("cmpl-");
+    let out = s.submit(Some(id.clone()), prompt, sampling).await?;
     let logprobs = (req.logprobs.unwrap_or(0) > 0).then(|| ChoiceLogprobs {
         tokens: out.tokens.iter().map(|&t| s.detokenize(&[t])).collect(),
         token_logprobs: out.logprobs.clone(),
     });
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     Ok(CompletionResponse {
-        id: s.id("cmpl-"),
+        id,
         object: "text_completion".into(),
         created,
         model: req.model.clone().unwrap_or_else(|| s.model_name.clone()),
         choices: vec![Choice {
             index: 0,
             text: s.detokenize(&out.tokens),
-            finish_reason: if out.stopped { "stop" } else { "length" }.into(),
+            finish_reason: finish_kind(out.reason).into(),
             logprobs,
         }],
         usage: Usage {
@@ -240,7 +265,7 @@ async fn health_generate(State(s): State<Arc<AppState>>) -> Response {
         seed: 0,
         stream: 0,
     };
-    match s.submit(vec![0], sampling).await {
+    match s.submit(None, vec![0], sampling).await {
         Ok(_) => StatusCode::OK.into_response(),
         Err(e) => e.into_response(),
     }
@@ -248,12 +273,12 @@ async fn health_generate(State(s): State<Arc<AppState>>) -> Response {
 
 async fn model_info(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
     Json(json!({"model_path": s.model_name, "tokenizer_path": s.model_name, "is_generation": true,
-        "weight_version": s.weight_version}))
+        "weight_version": &*s.stats.version()}))
 }
 
 async fn server_info(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
     Json(json!({"model_path": s.model_name, "context_length": s.limits.context, "vocab_size": s.limits.vocab_size,
-        "weight_version": s.weight_version, "version": env!("CARGO_PKG_VERSION"), "engine": "tlt-serve"}))
+        "weight_version": &*s.stats.version(), "version": env!("CARGO_PKG_VERSION"), "engine": "tlt-serve"}))
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
@@ -263,30 +288,4 @@ async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
 /// `GET /metrics`: Prometheus' text format.
 async fn metrics(State(s): State<Arc<AppState>>) -> Response {
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.stats.prometheus()).into_response()
-}
-
-async fn weight_version(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(json!({"weight_version": s.weight_version}))
-}
-
-/// `/flush_cache`: nothing is cached across requests; as SGLang, it succeeds only when no request waits or runs.
-async fn flush_cache(State(s): State<Arc<AppState>>) -> Response {
-    if s.stats.idle() {
-        (StatusCode::OK, "Cache flushed (nothing is cached across requests).").into_response()
-    } else {
-        let body = json!({"error": {"message": "requests are waiting or running: flush when idle",
-            "type": "invalid_request_error", "param": null, "code": 400}});
-        (StatusCode::BAD_REQUEST, Json(body)).into_response()
-    }
-}
-
-/// `/pause_generation`: requests are still taken, none advances until `/continue_generation`.
-async fn pause(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    s.stats.paused.store(true, Ordering::Relaxed);
-    Json(json!({"message": "generation paused"}))
-}
-
-async fn resume(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    s.stats.paused.store(false, Ordering::Relaxed);
-    Json(json!({"message": "generation continued"}))
 }

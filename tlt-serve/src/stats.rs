@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// The server's counters and its pause switch.
+/// The server's counters, its pause switch and its weights' version.
 #[derive(Debug, Default)]
 pub struct Stats {
     /// Requests handed to the engine thread and not yet admitted to an engine.
@@ -27,8 +27,14 @@ pub struct Stats {
     pub spec_rounds: AtomicU64,
     /// Drafted tokens accepted in them.
     pub spec_accepted: AtomicU64,
+    /// Requests ended early (`/abort_request`, a pause that aborts, a client gone, a weight update that aborts).
+    pub aborted: AtomicU64,
+    /// Weight updates applied.
+    pub weight_updates: AtomicU64,
     /// `/pause_generation` is in force: the engine thread admits requests but runs no round.
     pub paused: AtomicBool,
+    /// The version of the weights the engine decodes with now (set by the engine thread on an update).
+    pub weight_version: std::sync::RwLock<std::sync::Arc<str>>,
 }
 
 /// `counter` read for a report.
@@ -45,6 +51,11 @@ impl Stats {
     /// Takes `n` from `counter` (never below 0).
     pub fn sub(counter: &AtomicU64, n: u64) {
         let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(n)));
+    }
+
+    /// The weights' version now.
+    pub fn version(&self) -> std::sync::Arc<str> {
+        self.weight_version.read().map_or_else(|p| p.into_inner().clone(), |v| v.clone())
     }
 
     /// Whether no request waits or runs.
@@ -67,11 +78,13 @@ impl Stats {
         const GAUGE: &str = "gauge";
         const COUNTER: &str = "counter";
         let share = get(&self.spec_rounds) as f64 / (get(&self.request_rounds) as f64).max(1.0);
-        let rows: [(&str, &str, &str, f64); 13] = [
+        let rows: [(&str, &str, &str, f64); 15] = [
             ("waiting_requests", GAUGE, "Requests queued for the engine, not yet decoding.", get(&self.waiting) as f64),
             ("running_requests", GAUGE, "Requests decoding.", get(&self.running) as f64),
             ("requests_total", COUNTER, "Requests finished with an output.", get(&self.finished) as f64),
             ("failed_requests_total", COUNTER, "Requests the engine failed.", get(&self.failed) as f64),
+            ("aborted_requests_total", COUNTER, "Requests ended early.", get(&self.aborted) as f64),
+            ("weight_updates_total", COUNTER, "Weight updates applied.", get(&self.weight_updates) as f64),
             ("prompt_tokens_total", COUNTER, "Prompt tokens of finished requests.", get(&self.prompt_tokens) as f64),
             (
                 "generation_tokens_total",

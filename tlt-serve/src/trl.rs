@@ -8,13 +8,13 @@ use std::sync::Arc;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::api::{check_ids, Prompt, SamplingParams};
-use crate::routes::{rejected, AppState};
+use crate::routes::{answer, AppState};
 use crate::Error;
 
 /// TRL's `/generate/` body.
@@ -65,14 +65,7 @@ pub async fn generate(
     State(s): State<Arc<AppState>>,
     body: Result<Json<TrlGenerateRequest>, JsonRejection>,
 ) -> Response {
-    let Json(req) = match body {
-        Ok(b) => b,
-        Err(r) => return rejected(&r),
-    };
-    match run(&s, req).await {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => e.into_response(),
-    }
+    answer(s, body, run).await
 }
 
 async fn run(s: &AppState, req: TrlGenerateRequest) -> crate::Result<TrlGenerateResponse> {
@@ -120,12 +113,14 @@ async fn run(s: &AppState, req: TrlGenerateRequest) -> crate::Result<TrlGenerate
         prompt_ids.push(check_ids(&field, &ids, sampling.max_new_tokens, &s.limits)?);
     }
     // Every completion queued before any is awaited: the engine batches them all (a prompt's n samples share its
-    // sampling, so they run in one engine), completion k of the batch on coin stream k.
+    // sampling, so they run in one engine), completion k of the batch on coin stream `first + k`: fresh streams, so
+    // that the same prompts sent again are sampled anew.
+    let first = s.fresh_streams((prompt_ids.len() * n) as u64);
     let mut pending = Vec::with_capacity(prompt_ids.len() * n);
     for (i, p) in prompt_ids.iter().enumerate() {
         for j in 0..n {
-            let stream = (i * n + j) as u64;
-            pending.push(s.enqueue(p.clone(), crate::api::Sampling { stream, ..sampling.clone() })?);
+            let stream = first + (i * n + j) as u64;
+            pending.push(s.enqueue(None, p.clone(), crate::api::Sampling { stream, ..sampling.clone() })?);
         }
     }
     let (mut completion_ids, mut logprobs) = (Vec::with_capacity(pending.len()), Vec::with_capacity(pending.len()));

@@ -3,21 +3,72 @@
 //! drafter, when SD is on) and hands finished requests back to their HTTP handlers. Requests with the same sampling
 //! (temperature, top-p, top-k, stop tokens, seed) share one engine; each distinct sampling has its own, and the
 //! engines take rounds in turn.
+//!
+//! Control messages share the channel and act between rounds: aborts (by request id, or all), pauses (in place, or
+//! aborting what runs, SGLang's default) and weight updates. An update never mixes versions inside a response: it
+//! holds new requests back, lets the running ones finish on the old weights (or aborts them, when asked), swaps the
+//! model while nothing runs, then admits the held requests on the new weights. A request whose client went away is
+//! aborted at the next round boundary.
 
-use std::collections::HashMap;
-use std::sync::mpsc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
 
 use tlt_model::Llama;
-use tlt_spec_decode::{Drafter, Engine, FinishReason, NgramDrafter, Plan, RequestId, SamplingParams, SpecParams};
+use tlt_spec_decode::{
+    Drafter, Engine, FinishReason, Finished, NgramDrafter, Plan, RequestId, SamplingParams, SpecParams,
+};
 use tokio::sync::oneshot;
 
 use crate::api::Sampling;
 use crate::stats::Stats;
 use crate::{Error, Result};
 
+/// A message for the engine thread.
+#[derive(Debug)]
+pub enum Msg {
+    /// A request to decode.
+    Job(Job),
+    /// End the requests with this SGLang `rid` (every request when `None`), waiting or running; they answer with
+    /// what they generated and finish reason `abort`. Replies how many were ended.
+    Abort {
+        /// The request id, or every request.
+        rid: Option<String>,
+        /// How many were ended.
+        reply: oneshot::Sender<usize>,
+    },
+    /// Stop running rounds until [`Msg::Continue`]; with `abort`, the running requests end first (SGLang's default
+    /// mode), else they stay where they are (`in_place`). Replies how many were aborted.
+    Pause {
+        /// Abort what runs.
+        abort: bool,
+        /// How many were aborted.
+        reply: oneshot::Sender<usize>,
+    },
+    /// Run rounds again.
+    Continue,
+    /// Swap in new weights (see the module docs).
+    Update(Box<Update>),
+}
+
+/// New weights for the engine thread.
+#[derive(Debug)]
+pub struct Update {
+    /// The model (already loaded, off the engine thread; same architecture as the served one).
+    pub model: Llama,
+    /// Its version, reported in every response decoded with it.
+    pub version: String,
+    /// End the running requests now (they answer with finish reason `abort`) instead of letting them finish.
+    pub abort_running: bool,
+    /// Answers with the number of requests aborted once the new weights serve, or why not.
+    pub reply: oneshot::Sender<Result<usize>>,
+}
+
 /// A request for the engine thread.
 #[derive(Debug)]
 pub struct Job {
+    /// The client's request id (SGLang's `rid`), for `/abort_request`.
+    pub rid: Option<String>,
     /// Prompt token ids (checked against the vocabulary and context).
     pub prompt: Vec<u32>,
     /// Sampling (validated).
@@ -36,12 +87,29 @@ pub struct Output {
     /// The target's log-probability of each generated token at the sampling temperature (1 when greedy), without
     /// top-k/top-p, from the pass that committed it (the verify pass under SD).
     pub logprobs: Vec<f32>,
-    /// Whether it ended on a stop token (else: length).
-    pub stopped: bool,
-    /// Its speculative rounds, and the drafted tokens they accepted.
+    /// Why it ended.
+    pub reason: FinishReason,
+    /// Its speculative rounds.
     pub spec_rounds: usize,
     /// Drafted tokens accepted over its speculative rounds.
     pub spec_accepted: usize,
+    /// The version of the weights every one of its tokens was decoded with.
+    pub weight_version: Arc<str>,
+}
+
+impl Output {
+    /// An output for a request ended before it was admitted.
+    fn aborted_unadmitted(job: &Job, version: Arc<str>) -> Self {
+        Self {
+            prompt_tokens: job.prompt.len(),
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            reason: FinishReason::Abort,
+            spec_rounds: 0,
+            spec_accepted: 0,
+            weight_version: version,
+        }
+    }
 }
 
 /// How the engine thread decodes.
@@ -81,16 +149,22 @@ impl Key {
     }
 }
 
-/// One engine and its requests' reply channels.
-struct Lane<'m> {
-    key: Key,
-    engine: Engine<&'m Llama>,
-    drafter: Option<NgramDrafter>,
-    replies: HashMap<RequestId, oneshot::Sender<Result<Output>>>,
+/// A running request's handler.
+struct Pending {
+    rid: Option<String>,
+    reply: oneshot::Sender<Result<Output>>,
 }
 
-impl<'m> Lane<'m> {
-    fn new(model: &'m Llama, s: &Sampling, cfg: &DecodeConfig) -> Result<Self> {
+/// One engine and its requests' reply channels.
+struct Lane {
+    key: Key,
+    engine: Engine<Arc<Llama>>,
+    drafter: Option<NgramDrafter>,
+    pending: HashMap<RequestId, Pending>,
+}
+
+impl Lane {
+    fn new(model: Arc<Llama>, s: &Sampling, cfg: &DecodeConfig) -> Result<Self> {
         let params = SpecParams {
             sampling: SamplingParams { temperature: s.temperature, top_k: s.top_k, top_p: s.top_p },
             max_new_tokens: s.max_new_tokens,
@@ -103,7 +177,7 @@ impl<'m> Lane<'m> {
             key: Key::of(s),
             engine,
             drafter: cfg.speculate.then(NgramDrafter::default),
-            replies: HashMap::new(),
+            pending: HashMap::new(),
         })
     }
 
@@ -114,95 +188,258 @@ impl<'m> Lane<'m> {
         let plan = drafter.is_some().then_some(plan);
         let before = self.engine.counters().seq_rounds;
         if let Err(e) = self.engine.round(drafter, plan) {
-            Stats::sub(&stats.running, self.replies.len() as u64);
-            Stats::add(&stats.failed, self.replies.len() as u64);
-            for (_, reply) in self.replies.drain() {
-                let _ = reply.send(Err(Error::Engine(e.to_string())));
+            Stats::sub(&stats.running, self.pending.len() as u64);
+            Stats::add(&stats.failed, self.pending.len() as u64);
+            for (_, p) in self.pending.drain() {
+                let _ = p.reply.send(Err(Error::Engine(e.to_string())));
             }
             return false;
         }
         Stats::add(&stats.rounds, 1);
         Stats::add(&stats.request_rounds, self.engine.counters().seq_rounds.saturating_sub(before));
-        for f in self.engine.take_finished() {
-            let Some(reply) = self.replies.remove(&f.id) else { continue };
-            let spec_accepted: usize = f.sd_rounds.iter().map(|&(_, n)| n.saturating_sub(1) as usize).sum();
-            Stats::sub(&stats.running, 1);
-            Stats::add(&stats.finished, 1);
-            Stats::add(&stats.prompt_tokens, f.prompt.len() as u64);
-            Stats::add(&stats.generated_tokens, f.tokens.len() as u64);
-            Stats::add(&stats.spec_rounds, f.sd_rounds.len() as u64);
-            Stats::add(&stats.spec_accepted, spec_accepted as u64);
-            let _ = reply.send(Ok(Output {
-                prompt_tokens: f.prompt.len(),
-                spec_rounds: f.sd_rounds.len(),
-                spec_accepted,
-                stopped: f.reason != FinishReason::Length,
-                logprobs: f.logprobs,
-                tokens: f.tokens,
-            }));
-        }
+        self.answer_finished(stats);
         true
+    }
+
+    /// Sends every finished request its output.
+    fn answer_finished(&mut self, stats: &Stats) {
+        let version = stats.version();
+        for f in self.engine.take_finished() {
+            let Some(p) = self.pending.remove(&f.id) else { continue };
+            Stats::sub(&stats.running, 1);
+            let out = output(f, version.clone(), stats);
+            let _ = p.reply.send(Ok(out));
+        }
+    }
+
+    /// Aborts the running requests `which` picks; they answer with what they generated. Returns how many.
+    fn abort_where(&mut self, stats: &Stats, which: impl Fn(&Pending) -> bool) -> usize {
+        let ids: Vec<RequestId> = self.pending.iter().filter(|(_, p)| which(p)).map(|(&id, _)| id).collect();
+        let mut n = 0;
+        for id in ids {
+            let drafter = self.drafter.as_mut().map(|d| d as &mut dyn Drafter);
+            match self.engine.abort(id, drafter) {
+                Ok(true) => n += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    if let Some(p) = self.pending.remove(&id) {
+                        Stats::sub(&stats.running, 1);
+                        Stats::add(&stats.failed, 1);
+                        let _ = p.reply.send(Err(Error::Engine(e.to_string())));
+                    }
+                }
+            }
+        }
+        self.answer_finished(stats);
+        n
     }
 }
 
-/// How long a paused engine thread sleeps between looks at its queue and the pause switch.
+/// A finished request's output, counted.
+fn output(f: Finished, weight_version: Arc<str>, stats: &Stats) -> Output {
+    let spec_accepted: usize = f.sd_rounds.iter().map(|&(_, n)| n.saturating_sub(1) as usize).sum();
+    let done = if f.reason == FinishReason::Abort { &stats.aborted } else { &stats.finished };
+    Stats::add(done, 1);
+    Stats::add(&stats.prompt_tokens, f.prompt.len() as u64);
+    Stats::add(&stats.generated_tokens, f.tokens.len() as u64);
+    Stats::add(&stats.spec_rounds, f.sd_rounds.len() as u64);
+    Stats::add(&stats.spec_accepted, spec_accepted as u64);
+    Output {
+        prompt_tokens: f.prompt.len(),
+        spec_rounds: f.sd_rounds.len(),
+        spec_accepted,
+        reason: f.reason,
+        logprobs: f.logprobs,
+        tokens: f.tokens,
+        weight_version,
+    }
+}
+
+/// How long a paused engine thread sleeps between looks at its queue.
 const PAUSED_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 
-/// The engine thread's loop: until every sender of `jobs` is gone and nothing runs. While `stats.paused` it admits
-/// requests but runs no round (`/pause_generation`): no request advances, none is lost.
-pub fn run(model: &Llama, jobs: &mpsc::Receiver<Job>, cfg: &DecodeConfig, stats: &Stats) {
-    let mut lanes: Vec<Lane<'_>> = Vec::new();
+/// The engine thread's state.
+struct Worker<'c> {
+    model: Arc<Llama>,
+    cfg: &'c DecodeConfig,
+    stats: &'c Stats,
+    lanes: Vec<Lane>,
+    /// Requests held back while an update waits for the running ones to finish.
+    held: VecDeque<Job>,
+    /// A pending update and how many requests it aborted.
+    update: Option<(Box<Update>, usize)>,
+    paused: bool,
+}
+
+/// The engine thread's loop: until every sender of `msgs` is gone and nothing runs.
+pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: &Stats) {
+    let mut w = Worker {
+        model: Arc::new(model),
+        cfg,
+        stats,
+        lanes: Vec::new(),
+        held: VecDeque::new(),
+        update: None,
+        paused: false,
+    };
     loop {
-        let busy = lanes.iter().any(|l| !l.engine.is_idle());
-        let first = if busy {
+        let first = if w.running() > 0 || w.update.is_some() {
             None
         } else {
-            match jobs.recv() {
-                Ok(job) => Some(job),
+            match msgs.recv() {
+                Ok(m) => Some(m),
                 Err(_) => return,
             }
         };
-        for job in first.into_iter().chain(jobs.try_iter()) {
-            admit(model, &mut lanes, job, cfg, stats);
+        for m in first.into_iter().chain(msgs.try_iter()) {
+            w.handle(m);
         }
-        if stats.paused.load(std::sync::atomic::Ordering::Relaxed) {
+        w.abort_gone();
+        w.apply_update();
+        if w.paused {
             std::thread::sleep(PAUSED_POLL);
             continue;
         }
-        lanes.retain_mut(|l| l.engine.is_idle() || l.round(&cfg.plan, stats));
-        lanes.retain(|l| !l.engine.is_idle() || !l.replies.is_empty());
+        let (plan, stats) = (&cfg.plan, stats);
+        w.lanes.retain_mut(|l| l.engine.is_idle() || l.round(plan, stats));
+        w.lanes.retain(|l| !l.engine.is_idle() || !l.pending.is_empty());
     }
 }
 
-/// Adds `job` to the lane of its sampling (made when new); an error goes straight back to its handler.
-fn admit<'m>(model: &'m Llama, lanes: &mut Vec<Lane<'m>>, job: Job, cfg: &DecodeConfig, stats: &Stats) {
-    Stats::sub(&stats.waiting, 1);
-    let key = Key::of(&job.sampling);
-    let at = match lanes.iter().position(|l| l.key == key) {
-        Some(i) => i,
-        None => match Lane::new(model, &job.sampling, cfg) {
-            Ok(lane) => {
-                lanes.push(lane);
-                lanes.len() - 1
+impl Worker<'_> {
+    fn running(&self) -> usize {
+        self.lanes.iter().map(|l| l.engine.num_live()).sum()
+    }
+
+    fn handle(&mut self, m: Msg) {
+        match m {
+            // Held requests stay counted as waiting.
+            Msg::Job(job) if self.update.is_some() => self.held.push_back(job),
+            Msg::Job(job) => {
+                Stats::sub(&self.stats.waiting, 1);
+                self.admit(job);
+            }
+            Msg::Abort { rid, reply } => {
+                let which = |p: Option<&String>| rid.is_none() || p == rid.as_ref();
+                let mut n = self.abort_running(|p| which(p.rid.as_ref()));
+                let version = self.stats.version();
+                let (gone, kept): (VecDeque<Job>, VecDeque<Job>) =
+                    self.held.drain(..).partition(|j| which(j.rid.as_ref()));
+                self.held = kept;
+                for job in gone {
+                    n += 1;
+                    Stats::sub(&self.stats.waiting, 1);
+                    Stats::add(&self.stats.aborted, 1);
+                    let out = Output::aborted_unadmitted(&job, version.clone());
+                    let _ = job.reply.send(Ok(out));
+                }
+                let _ = reply.send(n);
+            }
+            Msg::Pause { abort, reply } => {
+                let n = if abort { self.abort_running(|_| true) } else { 0 };
+                self.paused = true;
+                self.stats.paused.store(true, Ordering::Relaxed);
+                let _ = reply.send(n);
+            }
+            Msg::Continue => {
+                self.paused = false;
+                self.stats.paused.store(false, Ordering::Relaxed);
+            }
+            Msg::Update(u) => self.begin_update(u),
+        }
+    }
+
+    fn begin_update(&mut self, u: Box<Update>) {
+        if self.update.is_some() {
+            let _ = u.reply.send(Err(Error::Busy("another weight update is in progress".into())));
+            return;
+        }
+        if !u.model.config().same_architecture(self.model.config()) {
+            let _ = u.reply.send(Err(Error::Invalid {
+                field: "model_path".into(),
+                reason: "its config.json differs from the served model's: only weights can change".into(),
+            }));
+            return;
+        }
+        if self.paused && !u.abort_running && self.running() > 0 {
+            let _ = u.reply.send(Err(Error::Busy(
+                "requests are paused in place: continue them or set abort_all_requests, so that no response mixes \
+                 two weight versions"
+                    .into(),
+            )));
+            return;
+        }
+        let aborted = if u.abort_running { self.abort_running(|_| true) } else { 0 };
+        self.update = Some((u, aborted));
+    }
+
+    /// Swaps the weights once nothing runs, then admits the requests held meanwhile.
+    fn apply_update(&mut self) {
+        if self.running() > 0 {
+            return;
+        }
+        let Some((u, aborted)) = self.update.take() else { return };
+        // Engines hold the old model; idle lanes go with it.
+        self.lanes.clear();
+        let Update { model, version, reply, .. } = *u;
+        self.model = Arc::new(model);
+        match self.stats.weight_version.write() {
+            Ok(mut v) => *v = version.as_str().into(),
+            Err(p) => *p.into_inner() = version.as_str().into(),
+        }
+        Stats::add(&self.stats.weight_updates, 1);
+        tracing::info!(%version, "weights updated");
+        let _ = reply.send(Ok(aborted));
+        while let Some(job) = self.held.pop_front() {
+            Stats::sub(&self.stats.waiting, 1);
+            self.admit(job);
+        }
+    }
+
+    /// Aborts the running requests `which` picks; returns how many.
+    fn abort_running(&mut self, which: impl Fn(&Pending) -> bool) -> usize {
+        let stats = self.stats;
+        self.lanes.iter_mut().map(|l| l.abort_where(stats, &which)).sum()
+    }
+
+    /// Aborts the requests whose handler is gone (the client disconnected).
+    fn abort_gone(&mut self) {
+        let n = self.abort_running(|p| p.reply.is_closed());
+        if n > 0 {
+            tracing::debug!(requests = n, "aborted requests whose clients went away");
+        }
+    }
+
+    /// Adds `job` to the lane of its sampling (made when new); an error goes straight back to its handler.
+    fn admit(&mut self, job: Job) {
+        let stats = self.stats;
+        let key = Key::of(&job.sampling);
+        let at = match self.lanes.iter().position(|l| l.key == key) {
+            Some(i) => i,
+            None => match Lane::new(self.model.clone(), &job.sampling, self.cfg) {
+                Ok(lane) => {
+                    self.lanes.push(lane);
+                    self.lanes.len() - 1
+                }
+                Err(e) => {
+                    Stats::add(&stats.failed, 1);
+                    let _ = job.reply.send(Err(e));
+                    return;
+                }
+            },
+        };
+        let lane = &mut self.lanes[at];
+        // The request's coins are keyed by its own stream, not by its position in the lane.
+        lane.engine.key_streams_from(job.sampling.stream);
+        match lane.engine.add_request_with_limit(&job.prompt, job.sampling.max_new_tokens) {
+            Ok(id) => {
+                Stats::add(&stats.running, 1);
+                lane.pending.insert(id, Pending { rid: job.rid, reply: job.reply });
             }
             Err(e) => {
                 Stats::add(&stats.failed, 1);
-                let _ = job.reply.send(Err(e));
-                return;
+                let _ = job.reply.send(Err(Error::Engine(e.to_string())));
             }
-        },
-    };
-    let lane = &mut lanes[at];
-    // The request's coins are keyed by its own stream, not by its position in the lane.
-    lane.engine.key_streams_from(job.sampling.stream);
-    match lane.engine.add_request_with_limit(&job.prompt, job.sampling.max_new_tokens) {
-        Ok(id) => {
-            Stats::add(&stats.running, 1);
-            lane.replies.insert(id, job.reply);
-        }
-        Err(e) => {
-            Stats::add(&stats.failed, 1);
-            let _ = job.reply.send(Err(Error::Engine(e.to_string())));
         }
     }
 }

@@ -2,87 +2,13 @@
 //! it, served log-probs against the trainer's teacher-forced recomputation, bad input, and many requests at once.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // Tests: a panic is the failure report.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 
 use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
-use tlt_model::{EosTokens, Llama, LlamaConfig};
-use tlt_serve::worker::DecodeConfig;
-use tlt_serve::{ServeConfig, Server};
 
-const VOCAB: usize = 64;
-
-fn tiny() -> Llama {
-    let mut cfg = LlamaConfig::tiny(VOCAB, 64, 2);
-    cfg.eos_token_id = Some(EosTokens::One(1));
-    Llama::random(cfg, 5).unwrap()
-}
-
-/// A server on a free port, SD on or off; its address. The runtime lives as long as the test process.
-fn serve(speculate: bool) -> SocketAddr {
-    let server = Server::start(
-        tiny(),
-        None,
-        ServeConfig {
-            decode: DecodeConfig { speculate, ..DecodeConfig::default() },
-            model_name: "tiny".into(),
-            weight_version: Some("v1".into()),
-        },
-    )
-    .unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || rt.block_on(async { axum::serve(listener, server.router).await.unwrap() }));
-    addr
-}
-
-/// `POST path` with `body` (raw bytes): (status, JSON body).
-fn post_raw(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Value) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    let _ = s.write_all(body);
-    let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
-    let text = String::from_utf8_lossy(&out);
-    let status: u16 = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let json = text.split("\r\n\r\n").nth(1).and_then(|b| serde_json::from_str(b).ok()).unwrap_or(Value::Null);
-    (status, json)
-}
-
-fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
-    post_raw(addr, path, body.to_string().as_bytes())
-}
-
-fn get(addr: SocketAddr, path: &str) -> u16 {
-    get_body(addr, path).0
-}
-
-/// `GET path`: (status, body).
-fn get_body(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, out.split("\r\n\r\n").nth(1).unwrap_or("").to_string())
-}
-
-/// The value of Prometheus metric `name` in `/metrics`.
-fn metric(addr: SocketAddr, name: &str) -> f64 {
-    let (status, text) = get_body(addr, "/metrics");
-    assert_eq!(status, 200);
-    let line = text
-        .lines()
-        .find(|l| l.starts_with(&format!("tlt_serve_{name} ")))
-        .unwrap_or_else(|| panic!("no {name}:\n{text}"));
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
+mod common;
+use common::*;
 
 /// Prompts that repeat themselves (the n-gram drafter finds drafts in them), and plain ones.
 fn prompts() -> Vec<Vec<u32>> {
@@ -104,10 +30,6 @@ fn generate(addr: SocketAddr, prompt: &[u32], temperature: f64, seed: u64) -> Va
     let (status, v) = post(addr, "/generate", &body);
     assert_eq!(status, 200, "{v}");
     v
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v["output_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
 }
 
 #[test]
@@ -267,6 +189,10 @@ fn the_trl_surface_batches_prompts_times_n() {
     }
     let distinct: std::collections::BTreeSet<String> = completions[..4].iter().map(ToString::to_string).collect();
     assert!(distinct.len() > 1, "a prompt's 4 samples are all the same: {completions:?}");
+    // The same batch again is sampled anew (fresh coin streams), on both servers alike.
+    let (again, again_plain) = (post(sd, "/generate/", &body).1, post(plain, "/generate/", &body).1);
+    assert_ne!(again["completion_ids"], a["completion_ids"], "a repeated batch got the same samples");
+    assert_eq!(again["completion_ids"], again_plain["completion_ids"]);
     for (extra, param) in [
         (json!({"repetition_penalty": 1.2}), "repetition_penalty"),
         (json!({"min_p": 0.1}), "min_p"),
@@ -282,6 +208,26 @@ fn the_trl_surface_batches_prompts_times_n() {
         let (status, v) = post(sd, "/generate/", &body);
         assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
     }
+}
+
+/// SGLang's seeds: requests without `sampling_seed` get coins of their own (a GRPO group sent as separate requests
+/// differs), requests with the same seed and prompt get the same sample.
+#[test]
+fn unseeded_requests_differ_and_seeded_ones_repeat() {
+    let addr = serve(true);
+    let body = |seed: Option<u64>| {
+        let mut p = json!({"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": true});
+        if let Some(seed) = seed {
+            p["sampling_seed"] = json!(seed);
+        }
+        json!({"input_ids": [3, 4, 5], "sampling_params": p})
+    };
+    let outs: Vec<Vec<u32>> = (0..4).map(|_| ids(&post(addr, "/generate", &body(None)).1)).collect();
+    let distinct: std::collections::BTreeSet<&Vec<u32>> = outs.iter().collect();
+    assert_eq!(distinct.len(), 4, "unseeded samples repeat: {outs:?}");
+    let (a, b) = (post(addr, "/generate", &body(Some(9))).1, post(addr, "/generate", &body(Some(9))).1);
+    assert_eq!(ids(&a), ids(&b));
+    assert_eq!(ids(&a).len(), 24, "{a}");
 }
 
 /// `/metrics` counts what the server did; `/pause_generation` holds a request (admitted, not advanced) and

@@ -246,45 +246,53 @@ pub trait Target {
     fn commit(&self, state: &mut Self::State, seq: SeqHandle, path: &[usize]) -> Result<()>;
 }
 
-impl<T: Target + ?Sized> Target for &T {
-    type State = T::State;
-    fn vocab_size(&self) -> usize {
-        (**self).vocab_size()
-    }
-    fn eos_ids(&self) -> Vec<u32> {
-        (**self).eos_ids()
-    }
-    fn max_context(&self) -> Option<usize> {
-        (**self).max_context()
-    }
-    fn new_state(&self) -> Self::State {
-        (**self).new_state()
-    }
-    fn new_sequence(&self, state: &mut Self::State) -> SeqHandle {
-        (**self).new_sequence(state)
-    }
-    fn remove(&self, state: &mut Self::State, seq: SeqHandle) -> Result<()> {
-        (**self).remove(state, seq)
-    }
-    fn truncate(&self, state: &mut Self::State, seq: SeqHandle, len: usize) -> Result<()> {
-        (**self).truncate(state, seq, len)
-    }
-    fn forward(&self, state: &mut Self::State, inputs: &[TargetInput<'_>], hidden: bool) -> Result<TargetOutput> {
-        (**self).forward(state, inputs, hidden)
-    }
-    fn commit(&self, state: &mut Self::State, seq: SeqHandle, path: &[usize]) -> Result<()> {
-        (**self).commit(state, seq, path)
-    }
-    fn forward_verify(
-        &self,
-        state: &mut Self::State,
-        inputs: &[TargetInput<'_>],
-        hidden: bool,
-        spec: VerifySpec<'_>,
-    ) -> Result<Option<Vec<Verified>>> {
-        (**self).forward_verify(state, inputs, hidden, spec)
-    }
-    fn fork(&self, state: &mut Self::State, seq: SeqHandle) -> Result<Option<SeqHandle>> {
-        (**self).fork(state, seq)
-    }
+/// A [`Target`] behind a reference or a shared pointer is the target itself (a server swaps an `Arc` of the model
+/// between rounds; an engine borrows one).
+macro_rules! target_through {
+    ($($ptr:ty),*) => {$(
+        impl<T: Target + ?Sized> Target for $ptr {
+            type State = T::State;
+            fn vocab_size(&self) -> usize {
+                (**self).vocab_size()
+            }
+            fn eos_ids(&self) -> Vec<u32> {
+                (**self).eos_ids()
+            }
+            fn max_context(&self) -> Option<usize> {
+                (**self).max_context()
+            }
+            fn new_state(&self) -> Self::State {
+                (**self).new_state()
+            }
+            fn new_sequence(&self, state: &mut Self::State) -> SeqHandle {
+                (**self).new_sequence(state)
+            }
+            fn remove(&self, state: &mut Self::State, seq: SeqHandle) -> Result<()> {
+                (**self).remove(state, seq)
+            }
+            fn truncate(&self, state: &mut Self::State, seq: SeqHandle, len: usize) -> Result<()> {
+                (**self).truncate(state, seq, len)
+            }
+            fn forward(&self, state: &mut Self::State, inputs: &[TargetInput<'_>], hidden: bool) -> Result<TargetOutput> {
+                (**self).forward(state, inputs, hidden)
+            }
+            fn commit(&self, state: &mut Self::State, seq: SeqHandle, path: &[usize]) -> Result<()> {
+                (**self).commit(state, seq, path)
+            }
+            fn forward_verify(
+                &self,
+                state: &mut Self::State,
+                inputs: &[TargetInput<'_>],
+                hidden: bool,
+                spec: VerifySpec<'_>,
+            ) -> Result<Option<Vec<Verified>>> {
+                (**self).forward_verify(state, inputs, hidden, spec)
+            }
+            fn fork(&self, state: &mut Self::State, seq: SeqHandle) -> Result<Option<SeqHandle>> {
+                (**self).fork(state, seq)
+            }
+        }
+    )*};
 }
+
+target_through!(&T, std::sync::Arc<T>);

@@ -1,0 +1,126 @@
+//! SGLang's control endpoints, as slime and verl's SGLang server mode call them: `/abort_request`,
+//! `/pause_generation` (modes `abort` and `in_place`), `/continue_generation`, `/flush_cache`, `/get_weight_version`
+//! and `/update_weights_from_disk`. Each acts on the engine thread between two rounds ([`crate::worker::Msg`]).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use crate::api::{AbortRequest, PauseRequest, UpdateWeightsRequest};
+use crate::routes::{answer, AppState};
+use crate::worker::{Msg, Update};
+use crate::Error;
+
+/// `GET /get_weight_version`.
+pub(crate) async fn weight_version(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({"weight_version": &*s.stats.version()}))
+}
+
+/// `/flush_cache`: nothing is cached across requests; as SGLang, it succeeds only when no request waits or runs.
+pub(crate) async fn flush_cache(State(s): State<Arc<AppState>>) -> Response {
+    if s.stats.idle() {
+        (StatusCode::OK, "Cache flushed (nothing is cached across requests).").into_response()
+    } else {
+        let body = json!({"error": {"message": "requests are waiting or running: flush when idle",
+            "type": "invalid_request_error", "param": null, "code": 400}});
+        (StatusCode::BAD_REQUEST, Json(body)).into_response()
+    }
+}
+
+/// `POST /pause_generation` (body optional, as SGLang's clients send it with or without `{"mode": ...}`): no round
+/// runs until `/continue_generation`; requests are still taken. Mode `abort` (the default) ends the running requests
+/// first, `in_place` keeps them.
+pub(crate) async fn pause(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: PauseRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        PauseRequest::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(r) => r,
+            Err(e) => return Error::Invalid { field: "body".into(), reason: e.to_string() }.into_response(),
+        }
+    };
+    let abort = match req.mode.as_deref() {
+        None | Some("abort") => true,
+        Some("in_place") => false,
+        Some(other) => {
+            let reason = format!(
+                "`{other}` is not served: `abort` (default) or `in_place` (`retract` would re-prefill after a \
+                 weight update and mix two versions in one response)"
+            );
+            return Error::Invalid { field: "mode".into(), reason }.into_response();
+        }
+    };
+    match s.control(|reply| Msg::Pause { abort, reply }).await {
+        Ok(n) => Json(json!({"message": "generation paused", "num_aborted_requests": n})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /continue_generation`.
+pub(crate) async fn resume(State(s): State<Arc<AppState>>) -> Response {
+    if s.msgs.send(Msg::Continue).is_err() {
+        return Error::Stopped.into_response();
+    }
+    // The switch the engine thread sets; reported at once so that a client reading /metrics next sees it.
+    s.stats.paused.store(false, Ordering::Relaxed);
+    Json(json!({"message": "generation continued"})).into_response()
+}
+
+/// `POST /abort_request` (`rid`, or `abort_all`): the requests end and answer with what they generated, finish
+/// reason `abort`.
+pub(crate) async fn abort(State(s): State<Arc<AppState>>, body: Result<Json<AbortRequest>, JsonRejection>) -> Response {
+    answer(s, body, async |s: &AppState, req: AbortRequest| {
+        let rid = match (req.abort_all, req.rid) {
+            (true, _) => None,
+            (false, Some(rid)) if !rid.is_empty() => Some(rid),
+            (false, _) => {
+                return Err(Error::Invalid { field: "rid".into(), reason: "give a request id or abort_all".into() })
+            }
+        };
+        let n = s.control(|reply| Msg::Abort { rid, reply }).await?;
+        Ok(json!({"num_aborted_requests": n}))
+    })
+    .await
+}
+
+/// `POST /update_weights_from_disk`: loads the checkpoint off the engine thread (decoding goes on meanwhile), then
+/// swaps it in between rounds once the running requests have finished on the old weights (or were aborted, with
+/// `abort_all_requests`); requests that arrive meanwhile wait and decode on the new weights. Answers SGLang's
+/// `{"success", "message", "num_paused_requests"}` once the new weights serve.
+pub(crate) async fn update_weights(
+    State(s): State<Arc<AppState>>,
+    body: Result<Json<UpdateWeightsRequest>, JsonRejection>,
+) -> Response {
+    answer(s, body, async |s: &AppState, req: UpdateWeightsRequest| {
+        if let Some(f) = req.load_format.as_deref().filter(|f| *f != "auto") {
+            let reason = format!("`{f}` is not served: `auto` (read off the path: a directory or a .gguf file)");
+            return Err(Error::Invalid { field: "load_format".into(), reason });
+        }
+        let path = std::path::PathBuf::from(&req.model_path);
+        let loaded = tokio::task::spawn_blocking(move || tlt_model::load(&path))
+            .await
+            .map_err(|e| Error::Model(format!("loading the weights: {e}")))?
+            .map_err(|e| Error::Invalid { field: "model_path".into(), reason: e.to_string() })?;
+        let version = req.weight_version.clone().unwrap_or_else(|| s.stats.version().to_string());
+        let aborted = s
+            .control(|reply| {
+                Msg::Update(Box::new(Update {
+                    model: loaded.model,
+                    version,
+                    abort_running: req.abort_all_requests,
+                    reply,
+                }))
+            })
+            .await??;
+        Ok(json!({"success": true, "message": format!("loaded {}", req.model_path),
+            "num_paused_requests": aborted, "weight_version": &*s.stats.version()}))
+    })
+    .await
+}

@@ -1,0 +1,94 @@
+//! What the server tests share: a tiny model, a server on a free port, and HTTP/1.1 written by hand.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, dead_code)] // Tests: a panic is the failure report.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+
+use serde_json::Value;
+use tlt_model::{EosTokens, Llama, LlamaConfig};
+use tlt_serve::worker::DecodeConfig;
+use tlt_serve::{ServeConfig, Server};
+
+pub const VOCAB: usize = 64;
+
+pub fn tiny() -> Llama {
+    let mut cfg = LlamaConfig::tiny(VOCAB, 64, 2);
+    cfg.eos_token_id = Some(EosTokens::One(1));
+    Llama::random(cfg, 5).unwrap()
+}
+
+/// A server of [`tiny`] on a free port, SD on or off; its address.
+pub fn serve(speculate: bool) -> SocketAddr {
+    serve_model(tiny(), speculate)
+}
+
+/// A server of `model` on a free port, SD on or off, weight version `v1`; its address. The runtime lives as long as
+/// the test process.
+pub fn serve_model(model: Llama, speculate: bool) -> SocketAddr {
+    let server = Server::start(
+        model,
+        None,
+        ServeConfig {
+            decode: DecodeConfig { speculate, ..DecodeConfig::default() },
+            model_name: "tiny".into(),
+            weight_version: Some("v1".into()),
+        },
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || rt.block_on(async { axum::serve(listener, server.router).await.unwrap() }));
+    addr
+}
+
+/// `POST path` with `body` (raw bytes): (status, JSON body).
+pub fn post_raw(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Value) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    let _ = s.write_all(body);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out);
+    let status: u16 = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let json = text.split("\r\n\r\n").nth(1).and_then(|b| serde_json::from_str(b).ok()).unwrap_or(Value::Null);
+    (status, json)
+}
+
+pub fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    post_raw(addr, path, body.to_string().as_bytes())
+}
+
+pub fn get(addr: SocketAddr, path: &str) -> u16 {
+    get_body(addr, path).0
+}
+
+/// `GET path`: (status, body).
+pub fn get_body(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, out.split("\r\n\r\n").nth(1).unwrap_or("").to_string())
+}
+
+/// The value of Prometheus metric `name` in `/metrics`.
+pub fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let (status, text) = get_body(addr, "/metrics");
+    assert_eq!(status, 200);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&format!("tlt_serve_{name} ")))
+        .unwrap_or_else(|| panic!("no {name}:\n{text}"));
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// The output ids of a `/generate` answer.
+pub fn ids(v: &Value) -> Vec<u32> {
+    v["output_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+}
