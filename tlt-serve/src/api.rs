@@ -85,6 +85,18 @@ impl FinishReason {
     }
 }
 
+/// The coin stream of sample `index` of a request seeded with `seed`: a 64-bit mix of both with the top bit set,
+/// so that it never meets an unseeded request's stream (counted from 1, far below 2^63).
+pub fn seeded_stream(seed: u64, index: u64) -> u64 {
+    fn splitmix(mut z: u64) -> u64 {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    splitmix(splitmix(seed) ^ index) | (1 << 63)
+}
+
 /// The word SGLang, OpenAI and TRL clients read for `reason`: `stop`, `length` or `abort`.
 pub fn finish_kind(reason: tlt_spec_decode::FinishReason) -> &'static str {
     match reason {
@@ -207,12 +219,13 @@ pub struct Sampling {
     pub max_new_tokens: usize,
     /// Stop tokens (`None`: the model's end of sequence).
     pub stop_token_ids: Option<Vec<u32>>,
-    /// Sampling seed.
-    pub seed: u64,
-    /// The request's coin stream under `seed`: its tokens depend on (seed, stream, prompt, sampling) alone, never on
-    /// what ran beside it. A request with a seed takes stream 0 (the same seed, the same sample); one without takes
-    /// a stream of its own from the server's counter ([`crate::routes::AppState::fresh_streams`]), so that the
-    /// samples of a GRPO group sent as separate unseeded requests differ, as on SGLang.
+    /// The client's sampling seed.
+    pub seed: Option<u64>,
+    /// The request's coin stream (every engine of the server has the same seed, so requests with different seeds
+    /// share one): its tokens depend on (stream, prompt, sampling) alone, never on what ran beside it. A request with
+    /// a seed takes [`seeded_stream`]`(seed, 0)` (the same seed, the same sample); one without takes a stream of its
+    /// own from the server's counter ([`crate::routes::AppState::fresh_streams`]), so that the samples of a GRPO
+    /// group sent as separate unseeded requests differ, as on SGLang.
     pub stream: u64,
 }
 
@@ -324,8 +337,8 @@ impl SamplingParams {
             top_k,
             max_new_tokens,
             stop_token_ids: Some(stop),
-            seed: self.sampling_seed.unwrap_or(0),
-            stream: 0,
+            seed: self.sampling_seed,
+            stream: self.sampling_seed.map_or(0, |s| seeded_stream(s, 0)),
         })
     }
 }
@@ -354,8 +367,8 @@ impl CompletionRequest {
             top_k: None,
             max_new_tokens: new_tokens("max_tokens", self.max_tokens, 16)?,
             stop_token_ids: Some(stop),
-            seed: self.seed.unwrap_or(0),
-            stream: 0,
+            seed: self.seed,
+            stream: self.seed.map_or(0, |s| seeded_stream(s, 0)),
         })
     }
 }

@@ -40,7 +40,7 @@ pub struct AppState {
     pub model_name: String,
     /// Request ids made here.
     pub next_id: AtomicU64,
-    /// The next coin stream for requests without a seed (from 1: seeded requests take stream 0).
+    /// The next coin stream for requests without a seed (from 1; seeded requests take `api::seeded_stream`).
     pub next_stream: AtomicU64,
     /// Counters and the pause switch, shared with the engine thread.
     pub stats: Arc<Stats>,
@@ -175,7 +175,7 @@ async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<Gener
         return Err(Error::Invalid { field: "stream".into(), reason: "streaming is not served yet".into() });
     }
     let mut sampling = req.sampling_params.validate(&s.limits)?;
-    if req.sampling_params.sampling_seed.is_none() {
+    if sampling.seed.is_none() {
         sampling.stream = s.fresh_streams(1);
     }
     let (field, ids) = match (&req.input_ids, &req.text) {
@@ -216,7 +216,7 @@ async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<Completio
 
 async fn run_completion(s: &AppState, req: CompletionRequest) -> crate::Result<CompletionResponse> {
     let mut sampling = req.validate(&s.limits)?;
-    if req.seed.is_none() {
+    if sampling.seed.is_none() {
         sampling.stream = s.fresh_streams(1);
     }
     let ids = match &req.prompt {
@@ -262,7 +262,7 @@ async fn health_generate(State(s): State<Arc<AppState>>) -> Response {
         top_k: None,
         max_new_tokens: 1,
         stop_token_ids: Some(Vec::new()),
-        seed: 0,
+        seed: None,
         stream: 0,
     };
     match s.submit(None, vec![0], sampling).await {

@@ -1,7 +1,7 @@
 //! The engine thread: continuous batching over `tlt_spec_decode::Engine`. Requests arrive on a channel and join the
 //! running batch at the next round boundary; every round runs one batched target forward (speculative, with the
 //! drafter, when SD is on) and hands finished requests back to their HTTP handlers. Requests with the same sampling
-//! (temperature, top-p, top-k, stop tokens, seed) share one engine; each distinct sampling has its own, and the
+//! (temperature, top-p, top-k, stop tokens; a seed only picks a request's coin stream) share one engine; each distinct sampling has its own, and the
 //! engines take rounds in turn.
 //!
 //! Control messages share the channel and act between rounds: aborts (by request id, or all), pauses (in place, or
@@ -16,7 +16,7 @@ use std::sync::{mpsc, Arc};
 
 use tlt_model::Llama;
 use tlt_spec_decode::{
-    Drafter, Engine, FinishReason, Finished, NgramDrafter, Plan, RequestId, SamplingParams, SpecParams,
+    Drafter, Engine, FinishReason, Finished, GroupId, NgramDrafter, Plan, RequestId, SamplingParams, SpecParams,
 };
 use tokio::sync::oneshot;
 
@@ -127,14 +127,13 @@ impl Default for DecodeConfig {
     }
 }
 
-/// Requests that share an engine: same sampling, same stop tokens, same seed.
+/// Requests that share an engine: same sampling, same stop tokens.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Key {
     temperature: u32,
     top_p: Option<u32>,
     top_k: Option<usize>,
     stop: Option<Vec<u32>>,
-    seed: u64,
 }
 
 impl Key {
@@ -144,7 +143,6 @@ impl Key {
             top_p: s.top_p.map(f32::to_bits),
             top_k: s.top_k,
             stop: s.stop_token_ids.clone(),
-            seed: s.seed,
         }
     }
 }
@@ -170,7 +168,8 @@ impl Lane {
             max_new_tokens: s.max_new_tokens,
             stop_token_ids: s.stop_token_ids.clone(),
             stop: Vec::new(),
-            seed: s.seed,
+            // One seed for every engine: a request's own seed chose its coin stream.
+            seed: 0,
         };
         let engine = Engine::new(model, params).map_err(|e| Error::Engine(e.to_string()))?;
         Ok(Self {
@@ -233,6 +232,15 @@ impl Lane {
         self.answer_finished(stats);
         n
     }
+}
+
+/// A prompt's group id.
+fn prompt_hash(prompt: &[u32]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    prompt.hash(&mut h);
+    // Below 2^63, so that the engine's next group id never overflows.
+    h.finish() >> 1
 }
 
 /// A finished request's output, counted.
@@ -431,7 +439,14 @@ impl Worker<'_> {
         let lane = &mut self.lanes[at];
         // The request's coins are keyed by its own stream, not by its position in the lane.
         lane.engine.key_streams_from(job.sampling.stream);
-        match lane.engine.add_request_with_limit(&job.prompt, job.sampling.max_new_tokens) {
+        // Requests with the same prompt form one group: a live sibling's prefilled prompt is forked, not prefilled
+        // again (a GRPO group sent as separate requests), and group drafters see them together. The group is the
+        // prompt's hash; a collision only costs a prefill (the engine forks a member holding this exact prompt).
+        let group = GroupId(prompt_hash(&job.prompt));
+        let forks = lane.engine.counters().prefill_forks;
+        let added = lane.engine.add_to_group(group, &job.prompt, 1, job.sampling.max_new_tokens);
+        Stats::add(&stats.prefill_forks, lane.engine.counters().prefill_forks - forks);
+        match added.map(|ids| ids[0]) {
             Ok(id) => {
                 Stats::add(&stats.running, 1);
                 lane.pending.insert(id, Pending { rid: job.rid, reply: job.reply });

@@ -189,6 +189,9 @@ fn the_trl_surface_batches_prompts_times_n() {
     }
     let distinct: std::collections::BTreeSet<String> = completions[..4].iter().map(ToString::to_string).collect();
     assert!(distinct.len() > 1, "a prompt's 4 samples are all the same: {completions:?}");
+    // A prompt's samples share its prefill: siblings fork a live member's prompt state (the same tokens on both
+    // servers above, the plain one forking too).
+    assert!(metric(sd, "prefill_forks_total") >= 1.0, "no sample was forked from a sibling");
     // The same batch again is sampled anew (fresh coin streams), on both servers alike.
     let (again, again_plain) = (post(sd, "/generate/", &body).1, post(plain, "/generate/", &body).1);
     assert_ne!(again["completion_ids"], a["completion_ids"], "a repeated batch got the same samples");
