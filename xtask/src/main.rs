@@ -9,7 +9,7 @@
 //!   then the export parity check on a tiny fixture when its Python packages are installed (a SKIP line otherwise);
 //! - `demo`: `fetch-assets`, then the main job: GRPO training of SmolLM2 with TLT rollouts against the baseline
 //!   (the `train` example's `--mode compare` on its embedded config), printing the report; `--device cuda` on a GPU;
-//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`, `rollout`, `e2e`, `group`) writing `target/bench/<suite>.json` and `.md`.
+//! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`, `rollout`, `e2e`, `group`, `serve`, ...) writing `target/bench/<suite>.json` and `.md`.
 //!
 //! See `xtask/README.md` for every option and every field of the benchmark reports.
 
@@ -24,6 +24,7 @@ mod bench_kernels;
 mod bench_llamacpp;
 mod bench_ranks;
 mod bench_rollout;
+mod bench_serve;
 mod bench_spec;
 mod candle_ref;
 mod drafter_data;
@@ -211,6 +212,9 @@ enum Suite {
     /// Data-parallel ranks measured beside the cluster simulator calibrated on them, and its labelled predictions
     /// for GPU clusters (`target/bench/ranks.json` and `.md`).
     Ranks(bench_ranks::RanksArgs),
+    /// The rollout server (`tlt-serve`) against the same rollout in process: a slime-like workload over HTTP,
+    /// throughput ratio, SD on/off, latency percentiles, and many requests at once.
+    Serve(bench_serve::ServeArgs),
 }
 
 /// The suites that measure CPU code in this process take `--device` too, so that every suite reads the same
@@ -565,6 +569,11 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Bench { suite: Suite::Llamacpp(args) } => {
             cpu_only("llamacpp", &args.device)?;
             bench_llamacpp::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench { suite: Suite::Serve(args) } => {
+            cpu_only("serve", &args.device)?;
+            bench_serve::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { suite: Suite::Group(args) } => {

@@ -1,0 +1,441 @@
+//! `cargo xtask bench serve`: the rollout server against the same rollout in process. Writes
+//! `target/bench/serve.json` and `.md`.
+//!
+//! The workload is slime's: `--prompts` problems of the trainer's arithmetic task (chat template) times `--samples`
+//! samples each at `--temperature`, every sample its own `/generate` request with its own `sampling_seed` and a
+//! long-tailed token limit (most short, a few up to `--max-new-tokens`), all sent at once over HTTP/1.1 by one client
+//! thread per request. The in-process run decodes the same requests (same coin streams, a prompt's samples forked
+//! from one prefill) in one `tlt_spec_decode::Engine` driven round by round, the loop the server's engine thread
+//! runs. Each pair (in process, HTTP) runs with speculation off and on, `--repeats` times, interleaved; every HTTP
+//! output must equal its in-process twin token for token (the suite fails otherwise). Then `--concurrent` short
+//! requests at once: none lost, the process's peak resident memory reported.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use serde::Serialize;
+use serde_json::{json, Value};
+use tlt_model::Llama;
+use tlt_rl::task::{builtin, ChatTemplate};
+use tlt_serve::api::seeded_stream;
+use tlt_serve::worker::DecodeConfig;
+use tlt_serve::{ServeConfig, Server};
+use tlt_spec_decode::{Drafter, Engine, GroupId, NgramDrafter, SamplingParams, SpecParams};
+use tracing::info;
+
+use crate::report::{self, median, Header};
+use crate::sysinfo::{self, MachineInfo};
+
+/// Options of `cargo xtask bench serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Prompts of the rollout.
+    #[arg(long, default_value_t = 64)]
+    prompts: usize,
+    /// Samples per prompt (the GRPO group size).
+    #[arg(long, default_value_t = 8)]
+    samples: usize,
+    /// Sampling temperature.
+    #[arg(long, default_value_t = 0.7)]
+    temperature: f64,
+    /// Token limit of the longest samples; limits are `min + (max - min) * u^4`, u uniform: a long tail.
+    #[arg(long, default_value_t = 96)]
+    max_new_tokens: usize,
+    /// Token limit of the shortest samples.
+    #[arg(long, default_value_t = 8)]
+    min_new_tokens: usize,
+    /// Pairs (in process, HTTP) per speculation setting, interleaved.
+    #[arg(long, default_value_t = 2)]
+    repeats: usize,
+    /// Requests sent at once in the concurrency check (each `--concurrent-tokens` long).
+    #[arg(long, default_value_t = 1000)]
+    concurrent: usize,
+    /// Tokens each request of the concurrency check generates.
+    #[arg(long, default_value_t = 4)]
+    concurrent_tokens: usize,
+    /// Seed of the problems and of the samples' seeds.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// `cpu` (the default): this suite measures the CPU path; a CUDA device is refused with what to run instead.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+}
+
+/// One request of the workload.
+#[derive(Debug, Clone)]
+struct Req {
+    prompt: usize,
+    ids: Arc<Vec<u32>>,
+    limit: usize,
+    seed: u64,
+}
+
+/// One timed rollout.
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    /// `in_process` or `http`.
+    pub path: &'static str,
+    /// Speculation (prompt-lookup n-grams, the server's plan) on.
+    pub speculate: bool,
+    /// Which repeat.
+    pub repeat: usize,
+    /// Seconds from the first request to the last output.
+    pub wall_s: f64,
+    /// Tokens generated.
+    pub tokens: usize,
+    /// `tokens / wall_s`.
+    pub tokens_per_s: f64,
+    /// HTTP only: request latency percentiles (seconds).
+    pub latency_p50_s: Option<f64>,
+    /// HTTP only.
+    pub latency_p99_s: Option<f64>,
+    /// HTTP only: outputs equal to the in-process run's of the same setting and repeat.
+    pub outputs_equal: Option<usize>,
+}
+
+/// The concurrency check.
+#[derive(Debug, Clone, Serialize)]
+pub struct Concurrency {
+    /// Requests sent at once.
+    pub requests: usize,
+    /// Answered 200 with the asked number of tokens.
+    pub completed: usize,
+    /// Seconds until the last answer.
+    pub wall_s: f64,
+    /// Resident memory before (MiB).
+    pub rss_before_mib: f64,
+    /// Peak resident memory of the process after (MiB; includes the model, the client threads' stacks in use).
+    pub rss_peak_mib: f64,
+    /// `/metrics` after: waiting and running requests (both must be 0).
+    pub left_waiting_running: (f64, f64),
+}
+
+/// `target/bench/serve.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ServeReport {
+    /// Suite header.
+    pub header: Header,
+    /// Requests of the workload.
+    pub requests: usize,
+    /// Prompt tokens (mean).
+    pub mean_prompt_tokens: f64,
+    /// Token limits: p50, p90, max.
+    pub limit_p50_p90_max: (usize, usize, usize),
+    /// Every run, in the order run.
+    pub runs: Vec<Run>,
+    /// Median of HTTP / in-process throughput over the pairs, SD off and on.
+    pub http_over_in_process: (f64, f64),
+    /// Smallest and largest such ratio over all pairs.
+    pub http_over_in_process_range: (f64, f64),
+    /// Median SD-on / SD-off throughput: in process, over HTTP.
+    pub sd_speedup: (f64, f64),
+    /// The concurrency check.
+    pub concurrency: Concurrency,
+}
+
+/// The workload: prompts x samples, long-tailed limits, a seed per sample.
+fn workload(args: &ServeArgs, tok: &tokenizers::Tokenizer) -> Result<Vec<Req>> {
+    let task = builtin("arithmetic", args.seed)?;
+    let template = ChatTemplate::chatml();
+    let mut reqs = Vec::new();
+    let mut state = args.seed ^ 0x5EED;
+    for p in 0..args.prompts {
+        let text = template.prompt(None, &task.problem(p as u64)?.prompt)?;
+        let ids = Arc::new(tlt_model::encode(tok, &text)?);
+        for _ in 0..args.samples {
+            state = seeded_stream(state, 1);
+            let u = (state >> 11) as f64 / (1u64 << 53) as f64;
+            let span = args.max_new_tokens.saturating_sub(args.min_new_tokens) as f64;
+            let limit = args.min_new_tokens + (span * u.powi(4)).round() as usize;
+            reqs.push(Req { prompt: p, ids: ids.clone(), limit, seed: args.seed * 1_000_000 + reqs.len() as u64 });
+        }
+    }
+    Ok(reqs)
+}
+
+/// The server's decode settings, speculation on or off.
+fn decode(speculate: bool) -> DecodeConfig {
+    DecodeConfig { speculate, ..DecodeConfig::default() }
+}
+
+/// The rollout in process: one engine, round by round, as the server's engine thread drives it.
+fn in_process(model: &Llama, reqs: &[Req], temperature: f64, speculate: bool) -> Result<(f64, Vec<Vec<u32>>)> {
+    let params = SpecParams {
+        sampling: SamplingParams { temperature: temperature as f32, top_k: None, top_p: None },
+        max_new_tokens: reqs.iter().map(|r| r.limit).max().unwrap_or(1),
+        stop_token_ids: None,
+        stop: Vec::new(),
+        seed: 0,
+    };
+    let cfg = decode(speculate);
+    let t0 = Instant::now();
+    let mut e = Engine::new(model, params)?;
+    let mut ngram = NgramDrafter::default();
+    for r in reqs {
+        e.key_streams_from(seeded_stream(r.seed, 0));
+        e.add_to_group(GroupId(r.prompt as u64), &r.ids, 1, r.limit)?;
+    }
+    while !e.is_idle() {
+        let drafter = speculate.then_some(&mut ngram as &mut dyn Drafter);
+        e.round(drafter, speculate.then_some(&cfg.plan))?;
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let mut done = e.take_finished();
+    done.sort_by_key(|f| f.id);
+    Ok((wall, done.into_iter().map(|f| f.tokens).collect()))
+}
+
+/// A server of `model` on a free port; its address and the runtime serving it (drop it to stop the server).
+fn start(model: Llama, speculate: bool) -> Result<(SocketAddr, tokio::runtime::Runtime)> {
+    let cfg = ServeConfig { decode: decode(speculate), model_name: "bench".into(), weight_version: None };
+    let server = Server::start(model, None, cfg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    rt.spawn(async move { axum::serve(listener, server.router).await });
+    Ok((addr, rt))
+}
+
+/// `POST /generate` with `body`: the answer's JSON.
+fn post(addr: SocketAddr, body: &Value) -> Result<Value> {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(addr)?;
+    write!(
+        s,
+        "POST /generate HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let (head, json) = out.split_once("\r\n\r\n").context("no HTTP body")?;
+    ensure!(head.starts_with("HTTP/1.1 200"), "{head}: {json}");
+    Ok(serde_json::from_str(json)?)
+}
+
+/// Sends every request at once, one thread each; (wall seconds, outputs, latencies).
+fn over_http(addr: SocketAddr, reqs: &[Req], temperature: f64) -> Result<(f64, Vec<Vec<u32>>, Vec<f64>)> {
+    let gate = Arc::new(Barrier::new(reqs.len() + 1));
+    let handles: Vec<_> = reqs
+        .iter()
+        .map(|r| {
+            let body = json!({"input_ids": *r.ids, "return_logprob": true, "sampling_params": {
+                "temperature": temperature, "max_new_tokens": r.limit, "sampling_seed": r.seed}});
+            let gate = gate.clone();
+            std::thread::Builder::new().stack_size(256 << 10).spawn(move || -> Result<(Vec<u32>, f64)> {
+                gate.wait();
+                let t0 = Instant::now();
+                let v = post(addr, &body)?;
+                let ids = v["output_ids"].as_array().context("no output_ids")?;
+                let ids = ids.iter().map(|t| t.as_u64().map(|t| t as u32).context("a bad id")).collect::<Result<Vec<u32>>>();
+                Ok((ids?, t0.elapsed().as_secs_f64()))
+            })
+        })
+        .collect::<std::io::Result<_>>()?;
+    gate.wait();
+    let t0 = Instant::now();
+    let mut outs = Vec::with_capacity(reqs.len());
+    let mut lat = Vec::with_capacity(reqs.len());
+    for h in handles {
+        let (ids, l) = h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
+        outs.push(ids);
+        lat.push(l);
+    }
+    Ok((t0.elapsed().as_secs_f64(), outs, lat))
+}
+
+/// `q`-quantile of `xs` (nearest rank).
+fn quantile(xs: &[f64], q: f64) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(((v.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN)
+}
+
+/// `VmRSS` and `VmHWM` of this process (MiB).
+fn rss_mib() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<f64>().ok())
+            .map_or(f64::NAN, |kb| kb / 1024.0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// `--concurrent` short requests at once against a fresh server.
+fn concurrency(model: &Llama, args: &ServeArgs, prompt: &[u32]) -> Result<Concurrency> {
+    let (addr, rt) = start(model.clone(), true)?;
+    let (before, _) = rss_mib();
+    let reqs: Vec<Req> = (0..args.concurrent)
+        .map(|i| Req { prompt: 0, ids: Arc::new(prompt.to_vec()), limit: args.concurrent_tokens, seed: i as u64 })
+        .collect();
+    let body_limit = args.concurrent_tokens;
+    let (wall, outs, _) = over_http(addr, &reqs, 0.7)?;
+    let completed = outs.iter().filter(|o| o.len() <= body_limit && !o.is_empty()).count();
+    let metrics = |name: &str| -> Result<f64> {
+        let mut s = TcpStream::connect(addr)?;
+        write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)?;
+        let line = out.lines().find(|l| l.starts_with(&format!("tlt_serve_{name} "))).context("no metric")?;
+        Ok(line.split_whitespace().nth(1).context("no value")?.parse()?)
+    };
+    let left = (metrics("waiting_requests")?, metrics("running_requests")?);
+    let (_, peak) = rss_mib();
+    rt.shutdown_background();
+    Ok(Concurrency {
+        requests: args.concurrent,
+        completed,
+        wall_s: wall,
+        rss_before_mib: before,
+        rss_peak_mib: peak,
+        left_waiting_running: left,
+    })
+}
+
+/// Runs the suite.
+///
+/// # Errors
+/// On a model, engine, server or I/O error, or when an HTTP output differs from its in-process twin.
+pub fn run(args: &ServeArgs) -> Result<()> {
+    ensure!(args.prompts > 0 && args.samples > 0 && args.repeats > 0, "prompts, samples and repeats must be >= 1");
+    ensure!(args.min_new_tokens >= 1 && args.min_new_tokens <= args.max_new_tokens, "need 1 <= min <= max tokens");
+    let machine = MachineInfo::collect();
+    let timestamp = sysinfo::utc_timestamp();
+    let path = crate::assets::fetch_assets()?;
+    let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
+    let (model, tok) = (loaded.model, loaded.tokenizer.context("the GGUF carries no tokenizer")?);
+    let reqs = workload(args, &tok)?;
+    let mut limits: Vec<usize> = reqs.iter().map(|r| r.limit).collect();
+    limits.sort_unstable();
+    let pick = |q: f64| limits[((limits.len() as f64 * q).ceil() as usize).saturating_sub(1)];
+    let mean_prompt = reqs.iter().map(|r| r.ids.len()).sum::<usize>() as f64 / reqs.len() as f64;
+    info!(requests = reqs.len(), mean_prompt, limits = ?(pick(0.5), pick(0.9), pick(1.0)), "workload");
+
+    let mut runs = Vec::new();
+    for repeat in 0..args.repeats {
+        for speculate in [false, true] {
+            let (wall, twin) = in_process(&model, &reqs, args.temperature, speculate)?;
+            let tokens: usize = twin.iter().map(Vec::len).sum();
+            info!(repeat, speculate, wall, tokens, "in process");
+            runs.push(Run {
+                path: "in_process",
+                speculate,
+                repeat,
+                wall_s: wall,
+                tokens,
+                tokens_per_s: tokens as f64 / wall,
+                latency_p50_s: None,
+                latency_p99_s: None,
+                outputs_equal: None,
+            });
+            let (addr, rt) = start(model.clone(), speculate)?;
+            let (wall, outs, lat) = over_http(addr, &reqs, args.temperature)?;
+            rt.shutdown_background();
+            let equal = outs.iter().zip(&twin).filter(|(a, b)| a == b).count();
+            let tokens: usize = outs.iter().map(Vec::len).sum();
+            info!(repeat, speculate, wall, tokens, equal, "http");
+            runs.push(Run {
+                path: "http",
+                speculate,
+                repeat,
+                wall_s: wall,
+                tokens,
+                tokens_per_s: tokens as f64 / wall,
+                latency_p50_s: Some(quantile(&lat, 0.5)),
+                latency_p99_s: Some(quantile(&lat, 0.99)),
+                outputs_equal: Some(equal),
+            });
+            if equal != reqs.len() {
+                bail!("{} of {} HTTP outputs differ from the in-process run's", reqs.len() - equal, reqs.len());
+            }
+        }
+    }
+    let tps = |path: &str, sd: bool| -> Vec<f64> {
+        runs.iter().filter(|r| r.path == path && r.speculate == sd).map(|r| r.tokens_per_s).collect()
+    };
+    let ratios = |sd: bool| -> Vec<f64> { tps("http", sd).iter().zip(tps("in_process", sd)).map(|(h, i)| h / i).collect() };
+    let all: Vec<f64> = ratios(false).into_iter().chain(ratios(true)).collect();
+    let speedup = |path: &str| -> f64 {
+        median(&tps(path, true).iter().zip(tps(path, false)).map(|(on, off)| on / off).collect::<Vec<_>>())
+    };
+    let concurrency = concurrency(&model, args, &reqs[0].ids)?;
+    let report = ServeReport {
+        header: Header::new("serve", 1, timestamp, machine),
+        requests: reqs.len(),
+        mean_prompt_tokens: mean_prompt,
+        limit_p50_p90_max: (pick(0.5), pick(0.9), pick(1.0)),
+        http_over_in_process: (median(&ratios(false)), median(&ratios(true))),
+        http_over_in_process_range: (
+            all.iter().copied().fold(f64::INFINITY, f64::min),
+            all.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        ),
+        sd_speedup: (speedup("in_process"), speedup("http")),
+        runs,
+        concurrency,
+    };
+    report::write_outputs("serve", &report, &markdown(&report, args))
+}
+
+fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
+    let mut s = format!(
+        "# bench serve\n\n{} on {} ({} threads), commit {}\n\n`{}`\n\n{} requests ({} prompts x {} samples, T = {}), \
+         mean prompt {:.0} tokens, token limits p50/p90/max {}/{}/{}\n\n\
+         | path | SD | repeat | wall s | tokens | tok/s | p50 s | p99 s | equal to in-process |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        r.header.timestamp,
+        r.header.machine.cpu_model,
+        r.header.machine.candle_threads,
+        r.header.git_commit,
+        r.header.command_line,
+        r.requests,
+        args.prompts,
+        args.samples,
+        args.temperature,
+        r.mean_prompt_tokens,
+        r.limit_p50_p90_max.0,
+        r.limit_p50_p90_max.1,
+        r.limit_p50_p90_max.2,
+    );
+    let opt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
+    for run in &r.runs {
+        s += &format!(
+            "| {} | {} | {} | {:.1} | {} | {:.1} | {} | {} | {} |\n",
+            run.path,
+            if run.speculate { "on" } else { "off" },
+            run.repeat,
+            run.wall_s,
+            run.tokens,
+            run.tokens_per_s,
+            opt(run.latency_p50_s),
+            opt(run.latency_p99_s),
+            run.outputs_equal.map_or("-".to_string(), |n| n.to_string()),
+        );
+    }
+    let c = &r.concurrency;
+    s += &format!(
+        "\nHTTP / in-process throughput, median over pairs: SD off {:.3}, SD on {:.3} (all pairs {:.3}..{:.3}; target \
+         >= 0.95)\n\nSD on / off speed-up, median: in process {:.3}, HTTP {:.3}\n\nConcurrency: {} requests at once, \
+         {} completed in {:.1} s; waiting/running after: {}/{}; resident memory {:.0} MiB before, peak {:.0} MiB\n",
+        r.http_over_in_process.0,
+        r.http_over_in_process.1,
+        r.http_over_in_process_range.0,
+        r.http_over_in_process_range.1,
+        r.sd_speedup.0,
+        r.sd_speedup.1,
+        c.requests,
+        c.completed,
+        c.wall_s,
+        c.left_waiting_running.0,
+        c.left_waiting_running.1,
+        c.rss_before_mib,
+        c.rss_peak_mib,
+    );
+    s
+}
