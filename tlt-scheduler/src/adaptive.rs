@@ -240,6 +240,12 @@ impl AdaptiveDecoder {
         std::mem::take(&mut self.trace)
     }
 
+    /// Takes the trace so far and starts a new one, the gate and the bandit left as they are: a server's rollout
+    /// never ends, and draining keeps its trace from growing without bound.
+    pub fn drain_trace(&mut self) -> DecodeTrace {
+        std::mem::take(&mut self.trace)
+    }
+
     /// The gate.
     pub fn gate(&self) -> &SdGate {
         &self.gate

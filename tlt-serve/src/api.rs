@@ -181,29 +181,56 @@ pub struct GenerateResponse {
     pub meta_info: MetaInfo,
 }
 
-/// OpenAI's `POST /v1/completions` body (the fields this server honours).
+/// A completions prompt: one (text or token ids) or a batch of them (vLLM's form, as TRL sends it).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompts {
+    /// One prompt.
+    One(Prompt),
+    /// A batch; the choices come prompt-major (the `n` of the first prompt first).
+    Many(Vec<Prompt>),
+}
+
+/// OpenAI's `POST /v1/completions` body, with vLLM's extensions that TRL's client sends (`VLLMClient.generate`):
+/// batched prompts, `top_k`, `min_p`, `repetition_penalty`, `return_token_ids`, `return_tokens_as_token_ids`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
     /// Any name (this server serves one model).
     #[serde(default)]
     pub model: Option<String>,
-    /// Text or token ids.
-    pub prompt: Prompt,
+    /// Text or token ids, one prompt or a batch.
+    pub prompt: Prompts,
     /// New tokens at most. Default 16 (OpenAI's).
     pub max_tokens: Option<u64>,
     /// Default 1.
     pub temperature: Option<f64>,
     /// Default 1.
     pub top_p: Option<f64>,
-    /// Completions per prompt (1 only, for now).
+    /// vLLM's: `0` or `-1` (default): off.
+    pub top_k: Option<i64>,
+    /// vLLM's: must be 0 (not implemented otherwise).
+    pub min_p: Option<f64>,
+    /// vLLM's: must be 1 (not implemented otherwise).
+    pub repetition_penalty: Option<f64>,
+    /// Completions per prompt. Default 1.
     pub n: Option<u64>,
-    /// Return the top `logprobs` log-probabilities per token (0 only: the sampled token's).
+    /// `0`: each sampled token's log-probability, with `top_logprobs` holding just it (vLLM's answer to 0); `1`:
+    /// the log-probabilities without `top_logprobs` (the top alternatives are not served); more is refused.
     pub logprobs: Option<u64>,
-    /// Seed of the sampling stream.
+    /// Seed: choice `k` of the request samples on stream `seeded_stream(seed, k)`.
     pub seed: Option<u64>,
+    /// vLLM's: add `prompt_token_ids` and `token_ids` to every choice.
+    #[serde(default)]
+    pub return_token_ids: bool,
+    /// vLLM's: name tokens `token_id:<id>` in `logprobs` instead of their text.
+    #[serde(default)]
+    pub return_tokens_as_token_ids: bool,
     /// Streaming (not served yet: refused).
     #[serde(default)]
     pub stream: bool,
+    /// Anything else: refused by name unless null (or `user`), rather than ignored.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
 }
 
 /// What the worker needs of a request's sampling: validated.
@@ -344,27 +371,59 @@ impl SamplingParams {
 }
 
 impl CompletionRequest {
+    /// The prompts, one or many.
+    pub fn prompts(&self) -> Vec<&Prompt> {
+        match &self.prompt {
+            Prompts::One(p) => vec![p],
+            Prompts::Many(ps) => ps.iter().collect(),
+        }
+    }
+
+    /// Completions per prompt.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for 0 or more than 1,024.
+    pub fn samples(&self) -> Result<usize> {
+        match self.n.unwrap_or(1) {
+            0 => Err(invalid("n", "must be at least 1")),
+            n if n > 1024 => Err(invalid("n", "at most 1024 completions per prompt")),
+            n => Ok(n as usize),
+        }
+    }
+
     /// Validated sampling (OpenAI's defaults: 16 tokens, temperature 1).
     ///
     /// # Errors
-    /// [`Error::Invalid`] naming the field; `n > 1`, `logprobs > 0` and streaming are refused (not served yet).
+    /// [`Error::Invalid`] naming the field; `logprobs > 1`, streaming, `min_p > 0`, `repetition_penalty != 1` and
+    /// any field this server does not know are refused.
     pub fn validate(&self, limits: &Limits) -> Result<Sampling> {
-        if self.n.unwrap_or(1) != 1 {
-            return Err(invalid("n", "only n = 1 is served (send a request per sample)"));
-        }
+        self.samples()?;
         if self.logprobs.unwrap_or(0) > 1 {
-            return Err(invalid("logprobs", "only the sampled token's log-probability is served (0 or 1)"));
+            return Err(invalid("logprobs", "top alternatives are not served: 0 (or 1) gives the sampled token's"));
         }
         if self.stream {
             return Err(invalid("stream", "streaming is not served yet"));
         }
-        let (temperature, top_p, _) = sampling_values("", self.temperature, self.top_p, None)?;
+        if self.min_p.is_some_and(|p| p != 0.0) {
+            return Err(invalid("min_p", "only 0.0 is served"));
+        }
+        if self.repetition_penalty.is_some_and(|p| p != 1.0) {
+            return Err(invalid("repetition_penalty", "only 1.0 is served"));
+        }
+        if let Some((k, _)) = self.other.iter().find(|(k, v)| !v.is_null() && k.as_str() != "user") {
+            return Err(invalid(k, "this option is not served"));
+        }
+        if self.prompts().is_empty() {
+            return Err(invalid("prompt", "no prompt"));
+        }
+        let top_k = self.top_k.map(|k| if k == 0 { -1 } else { k });
+        let (temperature, top_p, top_k) = sampling_values("", self.temperature, self.top_p, top_k)?;
         let mut stop = limits.eos.clone();
         stop.sort_unstable();
         Ok(Sampling {
             temperature,
             top_p,
-            top_k: None,
+            top_k,
             max_new_tokens: new_tokens("max_tokens", self.max_tokens, 16)?,
             stop_token_ids: Some(stop),
             seed: self.seed,
@@ -376,23 +435,33 @@ impl CompletionRequest {
 /// OpenAI's completion choice.
 #[derive(Debug, Clone, Serialize)]
 pub struct Choice {
-    /// Always 0 (one choice).
+    /// Its place among the choices (prompt-major).
     pub index: usize,
     /// The completion.
     pub text: String,
-    /// `stop` or `length`.
+    /// `stop`, `length` or `abort`.
     pub finish_reason: String,
     /// With `logprobs`: the sampled tokens' log-probabilities.
     pub logprobs: Option<ChoiceLogprobs>,
+    /// With `return_token_ids` (vLLM's): the prompt's token ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    /// With `return_token_ids` (vLLM's): the completion's token ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// OpenAI's `logprobs` of a choice (the sampled tokens only).
 #[derive(Debug, Clone, Serialize)]
 pub struct ChoiceLogprobs {
-    /// Each token's text.
+    /// Each token's text (`token_id:<id>` with `return_tokens_as_token_ids`).
     pub tokens: Vec<String>,
     /// Each token's log-probability.
     pub token_logprobs: Vec<f32>,
+    /// With `logprobs = 0`: per token, a map holding the sampled token alone (vLLM's answer; the top alternatives
+    /// are not served).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_logprobs: Option<Vec<std::collections::BTreeMap<String, f32>>>,
 }
 
 /// OpenAI's token counts.
@@ -417,7 +486,7 @@ pub struct CompletionResponse {
     pub created: u64,
     /// The served model's name.
     pub model: String,
-    /// One choice.
+    /// `n` choices per prompt, prompt-major.
     pub choices: Vec<Choice>,
     /// Token counts.
     pub usage: Usage,

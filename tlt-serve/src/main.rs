@@ -24,6 +24,13 @@ struct Args {
     /// Plain decoding (no speculation).
     #[arg(long)]
     no_speculate: bool,
+    /// The SD gate: speculate once an engine's running batch has been at most this for `--sd-on-after` rounds
+    /// (off again above 1.5x it). TLT's default 32.
+    #[arg(long, default_value_t = 32)]
+    sd_batch_threshold: usize,
+    /// Rounds at or below the threshold before speculation turns on.
+    #[arg(long, default_value_t = 10)]
+    sd_on_after: usize,
     /// The weights' version reported to clients.
     #[arg(long)]
     weight_version: Option<String>,
@@ -38,7 +45,16 @@ async fn main() -> Result<()> {
     let args = Args::parse();
     let loaded = tlt_model::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
     let cfg = ServeConfig {
-        decode: DecodeConfig { speculate: !args.no_speculate, ..DecodeConfig::default() },
+        decode: DecodeConfig {
+            speculate: !args.no_speculate,
+            gate: tlt_scheduler::GateConfig {
+                threshold: args.sd_batch_threshold,
+                on_after: args.sd_on_after,
+                off_threshold: args.sd_batch_threshold.saturating_add(args.sd_batch_threshold / 2),
+                off_after: 2,
+            },
+            ..DecodeConfig::default()
+        },
         model_name: args.model.display().to_string(),
         weight_version: args.weight_version,
     };

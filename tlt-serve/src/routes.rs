@@ -107,6 +107,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/generate/", post(crate::trl::generate))
         .route("/health/", get(crate::trl::health))
         .route("/get_world_size/", get(crate::trl::world_size))
+        .route("/get_world_size", get(crate::trl::world_size))
         .route("/get_tensor_parallel_size/", get(crate::trl::tensor_parallel_size))
         .route("/reset_prefix_cache/", post(crate::trl::reset_prefix_cache))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
@@ -134,6 +135,35 @@ impl AppState {
             return Err(Error::Stopped);
         }
         Ok(rx)
+    }
+
+    /// Queues `n` samples of every prompt at once (the engine batches them all; a prompt's samples fork its
+    /// prefill) and awaits them, prompt-major. Sample `k` of the batch is tagged `rid-k` and samples on coin stream
+    /// `seeded_stream(seed, k)` with a seed, on a fresh stream without one (the same prompts sent again are sampled
+    /// anew). Dropping the future aborts them all.
+    pub(crate) async fn submit_batch(
+        &self,
+        prompts: &[Vec<u32>],
+        n: usize,
+        sampling: &Sampling,
+        rid: &str,
+    ) -> crate::Result<Vec<Output>> {
+        let total = prompts.len() * n;
+        let first = if sampling.seed.is_some() { 0 } else { self.fresh_streams(total as u64) };
+        let mut pending = Vec::with_capacity(total);
+        for (k, p) in prompts.iter().flat_map(|p| std::iter::repeat_n(p, n)).enumerate() {
+            let stream = match sampling.seed {
+                Some(seed) => crate::api::seeded_stream(seed, k as u64),
+                None => first + k as u64,
+            };
+            let sampling = Sampling { stream, ..sampling.clone() };
+            pending.push(self.enqueue(Some(format!("{rid}-{k}")), p.clone(), sampling)?);
+        }
+        let mut outs = Vec::with_capacity(total);
+        for rx in pending {
+            outs.push(rx.await.map_err(|_| Error::Stopped)??);
+        }
+        Ok(outs)
     }
 
     /// Sends the engine thread a control message made around `reply` and waits for its answer.
@@ -215,38 +245,51 @@ async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<Completio
 }
 
 async fn run_completion(s: &AppState, req: CompletionRequest) -> crate::Result<CompletionResponse> {
-    let mut sampling = req.validate(&s.limits)?;
-    if sampling.seed.is_none() {
-        sampling.stream = s.fresh_streams(1);
+    let sampling = req.validate(&s.limits)?;
+    let n = req.samples()?;
+    let batched = matches!(req.prompt, crate::api::Prompts::Many(_));
+    let mut prompts = Vec::new();
+    for (i, p) in req.prompts().into_iter().enumerate() {
+        let field = if batched { format!("prompt[{i}]") } else { "prompt".into() };
+        let ids = match p {
+            Prompt::Ids(ids) => ids.clone(),
+            Prompt::Text(text) => s.tokenize(&field, text)?,
+        };
+        prompts.push(check_ids(&field, &ids, sampling.max_new_tokens, &s.limits)?);
     }
-    let ids = match &req.prompt {
-        Prompt::Ids(ids) => ids.clone(),
-        Prompt::Text(text) => s.tokenize("prompt", text)?,
-    };
-    let prompt = check_ids("prompt", &ids, sampling.max_new_tokens, &s.limits)?;
     let id = s.id("cmpl-");
-    let out = s.submit(Some(id.clone()), prompt, sampling).await?;
-    let logprobs = (req.logprobs.unwrap_or(0) > 0).then(|| ChoiceLogprobs {
-        tokens: out.tokens.iter().map(|&t| s.detokenize(&[t])).collect(),
-        token_logprobs: out.logprobs.clone(),
-    });
+    let outs = s.submit_batch(&prompts, n, &sampling, &id).await?;
+    let token = |t: u32| if req.return_tokens_as_token_ids { format!("token_id:{t}") } else { s.detokenize(&[t]) };
+    let mut choices = Vec::with_capacity(outs.len());
+    let mut usage = Usage { prompt_tokens: 0, completion_tokens: 0, total_tokens: 0 };
+    for (index, out) in outs.into_iter().enumerate() {
+        let logprobs = req.logprobs.map(|k| {
+            let tokens: Vec<String> = out.tokens.iter().map(|&t| token(t)).collect();
+            let top = (k == 0).then(|| {
+                tokens.iter().zip(&out.logprobs).map(|(t, &l)| std::iter::once((t.clone(), l)).collect()).collect()
+            });
+            ChoiceLogprobs { tokens, token_logprobs: out.logprobs.clone(), top_logprobs: top }
+        });
+        usage.prompt_tokens += out.prompt_tokens;
+        usage.completion_tokens += out.tokens.len();
+        choices.push(Choice {
+            index,
+            text: s.detokenize(&out.tokens),
+            finish_reason: finish_kind(out.reason).into(),
+            logprobs,
+            prompt_token_ids: req.return_token_ids.then(|| prompts[index / n].clone()),
+            token_ids: req.return_token_ids.then_some(out.tokens),
+        });
+    }
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens;
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     Ok(CompletionResponse {
         id,
         object: "text_completion".into(),
         created,
         model: req.model.clone().unwrap_or_else(|| s.model_name.clone()),
-        choices: vec![Choice {
-            index: 0,
-            text: s.detokenize(&out.tokens),
-            finish_reason: finish_kind(out.reason).into(),
-            logprobs,
-        }],
-        usage: Usage {
-            prompt_tokens: out.prompt_tokens,
-            completion_tokens: out.tokens.len(),
-            total_tokens: out.prompt_tokens + out.tokens.len(),
-        },
+        choices,
+        usage,
     })
 }
 

@@ -23,6 +23,8 @@ pub struct Stats {
     pub generated_tokens: AtomicU64,
     /// Engine rounds (one batched target forward each).
     pub rounds: AtomicU64,
+    /// Engine rounds the SD gate ran in the speculative phase.
+    pub sd_rounds: AtomicU64,
     /// Request-rounds (a round counts once per request it decodes).
     pub request_rounds: AtomicU64,
     /// Speculative request-rounds of finished requests (a draft was verified).
@@ -80,7 +82,7 @@ impl Stats {
         const GAUGE: &str = "gauge";
         const COUNTER: &str = "counter";
         let share = get(&self.spec_rounds) as f64 / (get(&self.request_rounds) as f64).max(1.0);
-        let rows: [(&str, &str, &str, f64); 16] = [
+        let rows: [(&str, &str, &str, f64); 17] = [
             ("waiting_requests", GAUGE, "Requests queued for the engine, not yet decoding.", get(&self.waiting) as f64),
             ("running_requests", GAUGE, "Requests decoding.", get(&self.running) as f64),
             ("requests_total", COUNTER, "Requests finished with an output.", get(&self.finished) as f64),
@@ -101,6 +103,12 @@ impl Stats {
                 get(&self.generated_tokens) as f64,
             ),
             ("engine_rounds_total", COUNTER, "Engine rounds (batched target forwards).", get(&self.rounds) as f64),
+            (
+                "engine_sd_rounds_total",
+                COUNTER,
+                "Engine rounds the SD gate ran speculatively.",
+                get(&self.sd_rounds) as f64,
+            ),
             (
                 "request_rounds_total",
                 COUNTER,

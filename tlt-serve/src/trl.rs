@@ -112,23 +112,8 @@ async fn run(s: &AppState, req: TrlGenerateRequest) -> crate::Result<TrlGenerate
         };
         prompt_ids.push(check_ids(&field, &ids, sampling.max_new_tokens, &s.limits)?);
     }
-    // Every completion queued before any is awaited: the engine batches them all (a prompt's n samples share its
-    // sampling, so they run in one engine), completion k of the batch on coin stream `first + k`: fresh streams, so
-    // that the same prompts sent again are sampled anew.
-    let first = s.fresh_streams((prompt_ids.len() * n) as u64);
-    let mut pending = Vec::with_capacity(prompt_ids.len() * n);
-    for (i, p) in prompt_ids.iter().enumerate() {
-        for j in 0..n {
-            let stream = first + (i * n + j) as u64;
-            pending.push(s.enqueue(None, p.clone(), crate::api::Sampling { stream, ..sampling.clone() })?);
-        }
-    }
-    let (mut completion_ids, mut logprobs) = (Vec::with_capacity(pending.len()), Vec::with_capacity(pending.len()));
-    for rx in pending {
-        let out = rx.await.map_err(|_| Error::Stopped)??;
-        completion_ids.push(out.tokens);
-        logprobs.push(out.logprobs);
-    }
+    let outs = s.submit_batch(&prompt_ids, n, &sampling, "trl").await?;
+    let (completion_ids, logprobs) = outs.into_iter().map(|o| (o.tokens, o.logprobs)).unzip();
     let _ = req.logprobs;
     Ok(TrlGenerateResponse { prompt_ids, completion_ids, logprobs })
 }

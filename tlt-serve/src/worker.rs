@@ -112,18 +112,53 @@ impl Output {
     }
 }
 
-/// How the engine thread decodes.
+/// How the engine thread decodes: TLT's adaptive rollout. Each lane's rounds go through a
+/// [`tlt_scheduler::AdaptiveDecoder`]: the SD gate sees the lane's live batch before every round and turns
+/// speculation on once it has shrunk (the long tail), off when it grows again; in the speculative phase the bandit
+/// picks the draft plan for the batch's bucket, rewarded with the round's committed tokens per second.
 #[derive(Debug, Clone)]
 pub struct DecodeConfig {
-    /// Speculate with the n-gram drafter (prompt lookup) on a chain of `plan.steps` drafts; off: plain decoding.
+    /// Speculate (prompt-lookup n-grams) where the gate lets it; off: plain decoding always.
     pub speculate: bool,
-    /// The draft plan when speculating.
-    pub plan: Plan,
+    /// When to speculate. Default TLT's: on once the batch has been at most 32 for 10 rounds, off above 48.
+    pub gate: tlt_scheduler::GateConfig,
+    /// The draft plans to choose from. Default: one chain of 4 drafts (5 tokens verified).
+    pub mab: tlt_scheduler::MabConfig,
 }
 
 impl Default for DecodeConfig {
     fn default() -> Self {
-        Self { speculate: true, plan: Plan { steps: 4, top_k: 1, verify_tokens: 5 } }
+        Self {
+            speculate: true,
+            gate: tlt_scheduler::GateConfig::default(),
+            mab: tlt_scheduler::MabConfig {
+                arms: vec![Plan { steps: 4, top_k: 1, verify_tokens: 5 }],
+                thresholds: vec![1],
+                ..tlt_scheduler::MabConfig::default()
+            },
+        }
+    }
+}
+
+impl DecodeConfig {
+    /// Speculation in every round, whatever the batch (no gate): for tests and for measuring SD at any batch.
+    pub fn always_speculate() -> Self {
+        let gate =
+            tlt_scheduler::GateConfig { threshold: usize::MAX, on_after: 1, off_threshold: usize::MAX, off_after: 1 };
+        Self { gate, ..Self::default() }
+    }
+
+    /// A fresh decoder for a lane.
+    ///
+    /// # Errors
+    /// [`Error::Engine`] when the gate or bandit settings are invalid.
+    pub fn decoder(&self) -> Result<tlt_scheduler::AdaptiveDecoder> {
+        let decoder = if self.speculate {
+            tlt_scheduler::AdaptiveDecoder::new(self.gate.clone(), self.mab.clone())
+        } else {
+            tlt_scheduler::AdaptiveDecoder::plain()
+        };
+        decoder.map_err(|e| Error::Engine(e.to_string()))
     }
 }
 
@@ -158,6 +193,7 @@ struct Lane {
     key: Key,
     engine: Engine<Arc<Llama>>,
     drafter: Option<NgramDrafter>,
+    decoder: tlt_scheduler::AdaptiveDecoder,
     pending: HashMap<RequestId, Pending>,
 }
 
@@ -176,17 +212,23 @@ impl Lane {
             key: Key::of(s),
             engine,
             drafter: cfg.speculate.then(NgramDrafter::default),
+            decoder: cfg.decoder()?,
             pending: HashMap::new(),
         })
     }
 
     /// One round; the requests it finished go back to their handlers. On an engine error every request of the lane
     /// gets it, and the lane is to be dropped (returns false).
-    fn round(&mut self, plan: &Plan, stats: &Stats) -> bool {
+    fn round(&mut self, stats: &Stats) -> bool {
         let drafter = self.drafter.as_mut().map(|d| d as &mut dyn Drafter);
-        let plan = drafter.is_some().then_some(plan);
         let before = self.engine.counters().seq_rounds;
-        if let Err(e) = self.engine.round(drafter, plan) {
+        let stepped = self.decoder.step(&mut self.engine, drafter);
+        // The decisions are the gate's and the bandit's to keep; the trace would only grow.
+        let _ = self.decoder.drain_trace();
+        if let Ok(tlt_scheduler::Phase::Speculative) = stepped {
+            Stats::add(&stats.sd_rounds, 1);
+        }
+        if let Err(e) = stepped {
             Stats::sub(&stats.running, self.pending.len() as u64);
             Stats::add(&stats.failed, self.pending.len() as u64);
             for (_, p) in self.pending.drain() {
@@ -308,8 +350,7 @@ pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: 
             std::thread::sleep(PAUSED_POLL);
             continue;
         }
-        let (plan, stats) = (&cfg.plan, stats);
-        w.lanes.retain_mut(|l| l.engine.is_idle() || l.round(plan, stats));
+        w.lanes.retain_mut(|l| l.engine.is_idle() || l.round(stats));
         w.lanes.retain(|l| !l.engine.is_idle() || !l.pending.is_empty());
     }
 }

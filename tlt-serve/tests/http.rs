@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 
 use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
+use tlt_serve::worker::DecodeConfig;
 
 mod common;
 use common::*;
@@ -123,7 +124,10 @@ fn bad_requests_are_400s_naming_the_field() {
         ("/generate", json!({"input_ids": [3], "sampling_params": {"bogus": 1}}).to_string().into_bytes(), 422, None),
         ("/generate", json!({"text": "hello"}).to_string().into_bytes(), 400, Some("text")),
         ("/generate", json!({"input_ids": [3], "text": "x"}).to_string().into_bytes(), 400, Some("input_ids")),
-        ("/v1/completions", json!({"prompt": [3], "n": 2}).to_string().into_bytes(), 400, Some("n")),
+        ("/v1/completions", json!({"prompt": [3], "n": 0}).to_string().into_bytes(), 400, Some("n")),
+        ("/v1/completions", json!({"prompt": [3], "min_p": 0.1}).to_string().into_bytes(), 400, Some("min_p")),
+        ("/v1/completions", json!({"prompt": [3], "echo": true}).to_string().into_bytes(), 400, Some("echo")),
+        ("/v1/completions", json!({"prompt": [[3], [3, 999]]}).to_string().into_bytes(), 400, Some("prompt[1][1]")),
         (
             "/v1/completions",
             json!({"prompt": [3], "temperature": 1e9}).to_string().into_bytes(),
@@ -211,6 +215,30 @@ fn the_trl_surface_batches_prompts_times_n() {
         let (status, v) = post(sd, "/generate/", &body);
         assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
     }
+}
+
+/// The server's default decoding is TLT's adaptive rollout: with many requests running, rounds are plain; once the
+/// batch has shrunk (the long tail) the SD gate turns speculation on. The outputs equal plain decoding's.
+#[test]
+fn the_sd_gate_speculates_in_the_tail_only() {
+    let gate = tlt_scheduler::GateConfig { threshold: 8, on_after: 3, off_threshold: 12, off_after: 2 };
+    let (gated, plain) = (serve_with(tiny(), DecodeConfig { gate, ..DecodeConfig::default() }), serve(false));
+    let body = |i: usize| {
+        let p: Vec<u32> = (0..6).map(|j| 2 + ((i * 5 + j * 3) % 7) as u32).collect();
+        json!({"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 8 + i * 6, "ignore_eos": true}})
+    };
+    let run = |addr: SocketAddr| -> Vec<Value> {
+        let hs: Vec<_> = (0..48).map(|i| std::thread::spawn(move || post(addr, "/generate", &body(i)).1)).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    };
+    let (a, b) = (run(gated), run(plain));
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(ids(x), ids(y), "gated SD differs from plain decoding");
+    }
+    let (spec, all) = (metric(gated, "engine_sd_rounds_total"), metric(gated, "engine_rounds_total"));
+    assert!(spec > 0.0, "the gate never turned speculation on: {}", get_body(gated, "/metrics").1);
+    assert!(spec < all, "all {all} rounds speculated: the gate did not hold it off while the batch was large");
+    assert_eq!(metric(plain, "engine_sd_rounds_total"), 0.0);
 }
 
 /// SGLang's seeds: requests without `sampling_seed` get coins of their own (a GRPO group sent as separate requests

@@ -123,31 +123,42 @@ fn ensure_wheel(dir: &Path, requirement: &str, prefix: &str) -> Result<PathBuf> 
 }
 
 /// Python packages the EAGLE export check (`scripts/check_eagle_export.py`) needs, pinned.
-/// (`openai`: `tlt-serve`'s OpenAI endpoints read by the official client, `tests/openai_client.rs`.)
-const PY_CHECK_REQUIREMENTS: [&str; 3] = ["safetensors==0.8.0", "numpy==2.4.6", "openai==3.51.0"];
+/// (`openai`: `tlt-serve`'s OpenAI endpoints read by the official client; `requests` and `packaging`: what TRL's
+/// client code needs; both in `tlt-serve/tests/python_clients.rs`.)
+const PY_CHECK_REQUIREMENTS: [&str; 5] =
+    ["safetensors==0.8.0", "numpy==2.4.6", "openai==3.51.0", "requests==2.34.2", "packaging==26.3"];
 
-/// Installs [`PY_CHECK_REQUIREMENTS`] with `pip install --target` into `<cache>/pydeps` (once; a marker file
-/// records success) and returns that directory, for `PYTHONPATH`.
+/// Python packages the checks install without their dependencies: TRL's would pull torch, transformers and vLLM (GPU
+/// builds); its client code the check runs needs only `requests` and `packaging` (above).
+const PY_CHECK_NO_DEPS: [&str; 1] = ["trl==1.16.0"];
+
+/// Installs [`PY_CHECK_REQUIREMENTS`], then [`PY_CHECK_NO_DEPS`] without dependencies, with `pip install --target`
+/// into `<cache>/pydeps` (once; a marker file records success) and returns that directory, for `PYTHONPATH`.
 ///
 /// # Errors
 /// When pip is missing or the install fails.
 pub fn python_check_deps() -> Result<PathBuf> {
     let dir = cache_dir().join("pydeps");
-    let marker = dir.join(format!(".installed-{}", PY_CHECK_REQUIREMENTS.join("+")));
+    let all = [&PY_CHECK_REQUIREMENTS[..], &PY_CHECK_NO_DEPS[..]].concat();
+    let marker = dir.join(format!(".installed-{}", all.join("+")));
     if marker.exists() {
         info!(dir = %dir.display(), "Python check packages present");
         return Ok(dir);
     }
-    info!(packages = ?PY_CHECK_REQUIREMENTS, dest = %dir.display(), "installing Python check packages with pip");
-    pip_install_target(&dir, &PY_CHECK_REQUIREMENTS, &marker)?;
+    info!(packages = ?all, dest = %dir.display(), "installing Python check packages with pip");
+    pip_install_target(&dir, &PY_CHECK_REQUIREMENTS, &[], None)?;
+    pip_install_target(&dir, &PY_CHECK_NO_DEPS, &["--no-deps"], Some(&marker))?;
     Ok(dir)
 }
 
-/// `python -m pip install --target dir packages` (`$PYTHON` or `python3`), then writes `marker` to record success.
-fn pip_install_target(dir: &Path, packages: &[&str], marker: &Path) -> Result<()> {
+/// `python -m pip install [flags] --target dir packages` (`$PYTHON` or `python3`), then writes `marker` (when
+/// given) to record success.
+fn pip_install_target(dir: &Path, packages: &[&str], flags: &[&str], marker: Option<&Path>) -> Result<()> {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let status = Command::new(&python)
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input", "--upgrade", "--target"])
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input", "--upgrade"])
+        .args(flags)
+        .arg("--target")
         .arg(dir)
         .args(packages)
         .status()
@@ -155,7 +166,10 @@ fn pip_install_target(dir: &Path, packages: &[&str], marker: &Path) -> Result<()
     if !status.success() {
         bail!("`{python} -m pip install --target {} {}` failed ({status})", dir.display(), packages.join(" "));
     }
-    std::fs::write(marker, b"").with_context(|| format!("writing {}", marker.display()))
+    match marker {
+        Some(m) => std::fs::write(m, b"").with_context(|| format!("writing {}", m.display())),
+        None => Ok(()),
+    }
 }
 
 /// Python packages of the export parity check (`scripts/check_export_parity.py`), pinned: speculators' model code
@@ -184,7 +198,7 @@ pub fn python_export_deps(install: bool) -> Result<Option<PathBuf>> {
     }
     info!(packages = ?EXPORT_CHECK_REQUIREMENTS, dest = %dir.display(), "installing the export check's Python packages \
           with pip (about 6 GB: PyPI's torch is the CUDA build)");
-    pip_install_target(&dir, &EXPORT_CHECK_REQUIREMENTS, &marker)?;
+    pip_install_target(&dir, &EXPORT_CHECK_REQUIREMENTS, &[], Some(&marker))?;
     Ok(Some(dir))
 }
 

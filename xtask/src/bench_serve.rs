@@ -50,6 +50,10 @@ pub struct ServeArgs {
     /// Pairs (in process, HTTP) per speculation setting, interleaved.
     #[arg(long, default_value_t = 2)]
     repeats: usize,
+    /// Speculation settings to run, in order, each as an (in process, HTTP) pair per repeat: `off`, `gated` (TLT's
+    /// gate and bandit, the server's default), `always` (every round).
+    #[arg(long, value_delimiter = ',', default_value = "off,gated")]
+    sd: Vec<Sd>,
     /// Requests sent at once in the concurrency check (each `--concurrent-tokens` long).
     #[arg(long, default_value_t = 1000)]
     concurrent: usize,
@@ -78,8 +82,8 @@ struct Req {
 pub struct Run {
     /// `in_process` or `http`.
     pub path: &'static str,
-    /// Speculation (prompt-lookup n-grams, the server's plan) on.
-    pub speculate: bool,
+    /// How it speculated (prompt-lookup n-grams, the server's plan).
+    pub sd: Sd,
     /// Which repeat.
     pub repeat: usize,
     /// Seconds from the first request to the last output.
@@ -126,12 +130,11 @@ pub struct ServeReport {
     pub limit_p50_p90_max: (usize, usize, usize),
     /// Every run, in the order run.
     pub runs: Vec<Run>,
-    /// Median of HTTP / in-process throughput over the pairs, SD off and on.
-    pub http_over_in_process: (f64, f64),
-    /// Smallest and largest such ratio over all pairs.
-    pub http_over_in_process_range: (f64, f64),
-    /// Median SD-on / SD-off throughput: in process, over HTTP.
-    pub sd_speedup: (f64, f64),
+    /// Per speculation setting: median HTTP / in-process throughput over its pairs, and the smallest and largest.
+    pub http_over_in_process: Vec<(Sd, f64, f64, f64)>,
+    /// Per speculation setting other than `off` (when `off` ran): median throughput over `off`'s of the same repeat,
+    /// in process and over HTTP.
+    pub sd_speedup: Vec<(Sd, f64, f64)>,
     /// The concurrency check.
     pub concurrency: Concurrency,
 }
@@ -147,7 +150,8 @@ fn workload(args: &ServeArgs, tok: &tokenizers::Tokenizer) -> Result<Vec<Req>> {
         let ids = Arc::new(tlt_model::encode(tok, &text)?);
         for _ in 0..args.samples {
             state = seeded_stream(state, 1);
-            let u = (state >> 11) as f64 / (1u64 << 53) as f64;
+            // The top bit of a seeded stream is always set: u from the 53 bits below it.
+            let u = ((state << 1) >> 11) as f64 / (1u64 << 53) as f64;
             let span = args.max_new_tokens.saturating_sub(args.min_new_tokens) as f64;
             let limit = args.min_new_tokens + (span * u.powi(4)).round() as usize;
             reqs.push(Req { prompt: p, ids: ids.clone(), limit, seed: args.seed * 1_000_000 + reqs.len() as u64 });
@@ -156,13 +160,30 @@ fn workload(args: &ServeArgs, tok: &tokenizers::Tokenizer) -> Result<Vec<Req>> {
     Ok(reqs)
 }
 
-/// The server's decode settings, speculation on or off.
-fn decode(speculate: bool) -> DecodeConfig {
-    DecodeConfig { speculate, ..DecodeConfig::default() }
+/// The server's decode settings: speculation off, gated (TLT's default gate) or in every round.
+fn decode(sd: Sd) -> DecodeConfig {
+    match sd {
+        Sd::Off => DecodeConfig { speculate: false, ..DecodeConfig::default() },
+        Sd::Gated => DecodeConfig::default(),
+        Sd::Always => DecodeConfig::always_speculate(),
+    }
 }
 
-/// The rollout in process: one engine, round by round, as the server's engine thread drives it.
-fn in_process(model: &Llama, reqs: &[Req], temperature: f64, speculate: bool) -> Result<(f64, Vec<Vec<u32>>)> {
+/// How a run speculates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Sd {
+    /// Plain decoding.
+    Off,
+    /// TLT's SD gate (on once the batch is small) and bandit: the server's default.
+    Gated,
+    /// Speculation in every round.
+    Always,
+}
+
+/// The rollout in process: one engine, round by round through the same adaptive decoder (gate and bandit) as the
+/// server's engine thread.
+fn in_process(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd) -> Result<(f64, Vec<Vec<u32>>)> {
     let params = SpecParams {
         sampling: SamplingParams { temperature: temperature as f32, top_k: None, top_p: None },
         max_new_tokens: reqs.iter().map(|r| r.limit).max().unwrap_or(1),
@@ -170,17 +191,19 @@ fn in_process(model: &Llama, reqs: &[Req], temperature: f64, speculate: bool) ->
         stop: Vec::new(),
         seed: 0,
     };
-    let cfg = decode(speculate);
+    let cfg = decode(sd);
     let t0 = Instant::now();
     let mut e = Engine::new(model, params)?;
     let mut ngram = NgramDrafter::default();
+    let mut decoder = cfg.decoder()?;
     for r in reqs {
         e.key_streams_from(seeded_stream(r.seed, 0));
         e.add_to_group(GroupId(r.prompt as u64), &r.ids, 1, r.limit)?;
     }
     while !e.is_idle() {
-        let drafter = speculate.then_some(&mut ngram as &mut dyn Drafter);
-        e.round(drafter, speculate.then_some(&cfg.plan))?;
+        let drafter = cfg.speculate.then_some(&mut ngram as &mut dyn Drafter);
+        decoder.step(&mut e, drafter)?;
+        let _ = decoder.drain_trace();
     }
     let wall = t0.elapsed().as_secs_f64();
     let mut done = e.take_finished();
@@ -189,8 +212,8 @@ fn in_process(model: &Llama, reqs: &[Req], temperature: f64, speculate: bool) ->
 }
 
 /// A server of `model` on a free port; its address and the runtime serving it (drop it to stop the server).
-fn start(model: Llama, speculate: bool) -> Result<(SocketAddr, tokio::runtime::Runtime)> {
-    let cfg = ServeConfig { decode: decode(speculate), model_name: "bench".into(), weight_version: None };
+fn start(model: Llama, sd: Sd) -> Result<(SocketAddr, tokio::runtime::Runtime)> {
+    let cfg = ServeConfig { decode: decode(sd), model_name: "bench".into(), weight_version: None };
     let server = Server::start(model, None, cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
@@ -230,7 +253,8 @@ fn over_http(addr: SocketAddr, reqs: &[Req], temperature: f64) -> Result<(f64, V
                 let t0 = Instant::now();
                 let v = post(addr, &body)?;
                 let ids = v["output_ids"].as_array().context("no output_ids")?;
-                let ids = ids.iter().map(|t| t.as_u64().map(|t| t as u32).context("a bad id")).collect::<Result<Vec<u32>>>();
+                let ids =
+                    ids.iter().map(|t| t.as_u64().map(|t| t as u32).context("a bad id")).collect::<Result<Vec<u32>>>();
                 Ok((ids?, t0.elapsed().as_secs_f64()))
             })
         })
@@ -270,7 +294,7 @@ fn rss_mib() -> (f64, f64) {
 
 /// `--concurrent` short requests at once against a fresh server.
 fn concurrency(model: &Llama, args: &ServeArgs, prompt: &[u32]) -> Result<Concurrency> {
-    let (addr, rt) = start(model.clone(), true)?;
+    let (addr, rt) = start(model.clone(), Sd::Gated)?;
     let (before, _) = rss_mib();
     let reqs: Vec<Req> = (0..args.concurrent)
         .map(|i| Req { prompt: 0, ids: Arc::new(prompt.to_vec()), limit: args.concurrent_tokens, seed: i as u64 })
@@ -320,13 +344,13 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 
     let mut runs = Vec::new();
     for repeat in 0..args.repeats {
-        for speculate in [false, true] {
-            let (wall, twin) = in_process(&model, &reqs, args.temperature, speculate)?;
+        for &sd in &args.sd {
+            let (wall, twin) = in_process(&model, &reqs, args.temperature, sd)?;
             let tokens: usize = twin.iter().map(Vec::len).sum();
-            info!(repeat, speculate, wall, tokens, "in process");
+            info!(repeat, ?sd, wall, tokens, "in process");
             runs.push(Run {
                 path: "in_process",
-                speculate,
+                sd,
                 repeat,
                 wall_s: wall,
                 tokens,
@@ -335,15 +359,15 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 latency_p99_s: None,
                 outputs_equal: None,
             });
-            let (addr, rt) = start(model.clone(), speculate)?;
+            let (addr, rt) = start(model.clone(), sd)?;
             let (wall, outs, lat) = over_http(addr, &reqs, args.temperature)?;
             rt.shutdown_background();
             let equal = outs.iter().zip(&twin).filter(|(a, b)| a == b).count();
             let tokens: usize = outs.iter().map(Vec::len).sum();
-            info!(repeat, speculate, wall, tokens, equal, "http");
+            info!(repeat, ?sd, wall, tokens, equal, "http");
             runs.push(Run {
                 path: "http",
-                speculate,
+                sd,
                 repeat,
                 wall_s: wall,
                 tokens,
@@ -357,26 +381,30 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             }
         }
     }
-    let tps = |path: &str, sd: bool| -> Vec<f64> {
-        runs.iter().filter(|r| r.path == path && r.speculate == sd).map(|r| r.tokens_per_s).collect()
+    let tps = |path: &str, sd: Sd| -> Vec<f64> {
+        runs.iter().filter(|r| r.path == path && r.sd == sd).map(|r| r.tokens_per_s).collect()
     };
-    let ratios = |sd: bool| -> Vec<f64> { tps("http", sd).iter().zip(tps("in_process", sd)).map(|(h, i)| h / i).collect() };
-    let all: Vec<f64> = ratios(false).into_iter().chain(ratios(true)).collect();
-    let speedup = |path: &str| -> f64 {
-        median(&tps(path, true).iter().zip(tps(path, false)).map(|(on, off)| on / off).collect::<Vec<_>>())
-    };
+    let mut ratios = Vec::new();
+    let mut speedups = Vec::new();
+    for &sd in &args.sd {
+        let r: Vec<f64> = tps("http", sd).iter().zip(tps("in_process", sd)).map(|(h, i)| h / i).collect();
+        let (lo, hi) = r.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+        ratios.push((sd, median(&r), lo, hi));
+        if sd != Sd::Off && args.sd.contains(&Sd::Off) {
+            let up = |path: &str| -> f64 {
+                median(&tps(path, sd).iter().zip(tps(path, Sd::Off)).map(|(on, off)| on / off).collect::<Vec<_>>())
+            };
+            speedups.push((sd, up("in_process"), up("http")));
+        }
+    }
     let concurrency = concurrency(&model, args, &reqs[0].ids)?;
     let report = ServeReport {
         header: Header::new("serve", 1, timestamp, machine),
         requests: reqs.len(),
         mean_prompt_tokens: mean_prompt,
         limit_p50_p90_max: (pick(0.5), pick(0.9), pick(1.0)),
-        http_over_in_process: (median(&ratios(false)), median(&ratios(true))),
-        http_over_in_process_range: (
-            all.iter().copied().fold(f64::INFINITY, f64::min),
-            all.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-        ),
-        sd_speedup: (speedup("in_process"), speedup("http")),
+        http_over_in_process: ratios,
+        sd_speedup: speedups,
         runs,
         concurrency,
     };
@@ -408,7 +436,7 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
         s += &format!(
             "| {} | {} | {} | {:.1} | {} | {:.1} | {} | {} | {} |\n",
             run.path,
-            if run.speculate { "on" } else { "off" },
+            format!("{:?}", run.sd).to_lowercase(),
             run.repeat,
             run.wall_s,
             run.tokens,
@@ -418,17 +446,18 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
             run.outputs_equal.map_or("-".to_string(), |n| n.to_string()),
         );
     }
+    s += "\nHTTP / in-process throughput, median over pairs (target >= 0.95):";
+    for (sd, m, lo, hi) in &r.http_over_in_process {
+        s += &format!(" SD {sd:?} {m:.3} ({lo:.3}..{hi:.3});");
+    }
+    s += "\n\nSpeed-up over SD off, median over repeats:";
+    for (sd, inp, http) in &r.sd_speedup {
+        s += &format!(" SD {sd:?}: in process {inp:.3}, HTTP {http:.3};");
+    }
     let c = &r.concurrency;
     s += &format!(
-        "\nHTTP / in-process throughput, median over pairs: SD off {:.3}, SD on {:.3} (all pairs {:.3}..{:.3}; target \
-         >= 0.95)\n\nSD on / off speed-up, median: in process {:.3}, HTTP {:.3}\n\nConcurrency: {} requests at once, \
-         {} completed in {:.1} s; waiting/running after: {}/{}; resident memory {:.0} MiB before, peak {:.0} MiB\n",
-        r.http_over_in_process.0,
-        r.http_over_in_process.1,
-        r.http_over_in_process_range.0,
-        r.http_over_in_process_range.1,
-        r.sd_speedup.0,
-        r.sd_speedup.1,
+        "\n\nConcurrency: {} requests at once, {} completed in {:.1} s; waiting/running after: {}/{}; resident memory \
+         {:.0} MiB before, peak {:.0} MiB\n",
         c.requests,
         c.completed,
         c.wall_s,

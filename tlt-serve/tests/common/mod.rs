@@ -22,17 +22,23 @@ pub fn serve(speculate: bool) -> SocketAddr {
     serve_model(tiny(), speculate)
 }
 
-/// A server of `model` on a free port, SD on or off, weight version `v1`; its address. The runtime lives as long as
-/// the test process.
+/// A server of `model` on a free port, speculating in every round or never, weight version `v1`; its address.
 pub fn serve_model(model: Llama, speculate: bool) -> SocketAddr {
+    let decode = if speculate {
+        DecodeConfig::always_speculate()
+    } else {
+        DecodeConfig { speculate, ..DecodeConfig::default() }
+    };
+    serve_with(model, decode)
+}
+
+/// A server of `model` decoding as `decode`, weight version `v1`; its address. The runtime lives as long as the test
+/// process.
+pub fn serve_with(model: Llama, decode: DecodeConfig) -> SocketAddr {
     let server = Server::start(
         model,
         None,
-        ServeConfig {
-            decode: DecodeConfig { speculate, ..DecodeConfig::default() },
-            model_name: "tiny".into(),
-            weight_version: Some("v1".into()),
-        },
+        ServeConfig { decode, model_name: "tiny".into(), weight_version: Some("v1".into()) },
     )
     .unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();

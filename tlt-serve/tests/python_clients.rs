@@ -1,0 +1,144 @@
+//! Clients nobody here wrote, in Python, against the `tlt-serve` binary (a tiny model with a byte-level tokenizer,
+//! served on a local port):
+//! - the `openai` package against the OpenAI endpoints (`scripts/check_openai_client.py`): the client's own types
+//!   read every answer and the raw JSON is compared field by field with them;
+//! - TRL's `VLLMClient` request and parsing code (`scripts/check_trl_client.py`, trl 1.16.0 installed without its
+//!   GPU dependencies), whose samples are then checked against SGLang's `/generate` with the same seed.
+//!
+//! Without a package a test says SKIP, unless `TLT_REQUIRE_PYTHON_CHECK` is set (`cargo xtask test` installs the
+//! packages and sets it), then it fails.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // Tests: a panic is the failure report.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tlt_model::{EosTokens, Llama, LlamaConfig};
+
+/// Kills the server when the test ends, however it ends.
+struct Serving(Child);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn python() -> String {
+    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+fn healthy(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.starts_with("HTTP/1.1 200")
+}
+
+/// Whether `module` imports; SKIP (false) when not, unless the checks are required.
+fn importable(test: &str, module: &str) -> bool {
+    let probe = Command::new(python()).args(["-c", &format!("import {module}")]).output();
+    match probe {
+        Ok(o) if o.status.success() => true,
+        _ if std::env::var_os("TLT_REQUIRE_PYTHON_CHECK").is_none() => {
+            println!("SKIP {test}: the `{module}` package is not importable");
+            false
+        }
+        other => panic!("TLT_REQUIRE_PYTHON_CHECK is set but `import {module}` fails: {other:?}"),
+    }
+}
+
+/// The binary serving a tiny model (byte-level tokenizer) on a free port, SD on; its checkpoint directory and port.
+fn serve_binary(name: &str) -> (Serving, std::path::PathBuf, u16) {
+    let dir = std::env::temp_dir().join(format!("tlt-serve-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut cfg = LlamaConfig::tiny(264, 64, 2);
+    cfg.eos_token_id = Some(EosTokens::One(258));
+    let model = Llama::random(cfg, 3).unwrap();
+    tlt_model::save_hf_dir(&model, Some(&tlt_model::byte_tokenizer().unwrap()), &dir, candle_core::DType::F32).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let server = Command::new(env!("CARGO_BIN_EXE_tlt-serve"))
+        .arg("--model")
+        .arg(&dir)
+        .args(["--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let serving = Serving(server);
+    let t = Instant::now();
+    while !healthy(port) {
+        assert!(t.elapsed() < Duration::from_secs(60), "tlt-serve did not come up on port {port}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (serving, dir, port)
+}
+
+/// Runs `scripts/<script>` with `args`: its output (asserting success).
+fn run_script(script: &str, args: &[String]) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts").join(script);
+    let out = Command::new(python()).arg(&script).args(args).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{text}");
+    assert!(out.status.success(), "{} failed:\n{text}", script.display());
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn the_openai_package_reads_every_answer() {
+    if !importable("the_openai_package_reads_every_answer", "openai") {
+        return;
+    }
+    let (_serving, dir, port) = serve_binary("openai");
+    run_script("check_openai_client.py", &[format!("http://127.0.0.1:{port}/v1"), dir.display().to_string()]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trls_vllm_client_generates_and_parses_log_probs() {
+    if !importable("trls_vllm_client_generates_and_parses_log_probs", "trl.import_utils, requests") {
+        return;
+    }
+    let (_serving, dir, port) = serve_binary("trl");
+    let prompts = vec![vec![72u32, 105, 33], vec![49, 32, 45, 32, 49, 61]];
+    let out = run_script(
+        "check_trl_client.py",
+        &[format!("http://127.0.0.1:{port}"), serde_json::to_string(&prompts).unwrap()],
+    );
+    let batch: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    // Sample 0 of a request seeded 7 is SGLang's /generate with sampling_seed 7: the same tokens and log-probs.
+    let body = serde_json::json!({"input_ids": prompts[0], "return_logprob": true,
+        "sampling_params": {"temperature": 0.7, "max_new_tokens": 12, "sampling_seed": 7}});
+    let (status, sglang) = post_json(port, "/generate", &body);
+    assert_eq!(status, 200, "{sglang}");
+    assert_eq!(batch["completion_ids"][0], sglang["output_ids"], "TRL's parse vs /generate");
+    let trl_lps: Vec<f64> = batch["logprobs"][0].as_array().unwrap().iter().map(|l| l[0].as_f64().unwrap()).collect();
+    let sg_lps: Vec<f64> = sglang["meta_info"]["output_token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t[0].as_f64().unwrap())
+        .collect();
+    assert_eq!(trl_lps, sg_lps);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `POST path` with a JSON body: (status, JSON answer).
+fn post_json(port: u16, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, out.split("\r\n\r\n").nth(1).and_then(|b| serde_json::from_str(b).ok()).unwrap_or_default())
+}
