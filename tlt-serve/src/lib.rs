@@ -1,20 +1,20 @@
 //! # tlt-serve
 //!
 //! A rollout server with TLT's engine inside, for trainers that talk to their rollout engine over HTTP (slime,
-//! verl's and NeMo-RL's SGLang backends, TRL's `vllm-serve` mode): the request surface of SGLang's native
-//! `/generate` and OpenAI's `/v1/completions`, on axum and tokio, in front of an engine thread that batches
-//! continuously ([`worker`]): requests join the running batch at round boundaries, and with speculation on each
-//! round drafts (prompt-lookup n-grams, for now) and verifies in one batched target forward. Output log-probs are the
-//! target's, from the pass that committed each token.
+//! verl's and NeMo-RL's SGLang backends, TRL's server mode): SGLang's native `/generate` and control endpoints
+//! ([`routes`], [`control`]), OpenAI's `/v1/completions` in vLLM's form, TRL's `vllm-serve` API ([`trl`]), on axum and
+//! tokio, in front of an engine thread that batches continuously ([`worker`]): requests join the running batch at
+//! round boundaries, a request with the prompt of a live one forks its prefill, and every round goes through TLT's
+//! adaptive decoder (the SD gate on the live batch, the plan bandit), so speculation (prompt-lookup n-grams, for now)
+//! runs in the long tail. Output log-probs are the target's, from the pass that committed each token.
 //!
-//! Work in progress (issue 35). Served: `POST /generate` (one prompt, `input_ids` or `text`, `sampling_params`,
-//! `return_logprob`), `POST /v1/completions` (one prompt, `n = 1`), `GET /health`, `/health_generate`,
-//! `/get_model_info`, `/get_server_info`, `/v1/models`, `/get_weight_version`, `/metrics` ([`stats`]),
-//! `/pause_generation`, `/continue_generation`, `/flush_cache`, and TRL's `vllm-serve` surface ([`trl`]). Every
-//! request is validated ([`api`]): a bad field is a 400 with a JSON error naming it. Not yet: streaming, batched
-//! `/generate`, chat completions, weight updates, the EAGLE drafter trained online, the SD gate and bandit, aborts.
+//! Aborts (by request id, by a client gone, by a pause) and weight updates act between rounds; an update never mixes
+//! two weight versions in one response. Every request is validated ([`api`]): a bad field is a 4xx with a JSON error
+//! naming it. [`stats`] feeds `/metrics`. Work in progress (issue 35): not yet streaming, batched `/generate`, chat
+//! completions, distributed weight updates, the online EAGLE drafter.
 //!
-//! **Where it sits:** depends on tlt-model and tlt-spec-decode (the engine), axum and tokio.
+//! **Where it sits:** depends on tlt-model, tlt-spec-decode (the engine) and tlt-scheduler (the gate and bandit),
+//! axum and tokio.
 
 pub mod api;
 pub mod control;
@@ -84,6 +84,9 @@ impl Server {
             context: c.max_position_embeddings,
             eos: c.eos_token_id.as_ref().map(tlt_model::EosTokens::ids).unwrap_or_default(),
         };
+        if cfg.decode.max_running == 0 {
+            return Err(Error::Invalid { field: "max_running".into(), reason: "must be at least 1".into() });
+        }
         let (jobs, rx) = std::sync::mpsc::channel();
         let decode = cfg.decode.clone();
         let stats = std::sync::Arc::new(stats::Stats::default());

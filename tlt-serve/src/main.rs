@@ -31,6 +31,9 @@ struct Args {
     /// Rounds at or below the threshold before speculation turns on.
     #[arg(long, default_value_t = 10)]
     sd_on_after: usize,
+    /// Most requests decoding at once; more wait in a queue (bounds the KV caches' memory).
+    #[arg(long, default_value_t = 256)]
+    max_running_requests: usize,
     /// The weights' version reported to clients.
     #[arg(long)]
     weight_version: Option<String>,
@@ -53,6 +56,7 @@ async fn main() -> Result<()> {
                 off_threshold: args.sd_batch_threshold.saturating_add(args.sd_batch_threshold / 2),
                 off_after: 2,
             },
+            max_running: args.max_running_requests,
             ..DecodeConfig::default()
         },
         model_name: args.model.display().to_string(),

@@ -1,4 +1,5 @@
-//! TRL's `vllm-serve` surface (`trl vllm-serve`, `vllm_mode="server"`): `POST /generate/` with a batch of prompts
+//! TRL's older `vllm-serve` surface (`trl vllm-serve`; TRL 1.x's client uses `/v1/completions` instead, served by
+//! [`crate::routes`]): `POST /generate/` with a batch of prompts
 //! and `n` completions each, `GET /health/`, `/get_world_size/`, `/get_tensor_parallel_size/`, and
 //! `POST /reset_prefix_cache/` (nothing is cached across requests: a no-op that says so). Sampling options this
 //! server does not implement (`repetition_penalty` other than 1, `min_p` above 0, guided decoding, extra

@@ -124,6 +124,9 @@ pub struct DecodeConfig {
     pub gate: tlt_scheduler::GateConfig,
     /// The draft plans to choose from. Default: one chain of 4 drafts (5 tokens verified).
     pub mab: tlt_scheduler::MabConfig,
+    /// Most requests decoding at once, all engines together (SGLang's `--max-running-requests`); more wait in a
+    /// queue, so the KV caches stay bounded however many clients connect. Default 256.
+    pub max_running: usize,
 }
 
 impl Default for DecodeConfig {
@@ -136,6 +139,7 @@ impl Default for DecodeConfig {
                 thresholds: vec![1],
                 ..tlt_scheduler::MabConfig::default()
             },
+            max_running: 256,
         }
     }
 }
@@ -314,7 +318,8 @@ struct Worker<'c> {
     cfg: &'c DecodeConfig,
     stats: &'c Stats,
     lanes: Vec<Lane>,
-    /// Requests held back while an update waits for the running ones to finish.
+    /// Requests received and not yet admitted: beyond `max_running`, or held while an update waits for the running
+    /// ones to finish.
     held: VecDeque<Job>,
     /// A pending update and how many requests it aborted.
     update: Option<(Box<Update>, usize)>,
@@ -333,7 +338,7 @@ pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: 
         paused: false,
     };
     loop {
-        let first = if w.running() > 0 || w.update.is_some() {
+        let first = if w.running() > 0 || w.update.is_some() || !w.held.is_empty() {
             None
         } else {
             match msgs.recv() {
@@ -346,6 +351,7 @@ pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: 
         }
         w.abort_gone();
         w.apply_update();
+        w.admit_held();
         if w.paused {
             std::thread::sleep(PAUSED_POLL);
             continue;
@@ -362,12 +368,8 @@ impl Worker<'_> {
 
     fn handle(&mut self, m: Msg) {
         match m {
-            // Held requests stay counted as waiting.
-            Msg::Job(job) if self.update.is_some() => self.held.push_back(job),
-            Msg::Job(job) => {
-                Stats::sub(&self.stats.waiting, 1);
-                self.admit(job);
-            }
+            // Admitted by `admit_held`; counted as waiting until then.
+            Msg::Job(job) => self.held.push_back(job),
             Msg::Abort { rid, reply } => {
                 let which = |p: Option<&String>| rid.is_none() || p == rid.as_ref();
                 let mut n = self.abort_running(|p| which(p.rid.as_ref()));
@@ -439,8 +441,19 @@ impl Worker<'_> {
         Stats::add(&self.stats.weight_updates, 1);
         tracing::info!(%version, "weights updated");
         let _ = reply.send(Ok(aborted));
-        while let Some(job) = self.held.pop_front() {
+    }
+
+    /// Admits held requests, oldest first, while no update waits and fewer than `max_running` run (the bound on the
+    /// engines' caches: past it, a request costs its queue entry only). A request whose client went away while it
+    /// waited is dropped.
+    fn admit_held(&mut self) {
+        while self.update.is_none() && self.running() < self.cfg.max_running {
+            let Some(job) = self.held.pop_front() else { break };
             Stats::sub(&self.stats.waiting, 1);
+            if job.reply.is_closed() {
+                Stats::add(&self.stats.aborted, 1);
+                continue;
+            }
             self.admit(job);
         }
     }

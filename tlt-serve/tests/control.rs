@@ -216,3 +216,24 @@ fn an_update_can_abort_what_runs_and_bad_updates_are_refused_by_field() {
     let (status, v) = post(addr, "/generate", &long_request("s", 4));
     assert_eq!((status, &v["meta_info"]["weight_version"]), (200, &json!("v2")), "{v}");
 }
+
+#[test]
+fn past_max_running_requests_wait_in_the_queue() {
+    let decode = tlt_serve::worker::DecodeConfig { max_running: 4, ..tlt_serve::worker::DecodeConfig::default() };
+    let addr = serve_with(slow(11), decode);
+    let hs: Vec<_> = (0..20)
+        .map(|i| std::thread::spawn(move || post(addr, "/generate", &long_request(&format!("q{i}"), 200))))
+        .collect();
+    let (mut most, mut queued) = (0.0f64, 0.0f64);
+    while metric(addr, "requests_total") < 20.0 {
+        most = most.max(metric(addr, "running_requests"));
+        queued = queued.max(metric(addr, "waiting_requests"));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for h in hs {
+        let (status, v) = h.join().unwrap();
+        assert_eq!((status, ids(&v).len()), (200, 200), "{v}");
+    }
+    assert!(most <= 4.0, "{most} requests ran at once");
+    assert!(queued > 0.0, "no request ever waited: the bound was not exercised");
+}

@@ -212,8 +212,11 @@ fn in_process(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd) -> Result<(
 }
 
 /// A server of `model` on a free port; its address and the runtime serving it (drop it to stop the server).
-fn start(model: Llama, sd: Sd) -> Result<(SocketAddr, tokio::runtime::Runtime)> {
-    let cfg = ServeConfig { decode: decode(sd), model_name: "bench".into(), weight_version: None };
+/// `max_running`: the server's admission bound (`None`: its default).
+fn start(model: Llama, sd: Sd, max_running: Option<usize>) -> Result<(SocketAddr, tokio::runtime::Runtime)> {
+    let mut decode = decode(sd);
+    decode.max_running = max_running.unwrap_or(decode.max_running);
+    let cfg = ServeConfig { decode, model_name: "bench".into(), weight_version: None };
     let server = Server::start(model, None, cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
@@ -292,9 +295,9 @@ fn rss_mib() -> (f64, f64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-/// `--concurrent` short requests at once against a fresh server.
+/// `--concurrent` short requests at once against a fresh server with its default admission bound (256 running).
 fn concurrency(model: &Llama, args: &ServeArgs, prompt: &[u32]) -> Result<Concurrency> {
-    let (addr, rt) = start(model.clone(), Sd::Gated)?;
+    let (addr, rt) = start(model.clone(), Sd::Gated, None)?;
     let (before, _) = rss_mib();
     let reqs: Vec<Req> = (0..args.concurrent)
         .map(|i| Req { prompt: 0, ids: Arc::new(prompt.to_vec()), limit: args.concurrent_tokens, seed: i as u64 })
@@ -359,7 +362,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 latency_p99_s: None,
                 outputs_equal: None,
             });
-            let (addr, rt) = start(model.clone(), sd)?;
+            // Every request admitted at once, as in process (the default bound, 256, would queue half of them).
+            let (addr, rt) = start(model.clone(), sd, Some(reqs.len()))?;
             let (wall, outs, lat) = over_http(addr, &reqs, args.temperature)?;
             rt.shutdown_background();
             let equal = outs.iter().zip(&twin).filter(|(a, b)| a == b).count();
