@@ -251,7 +251,7 @@ pub struct Sampling {
     /// The request's coin stream (every engine of the server has the same seed, so requests with different seeds
     /// share one): its tokens depend on (stream, prompt, sampling) alone, never on what ran beside it. A request with
     /// a seed takes [`seeded_stream`]`(seed, 0)` (the same seed, the same sample); one without takes a stream of its
-    /// own from the server's counter ([`crate::routes::AppState::fresh_streams`]), so that the samples of a GRPO
+    /// own from the server's counter (`AppState::fresh_streams`), so that the samples of a GRPO
     /// group sent as separate unseeded requests differ, as on SGLang.
     pub stream: u64,
 }

@@ -63,6 +63,28 @@ pub struct ServeConfig {
     pub weight_version: Option<String>,
 }
 
+/// Connections the listening socket queues before it refuses more (tokio's default is 1,024: a burst of more
+/// simultaneous clients would be reset).
+pub const LISTEN_BACKLOG: u32 = 8192;
+
+/// A listener on `host:port` with a [`LISTEN_BACKLOG`]-deep accept queue (the kernel may cap it at `somaxconn`).
+///
+/// # Errors
+/// When the host does not resolve, or binding or listening fails.
+pub async fn bind(host: &str, port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    let mut last = None;
+    for a in tokio::net::lookup_host((host, port)).await? {
+        let socket = if a.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+        socket.set_reuseaddr(true)?;
+        match socket.bind(a).and_then(|()| socket.listen(LISTEN_BACKLOG)) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last
+        .unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{host} resolves to nothing"))))
+}
+
 /// A running server's parts: the router to serve, and the engine thread, which ends once the router (every clone
 /// of its state) is dropped.
 pub struct Server {

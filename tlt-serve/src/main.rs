@@ -63,9 +63,8 @@ async fn main() -> Result<()> {
         weight_version: args.weight_version,
     };
     let server = Server::start(loaded.model, loaded.tokenizer, cfg)?;
-    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-        .await
-        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let listener =
+        tlt_serve::bind(&args.host, args.port).await.with_context(|| format!("binding {}:{}", args.host, args.port))?;
     tracing::info!(address = %listener.local_addr()?, "serving");
     axum::serve(listener, server.router)
         .with_graceful_shutdown(async {

@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use tlt_model::{EosTokens, Llama, LlamaConfig};
 
+mod common;
+
 /// Kills the server when the test ends, however it ends.
 struct Serving(Child);
 
@@ -113,7 +115,7 @@ fn trls_vllm_client_generates_and_parses_log_probs() {
     // Sample 0 of a request seeded 7 is SGLang's /generate with sampling_seed 7: the same tokens and log-probs.
     let body = serde_json::json!({"input_ids": prompts[0], "return_logprob": true,
         "sampling_params": {"temperature": 0.7, "max_new_tokens": 12, "sampling_seed": 7}});
-    let (status, sglang) = post_json(port, "/generate", &body);
+    let (status, sglang) = common::post(std::net::SocketAddr::from(([127, 0, 0, 1], port)), "/generate", &body);
     assert_eq!(status, 200, "{sglang}");
     assert_eq!(batch["completion_ids"][0], sglang["output_ids"], "TRL's parse vs /generate");
     let trl_lps: Vec<f64> = batch["logprobs"][0].as_array().unwrap().iter().map(|l| l[0].as_f64().unwrap()).collect();
@@ -125,20 +127,4 @@ fn trls_vllm_client_generates_and_parses_log_probs() {
         .collect();
     assert_eq!(trl_lps, sg_lps);
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// `POST path` with a JSON body: (status, JSON answer).
-fn post_json(port: u16, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
-    let body = body.to_string();
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body.as_bytes()).unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, out.split("\r\n\r\n").nth(1).and_then(|b| serde_json::from_str(b).ok()).unwrap_or_default())
 }

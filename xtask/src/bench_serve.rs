@@ -219,7 +219,7 @@ fn start(model: Llama, sd: Sd, max_running: Option<usize>) -> Result<(SocketAddr
     let cfg = ServeConfig { decode, model_name: "bench".into(), weight_version: None };
     let server = Server::start(model, None, cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let listener = rt.block_on(tlt_serve::bind("127.0.0.1", 0))?;
     let addr = listener.local_addr()?;
     rt.spawn(async move { axum::serve(listener, server.router).await });
     Ok((addr, rt))
