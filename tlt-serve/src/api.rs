@@ -22,8 +22,30 @@ pub struct SamplingParams {
     pub stop_token_ids: Option<Vec<u32>>,
     /// Do not stop at the model's end-of-sequence token.
     pub ignore_eos: Option<bool>,
-    /// Seed of the request's sampling stream. Default 0.
+    /// Seed of the request's sampling stream (absent: a fresh stream per request).
     pub sampling_seed: Option<u64>,
+    /// Stop strings: absent, null or empty (as slime sends by default); stop strings are not served yet, so any
+    /// other value is refused by name.
+    pub stop: Option<serde_json::Value>,
+    /// Decode `text` without special tokens. Default true (SGLang's).
+    pub skip_special_tokens: Option<bool>,
+    /// SGLang's switch to keep a matched stop string in `text`: accepted either way (stop strings are refused, and
+    /// `output_ids` always end with the stop token that ended them).
+    pub no_stop_trim: Option<bool>,
+    /// SGLang's detokenization switch: accepted either way (`text` is the tokenizer's own decoding).
+    pub spaces_between_special_tokens: Option<bool>,
+    /// Samples per request: 1 only (send a request per sample; same-prompt requests share their prefill).
+    pub n: Option<u64>,
+    /// 0 only (not implemented otherwise).
+    pub min_new_tokens: Option<u64>,
+    /// 0 only (not implemented otherwise).
+    pub frequency_penalty: Option<f64>,
+    /// 0 only (not implemented otherwise).
+    pub presence_penalty: Option<f64>,
+    /// 1 only (not implemented otherwise).
+    pub repetition_penalty: Option<f64>,
+    /// 0 only (not implemented otherwise).
+    pub min_p: Option<f64>,
 }
 
 /// A prompt: text, or token ids.
@@ -345,6 +367,27 @@ impl SamplingParams {
     /// # Errors
     /// [`Error::Invalid`] naming the field.
     pub fn validate(&self, limits: &Limits) -> Result<Sampling> {
+        let field = |name: &str| format!("sampling_params.{name}");
+        let stop_empty = match &self.stop {
+            None | Some(serde_json::Value::Null) => true,
+            Some(serde_json::Value::String(s)) => s.is_empty(),
+            Some(serde_json::Value::Array(a)) => a.is_empty(),
+            Some(_) => false,
+        };
+        if !stop_empty {
+            return Err(invalid(&field("stop"), "stop strings are not served yet: use stop_token_ids"));
+        }
+        let neutral = [
+            ("n", self.n.is_none_or(|n| n == 1), "only 1 is served (send a request per sample)"),
+            ("min_new_tokens", self.min_new_tokens.is_none_or(|n| n == 0), "only 0 is served"),
+            ("frequency_penalty", self.frequency_penalty.is_none_or(|p| p == 0.0), "only 0 is served"),
+            ("presence_penalty", self.presence_penalty.is_none_or(|p| p == 0.0), "only 0 is served"),
+            ("repetition_penalty", self.repetition_penalty.is_none_or(|p| p == 1.0), "only 1 is served"),
+            ("min_p", self.min_p.is_none_or(|p| p == 0.0), "only 0 is served"),
+        ];
+        if let Some((name, _, reason)) = neutral.iter().find(|(_, ok, _)| !ok) {
+            return Err(invalid(&field(name), *reason));
+        }
         let (temperature, top_p, top_k) =
             sampling_values("sampling_params.", self.temperature, self.top_p, self.top_k)?;
         let max_new_tokens = new_tokens("sampling_params.max_new_tokens", self.max_new_tokens, 128)?;

@@ -183,7 +183,12 @@ impl AppState {
     }
 
     fn detokenize(&self, ids: &[u32]) -> String {
-        self.tokenizer.as_ref().and_then(|t| t.decode(ids, true).ok()).unwrap_or_default()
+        self.detokenize_with(ids, true)
+    }
+
+    /// `ids` as text, special tokens skipped or not (empty without a tokenizer).
+    fn detokenize_with(&self, ids: &[u32], skip_special_tokens: bool) -> String {
+        self.tokenizer.as_ref().and_then(|t| t.decode(ids, skip_special_tokens).ok()).unwrap_or_default()
     }
 
     /// `n` coin streams no request took before (unseeded requests); the first of them.
@@ -224,7 +229,7 @@ async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<Gener
     let logprobs =
         req.return_logprob.then(|| out.logprobs.iter().zip(&out.tokens).map(|(&l, &t)| (l, t, None)).collect());
     Ok(GenerateResponse {
-        text: s.detokenize(&out.tokens),
+        text: s.detokenize_with(&out.tokens, req.sampling_params.skip_special_tokens.unwrap_or(true)),
         meta_info: MetaInfo {
             id: rid,
             finish_reason: FinishReason::of(out.reason, out.tokens.last().copied()),

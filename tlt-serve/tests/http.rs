@@ -123,6 +123,18 @@ fn bad_requests_are_400s_naming_the_field() {
         ),
         ("/generate", json!({"input_ids": [3], "sampling_params": {"bogus": 1}}).to_string().into_bytes(), 422, None),
         ("/generate", json!({"text": "hello"}).to_string().into_bytes(), 400, Some("text")),
+        (
+            "/generate",
+            json!({"input_ids": [3], "sampling_params": {"stop": ["\n"]}}).to_string().into_bytes(),
+            400,
+            Some("sampling_params.stop"),
+        ),
+        (
+            "/generate",
+            json!({"input_ids": [3], "sampling_params": {"min_p": 0.1}}).to_string().into_bytes(),
+            400,
+            Some("sampling_params.min_p"),
+        ),
         ("/generate", json!({"input_ids": [3], "text": "x"}).to_string().into_bytes(), 400, Some("input_ids")),
         ("/v1/completions", json!({"prompt": [3], "n": 0}).to_string().into_bytes(), 400, Some("n")),
         ("/v1/completions", json!({"prompt": [3], "min_p": 0.1}).to_string().into_bytes(), 400, Some("min_p")),

@@ -2,6 +2,8 @@
 //! served on a local port):
 //! - the `openai` package against the OpenAI endpoints (`scripts/check_openai_client.py`): the client's own types
 //!   read every answer and the raw JSON is compared field by field with them;
+//! - slime's rollout payloads and parsing (`scripts/check_slime_client.py`; slime is not on PyPI, so the script sends
+//!   what its rollout sends and reads answers as it does, with `requests`);
 //! - TRL's `VLLMClient` request and parsing code (`scripts/check_trl_client.py`, trl 1.16.0 installed without its
 //!   GPU dependencies), whose samples are then checked against SGLang's `/generate` with the same seed.
 //!
@@ -126,5 +128,19 @@ fn trls_vllm_client_generates_and_parses_log_probs() {
         .map(|t| t[0].as_f64().unwrap())
         .collect();
     assert_eq!(trl_lps, sg_lps);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn slimes_rollout_payloads_and_parsing_work() {
+    if !importable("slimes_rollout_payloads_and_parsing_work", "requests") {
+        return;
+    }
+    let (_serving, dir, port) = serve_binary("slime");
+    let prompts = vec![vec![72u32, 105, 33], vec![49, 32, 45, 32, 49, 61]];
+    run_script(
+        "check_slime_client.py",
+        &[format!("http://127.0.0.1:{port}"), serde_json::to_string(&prompts).unwrap()],
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
