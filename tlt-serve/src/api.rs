@@ -74,7 +74,8 @@ pub struct GenerateRequest {
     pub return_logprob: bool,
     /// The client's request id (echoed in `meta_info.id`).
     pub rid: Option<String>,
-    /// Streaming (not served yet: refused).
+    /// Stream the answer as server-sent events: a cumulative partial answer after every round that added tokens,
+    /// the final answer, then `[DONE]`.
     #[serde(default)]
     pub stream: bool,
 }
@@ -173,8 +174,8 @@ pub struct UpdateWeightsRequest {
 pub struct MetaInfo {
     /// The request id (the client's `rid`, else one made here).
     pub id: String,
-    /// Why it ended.
-    pub finish_reason: FinishReason,
+    /// Why it ended (null in a streamed partial answer).
+    pub finish_reason: Option<FinishReason>,
     /// Prompt tokens.
     pub prompt_tokens: usize,
     /// Generated tokens.

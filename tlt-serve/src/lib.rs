@@ -10,8 +10,8 @@
 //!
 //! Aborts (by request id, by a client gone, by a pause) and weight updates act between rounds; an update never mixes
 //! two weight versions in one response. Every request is validated ([`api`]): a bad field is a 4xx with a JSON error
-//! naming it. [`stats`] feeds `/metrics`. Work in progress (issue 35): not yet streaming, batched `/generate`, chat
-//! completions, distributed weight updates, the online EAGLE drafter.
+//! naming it. [`stats`] feeds `/metrics`; `/generate` streams server-sent events on request. Work in progress (issue
+//! 35): not yet batched `/generate`, chat completions, distributed weight updates, the online EAGLE drafter.
 //!
 //! **Where it sits:** depends on tlt-model, tlt-spec-decode (the engine) and tlt-scheduler (the gate and bandit),
 //! axum and tokio.
@@ -20,6 +20,7 @@ pub mod api;
 pub mod control;
 pub mod routes;
 pub mod stats;
+mod stream;
 pub mod trl;
 pub mod worker;
 

@@ -128,9 +128,20 @@ impl AppState {
         prompt: Vec<u32>,
         sampling: Sampling,
     ) -> crate::Result<oneshot::Receiver<crate::Result<Output>>> {
+        self.enqueue_with(rid, prompt, sampling, None)
+    }
+
+    /// [`AppState::enqueue`], streaming each round's new tokens to `progress` when given.
+    pub(crate) fn enqueue_with(
+        &self,
+        rid: Option<String>,
+        prompt: Vec<u32>,
+        sampling: Sampling,
+        progress: Option<tokio::sync::mpsc::UnboundedSender<crate::worker::Progress>>,
+    ) -> crate::Result<oneshot::Receiver<crate::Result<Output>>> {
         let (reply, rx) = oneshot::channel();
         Stats::add(&self.stats.waiting, 1);
-        if self.msgs.send(Msg::Job(Job { rid, prompt, sampling, reply })).is_err() {
+        if self.msgs.send(Msg::Job(Job { rid, prompt, sampling, reply, progress })).is_err() {
             Stats::sub(&self.stats.waiting, 1);
             return Err(Error::Stopped);
         }
@@ -187,7 +198,7 @@ impl AppState {
     }
 
     /// `ids` as text, special tokens skipped or not (empty without a tokenizer).
-    fn detokenize_with(&self, ids: &[u32], skip_special_tokens: bool) -> String {
+    pub(crate) fn detokenize_with(&self, ids: &[u32], skip_special_tokens: bool) -> String {
         self.tokenizer.as_ref().and_then(|t| t.decode(ids, skip_special_tokens).ok()).unwrap_or_default()
     }
 
@@ -202,13 +213,14 @@ impl AppState {
 }
 
 async fn generate(State(s): State<Arc<AppState>>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
-    answer(s, body, run_generate).await
+    match body {
+        Ok(Json(req)) if req.stream => crate::stream::generate(s, req).await,
+        body => answer(s, body, run_generate).await,
+    }
 }
 
-async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<GenerateResponse> {
-    if req.stream {
-        return Err(Error::Invalid { field: "stream".into(), reason: "streaming is not served yet".into() });
-    }
+/// A `/generate` request checked: its id, prompt and sampling (with a fresh coin stream when unseeded).
+pub(crate) fn prepare_generate(s: &AppState, req: &GenerateRequest) -> crate::Result<(String, Vec<u32>, Sampling)> {
     let mut sampling = req.sampling_params.validate(&s.limits)?;
     if sampling.seed.is_none() {
         sampling.stream = s.fresh_streams(1);
@@ -224,15 +236,24 @@ async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<Gener
         }
     };
     let prompt = check_ids(field, &ids, sampling.max_new_tokens, &s.limits)?;
-    let rid = req.rid.clone().unwrap_or_else(|| s.id(""));
-    let out = s.submit(Some(rid.clone()), prompt, sampling).await?;
+    Ok((req.rid.clone().unwrap_or_else(|| s.id("")), prompt, sampling))
+}
+
+/// SGLang's answer for `out`; `finished` false: a streamed partial answer (finish reason null).
+pub(crate) fn generate_response(
+    s: &AppState,
+    req: &GenerateRequest,
+    rid: &str,
+    out: &Output,
+    finished: bool,
+) -> GenerateResponse {
     let logprobs =
         req.return_logprob.then(|| out.logprobs.iter().zip(&out.tokens).map(|(&l, &t)| (l, t, None)).collect());
-    Ok(GenerateResponse {
+    GenerateResponse {
         text: s.detokenize_with(&out.tokens, req.sampling_params.skip_special_tokens.unwrap_or(true)),
         meta_info: MetaInfo {
-            id: rid,
-            finish_reason: FinishReason::of(out.reason, out.tokens.last().copied()),
+            id: rid.to_owned(),
+            finish_reason: finished.then(|| FinishReason::of(out.reason, out.tokens.last().copied())),
             prompt_tokens: out.prompt_tokens,
             completion_tokens: out.tokens.len(),
             cached_tokens: 0,
@@ -241,8 +262,14 @@ async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<Gener
             spec_verify_ct: out.spec_rounds,
             spec_accept_token_num: out.spec_accepted,
         },
-        output_ids: out.tokens,
-    })
+        output_ids: out.tokens.clone(),
+    }
+}
+
+async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<GenerateResponse> {
+    let (rid, prompt, sampling) = prepare_generate(s, &req)?;
+    let out = s.submit(Some(rid.clone()), prompt, sampling).await?;
+    Ok(generate_response(s, &req, &rid, &out, true))
 }
 
 async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<CompletionRequest>, JsonRejection>) -> Response {

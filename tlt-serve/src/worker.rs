@@ -75,6 +75,20 @@ pub struct Job {
     pub sampling: Sampling,
     /// Where the output goes.
     pub reply: oneshot::Sender<Result<Output>>,
+    /// Streaming: where the tokens each round committed go (with their log-probs), before the output; closed when
+    /// the request ends.
+    pub progress: Option<tokio::sync::mpsc::UnboundedSender<Progress>>,
+}
+
+/// Tokens a round committed for a streaming request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Progress {
+    /// The new tokens.
+    pub tokens: Vec<u32>,
+    /// Their log-probs.
+    pub logprobs: Vec<f32>,
+    /// The version of the weights decoding it.
+    pub weight_version: Arc<str>,
 }
 
 /// A finished request.
@@ -190,6 +204,8 @@ impl Key {
 struct Pending {
     rid: Option<String>,
     reply: oneshot::Sender<Result<Output>>,
+    /// Streaming: the channel, and how many tokens went out on it.
+    progress: Option<(tokio::sync::mpsc::UnboundedSender<Progress>, usize)>,
 }
 
 /// One engine and its requests' reply channels.
@@ -242,8 +258,26 @@ impl Lane {
         }
         Stats::add(&stats.rounds, 1);
         Stats::add(&stats.request_rounds, self.engine.counters().seq_rounds.saturating_sub(before));
+        self.stream_progress(stats);
         self.answer_finished(stats);
         true
+    }
+
+    /// Sends streaming requests that are still live the tokens committed since the last send.
+    fn stream_progress(&mut self, stats: &Stats) {
+        let version = stats.version();
+        for (&id, p) in &mut self.pending {
+            let Some((tx, sent)) = p.progress.as_mut() else { continue };
+            let Some((tokens, logprobs)) = self.engine.progress(id) else { continue };
+            if tokens.len() > *sent {
+                let _ = tx.send(Progress {
+                    tokens: tokens[*sent..].to_vec(),
+                    logprobs: logprobs[*sent..].to_vec(),
+                    weight_version: version.clone(),
+                });
+                *sent = tokens.len();
+            }
+        }
     }
 
     /// Sends every finished request its output.
@@ -503,7 +537,8 @@ impl Worker<'_> {
         match added.map(|ids| ids[0]) {
             Ok(id) => {
                 Stats::add(&stats.running, 1);
-                lane.pending.insert(id, Pending { rid: job.rid, reply: job.reply });
+                let progress = job.progress.map(|tx| (tx, 0));
+                lane.pending.insert(id, Pending { rid: job.rid, reply: job.reply, progress });
             }
             Err(e) => {
                 Stats::add(&stats.failed, 1);

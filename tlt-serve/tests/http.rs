@@ -253,6 +253,40 @@ fn the_sd_gate_speculates_in_the_tail_only() {
     assert_eq!(metric(plain, "engine_sd_rounds_total"), 0.0);
 }
 
+/// SGLang's streaming: server-sent events, each a cumulative partial answer (finish reason null), then the final
+/// answer, equal to the unstreamed one for the same seed, then `[DONE]`.
+#[test]
+fn generate_streams_cumulative_answers_then_done() {
+    let addr = serve(true);
+    let p = &prompts()[0];
+    let body = |stream: bool| {
+        json!({"input_ids": p, "return_logprob": true, "stream": stream,
+            "sampling_params": {"temperature": 0.7, "max_new_tokens": 24, "sampling_seed": 3, "ignore_eos": true}})
+    };
+    let (status, whole) = post(addr, "/generate", &body(false));
+    assert_eq!(status, 200, "{whole}");
+    let text = post_text(addr, "/generate", &body(true));
+    let events: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
+    let answers: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert!(answers.len() >= 2, "{text}");
+    let (last, partial) = answers.split_last().unwrap();
+    let mut before = 0;
+    for a in partial {
+        assert!(a["meta_info"]["finish_reason"].is_null(), "{a}");
+        let got = ids(a);
+        assert!(
+            got.len() > before
+                && whole["output_ids"].as_array().unwrap().starts_with(a["output_ids"].as_array().unwrap())
+        );
+        assert_eq!(a["meta_info"]["output_token_logprobs"].as_array().unwrap().len(), got.len());
+        before = got.len();
+    }
+    assert_eq!(last["output_ids"], whole["output_ids"]);
+    assert_eq!(last["meta_info"]["output_token_logprobs"], whole["meta_info"]["output_token_logprobs"]);
+    assert_eq!(last["meta_info"]["finish_reason"]["type"], "length");
+}
+
 /// SGLang's seeds: requests without `sampling_seed` get coins of their own (a GRPO group sent as separate requests
 /// differs), requests with the same seed and prompt get the same sample.
 #[test]

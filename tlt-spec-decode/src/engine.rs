@@ -280,6 +280,13 @@ impl<T: Target> Engine<T> {
         self.counters = Counters::default();
     }
 
+    /// What the live request `id` has generated so far and each token's log-probability (as in
+    /// [`Finished::logprobs`]); `None` once it finished or when unknown. For streaming partial outputs.
+    pub fn progress(&self, id: RequestId) -> Option<(&[u32], &[f32])> {
+        let s = self.live.iter().find(|s| s.id == id)?;
+        Some((&s.history[s.prompt_len..], &s.logprobs))
+    }
+
     /// Number of requests still generating.
     pub fn num_live(&self) -> usize {
         self.live.len()

@@ -65,6 +65,21 @@ pub fn post_raw(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Value) {
     (status, json)
 }
 
+/// `POST path` with `body`: the raw response text (head and body, chunked framing included).
+pub fn post_text(addr: SocketAddr, path: &str, body: &Value) -> String {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
 pub fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
     post_raw(addr, path, body.to_string().as_bytes())
 }
