@@ -58,22 +58,43 @@ pub enum Prompt {
     Text(String),
 }
 
-/// SGLang's `POST /generate` body (one prompt; the batched form is not served yet).
+/// One value, or one per prompt of a batch (SGLang's batched `/generate`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany<T> {
+    /// A single request.
+    One(T),
+    /// A batch: the answer is a list, in order.
+    Many(Vec<T>),
+}
+
+impl<T> OneOrMany<T> {
+    /// The values, and whether it was a batch.
+    pub fn items(&self) -> (Vec<&T>, bool) {
+        match self {
+            Self::One(t) => (vec![t], false),
+            Self::Many(ts) => (ts.iter().collect(), true),
+        }
+    }
+}
+
+/// SGLang's `POST /generate` body: one prompt, or a batch of them (one `sampling_params` for all; then the answer is
+/// a list).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateRequest {
-    /// The prompt as text.
-    pub text: Option<String>,
-    /// The prompt as token ids.
-    pub input_ids: Option<Vec<i64>>,
+    /// The prompt as text (or a batch of texts).
+    pub text: Option<OneOrMany<String>>,
+    /// The prompt as token ids (or a batch of them).
+    pub input_ids: Option<OneOrMany<Vec<i64>>>,
     /// Sampling.
     #[serde(default)]
     pub sampling_params: SamplingParams,
     /// Return the log-probability of every output token.
     #[serde(default)]
     pub return_logprob: bool,
-    /// The client's request id (echoed in `meta_info.id`).
-    pub rid: Option<String>,
+    /// The client's request id (echoed in `meta_info.id`; a batch takes one per prompt).
+    pub rid: Option<OneOrMany<String>>,
     /// Stream the answer as server-sent events: a cumulative partial answer after every round that added tokens,
     /// the final answer, then `[DONE]`.
     #[serde(default)]

@@ -219,15 +219,23 @@ async fn generate(State(s): State<Arc<AppState>>, body: Result<Json<GenerateRequ
     }
 }
 
-/// A `/generate` request checked: its id, prompt and sampling (with a fresh coin stream when unseeded).
-pub(crate) fn prepare_generate(s: &AppState, req: &GenerateRequest) -> crate::Result<(String, Vec<u32>, Sampling)> {
-    let mut sampling = req.sampling_params.validate(&s.limits)?;
-    if sampling.seed.is_none() {
-        sampling.stream = s.fresh_streams(1);
-    }
-    let (field, ids) = match (&req.input_ids, &req.text) {
-        (Some(ids), None) => ("input_ids", ids.clone()),
-        (None, Some(text)) => ("text", s.tokenize("text", text)?),
+/// A `/generate` request checked: each prompt's id, ids and sampling (with a fresh coin stream when unseeded), and
+/// whether it was a batch.
+pub(crate) fn prepare_generate(
+    s: &AppState,
+    req: &GenerateRequest,
+) -> crate::Result<(Vec<(String, Vec<u32>, Sampling)>, bool)> {
+    let sampling = req.sampling_params.validate(&s.limits)?;
+    let (field, prompts, batched) = match (&req.input_ids, &req.text) {
+        (Some(ids), None) => {
+            let (items, batched) = ids.items();
+            ("input_ids", items.into_iter().cloned().collect::<Vec<_>>(), batched)
+        }
+        (None, Some(text)) => {
+            let (items, batched) = text.items();
+            let ids = items.iter().map(|t| s.tokenize("text", t)).collect::<crate::Result<Vec<_>>>()?;
+            ("text", ids, batched)
+        }
         _ => {
             return Err(Error::Invalid {
                 field: "input_ids".into(),
@@ -235,8 +243,31 @@ pub(crate) fn prepare_generate(s: &AppState, req: &GenerateRequest) -> crate::Re
             })
         }
     };
-    let prompt = check_ids(field, &ids, sampling.max_new_tokens, &s.limits)?;
-    Ok((req.rid.clone().unwrap_or_else(|| s.id("")), prompt, sampling))
+    if prompts.is_empty() {
+        return Err(Error::Invalid { field: field.into(), reason: "an empty batch".into() });
+    }
+    let rids: Vec<Option<String>> = match &req.rid {
+        None => vec![None; prompts.len()],
+        Some(r) => {
+            let (items, many) = r.items();
+            if many != batched || items.len() != prompts.len() {
+                let reason = format!("{} ids for {} prompts", items.len(), prompts.len());
+                return Err(Error::Invalid { field: "rid".into(), reason });
+            }
+            items.into_iter().cloned().map(Some).collect()
+        }
+    };
+    let mut out = Vec::with_capacity(prompts.len());
+    for (i, (ids, rid)) in prompts.iter().zip(rids).enumerate() {
+        let name = if batched { format!("{field}[{i}]") } else { field.to_owned() };
+        let prompt = check_ids(&name, ids, sampling.max_new_tokens, &s.limits)?;
+        let mut sampling = sampling.clone();
+        if sampling.seed.is_none() {
+            sampling.stream = s.fresh_streams(1);
+        }
+        out.push((rid.unwrap_or_else(|| s.id("")), prompt, sampling));
+    }
+    Ok((out, batched))
 }
 
 /// SGLang's answer for `out`; `finished` false: a streamed partial answer (finish reason null).
@@ -266,10 +297,30 @@ pub(crate) fn generate_response(
     }
 }
 
-async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<GenerateResponse> {
-    let (rid, prompt, sampling) = prepare_generate(s, &req)?;
-    let out = s.submit(Some(rid.clone()), prompt, sampling).await?;
-    Ok(generate_response(s, &req, &rid, &out, true))
+/// `/generate`'s answer: one, or a list for a batch.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum GenerateAnswer {
+    One(GenerateResponse),
+    Many(Vec<GenerateResponse>),
+}
+
+async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<GenerateAnswer> {
+    let (items, batched) = prepare_generate(s, &req)?;
+    // Every prompt of a batch is queued before any is awaited: the engine batches them.
+    let mut pending = Vec::with_capacity(items.len());
+    for (rid, prompt, sampling) in items {
+        pending.push((s.enqueue(Some(rid.clone()), prompt, sampling)?, rid));
+    }
+    let mut answers = Vec::with_capacity(pending.len());
+    for (rx, rid) in pending {
+        let out = rx.await.map_err(|_| Error::Stopped)??;
+        answers.push(generate_response(s, &req, &rid, &out, true));
+    }
+    match answers.pop() {
+        Some(one) if !batched => Ok(GenerateAnswer::One(one)),
+        last => Ok(GenerateAnswer::Many(answers.into_iter().chain(last).collect())),
+    }
 }
 
 async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<CompletionRequest>, JsonRejection>) -> Response {

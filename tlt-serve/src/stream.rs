@@ -79,7 +79,11 @@ fn error_event(e: &Error) -> Event {
 /// `POST /generate` with `"stream": true`.
 pub(crate) async fn generate(s: Arc<AppState>, req: GenerateRequest) -> Response {
     let (rid, prompt, sampling) = match prepare_generate(&s, &req) {
-        Ok(r) => r,
+        Ok((mut items, false)) if items.len() == 1 => items.remove(0),
+        Ok(_) => {
+            let reason = "a batch is not streamed: send one request per prompt".into();
+            return Error::Invalid { field: "stream".into(), reason }.into_response();
+        }
         Err(e) => return e.into_response(),
     };
     let prompt_tokens = prompt.len();

@@ -287,6 +287,37 @@ fn generate_streams_cumulative_answers_then_done() {
     assert_eq!(last["meta_info"]["finish_reason"]["type"], "length");
 }
 
+/// SGLang's batched `/generate`: a list of prompts answers a list, in order, each as its own request would be.
+#[test]
+fn generate_takes_a_batch_and_answers_a_list() {
+    let addr = serve(true);
+    let ps: Vec<Vec<u32>> = prompts().into_iter().take(3).collect();
+    let params = json!({"temperature": 0.7, "max_new_tokens": 12, "sampling_seed": 5});
+    let (status, v) = post(
+        addr,
+        "/generate",
+        &json!({"input_ids": ps, "sampling_params": params, "return_logprob": true, "rid": ["a", "b", "c"]}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let answers = v.as_array().unwrap();
+    assert_eq!(answers.len(), 3);
+    for ((a, p), rid) in answers.iter().zip(&ps).zip(["a", "b", "c"]) {
+        assert_eq!(a["meta_info"]["id"], rid);
+        let one =
+            post(addr, "/generate", &json!({"input_ids": p, "sampling_params": params, "return_logprob": true})).1;
+        assert_eq!(a["output_ids"], one["output_ids"]);
+        assert_eq!(a["meta_info"]["output_token_logprobs"], one["meta_info"]["output_token_logprobs"]);
+    }
+    for (body, param) in [
+        (json!({"input_ids": [[3], [4]], "rid": ["a"]}), "rid"),
+        (json!({"input_ids": [[3], [4, 999]]}), "input_ids[1][1]"),
+        (json!({"input_ids": [[3], [4]], "stream": true}), "stream"),
+    ] {
+        let (status, v) = post(addr, "/generate", &body);
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
+    }
+}
+
 /// SGLang's seeds: requests without `sampling_seed` get coins of their own (a GRPO group sent as separate requests
 /// differs), requests with the same seed and prompt get the same sample.
 #[test]
