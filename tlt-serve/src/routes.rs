@@ -219,12 +219,12 @@ async fn generate(State(s): State<Arc<AppState>>, body: Result<Json<GenerateRequ
     }
 }
 
+/// One prompt of a `/generate` request, checked: its request id, token ids and sampling.
+pub(crate) type Prepared = (String, Vec<u32>, Sampling);
+
 /// A `/generate` request checked: each prompt's id, ids and sampling (with a fresh coin stream when unseeded), and
 /// whether it was a batch.
-pub(crate) fn prepare_generate(
-    s: &AppState,
-    req: &GenerateRequest,
-) -> crate::Result<(Vec<(String, Vec<u32>, Sampling)>, bool)> {
+pub(crate) fn prepare_generate(s: &AppState, req: &GenerateRequest) -> crate::Result<(Vec<Prepared>, bool)> {
     let sampling = req.sampling_params.validate(&s.limits)?;
     let (field, prompts, batched) = match (&req.input_ids, &req.text) {
         (Some(ids), None) => {
