@@ -6,9 +6,9 @@
 //! long-tailed token limit (most short, a few up to `--max-new-tokens`), all sent at once over HTTP/1.1 by one client
 //! thread per request. The in-process run decodes the same requests (same coin streams, a prompt's samples forked
 //! from one prefill) in one `tlt_spec_decode::Engine` driven round by round, the loop the server's engine thread
-//! runs. Each pair (in process, HTTP) runs with speculation off and on, `--repeats` times, interleaved; every HTTP
-//! output must equal its in-process twin token for token (the suite fails otherwise). Then `--concurrent` short
-//! requests at once: none lost, the process's peak resident memory reported.
+//! runs. Each pair (in process, HTTP; the order alternating with the repeat) runs per `--sd` setting, `--repeats`
+//! times, interleaved; every HTTP output must equal its in-process twin token for token (the suite fails otherwise).
+//! Then `--concurrent` short requests at once: none lost, the process's peak resident memory reported.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -98,6 +98,8 @@ pub struct Run {
     pub latency_p99_s: Option<f64>,
     /// HTTP only: outputs equal to the in-process run's of the same setting and repeat.
     pub outputs_equal: Option<usize>,
+    /// Engine rounds (batched target forwards) the rollout took.
+    pub rounds: u64,
 }
 
 /// The concurrency check.
@@ -183,7 +185,7 @@ pub enum Sd {
 
 /// The rollout in process: one engine, round by round through the same adaptive decoder (gate and bandit) as the
 /// server's engine thread.
-fn in_process(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd) -> Result<(f64, Vec<Vec<u32>>)> {
+fn in_process(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd) -> Result<(f64, Vec<Vec<u32>>, u64)> {
     let params = SpecParams {
         sampling: SamplingParams { temperature: temperature as f32, top_k: None, top_p: None },
         max_new_tokens: reqs.iter().map(|r| r.limit).max().unwrap_or(1),
@@ -206,9 +208,10 @@ fn in_process(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd) -> Result<(
         let _ = decoder.drain_trace();
     }
     let wall = t0.elapsed().as_secs_f64();
+    let rounds = e.counters().rounds;
     let mut done = e.take_finished();
     done.sort_by_key(|f| f.id);
-    Ok((wall, done.into_iter().map(|f| f.tokens).collect()))
+    Ok((wall, done.into_iter().map(|f| f.tokens).collect(), rounds))
 }
 
 /// A server of `model` on a free port; its address and the runtime serving it (drop it to stop the server).
@@ -274,6 +277,39 @@ fn over_http(addr: SocketAddr, reqs: &[Req], temperature: f64) -> Result<(f64, V
     Ok((t0.elapsed().as_secs_f64(), outs, lat))
 }
 
+/// The server's Prometheus metric `tlt_serve_<name>`.
+fn metric(addr: SocketAddr, name: &str) -> Result<f64> {
+    let mut s = TcpStream::connect(addr)?;
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let line = out.lines().find(|l| l.starts_with(&format!("tlt_serve_{name} "))).context("no metric")?;
+    Ok(line.split_whitespace().nth(1).context("no value")?.parse()?)
+}
+
+/// The rollout over HTTP against a fresh server that admits every request at once, as in process (the default
+/// bound, 256, would queue half of them); its run (outputs not yet compared) and outputs.
+fn http_run(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd, repeat: usize) -> Result<(Run, Vec<Vec<u32>>)> {
+    let (addr, rt) = start(model.clone(), sd, Some(reqs.len()))?;
+    let (wall, outs, lat) = over_http(addr, reqs, temperature)?;
+    let rounds = metric(addr, "engine_rounds_total")? as u64;
+    rt.shutdown_background();
+    let tokens: usize = outs.iter().map(Vec::len).sum();
+    let run = Run {
+        path: "http",
+        sd,
+        repeat,
+        wall_s: wall,
+        tokens,
+        tokens_per_s: tokens as f64 / wall,
+        latency_p50_s: Some(quantile(&lat, 0.5)),
+        latency_p99_s: Some(quantile(&lat, 0.99)),
+        outputs_equal: None,
+        rounds,
+    };
+    Ok((run, outs))
+}
+
 /// `q`-quantile of `xs` (nearest rank).
 fn quantile(xs: &[f64], q: f64) -> f64 {
     let mut v = xs.to_vec();
@@ -305,15 +341,7 @@ fn concurrency(model: &Llama, args: &ServeArgs, prompt: &[u32]) -> Result<Concur
     let body_limit = args.concurrent_tokens;
     let (wall, outs, _) = over_http(addr, &reqs, 0.7)?;
     let completed = outs.iter().filter(|o| o.len() <= body_limit && !o.is_empty()).count();
-    let metrics = |name: &str| -> Result<f64> {
-        let mut s = TcpStream::connect(addr)?;
-        write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
-        let mut out = String::new();
-        s.read_to_string(&mut out)?;
-        let line = out.lines().find(|l| l.starts_with(&format!("tlt_serve_{name} "))).context("no metric")?;
-        Ok(line.split_whitespace().nth(1).context("no value")?.parse()?)
-    };
-    let left = (metrics("waiting_requests")?, metrics("running_requests")?);
+    let left = (metric(addr, "waiting_requests")?, metric(addr, "running_requests")?);
     let (_, peak) = rss_mib();
     rt.shutdown_background();
     Ok(Concurrency {
@@ -348,7 +376,13 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let mut runs = Vec::new();
     for repeat in 0..args.repeats {
         for &sd in &args.sd {
-            let (wall, twin) = in_process(&model, &reqs, args.temperature, sd)?;
+            // The pair's order alternates with the repeat, so that an order effect cancels in the medians.
+            let http_first = repeat % 2 == 1;
+            let mut http = None;
+            if http_first {
+                http = Some(http_run(&model, &reqs, args.temperature, sd, repeat)?);
+            }
+            let (wall, twin, rounds) = in_process(&model, &reqs, args.temperature, sd)?;
             let tokens: usize = twin.iter().map(Vec::len).sum();
             info!(repeat, ?sd, wall, tokens, "in process");
             runs.push(Run {
@@ -361,25 +395,16 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 latency_p50_s: None,
                 latency_p99_s: None,
                 outputs_equal: None,
+                rounds,
             });
-            // Every request admitted at once, as in process (the default bound, 256, would queue half of them).
-            let (addr, rt) = start(model.clone(), sd, Some(reqs.len()))?;
-            let (wall, outs, lat) = over_http(addr, &reqs, args.temperature)?;
-            rt.shutdown_background();
+            let (mut run, outs) = match http {
+                Some(h) => h,
+                None => http_run(&model, &reqs, args.temperature, sd, repeat)?,
+            };
             let equal = outs.iter().zip(&twin).filter(|(a, b)| a == b).count();
-            let tokens: usize = outs.iter().map(Vec::len).sum();
-            info!(repeat, ?sd, wall, tokens, equal, "http");
-            runs.push(Run {
-                path: "http",
-                sd,
-                repeat,
-                wall_s: wall,
-                tokens,
-                tokens_per_s: tokens as f64 / wall,
-                latency_p50_s: Some(quantile(&lat, 0.5)),
-                latency_p99_s: Some(quantile(&lat, 0.99)),
-                outputs_equal: Some(equal),
-            });
+            run.outputs_equal = Some(equal);
+            info!(repeat, ?sd, wall = run.wall_s, tokens = run.tokens, equal, http_first, "http");
+            runs.push(run);
             if equal != reqs.len() {
                 bail!("{} of {} HTTP outputs differ from the in-process run's", reqs.len() - equal, reqs.len());
             }
@@ -419,8 +444,8 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
     let mut s = format!(
         "# bench serve\n\n{} on {} ({} threads), commit {}\n\n`{}`\n\n{} requests ({} prompts x {} samples, T = {}), \
          mean prompt {:.0} tokens, token limits p50/p90/max {}/{}/{}\n\n\
-         | path | SD | repeat | wall s | tokens | tok/s | p50 s | p99 s | equal to in-process |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|\n",
+         | path | SD | repeat | wall s | tokens | tok/s | rounds | p50 s | p99 s | equal to in-process |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         r.header.timestamp,
         r.header.machine.cpu_model,
         r.header.machine.candle_threads,
@@ -438,13 +463,14 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
     let opt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
     for run in &r.runs {
         s += &format!(
-            "| {} | {} | {} | {:.1} | {} | {:.1} | {} | {} | {} |\n",
+            "| {} | {} | {} | {:.1} | {} | {:.1} | {} | {} | {} | {} |\n",
             run.path,
             format!("{:?}", run.sd).to_lowercase(),
             run.repeat,
             run.wall_s,
             run.tokens,
             run.tokens_per_s,
+            run.rounds,
             opt(run.latency_p50_s),
             opt(run.latency_p99_s),
             run.outputs_equal.map_or("-".to_string(), |n| n.to_string()),
