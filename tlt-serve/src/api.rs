@@ -132,13 +132,8 @@ impl FinishReason {
 /// The coin stream of sample `index` of a request seeded with `seed`: a 64-bit mix of both with the top bit set,
 /// so that it never meets an unseeded request's stream (counted from 1, far below 2^63).
 pub fn seeded_stream(seed: u64, index: u64) -> u64 {
-    fn splitmix(mut z: u64) -> u64 {
-        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    splitmix(splitmix(seed) ^ index) | (1 << 63)
+    let mix = |x: u64| tlt_kernels::SplitMix64::new(x).next_u64();
+    mix(mix(seed) ^ index) | (1 << 63)
 }
 
 /// The word SGLang, OpenAI and TRL clients read for `reason`: `stop`, `length` or `abort`.

@@ -3,8 +3,7 @@
 //! in-process greedy decoding of the version it reports), bad updates refused by field.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // Tests: a panic is the failure report.
 
-use std::io::Write;
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -85,14 +84,7 @@ fn abort_request_by_rid_returns_what_was_generated() {
 #[test]
 fn a_client_that_goes_away_aborts_its_request() {
     let addr = serve_model(slow(4), true);
-    let body = long_request("gone", 3000).to_string();
-    let mut s = TcpStream::connect(addr).unwrap();
-    let head = format!(
-        "POST /generate HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body.as_bytes()).unwrap();
+    let s = send_post(addr, "/generate", long_request("gone", 3000).to_string().as_bytes());
     wait_for("the request to run", || metric(addr, "request_rounds_total") >= 10.0);
     drop(s);
     wait_for("the abort", || metric(addr, "aborted_requests_total") == 1.0);

@@ -302,19 +302,12 @@ fn http_run(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd, repeat: usize
         wall_s: wall,
         tokens,
         tokens_per_s: tokens as f64 / wall,
-        latency_p50_s: Some(quantile(&lat, 0.5)),
-        latency_p99_s: Some(quantile(&lat, 0.99)),
+        latency_p50_s: Some(tlt_rl::metrics::percentile(&lat, 0.5)),
+        latency_p99_s: Some(tlt_rl::metrics::percentile(&lat, 0.99)),
         outputs_equal: None,
         rounds,
     };
     Ok((run, outs))
-}
-
-/// `q`-quantile of `xs` (nearest rank).
-fn quantile(xs: &[f64], q: f64) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    v.get(((v.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN)
 }
 
 /// `VmRSS` and `VmHWM` of this process (MiB).

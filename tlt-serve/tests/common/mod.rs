@@ -48,8 +48,9 @@ pub fn serve_with(model: Llama, decode: DecodeConfig) -> SocketAddr {
     addr
 }
 
-/// `POST path` with `body` (raw bytes): (status, JSON body).
-pub fn post_raw(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Value) {
+/// Opens a connection and writes `POST path` with `body` (raw bytes, `Connection: close`); the stream to read the
+/// answer from.
+pub fn send_post(addr: SocketAddr, path: &str, body: &[u8]) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap();
     let head = format!(
         "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -57,6 +58,12 @@ pub fn post_raw(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Value) {
     );
     s.write_all(head.as_bytes()).unwrap();
     let _ = s.write_all(body);
+    s
+}
+
+/// `POST path` with `body` (raw bytes): (status, JSON body).
+pub fn post_raw(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Value) {
+    let mut s = send_post(addr, path, body);
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
     let text = String::from_utf8_lossy(&out);
@@ -67,14 +74,7 @@ pub fn post_raw(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Value) {
 
 /// `POST path` with `body`: the raw response text (head and body, chunked framing included).
 pub fn post_text(addr: SocketAddr, path: &str, body: &Value) -> String {
-    let body = body.to_string();
-    let mut s = TcpStream::connect(addr).unwrap();
-    let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body.as_bytes()).unwrap();
+    let mut s = send_post(addr, path, body.to_string().as_bytes());
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
     out
