@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 use tlt_serve::worker::DecodeConfig;
 
@@ -39,7 +39,8 @@ fn speculation_through_the_server_is_lossless_and_its_logprobs_are_the_trainers(
     assert_eq!(get(sd, "/health"), 200);
     assert_eq!(get(sd, "/health_generate"), 200);
     let model = tiny();
-    let (mut spec_rounds, mut worst) = (0, 0.0f32);
+    let model64 = model.to_dtype(DType::F64).unwrap();
+    let (mut spec_rounds, mut worst32, mut worst64) = (0, 0.0f64, 0.0f64);
     for (k, p) in prompts().iter().enumerate() {
         for (temperature, seed) in [(0.0, 0), (0.7, k as u64 + 1)] {
             let (a, b) = (generate(sd, p, temperature, seed), generate(plain, p, temperature, seed));
@@ -62,29 +63,33 @@ fn speculation_through_the_server_is_lossless_and_its_logprobs_are_the_trainers(
                 })
                 .collect();
             assert_eq!(served.len(), out.len());
-            // Teacher forcing with the trainer's log-prob code, at the sampling temperature (1 for greedy).
+            // Teacher forcing with the trainer's log-prob code, at the sampling temperature (1 for greedy): the
+            // training forward and `logprobs_and_entropy` in f32, as the trainer runs them, and the same code on the
+            // model cast to f64 (the exact values, to f32 rounding of the weights).
             let seq: Vec<u32> = p.iter().chain(&out[..out.len() - 1]).copied().collect();
-            let logits =
-                model.forward_train(&Tensor::new(seq.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap()).unwrap();
-            let logits = logits.narrow(1, p.len() - 1, out.len()).unwrap();
-            let targets = Tensor::new(out.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
             let t = if temperature == 0.0 { 1.0 } else { temperature };
-            let (lp, _) = tlt_rl::grpo::logprobs_and_entropy(&logits, &targets, t, false).unwrap();
-            let recomputed: Vec<f32> = lp.squeeze(0).unwrap().to_vec1().unwrap();
-            let gap = served.iter().zip(&recomputed).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-            worst = worst.max(gap);
-            // The issue asks for 1e-5. The served values come from the engine's cached decode/verify forward, the
-            // recomputation from the training forward: their f32 logits differ by rounding (a few 1e-6), which the
-            // temperature scales by 1/T. Greedy requests (log-probs at T = 1) are held to 1e-5; at T = 0.7 the bound
-            // is 1e-5 / T, and the largest gap measured (1.31e-5, prompt 5) is above the issue's 1e-5: said in
-            // the README and the issue's notes.
-            let bound = 1e-5 / t as f32;
-            assert!(gap <= bound, "prompt {k} at T = {temperature}: served log-probs {gap:e} from the trainer's");
+            let teacher = |m: &tlt_model::Llama| -> Vec<f64> {
+                let ids = Tensor::new(seq.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+                let logits = m.forward_train(&ids).unwrap().narrow(1, p.len() - 1, out.len()).unwrap();
+                let targets = Tensor::new(out.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+                let (lp, _) = tlt_rl::grpo::logprobs_and_entropy(&logits, &targets, t, false).unwrap();
+                lp.squeeze(0).unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+            };
+            let gap = |r: &[f64]| served.iter().zip(r).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0f64, f64::max);
+            let (g32, g64) = (gap(&teacher(&model)), gap(&teacher(&model64)));
+            worst32 = worst32.max(g32);
+            worst64 = worst64.max(g64);
+            // The issue's 1e-5, against the exact recomputation. Against the trainer's f32 recomputation the gap
+            // adds the trainer's own f32 rounding (its logits are up to ~1.4e-5 from f64 on this model, whose logits
+            // reach ~27, scaled by 1/T), measured 0.87-1.19e-5 at T = 0.7 over the kernels' ISAs: held to 1e-5 / T.
+            assert!(g64 <= 1e-5, "prompt {k} at T = {temperature}: served log-probs {g64:e} from the exact ones");
+            assert!(g32 <= 1e-5 / t, "prompt {k} at T = {temperature}: served log-probs {g32:e} from the trainer's");
         }
     }
     println!(
         "12 requests through HTTP: SD on equals SD off token for token; {spec_rounds} speculative rounds; served \
-         log-probs at most {worst:e} from the trainer's recomputation"
+         log-probs at most {worst64:e} from the exact (f64) teacher-forced recomputation, \
+         {worst32:e} from the trainer's f32 one"
     );
     assert!(spec_rounds > 0, "the SD server never speculated");
 }
