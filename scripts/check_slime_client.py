@@ -1,32 +1,135 @@
-"""slime's rollout requests and parsing against tlt-serve's SGLang API.
+"""slime's rollout requests and parsing against an SGLang API: tlt-serve's, or the reference mock's.
 
-Usage: python3 check_slime_client.py BASE_URL PROMPT_IDS_JSON
+Usage: python3 check_slime_client.py BASE_URL PROMPT_IDS_JSON [--server-kind tlt-serve|sglang] [--schema-out FILE]
 
 slime is not on PyPI, so its client code cannot be installed here: this script sends the payloads slime's rollout
 builds and parses the answers the way it does (THUDM/slime, `slime/rollout/sglang_rollout.py`: `GenerateState`'s
 `sampling_params`, `generate`'s payload and its reading of `meta_info`, the abort of what still runs once a rollout
-has enough samples), with `requests`. Checks, in order: `/health_generate`; a GRPO-style group (every prompt x 4
-samples, unseeded, sent at once) with slime's default sampling parameters (`stop` null, `skip_special_tokens`,
-`no_stop_trim`, `spaces_between_special_tokens`) parsed into tokens, log-probs and a status; slime's abort (requests in flight,
-held by an in-place pause so that they surely are, then `/abort_request` with `abort_all`: each answers `abort`);
-`/pause_generation` (SGLang's default mode), `/continue_generation`, `/flush_cache` when idle, `/get_weight_version`. Prints one line per
-check; exits non-zero on the first failure.
+has enough samples; `slime/utils/types.py`: `Sample.update_from_meta_info`; `slime/utils/http_utils.py`: an answer
+that is not JSON is kept as text), with `requests`. Checks, in order: `/health_generate`; a GRPO-style group (every
+prompt x 4 samples, unseeded, sent at once) with slime's default sampling parameters (`stop` null,
+`skip_special_tokens`, `no_stop_trim`, `spaces_between_special_tokens`) parsed into tokens, log-probs and a status;
+slime's abort (requests in flight, held by an in-place pause so that they surely are, then `/abort_request` with
+`abort_all`: each answers `abort`); `/pause_generation` (SGLang's default mode), `/continue_generation`,
+`/flush_cache` when idle, `/get_weight_version`. Prints one line per check; exits non-zero on the first failure.
+
+`--server-kind` (default `tlt-serve`) selects the two things that differ between the servers, not the payloads:
+- where the running-request count comes from (the script's own sync point, not something slime reads):
+  `tlt_serve_running_requests` in tlt-serve's `/metrics`, or SGLang's gauge `sglang:num_running_reqs` (summed over
+  its label sets; SGLang serves `/metrics` only with `--enable-metrics`);
+- the order of the abort check. tlt-serve admits requests during an in-place pause (they run once it ends), so
+  there the pause comes first, then the requests, then `abort_all`. SGLang holds a request that arrives during a
+  pause before admission (`tokenizer_manager.py`, `generate_request`) and `abort_all` does not reach it, so there
+  the requests are sent first and paused in place once all run (the reference mock decodes slowly enough for that);
+  its running requests end with `abort` after one more decode step, i.e. after `/continue_generation`.
+
+`--schema-out FILE` writes, for every answer parsed, its JSON shape: per check (`POST /generate`, `POST /generate
+(aborted)`, `POST /abort_request`, ...), every key path (`$.meta_info.output_token_logprobs[][0]`: `[]` is a list's
+elements, `[i]` a position in a list whose scalar elements differ in type, i.e. a tuple) with the JSON types seen
+there (`object`, `array`, `string`, `integer`, `number`, `boolean`, `null`; a body that is not JSON: `text`, or
+`empty`). It also writes `reads`: the paths slime (or this script) reads, per check, and who reads each.
 """
 
+import argparse
 import json
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+# What slime reads from each answer (and what this script reads besides), by key path.
+SLIME_GENERATE_READS = {
+    "$.text": "slime generate(): output['text']",
+    "$.meta_info": "slime generate(): output['meta_info']",
+    "$.meta_info.output_token_logprobs": "slime generate(): tokens and log-probs, if present",
+    "$.meta_info.output_token_logprobs[]": "slime generate(): one item per response token",
+    "$.meta_info.output_token_logprobs[][0]": "slime generate(): item[0], the log-prob",
+    "$.meta_info.output_token_logprobs[][1]": "slime generate(): item[1], the token id",
+    "$.meta_info.finish_reason": "slime Sample.update_from_meta_info(): the status",
+    "$.meta_info.finish_reason.type": "slime Sample.update_from_meta_info(): length/abort/stop",
+    "$.meta_info.weight_version": "slime Sample.update_from_meta_info(): weight_versions, if present",
+    "$.meta_info.prompt_tokens": "slime PrefixCacheInfo.add() (.get, default 0)",
+    "$.meta_info.cached_tokens": "slime PrefixCacheInfo.add() (.get, default 0)",
+    "$.meta_info.completion_tokens": "slime SpecInfo.add() with --sglang-speculative-algorithm (.get, default 0)",
+    "$.meta_info.spec_accept_token_num": "slime SpecInfo.add() with --sglang-speculative-algorithm (.get, default 0)",
+    "$.meta_info.spec_draft_token_num": "slime SpecInfo.add() with --sglang-speculative-algorithm (.get, default 0)",
+    "$.meta_info.spec_verify_ct": "slime SpecInfo.add() with --sglang-speculative-algorithm (.get, default 0)",
+    "$.output_ids": "this script: equals the tokens slime parses",
+}
+READS = {
+    "POST /generate": SLIME_GENERATE_READS,
+    "POST /generate (aborted)": SLIME_GENERATE_READS,
+    "GET /get_weight_version": {"$.weight_version": "this script"},
+}
 
-def post(url, payload):
+SHAPES = {}
+LOCK = threading.Lock()
+
+
+def json_type(v):
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    return "object"
+
+
+def shape(v, path, out):
+    out.setdefault(path, set()).add(json_type(v))
+    if isinstance(v, dict):
+        for k, x in v.items():
+            shape(x, f"{path}.{k}", out)
+    elif isinstance(v, list):
+        scalar = all(not isinstance(x, (dict, list)) for x in v)
+        if v and scalar and len({json_type(x) for x in v}) > 1:
+            for i, x in enumerate(v):  # a tuple: its positions are its fields
+                shape(x, f"{path}[{i}]", out)
+        else:
+            for x in v:
+                shape(x, f"{path}[]", out)
+
+
+def record(check, answer):
+    """Adds the shape of `answer` (parsed JSON, or text) to check `check`."""
+    with LOCK:
+        paths = SHAPES.setdefault(check, {})
+        if isinstance(answer, str):
+            paths.setdefault("$", set()).add("text" if answer else "empty")
+        else:
+            shape(answer, "$", paths)
+    return answer
+
+
+def parse_body(r):
+    # slime's http_utils._post: the JSON, else the text.
+    try:
+        return r.json()
+    except ValueError:
+        return r.text
+
+
+def post(url, payload, check=None):
     r = requests.post(url, json=payload, timeout=120)
     if r.status_code != 200:
         raise SystemExit(f"POST {url}: {r.status_code} {r.text}")
-    return r.json()
+    out = parse_body(r)
+    return record(check, out) if check else out
+
+
+def get(url, check):
+    r = requests.get(url, timeout=60)
+    if r.status_code != 200:
+        raise SystemExit(f"GET {url}: {r.status_code} {r.text}")
+    return record(check, parse_body(r))
 
 
 def sampling_params(max_new_tokens):
@@ -36,10 +139,14 @@ def sampling_params(max_new_tokens):
                 spaces_between_special_tokens=False)
 
 
-def running(base):
-    """`tlt_serve_running_requests` from /metrics."""
+def running(base, kind):
+    """The server's running-request count from /metrics (see the module docstring)."""
     text = requests.get(f"{base}/metrics", timeout=60).text
-    return float(next(l.split()[1] for l in text.splitlines() if l.startswith("tlt_serve_running_requests ")))
+    if kind == "tlt-serve":
+        return float(next(l.split()[1] for l in text.splitlines() if l.startswith("tlt_serve_running_requests ")))
+    samples = [l for l in text.splitlines() if l.startswith("sglang:num_running_reqs{") or l.startswith("sglang:num_running_reqs ")]
+    assert samples, "no sglang:num_running_reqs in /metrics (SGLang serves it with --enable-metrics)"
+    return sum(float(l.rsplit(None, 1)[1]) for l in samples)
 
 
 def parse(output):
@@ -52,14 +159,21 @@ def parse(output):
 
 
 def main():
-    base, prompts = sys.argv[1], json.loads(sys.argv[2])
-    assert requests.get(f"{base}/health_generate", timeout=60).status_code == 200
+    ap = argparse.ArgumentParser()
+    ap.add_argument("base")
+    ap.add_argument("prompts")
+    ap.add_argument("--server-kind", choices=["tlt-serve", "sglang"], default="tlt-serve")
+    ap.add_argument("--schema-out")
+    args = ap.parse_args()
+    base, prompts, kind = args.base, json.loads(args.prompts), args.server_kind
+
+    get(f"{base}/health_generate", "GET /health_generate")
     print("ok /health_generate")
 
     group = [p for p in prompts for _ in range(4)]
     payload = lambda ids, n: {"input_ids": ids, "sampling_params": sampling_params(n), "return_logprob": True}
     with ThreadPoolExecutor(max_workers=len(group)) as pool:
-        outs = list(pool.map(lambda ids: post(f"{base}/generate", payload(ids, 16)), group))
+        outs = list(pool.map(lambda ids: post(f"{base}/generate", payload(ids, 16), "POST /generate"), group))
     samples = [parse(o) for o in outs]
     for o, (text, tokens, log_probs, status, version) in zip(outs, samples):
         assert tokens == o["output_ids"] and len(log_probs) == len(tokens) == o["meta_info"]["completion_tokens"]
@@ -69,35 +183,48 @@ def main():
     assert len(distinct) > 1, "a prompt's 4 unseeded samples are all the same"
     print(f"ok rollout: {len(group)} requests parsed as slime does (tokens, log-probs, status, weight_version)")
 
-    # Abort: requests in flight, then what still runs is aborted, as slime does once it has enough samples. The
-    # server is paused in place first so that they are surely still running when the abort comes (on this tiny
-    # model a request would otherwise finish within milliseconds).
-    post(f"{base}/pause_generation", {"mode": "in_place"})
+    # Abort: requests in flight, then what still runs is aborted, as slime does once it has enough samples. They are
+    # held by an in-place pause so that they surely still run when the abort comes (on tlt-serve's tiny test model a
+    # request would otherwise finish within milliseconds); the order depends on the server (module docstring).
     answers = []
     def long_request(ids):
-        answers.append(post(f"{base}/generate", payload(ids, 64)))
+        answers.append(post(f"{base}/generate", payload(ids, 64), "POST /generate (aborted)"))
     threads = [threading.Thread(target=long_request, args=(p,)) for p in prompts]
+    if kind == "tlt-serve":
+        post(f"{base}/pause_generation", {"mode": "in_place"}, "POST /pause_generation (in_place)")
     for t in threads:
         t.start()
     deadline = time.time() + 30
-    while running(base) < len(prompts):
+    while running(base, kind) < len(prompts):
         assert time.time() < deadline, "the requests were not admitted"
         time.sleep(0.01)
-    aborted = post(f"{base}/abort_request", {"abort_all": True})
+    if kind == "sglang":
+        post(f"{base}/pause_generation", {"mode": "in_place"}, "POST /pause_generation (in_place)")
+    aborted = post(f"{base}/abort_request", {"abort_all": True}, "POST /abort_request")
+    post(f"{base}/continue_generation", {}, "POST /continue_generation")
     for t in threads:
         t.join()
-    post(f"{base}/continue_generation", {})
     for o in answers:
         _, tokens, log_probs, status, _ = parse(o)
         assert len(log_probs) == len(tokens) and status == "ABORTED", o
-    assert aborted["num_aborted_requests"] == len(prompts), aborted
+    assert len(answers) == len(prompts)
+    if isinstance(aborted, dict) and "num_aborted_requests" in aborted:  # tlt-serve's; SGLang answers an empty body
+        assert aborted["num_aborted_requests"] == len(prompts), aborted
     print(f"ok abort_all: {len(answers)} requests in flight answered 'abort', parsed as slime does")
 
-    post(f"{base}/pause_generation", {})
-    post(f"{base}/continue_generation", {})
-    assert requests.post(f"{base}/flush_cache", timeout=60).status_code == 200
-    version = requests.get(f"{base}/get_weight_version", timeout=60).json()["weight_version"]
+    post(f"{base}/pause_generation", {}, "POST /pause_generation")
+    post(f"{base}/continue_generation", {}, "POST /continue_generation")
+    r = requests.post(f"{base}/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    record("POST /flush_cache", parse_body(r))
+    version = get(f"{base}/get_weight_version", "GET /get_weight_version")["weight_version"]
     print(f"ok pause/continue, flush_cache when idle, weight_version {version!r}")
+
+    if args.schema_out:
+        shapes = {c: {p: sorted(t) for p, t in sorted(paths.items())} for c, paths in sorted(SHAPES.items())}
+        with open(args.schema_out, "w") as f:
+            json.dump({"shapes": shapes, "reads": READS}, f, indent=1, sort_keys=True)
+        print(f"ok schema of {sum(len(p) for p in shapes.values())} paths in {len(shapes)} answers -> {args.schema_out}")
 
 
 if __name__ == "__main__":

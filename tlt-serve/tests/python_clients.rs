@@ -144,3 +144,135 @@ fn slimes_rollout_payloads_and_parsing_work() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The reference mock of SGLang's API (`scripts/sglang_mock.py`, Python's standard library only) on a free port,
+/// started with `args`; its port.
+fn serve_sglang_mock(args: &[&str]) -> (Serving, u16) {
+    use std::io::{BufRead, BufReader};
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/sglang_mock.py");
+    let mut child =
+        Command::new(python()).arg(&script).args(["--port", "0"]).args(args).stdout(Stdio::piped()).spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let serving = Serving(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).unwrap();
+    let port = line
+        .trim()
+        .strip_prefix("SGLANG_MOCK_PORT=")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("the SGLang mock did not say its port: {line:?}"));
+    println!("SGLang mock listening on port {port}");
+    (serving, port)
+}
+
+/// Per check (`POST /generate`, ...), every key path of the answers with the JSON types seen there, as
+/// `check_slime_client.py --schema-out` writes it.
+type Shapes = std::collections::BTreeMap<String, std::collections::BTreeMap<String, Vec<String>>>;
+
+/// Whether `path` lies inside a list that `paths` saw only empty (so its elements could not be observed).
+fn inside_empty_list(paths: &std::collections::BTreeMap<String, Vec<String>>, path: &str) -> bool {
+    path.match_indices('[').any(|(i, _)| {
+        let list = &path[..i];
+        paths.get(list).is_some_and(|t| t.iter().any(|t| t == "array"))
+            && !paths.keys().any(|p| p.starts_with(list) && p[list.len()..].starts_with('['))
+    })
+}
+
+#[test]
+fn slimes_reads_of_sglangs_answers_conform_field_by_field() {
+    if !importable("slimes_reads_of_sglangs_answers_conform_field_by_field", "requests") {
+        return;
+    }
+    let prompts = serde_json::to_string(&vec![vec![72u32, 105, 33], vec![49, 32, 45, 32, 49, 61]]).unwrap();
+    let out = std::env::temp_dir().join(format!("tlt-slime-schemas-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let (mock_schema, ours_schema) = (out.join("sglang-mock.json"), out.join("tlt-serve.json"));
+
+    // The reference: SGLang's answers as its source shapes them, with a speculative algorithm as tlt-serve runs one;
+    // 50 ms a token, so that the script surely sees its long requests running before it pauses them.
+    let (_mock, mock_port) =
+        serve_sglang_mock(&["--enable-metrics", "--speculative-algorithm", "NGRAM", "--token-delay", "0.05"]);
+    run_script(
+        "check_slime_client.py",
+        &[
+            format!("http://127.0.0.1:{mock_port}"),
+            prompts.clone(),
+            "--server-kind".into(),
+            "sglang".into(),
+            "--schema-out".into(),
+            mock_schema.display().to_string(),
+        ],
+    );
+    let (_serving, dir, port) = serve_binary("conformance");
+    run_script(
+        "check_slime_client.py",
+        &[format!("http://127.0.0.1:{port}"), prompts, "--schema-out".into(), ours_schema.display().to_string()],
+    );
+
+    let load = |p: &Path| -> serde_json::Value { serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap() };
+    let (mock, ours) = (load(&mock_schema), load(&ours_schema));
+    let mock_shapes: Shapes = serde_json::from_value(mock["shapes"].clone()).unwrap();
+    let ours_shapes: Shapes = serde_json::from_value(ours["shapes"].clone()).unwrap();
+    let reads = &mock["reads"];
+    let empty = std::collections::BTreeMap::new();
+    let mut failures = Vec::new();
+    let mut compared = 0;
+    for (check, paths) in &mock_shapes {
+        let theirs = ours_shapes.get(check).unwrap_or(&empty);
+        for (path, types) in paths {
+            let reader = reads[check][path].as_str();
+            match (theirs.get(path), reader) {
+                (Some(t), r) if t != types => {
+                    println!("TYPES  {check} {path}: SGLang {types:?}, tlt-serve {t:?}");
+                    if let Some(r) = r {
+                        failures.push(format!("{check} {path} (read by {r}): SGLang {types:?}, tlt-serve {t:?}"));
+                    }
+                }
+                (Some(_), Some(r)) => {
+                    compared += 1;
+                    println!("same   {check} {path} {types:?} (read by {r})");
+                }
+                (Some(_), None) => {}
+                (None, r) if inside_empty_list(theirs, path) => {
+                    let r = r.map(|r| format!(", read by {r}")).unwrap_or_default();
+                    println!("unseen {check} {path}{r}: inside lists that tlt-serve only answered empty");
+                }
+                (None, r) => {
+                    println!("only SGLang    {check} {path} {types:?}");
+                    if let Some(r) = r {
+                        failures
+                            .push(format!("{check} {path} {types:?} (read by {r}): absent from tlt-serve's answer"));
+                    }
+                }
+            }
+        }
+        for (path, types) in theirs.iter().filter(|(p, _)| !paths.contains_key(*p)) {
+            println!("only tlt-serve {check} {path} {types:?}");
+        }
+    }
+    for check in ours_shapes.keys().filter(|c| !mock_shapes.contains_key(*c)) {
+        println!("only tlt-serve {check}");
+    }
+    for (check, paths) in reads.as_object().unwrap() {
+        for (path, reader) in paths.as_object().unwrap() {
+            if !mock_shapes.get(check).is_some_and(|p| p.contains_key(path)) {
+                let tlt = match ours_shapes.get(check).and_then(|p| p.get(path)) {
+                    Some(types) => format!("tlt-serve sends it, {types:?}"),
+                    None => "tlt-serve does not send it either".into(),
+                };
+                println!("not in SGLang's answer: {check} {path} (read by {reader}); {tlt}");
+            }
+        }
+    }
+    println!(
+        "{compared} fields that slime or the script reads: the same JSON types in SGLang's and tlt-serve's answers"
+    );
+    assert!(compared > 0, "nothing was compared");
+    assert!(
+        failures.is_empty(),
+        "tlt-serve's answers differ from SGLang's where slime reads them:\n{}",
+        failures.join("\n")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&out);
+}
