@@ -230,17 +230,13 @@ pub enum Prompts {
     Many(Vec<Prompt>),
 }
 
-/// OpenAI's `POST /v1/completions` body, with vLLM's extensions that TRL's client sends (`VLLMClient.generate`):
-/// batched prompts, `top_k`, `min_p`, `repetition_penalty`, `return_token_ids`, `return_tokens_as_token_ids`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct CompletionRequest {
+/// The options OpenAI's `/v1/completions` and `/v1/chat/completions` share, with vLLM's extensions (`top_k`,
+/// `min_p`, `repetition_penalty`); flattened into both requests.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct OpenAiOptions {
     /// Any name (this server serves one model).
     #[serde(default)]
     pub model: Option<String>,
-    /// Text or token ids, one prompt or a batch.
-    pub prompt: Prompts,
-    /// New tokens at most. Default 16 (OpenAI's).
-    pub max_tokens: Option<u64>,
     /// Default 1.
     pub temperature: Option<f64>,
     /// Default 1.
@@ -251,25 +247,87 @@ pub struct CompletionRequest {
     pub min_p: Option<f64>,
     /// vLLM's: must be 1 (not implemented otherwise).
     pub repetition_penalty: Option<f64>,
-    /// Completions per prompt. Default 1.
+    /// Completions (choices) per prompt. Default 1.
     pub n: Option<u64>,
-    /// `0`: each sampled token's log-probability, with `top_logprobs` holding just it (vLLM's answer to 0); `1`:
-    /// the log-probabilities without `top_logprobs` (the top alternatives are not served); more is refused.
-    pub logprobs: Option<u64>,
     /// Seed: choice `k` of the request samples on stream `seeded_stream(seed, k)`.
     pub seed: Option<u64>,
-    /// vLLM's: add `prompt_token_ids` and `token_ids` to every choice.
-    #[serde(default)]
-    pub return_token_ids: bool,
-    /// vLLM's: name tokens `token_id:<id>` in `logprobs` instead of their text.
-    #[serde(default)]
-    pub return_tokens_as_token_ids: bool,
     /// Streaming (not served yet: refused).
     #[serde(default)]
     pub stream: bool,
     /// Anything else: refused by name unless null (or `user`), rather than ignored.
     #[serde(flatten)]
     pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+impl OpenAiOptions {
+    /// Completions per prompt.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for 0 or more than 1,024.
+    pub fn samples(&self) -> Result<usize> {
+        match self.n.unwrap_or(1) {
+            0 => Err(invalid("n", "must be at least 1")),
+            n if n > 1024 => Err(invalid("n", "at most 1024 completions per prompt")),
+            n => Ok(n as usize),
+        }
+    }
+
+    /// Validated sampling (OpenAI's defaults: 16 tokens, temperature 1), at most `max_tokens` new tokens, the field
+    /// named `max_tokens_field` in errors.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the field; streaming, `min_p > 0`, `repetition_penalty != 1` and any field this
+    /// server does not know are refused.
+    pub fn validate(&self, max_tokens_field: &str, max_tokens: Option<u64>, limits: &Limits) -> Result<Sampling> {
+        self.samples()?;
+        if self.stream {
+            return Err(invalid("stream", "streaming is not served yet"));
+        }
+        if self.min_p.is_some_and(|p| p != 0.0) {
+            return Err(invalid("min_p", "only 0.0 is served"));
+        }
+        if self.repetition_penalty.is_some_and(|p| p != 1.0) {
+            return Err(invalid("repetition_penalty", "only 1.0 is served"));
+        }
+        if let Some((k, _)) = self.other.iter().find(|(k, v)| !v.is_null() && k.as_str() != "user") {
+            return Err(invalid(k, "this option is not served"));
+        }
+        let top_k = self.top_k.map(|k| if k == 0 { -1 } else { k });
+        let (temperature, top_p, top_k) = sampling_values("", self.temperature, self.top_p, top_k)?;
+        let mut stop = limits.eos.clone();
+        stop.sort_unstable();
+        Ok(Sampling {
+            temperature,
+            top_p,
+            top_k,
+            max_new_tokens: new_tokens(max_tokens_field, max_tokens, 16)?,
+            stop_token_ids: Some(stop),
+            seed: self.seed,
+            stream: self.seed.map_or(0, |s| seeded_stream(s, 0)),
+        })
+    }
+}
+
+/// OpenAI's `POST /v1/completions` body, with vLLM's extensions that TRL's client sends (`VLLMClient.generate`):
+/// batched prompts, `top_k`, `min_p`, `repetition_penalty`, `return_token_ids`, `return_tokens_as_token_ids`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// Text or token ids, one prompt or a batch.
+    pub prompt: Prompts,
+    /// New tokens at most. Default 16 (OpenAI's).
+    pub max_tokens: Option<u64>,
+    /// `0`: each sampled token's log-probability, with `top_logprobs` holding just it (vLLM's answer to 0); `1`:
+    /// the log-probabilities without `top_logprobs` (the top alternatives are not served); more is refused.
+    pub logprobs: Option<u64>,
+    /// vLLM's: add `prompt_token_ids` and `token_ids` to every choice.
+    #[serde(default)]
+    pub return_token_ids: bool,
+    /// vLLM's: name tokens `token_id:<id>` in `logprobs` instead of their text.
+    #[serde(default)]
+    pub return_tokens_as_token_ids: bool,
+    /// Sampling, `n`, `model` and what is refused.
+    #[serde(flatten)]
+    pub options: OpenAiOptions,
 }
 
 /// What the worker needs of a request's sampling: validated.
@@ -306,7 +364,8 @@ pub struct Limits {
     pub eos: Vec<u32>,
 }
 
-fn invalid(field: &str, reason: impl Into<String>) -> Error {
+/// A 400 naming `field`.
+pub(crate) fn invalid(field: &str, reason: impl Into<String>) -> Error {
     Error::Invalid { field: field.into(), reason: reason.into() }
 }
 
@@ -439,56 +498,18 @@ impl CompletionRequest {
         }
     }
 
-    /// Completions per prompt.
-    ///
-    /// # Errors
-    /// [`Error::Invalid`] for 0 or more than 1,024.
-    pub fn samples(&self) -> Result<usize> {
-        match self.n.unwrap_or(1) {
-            0 => Err(invalid("n", "must be at least 1")),
-            n if n > 1024 => Err(invalid("n", "at most 1024 completions per prompt")),
-            n => Ok(n as usize),
-        }
-    }
-
     /// Validated sampling (OpenAI's defaults: 16 tokens, temperature 1).
     ///
     /// # Errors
-    /// [`Error::Invalid`] naming the field; `logprobs > 1`, streaming, `min_p > 0`, `repetition_penalty != 1` and
-    /// any field this server does not know are refused.
+    /// [`Error::Invalid`] naming the field; `logprobs > 1`, no prompt and what [`OpenAiOptions::validate`] refuses.
     pub fn validate(&self, limits: &Limits) -> Result<Sampling> {
-        self.samples()?;
         if self.logprobs.unwrap_or(0) > 1 {
             return Err(invalid("logprobs", "top alternatives are not served: 0 (or 1) gives the sampled token's"));
-        }
-        if self.stream {
-            return Err(invalid("stream", "streaming is not served yet"));
-        }
-        if self.min_p.is_some_and(|p| p != 0.0) {
-            return Err(invalid("min_p", "only 0.0 is served"));
-        }
-        if self.repetition_penalty.is_some_and(|p| p != 1.0) {
-            return Err(invalid("repetition_penalty", "only 1.0 is served"));
-        }
-        if let Some((k, _)) = self.other.iter().find(|(k, v)| !v.is_null() && k.as_str() != "user") {
-            return Err(invalid(k, "this option is not served"));
         }
         if self.prompts().is_empty() {
             return Err(invalid("prompt", "no prompt"));
         }
-        let top_k = self.top_k.map(|k| if k == 0 { -1 } else { k });
-        let (temperature, top_p, top_k) = sampling_values("", self.temperature, self.top_p, top_k)?;
-        let mut stop = limits.eos.clone();
-        stop.sort_unstable();
-        Ok(Sampling {
-            temperature,
-            top_p,
-            top_k,
-            max_new_tokens: new_tokens("max_tokens", self.max_tokens, 16)?,
-            stop_token_ids: Some(stop),
-            seed: self.seed,
-            stream: self.seed.map_or(0, |s| seeded_stream(s, 0)),
-        })
+        self.options.validate("max_tokens", self.max_tokens, limits)
     }
 }
 

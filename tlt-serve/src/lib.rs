@@ -2,7 +2,8 @@
 //!
 //! A rollout server with TLT's engine inside, for trainers that talk to their rollout engine over HTTP (slime,
 //! verl's and NeMo-RL's SGLang backends, TRL's server mode): SGLang's native `/generate` and control endpoints
-//! ([`routes`], [`control`]), OpenAI's `/v1/completions` in vLLM's form, TRL's `vllm-serve` API ([`trl`]), on axum and
+//! ([`routes`], [`control`]), OpenAI's `/v1/completions` and `/v1/chat/completions` ([`chat`]) in vLLM's form,
+//! TRL's `vllm-serve` API ([`trl`]), on axum and
 //! tokio, in front of an engine thread that batches continuously ([`worker`]): requests join the running batch at
 //! round boundaries, a request with the prompt of a live one forks its prefill, and every round goes through TLT's
 //! adaptive decoder (the SD gate on the live batch, the plan bandit), so speculation (prompt-lookup n-grams, for now)
@@ -11,12 +12,13 @@
 //! Aborts (by request id, by a client gone, by a pause) and weight updates act between rounds; an update never mixes
 //! two weight versions in one response. Every request is validated ([`api`]): a bad field is a 4xx with a JSON error
 //! naming it. [`stats`] feeds `/metrics`; `/generate` streams server-sent events on request. Work in progress (issue
-//! 35): not yet batched `/generate`, chat completions, distributed weight updates, the online EAGLE drafter.
+//! 35): not yet distributed weight updates, the online EAGLE drafter.
 //!
 //! **Where it sits:** depends on tlt-model, tlt-spec-decode (the engine) and tlt-scheduler (the gate and bandit),
-//! axum and tokio.
+//! tlt-rl (its chat template renderer), axum and tokio.
 
 pub mod api;
+pub mod chat;
 pub mod control;
 pub mod routes;
 pub mod stats;
@@ -62,6 +64,9 @@ pub struct ServeConfig {
     pub model_name: String,
     /// The weights' version in answers. Default `"default"` (SGLang's).
     pub weight_version: Option<String>,
+    /// The model's chat template, for `/v1/chat/completions` (see [`chat::model_template`]); without one, chat
+    /// requests are refused.
+    pub chat_template: Option<tlt_rl::task::ChatTemplate>,
 }
 
 /// Connections the listening socket queues before it refuses more (tokio's default is 1,024: a burst of more
@@ -128,6 +133,8 @@ impl Server {
             next_id: std::sync::atomic::AtomicU64::new(0),
             next_stream: std::sync::atomic::AtomicU64::new(1),
             stats,
+            chat_template: cfg.chat_template,
+            max_running: cfg.decode.max_running,
         });
         Ok(Self { router: routes::router(state), engine })
     }

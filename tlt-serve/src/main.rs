@@ -47,6 +47,10 @@ async fn main() -> Result<()> {
         .init();
     let args = Args::parse();
     let loaded = tlt_model::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
+    let chat_template = tlt_serve::chat::model_template(&args.model, &loaded).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "the chat template is unusable: /v1/chat/completions will refuse requests");
+        None
+    });
     let cfg = ServeConfig {
         decode: DecodeConfig {
             speculate: !args.no_speculate,
@@ -61,6 +65,7 @@ async fn main() -> Result<()> {
         },
         model_name: args.model.display().to_string(),
         weight_version: args.weight_version,
+        chat_template,
     };
     let server = Server::start(loaded.model, loaded.tokenizer, cfg)?;
     let listener =

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -44,6 +44,10 @@ pub struct AppState {
     pub next_stream: AtomicU64,
     /// Counters and the pause switch, shared with the engine thread.
     pub stats: Arc<Stats>,
+    /// The model's chat template (`/v1/chat/completions` needs it).
+    pub chat_template: Option<tlt_rl::task::ChatTemplate>,
+    /// Most requests decoding at once (`DecodeConfig::max_running`).
+    pub max_running: usize,
 }
 
 impl IntoResponse for Error {
@@ -92,6 +96,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/generate", post(generate))
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(crate::chat::completions))
+        .route("/v1/loads", get(loads))
         .route("/health", get(health))
         .route("/health_generate", get(health_generate))
         .route("/get_model_info", get(model_info))
@@ -207,7 +213,13 @@ impl AppState {
         self.next_stream.fetch_add(n, Ordering::Relaxed)
     }
 
-    fn id(&self, prefix: &str) -> String {
+    /// The model name an OpenAI answer carries: the one the request gave, else the served model's.
+    pub(crate) fn answer_model(&self, requested: Option<&str>) -> String {
+        requested.map_or_else(|| self.model_name.clone(), str::to_owned)
+    }
+
+    /// A fresh request id: `prefix` and a counter.
+    pub(crate) fn id(&self, prefix: &str) -> String {
         format!("{prefix}{}", self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 }
@@ -329,7 +341,7 @@ async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<Completio
 
 async fn run_completion(s: &AppState, req: CompletionRequest) -> crate::Result<CompletionResponse> {
     let sampling = req.validate(&s.limits)?;
-    let n = req.samples()?;
+    let n = req.options.samples()?;
     let batched = matches!(req.prompt, crate::api::Prompts::Many(_));
     let mut prompts = Vec::new();
     for (i, p) in req.prompts().into_iter().enumerate() {
@@ -342,9 +354,9 @@ async fn run_completion(s: &AppState, req: CompletionRequest) -> crate::Result<C
     }
     let id = s.id("cmpl-");
     let outs = s.submit_batch(&prompts, n, &sampling, &id).await?;
+    let usage = usage(&outs);
     let token = |t: u32| if req.return_tokens_as_token_ids { format!("token_id:{t}") } else { s.detokenize(&[t]) };
     let mut choices = Vec::with_capacity(outs.len());
-    let mut usage = Usage { prompt_tokens: 0, completion_tokens: 0, total_tokens: 0 };
     for (index, out) in outs.into_iter().enumerate() {
         let logprobs = req.logprobs.map(|k| {
             let tokens: Vec<String> = out.tokens.iter().map(|&t| token(t)).collect();
@@ -353,8 +365,6 @@ async fn run_completion(s: &AppState, req: CompletionRequest) -> crate::Result<C
             });
             ChoiceLogprobs { tokens, token_logprobs: out.logprobs.clone(), top_logprobs: top }
         });
-        usage.prompt_tokens += out.prompt_tokens;
-        usage.completion_tokens += out.tokens.len();
         choices.push(Choice {
             index,
             text: s.detokenize(&out.tokens),
@@ -364,16 +374,26 @@ async fn run_completion(s: &AppState, req: CompletionRequest) -> crate::Result<C
             token_ids: req.return_token_ids.then_some(out.tokens),
         });
     }
-    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens;
-    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     Ok(CompletionResponse {
         id,
         object: "text_completion".into(),
-        created,
-        model: req.model.clone().unwrap_or_else(|| s.model_name.clone()),
+        created: unix_seconds(),
+        model: s.answer_model(req.options.model.as_deref()),
         choices,
         usage,
     })
+}
+
+/// OpenAI's token counts of a request's outputs (every choice's prompt counted, as vLLM counts them).
+pub(crate) fn usage(outs: &[Output]) -> Usage {
+    let prompt_tokens = outs.iter().map(|o| o.prompt_tokens).sum();
+    let completion_tokens = outs.iter().map(|o| o.tokens.len()).sum();
+    Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+}
+
+/// Now in Unix seconds (OpenAI's `created`).
+pub(crate) fn unix_seconds() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 async fn health() -> StatusCode {
@@ -409,6 +429,67 @@ async fn server_info(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> 
 
 async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
     Json(json!({"object": "list", "data": [{"id": s.model_name, "object": "model", "owned_by": "tlt-serve"}]}))
+}
+
+/// `GET /v1/loads`'s query: SGLang's `dp_rank` (this server is rank 0 of 1), `include` (accepted; the sections
+/// beyond the core counts are not served) and `format` (`json` or `prometheus`).
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct LoadsQuery {
+    /// Only this rank: 0.
+    pub dp_rank: Option<String>,
+    /// Sections (accepted, not served beyond the core).
+    pub include: Option<String>,
+    /// `json` (default) or `prometheus`.
+    pub format: Option<String>,
+}
+
+/// `GET /v1/loads` (SGLang's): the load of the one rank (`dp_rank` 0) from the server's counters, and the
+/// aggregate over ranks. `num_used_tokens` are the running requests' prompt and output tokens;
+/// `max_total_num_tokens` is what the caches may hold at most (`max_running` requests of a full context), and
+/// `token_usage` their ratio. SGLang's fields this server does not measure (`num_total_tokens`, `gen_throughput`,
+/// `cache_hit_rate`, `utilization`, the optional sections) are left out, as SGLang leaves out unset ones.
+async fn loads(State(s): State<Arc<AppState>>, query: Result<Query<LoadsQuery>, QueryRejection>) -> Response {
+    let q = match query {
+        Ok(Query(q)) => q,
+        Err(r) => return crate::api::invalid("query", r.body_text()).into_response(),
+    };
+    if q.dp_rank.as_deref().is_some_and(|r| r.trim() != "0") {
+        return crate::api::invalid("dp_rank", "this server has one data-parallel rank, 0").into_response();
+    }
+    let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    let (running, waiting, used) = (get(&s.stats.running), get(&s.stats.waiting), get(&s.stats.live_tokens));
+    let capacity = s.max_running.saturating_mul(s.limits.context) as u64;
+    let usage = used as f64 / capacity.max(1) as f64;
+    let core: [(&str, f64); 6] = [
+        ("num_running_reqs", running as f64),
+        ("num_waiting_reqs", waiting as f64),
+        ("num_used_tokens", used as f64),
+        ("max_total_num_tokens", capacity as f64),
+        ("token_usage", usage),
+        ("max_running_requests", s.max_running as f64),
+    ];
+    match q.format.as_deref() {
+        None | Some("json") => {}
+        Some("prometheus") => {
+            let mut text = String::new();
+            for (name, value) in core {
+                text.push_str(&format!("# TYPE sglang_{name} gauge\nsglang_{name}{{dp_rank=\"0\"}} {value}\n"));
+            }
+            return ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
+                .into_response();
+        }
+        Some(other) => {
+            return crate::api::invalid("format", format!("`{other}` is neither json nor prometheus")).into_response()
+        }
+    }
+    let load = json!({"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_used_tokens": used,
+        "max_total_num_tokens": capacity, "token_usage": usage, "max_running_requests": s.max_running,
+        "num_total_reqs": running + waiting});
+    let aggregate = json!({"total_running_reqs": running, "total_waiting_reqs": waiting,
+        "total_reqs": running + waiting, "total_used_tokens": used, "avg_token_usage": usage});
+    Json(json!({"timestamp": tlt_rl::metrics::utc_timestamp(), "version": env!("CARGO_PKG_VERSION"),
+        "dp_rank_count": 1, "loads": [load], "aggregate": aggregate}))
+    .into_response()
 }
 
 /// `GET /metrics`: Prometheus' text format.

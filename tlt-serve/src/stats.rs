@@ -11,6 +11,8 @@ pub struct Stats {
     pub waiting: AtomicU64,
     /// Requests admitted and not finished.
     pub running: AtomicU64,
+    /// Tokens (prompts and outputs) of the running requests, as the engine thread last counted them.
+    pub live_tokens: AtomicU64,
     /// Requests finished with an output.
     pub finished: AtomicU64,
     /// Requests the engine failed.

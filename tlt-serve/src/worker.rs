@@ -372,6 +372,8 @@ pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: 
         paused: false,
     };
     loop {
+        let live: usize = w.lanes.iter().map(|l| l.engine.live_tokens()).sum();
+        stats.live_tokens.store(live as u64, Ordering::Relaxed);
         let first = if w.running() > 0 || w.update.is_some() || !w.held.is_empty() {
             None
         } else {

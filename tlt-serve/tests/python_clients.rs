@@ -1,7 +1,8 @@
 //! Clients nobody here wrote, in Python, against the `tlt-serve` binary (a tiny model with a byte-level tokenizer,
 //! served on a local port):
-//! - the `openai` package against the OpenAI endpoints (`scripts/check_openai_client.py`): the client's own types
-//!   read every answer and the raw JSON is compared field by field with them;
+//! - the `openai` package against the OpenAI endpoints, completions and chat completions (the checkpoint carries a
+//!   ChatML template in `tokenizer_config.json`; `scripts/check_openai_client.py`): the client's own types read every
+//!   answer and the raw JSON is compared field by field with them;
 //! - slime's rollout payloads and parsing (`scripts/check_slime_client.py`; slime is not on PyPI, so the script sends
 //!   what its rollout sends and reads answers as it does, with `requests`);
 //! - TRL's `VLLMClient` request and parsing code (`scripts/check_trl_client.py`, trl 1.16.0 installed without its
@@ -56,14 +57,19 @@ fn importable(test: &str, module: &str) -> bool {
     }
 }
 
-/// The binary serving a tiny model (byte-level tokenizer) on a free port, SD on; its checkpoint directory and port.
+/// The binary serving a tiny model (byte-level tokenizer, ChatML chat template in `tokenizer_config.json`) on a
+/// free port, SD on; its checkpoint directory and port.
 fn serve_binary(name: &str) -> (Serving, std::path::PathBuf, u16) {
     let dir = std::env::temp_dir().join(format!("tlt-serve-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let mut cfg = LlamaConfig::tiny(264, 64, 2);
     cfg.eos_token_id = Some(EosTokens::One(258));
     let model = Llama::random(cfg, 3).unwrap();
-    tlt_model::save_hf_dir(&model, Some(&tlt_model::byte_tokenizer().unwrap()), &dir, candle_core::DType::F32).unwrap();
+    let tok = tlt_model::byte_tokenizer().unwrap();
+    tlt_model::save_hf_dir(&model, Some(&tok), &dir, candle_core::DType::F32).unwrap();
+    // A tokenizer_config.json with a ChatML template, as an export writes it: `/v1/chat/completions` renders with it.
+    let config = tlt_rl::trainer::tokenizer_config(model.config(), &tok, Some(tlt_rl::task::CHATML_JINJA));
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let server = Command::new(env!("CARGO_BIN_EXE_tlt-serve"))
         .arg("--model")

@@ -158,7 +158,9 @@ fn append_hidden(h: &mut HiddenStates, width: usize, rows: &[f32]) -> Result<()>
 /// let mut engine = Engine::new(&model, SpecParams::greedy(12))?;
 /// engine.add_request(&[1, 2, 3, 1, 2])?;
 /// engine.add_request(&[7])?;
+/// assert_eq!(engine.live_tokens(), 6);
 /// engine.step(None, &Plan::chain(1))?; // a plain round
+/// assert_eq!(engine.live_tokens(), 8); // one token each
 /// let mut ngram = NgramDrafter::default();
 /// engine.run_to_completion(Some(&mut ngram), &Plan { steps: 4, top_k: 2, verify_tokens: 8 })?;
 /// for f in engine.finished() {
@@ -290,6 +292,12 @@ impl<T: Target> Engine<T> {
     /// Number of requests still generating.
     pub fn num_live(&self) -> usize {
         self.live.len()
+    }
+
+    /// Tokens of the requests still generating, prompts and generated tokens together (what their caches hold,
+    /// give or take the last committed token, which is fed in the next round).
+    pub fn live_tokens(&self) -> usize {
+        self.live.iter().map(|s| s.history.len()).sum()
     }
 
     /// Whether no request is generating.

@@ -219,7 +219,7 @@ fn in_process(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd) -> Result<(
 fn start(model: Llama, sd: Sd, max_running: Option<usize>) -> Result<(SocketAddr, tokio::runtime::Runtime)> {
     let mut decode = decode(sd);
     decode.max_running = max_running.unwrap_or(decode.max_running);
-    let cfg = ServeConfig { decode, model_name: "bench".into(), weight_version: None };
+    let cfg = ServeConfig { decode, model_name: "bench".into(), ..ServeConfig::default() };
     let server = Server::start(model, None, cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let listener = rt.block_on(tlt_serve::bind("127.0.0.1", 0))?;

@@ -167,9 +167,7 @@ fn dump_policy(dir: &Path, out: &Path, new_tokens: usize) -> Result<serde_json::
 fn chat_renderings(dir: &Path) -> Result<Vec<String>> {
     let Ok(text) = std::fs::read_to_string(dir.join("tokenizer_config.json")) else { return Ok(Vec::new()) };
     let v: serde_json::Value = serde_json::from_str(&text)?;
-    let Some(src) = v["chat_template"].as_str() else { return Ok(Vec::new()) };
-    let tok = |k: &str| v[k].as_str().unwrap_or_default().to_string();
-    let t = tlt_rl::task::ChatTemplate::from_jinja(src, &tok("bos_token"), &tok("eos_token"))?;
+    let Some(t) = tlt_rl::task::ChatTemplate::from_tokenizer_config(&v)? else { return Ok(Vec::new()) };
     PROMPTS.iter().map(|p| Ok(t.prompt(None, p)?)).collect()
 }
 

@@ -108,6 +108,36 @@ impl ChatTemplate {
         Ok(Self { kind })
     }
 
+    /// The chat template of a `tokenizer_config.json` (as transformers reads it): `chat_template` as a string, or
+    /// the entry named `default` of a list of `{name, template}`; `bos_token` and `eos_token` as strings or as
+    /// `{content}` objects (absent or null: empty). `None` when the config has no template.
+    ///
+    /// ```
+    /// use tlt_rl::task::{ChatTemplate, CHATML_JINJA};
+    ///
+    /// let config = serde_json::json!({"chat_template": CHATML_JINJA, "eos_token": {"content": "<|im_end|>"}});
+    /// let t = ChatTemplate::from_tokenizer_config(&config)?.expect("a template");
+    /// assert_eq!(t.prompt(None, "Hi")?, ChatTemplate::chatml().prompt(None, "Hi")?);
+    /// # Ok::<(), tlt_rl::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Parse`] when the template does not compile.
+    pub fn from_tokenizer_config(config: &serde_json::Value) -> Result<Option<Self>> {
+        let source = match &config["chat_template"] {
+            serde_json::Value::String(s) => Some(s.as_str()),
+            serde_json::Value::Array(named) => {
+                named.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str())
+            }
+            _ => None,
+        };
+        let token = |key: &str| {
+            let v = &config[key];
+            v.as_str().or_else(|| v["content"].as_str()).unwrap_or_default()
+        };
+        source.map(|s| Self::from_jinja(s, token("bos_token"), token("eos_token"))).transpose()
+    }
+
     /// The template as Hugging Face Jinja source (for `tokenizer_config.json`'s `chat_template`): the source given
     /// to [`Self::from_jinja`], or [`CHATML_JINJA`].
     pub fn jinja_source(&self) -> &str {
@@ -311,6 +341,22 @@ mod tests {
         )
         .unwrap();
         assert_eq!(t.render(&[ChatMessage::user("a"), ChatMessage::assistant("b")], false).unwrap(), "<s>a</s>b</s>");
+    }
+
+    #[test]
+    fn task_chat_from_tokenizer_config() {
+        let named = serde_json::json!({"chat_template": [{"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"}],
+            "bos_token": "<s>", "eos_token": {"content": "</s>", "lstrip": false}});
+        let t = ChatTemplate::from_tokenizer_config(&named).unwrap().unwrap();
+        assert_eq!(t.render(&[ChatMessage::user("a")], false).unwrap(), "<s>a</s>");
+        let plain = serde_json::json!({"chat_template": SMOLLM2, "bos_token": null});
+        assert_eq!(ChatTemplate::from_tokenizer_config(&plain).unwrap().unwrap().jinja_source(), SMOLLM2);
+        for none in [serde_json::json!({}), serde_json::json!({"chat_template": [{"name": "rag", "template": "x"}]})] {
+            assert!(ChatTemplate::from_tokenizer_config(&none).unwrap().is_none());
+        }
+        let bad = serde_json::json!({"chat_template": "{% for %}"});
+        assert!(matches!(ChatTemplate::from_tokenizer_config(&bad), Err(Error::Parse { .. })));
     }
 
     #[test]

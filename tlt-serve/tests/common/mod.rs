@@ -35,12 +35,15 @@ pub fn serve_model(model: Llama, speculate: bool) -> SocketAddr {
 /// A server of `model` decoding as `decode`, weight version `v1`; its address. The runtime lives as long as the test
 /// process.
 pub fn serve_with(model: Llama, decode: DecodeConfig) -> SocketAddr {
-    let server = Server::start(
-        model,
-        None,
-        ServeConfig { decode, model_name: "tiny".into(), weight_version: Some("v1".into()) },
-    )
-    .unwrap();
+    let cfg =
+        ServeConfig { decode, model_name: "tiny".into(), weight_version: Some("v1".into()), ..ServeConfig::default() };
+    serve_config(model, None, cfg)
+}
+
+/// A server of `model` with `tokenizer` and `cfg` on a free port; its address. The runtime lives as long as the
+/// test process.
+pub fn serve_config(model: Llama, tokenizer: Option<tokenizers::Tokenizer>, cfg: ServeConfig) -> SocketAddr {
+    let server = Server::start(model, tokenizer, cfg).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
     let addr = listener.local_addr().unwrap();
