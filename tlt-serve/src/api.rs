@@ -207,6 +207,8 @@ pub struct MetaInfo {
     pub spec_verify_ct: usize,
     /// Drafted tokens accepted in them.
     pub spec_accept_token_num: usize,
+    /// Drafted tokens verified in them (slime's acceptance rate is `spec_accept_token_num / spec_draft_token_num`).
+    pub spec_draft_token_num: usize,
 }
 
 /// SGLang's `/generate` answer.

@@ -6,20 +6,22 @@
 //! TRL's `vllm-serve` API ([`trl`]), on axum and
 //! tokio, in front of an engine thread that batches continuously ([`worker`]): requests join the running batch at
 //! round boundaries, a request with the prompt of a live one forks its prefill, and every round goes through TLT's
-//! adaptive decoder (the SD gate on the live batch, the plan bandit), so speculation (prompt-lookup n-grams, for now)
-//! runs in the long tail. Output log-probs are the target's, from the pass that committed each token.
+//! adaptive decoder (the SD gate on the live batch, the plan bandit), so speculation (prompt-lookup n-grams, or TLT's
+//! online EAGLE-2 drafter trained on the served requests' hidden states: [`drafter`]) runs in the long tail. Output log-probs are the target's, from the pass that committed each token.
 //!
 //! Aborts (by request id, by a client gone, by a pause) and weight updates act between rounds; an update never mixes
 //! two weight versions in one response. Every request is validated ([`api`]): a bad field is a 4xx with a JSON error
 //! naming it. [`stats`] feeds `/metrics`; `/generate` streams server-sent events on request. Work in progress (issue
-//! 35): not yet distributed weight updates, the online EAGLE drafter.
+//! 35): not yet distributed weight updates.
 //!
-//! **Where it sits:** depends on tlt-model, tlt-spec-decode (the engine) and tlt-scheduler (the gate and bandit),
+//! **Where it sits:** depends on tlt-model, tlt-spec-decode (the engine), tlt-scheduler (the gate and bandit),
+//! tlt-drafter (the online drafter),
 //! tlt-rl (its chat template renderer), axum and tokio.
 
 pub mod api;
 pub mod chat;
 pub mod control;
+pub mod drafter;
 pub mod routes;
 pub mod stats;
 mod stream;
@@ -121,9 +123,10 @@ impl Server {
         *stats.weight_version.write().map_err(|_| Error::Model("the version lock is poisoned".into()))? =
             cfg.weight_version.as_deref().unwrap_or("default").into();
         let engine_stats = stats.clone();
+        let eagle = decode.eagle.as_ref().map(|e| drafter::OnlineDrafter::new(&model, e, stats.drafter.clone())).transpose()?;
         let engine = std::thread::Builder::new()
             .name("tlt-serve-engine".into())
-            .spawn(move || worker::run(model, &rx, &decode, &engine_stats))
+            .spawn(move || worker::run(model, &rx, &decode, &engine_stats, eagle))
             .map_err(|e| Error::Model(format!("starting the engine thread: {e}")))?;
         let state = std::sync::Arc::new(routes::AppState {
             msgs: jobs,

@@ -37,6 +37,41 @@ struct Args {
     /// The weights' version reported to clients.
     #[arg(long)]
     weight_version: Option<String>,
+    /// Draft with TLT's online EAGLE-2 drafter, trained on the hidden states of the requests served (in idle time
+    /// and the tail), instead of prompt-lookup n-grams; a fresh drafter unless `--drafter` gives one.
+    #[arg(long)]
+    eagle: bool,
+    /// Start the online drafter from this directory (implies `--eagle`): a checkpoint `--drafter-checkpoint`
+    /// wrote (resumed exactly), or an EAGLE-2 drafter in the fastrl/EAGLE layout.
+    #[arg(long)]
+    drafter: Option<PathBuf>,
+    /// Save the online drafter's trainer here after every weight update and at shutdown.
+    #[arg(long)]
+    drafter_checkpoint: Option<PathBuf>,
+    /// Train the online drafter while at most this many requests run.
+    #[arg(long, default_value_t = 4)]
+    drafter_tail_batch: usize,
+    /// The online drafter's learning rate (constant).
+    #[arg(long, default_value_t = 3e-4)]
+    drafter_lr: f64,
+    /// Most drafter optimizer steps per weight version (default: unbounded).
+    #[arg(long)]
+    drafter_steps_per_version: Option<u64>,
+}
+
+impl Args {
+    /// The online drafter's settings, when asked for.
+    fn eagle(&self) -> Option<tlt_serve::drafter::EagleConfig> {
+        let mut cfg = tlt_serve::drafter::EagleConfig {
+            init: self.drafter.clone(),
+            checkpoint: self.drafter_checkpoint.clone(),
+            tail_batch: self.drafter_tail_batch,
+            steps_per_version: self.drafter_steps_per_version,
+            ..Default::default()
+        };
+        cfg.train.schedule = tlt_model::optim::LrSchedule::constant(self.drafter_lr);
+        (self.eagle || self.drafter.is_some()).then_some(cfg)
+    }
 }
 
 #[tokio::main]
@@ -61,6 +96,7 @@ async fn main() -> Result<()> {
                 off_after: 2,
             },
             max_running: args.max_running_requests,
+            eagle: args.eagle(),
             ..DecodeConfig::default()
         },
         model_name: args.model.display().to_string(),
@@ -71,11 +107,16 @@ async fn main() -> Result<()> {
     let listener =
         tlt_serve::bind(&args.host, args.port).await.with_context(|| format!("binding {}:{}", args.host, args.port))?;
     tracing::info!(address = %listener.local_addr()?, "serving");
-    axum::serve(listener, server.router)
+    let Server { router, engine } = server;
+    axum::serve(listener, router)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
             tracing::info!("shutting down");
         })
         .await?;
+    // The routes are gone: the engine thread finishes what runs, checkpoints the drafter and ends.
+    tokio::task::spawn_blocking(move || engine.join())
+        .await?
+        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
     Ok(())
 }

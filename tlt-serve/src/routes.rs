@@ -304,6 +304,7 @@ pub(crate) fn generate_response(
             output_token_logprobs: logprobs,
             spec_verify_ct: out.spec_rounds,
             spec_accept_token_num: out.spec_accepted,
+            spec_draft_token_num: out.spec_drafted,
         },
         output_ids: out.tokens.clone(),
     }

@@ -39,6 +39,8 @@ pub struct Stats {
     pub weight_updates: AtomicU64,
     /// `/pause_generation` is in force: the engine thread admits requests but runs no round.
     pub paused: AtomicBool,
+    /// The online EAGLE drafter's figures (zero without one).
+    pub drafter: std::sync::Arc<crate::drafter::DrafterStats>,
     /// The version of the weights the engine decodes with now (set by the engine thread on an update).
     pub weight_version: std::sync::RwLock<std::sync::Arc<str>>,
 }
@@ -84,7 +86,8 @@ impl Stats {
         const GAUGE: &str = "gauge";
         const COUNTER: &str = "counter";
         let share = get(&self.spec_rounds) as f64 / (get(&self.request_rounds) as f64).max(1.0);
-        let rows: [(&str, &str, &str, f64); 17] = [
+        let d = &self.drafter;
+        let rows: [(&str, &str, &str, f64); 21] = [
             ("waiting_requests", GAUGE, "Requests queued for the engine, not yet decoding.", get(&self.waiting) as f64),
             ("running_requests", GAUGE, "Requests decoding.", get(&self.running) as f64),
             ("requests_total", COUNTER, "Requests finished with an output.", get(&self.finished) as f64),
@@ -126,6 +129,10 @@ impl Stats {
             ("spec_accepted_tokens_total", COUNTER, "Drafted tokens accepted.", get(&self.spec_accepted) as f64),
             ("spec_accept_length", GAUGE, "Mean tokens committed per speculative request-round.", self.accept_length()),
             ("spec_round_share", GAUGE, "Share of request-rounds that speculated.", share.min(1.0)),
+            ("drafter_steps_total", COUNTER, "Online drafter optimizer steps.", get(&d.steps) as f64),
+            ("drafter_version", GAUGE, "Drafter weights version the engines draft with.", get(&d.version) as f64),
+            ("drafter_samples", GAUGE, "Finished requests held as drafter training data.", get(&d.samples) as f64),
+            ("drafter_checkpoints_total", COUNTER, "Drafter checkpoints written.", get(&d.checkpoints) as f64),
             (
                 "paused",
                 GAUGE,

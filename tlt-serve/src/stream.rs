@@ -92,15 +92,7 @@ pub(crate) async fn generate(s: Arc<AppState>, req: GenerateRequest) -> Response
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let so_far = Output {
-        prompt_tokens,
-        tokens: Vec::new(),
-        logprobs: Vec::new(),
-        reason: tlt_spec_decode::FinishReason::Length,
-        spec_rounds: 0,
-        spec_accepted: 0,
-        weight_version: s.stats.version(),
-    };
+    let so_far = Output::empty(prompt_tokens, tlt_spec_decode::FinishReason::Length, s.stats.version());
     let state = Streaming { s, req, rid, progress, reply, so_far, phase: Phase::Running };
     Sse::new(futures_util::stream::unfold(state, Streaming::next)).into_response()
 }

@@ -21,6 +21,7 @@ use tlt_spec_decode::{
 use tokio::sync::oneshot;
 
 use crate::api::Sampling;
+use crate::drafter::{EagleConfig, OnlineDrafter};
 use crate::stats::Stats;
 use crate::{Error, Result};
 
@@ -107,22 +108,30 @@ pub struct Output {
     pub spec_rounds: usize,
     /// Drafted tokens accepted over its speculative rounds.
     pub spec_accepted: usize,
+    /// Drafted tokens verified over its speculative rounds.
+    pub spec_drafted: usize,
     /// The version of the weights every one of its tokens was decoded with.
     pub weight_version: Arc<str>,
 }
 
 impl Output {
-    /// An output for a request ended before it was admitted.
-    fn aborted_unadmitted(job: &Job, version: Arc<str>) -> Self {
+    /// An output with no tokens yet (a stream's start) or ever (a request ended before it was admitted).
+    pub fn empty(prompt_tokens: usize, reason: FinishReason, weight_version: Arc<str>) -> Self {
         Self {
-            prompt_tokens: job.prompt.len(),
+            prompt_tokens,
             tokens: Vec::new(),
             logprobs: Vec::new(),
-            reason: FinishReason::Abort,
+            reason,
             spec_rounds: 0,
             spec_accepted: 0,
-            weight_version: version,
+            spec_drafted: 0,
+            weight_version,
         }
+    }
+
+    /// An output for a request ended before it was admitted.
+    fn aborted_unadmitted(job: &Job, version: Arc<str>) -> Self {
+        Self::empty(job.prompt.len(), FinishReason::Abort, version)
     }
 }
 
@@ -132,7 +141,8 @@ impl Output {
 /// picks the draft plan for the batch's bucket, rewarded with the round's committed tokens per second.
 #[derive(Debug, Clone)]
 pub struct DecodeConfig {
-    /// Speculate (prompt-lookup n-grams) where the gate lets it; off: plain decoding always.
+    /// Speculate where the gate lets it (prompt-lookup n-grams, or the online EAGLE drafter with
+    /// [`DecodeConfig::eagle`]); off: plain decoding always.
     pub speculate: bool,
     /// When to speculate. Default TLT's: on once the batch has been at most 32 for 10 rounds, off above 48.
     pub gate: tlt_scheduler::GateConfig,
@@ -141,6 +151,8 @@ pub struct DecodeConfig {
     /// Most requests decoding at once, all engines together (SGLang's `--max-running-requests`); more wait in a
     /// queue, so the KV caches stay bounded however many clients connect. Default 256.
     pub max_running: usize,
+    /// Draft with TLT's online EAGLE-2 drafter (trained on the served requests' hidden states) instead of n-grams.
+    pub eagle: Option<EagleConfig>,
 }
 
 impl Default for DecodeConfig {
@@ -154,6 +166,7 @@ impl Default for DecodeConfig {
                 ..tlt_scheduler::MabConfig::default()
             },
             max_running: 256,
+            eagle: None,
         }
     }
 }
@@ -212,13 +225,13 @@ struct Pending {
 struct Lane {
     key: Key,
     engine: Engine<Arc<Llama>>,
-    drafter: Option<NgramDrafter>,
+    drafter: Option<Box<dyn Drafter>>,
     decoder: tlt_scheduler::AdaptiveDecoder,
     pending: HashMap<RequestId, Pending>,
 }
 
 impl Lane {
-    fn new(model: Arc<Llama>, s: &Sampling, cfg: &DecodeConfig) -> Result<Self> {
+    fn new(model: Arc<Llama>, s: &Sampling, cfg: &DecodeConfig, eagle: Option<&OnlineDrafter>) -> Result<Self> {
         let params = SpecParams {
             sampling: SamplingParams { temperature: s.temperature, top_k: s.top_k, top_p: s.top_p },
             max_new_tokens: s.max_new_tokens,
@@ -227,11 +240,18 @@ impl Lane {
             // One seed for every engine: a request's own seed chose its coin stream.
             seed: 0,
         };
-        let engine = Engine::new(model, params).map_err(|e| Error::Engine(e.to_string()))?;
+        let mut engine = Engine::new(model, params).map_err(|e| Error::Engine(e.to_string()))?;
+        // The online drafter trains on the target's hidden states of what this engine decodes.
+        engine.record_hidden(eagle.is_some());
+        let drafter: Option<Box<dyn Drafter>> = match (cfg.speculate, eagle) {
+            (false, _) => None,
+            (true, Some(d)) => Some(Box::new(d.proposer())),
+            (true, None) => Some(Box::new(NgramDrafter::default())),
+        };
         Ok(Self {
             key: Key::of(s),
             engine,
-            drafter: cfg.speculate.then(NgramDrafter::default),
+            drafter,
             decoder: cfg.decoder()?,
             pending: HashMap::new(),
         })
@@ -239,8 +259,8 @@ impl Lane {
 
     /// One round; the requests it finished go back to their handlers. On an engine error every request of the lane
     /// gets it, and the lane is to be dropped (returns false).
-    fn round(&mut self, stats: &Stats) -> bool {
-        let drafter = self.drafter.as_mut().map(|d| d as &mut dyn Drafter);
+    fn round(&mut self, stats: &Stats, eagle: Option<&OnlineDrafter>) -> bool {
+        let drafter = self.drafter.as_deref_mut();
         let before = self.engine.counters().seq_rounds;
         let stepped = self.decoder.step(&mut self.engine, drafter);
         // The decisions are the gate's and the bandit's to keep; the trace would only grow.
@@ -259,7 +279,7 @@ impl Lane {
         Stats::add(&stats.rounds, 1);
         Stats::add(&stats.request_rounds, self.engine.counters().seq_rounds.saturating_sub(before));
         self.stream_progress(stats);
-        self.answer_finished(stats);
+        self.answer_finished(stats, eagle);
         true
     }
 
@@ -280,10 +300,16 @@ impl Lane {
         }
     }
 
-    /// Sends every finished request its output.
-    fn answer_finished(&mut self, stats: &Stats) {
+    /// Sends every finished request its output; the online drafter keeps its hidden states as training data.
+    fn answer_finished(&mut self, stats: &Stats, eagle: Option<&OnlineDrafter>) {
         let version = stats.version();
-        for f in self.engine.take_finished() {
+        for mut f in self.engine.take_finished() {
+            if let Some(d) = eagle {
+                if let Err(e) = d.observe(&f) {
+                    tracing::warn!(error = %e, "the online drafter could not take a finished request");
+                }
+            }
+            f.hidden = None;
             let Some(p) = self.pending.remove(&f.id) else { continue };
             Stats::sub(&stats.running, 1);
             let out = output(f, version.clone(), stats);
@@ -292,12 +318,11 @@ impl Lane {
     }
 
     /// Aborts the running requests `which` picks; they answer with what they generated. Returns how many.
-    fn abort_where(&mut self, stats: &Stats, which: impl Fn(&Pending) -> bool) -> usize {
+    fn abort_where(&mut self, stats: &Stats, eagle: Option<&OnlineDrafter>, which: impl Fn(&Pending) -> bool) -> usize {
         let ids: Vec<RequestId> = self.pending.iter().filter(|(_, p)| which(p)).map(|(&id, _)| id).collect();
         let mut n = 0;
         for id in ids {
-            let drafter = self.drafter.as_mut().map(|d| d as &mut dyn Drafter);
-            match self.engine.abort(id, drafter) {
+            match self.engine.abort(id, self.drafter.as_deref_mut()) {
                 Ok(true) => n += 1,
                 Ok(false) => {}
                 Err(e) => {
@@ -309,7 +334,7 @@ impl Lane {
                 }
             }
         }
-        self.answer_finished(stats);
+        self.answer_finished(stats, eagle);
         n
     }
 }
@@ -336,6 +361,7 @@ fn output(f: Finished, weight_version: Arc<str>, stats: &Stats) -> Output {
         prompt_tokens: f.prompt.len(),
         spec_rounds: f.sd_rounds.len(),
         spec_accepted,
+        spec_drafted: f.draft_tokens as usize,
         reason: f.reason,
         logprobs: f.logprobs,
         tokens: f.tokens,
@@ -358,10 +384,13 @@ struct Worker<'c> {
     /// A pending update and how many requests it aborted.
     update: Option<(Box<Update>, usize)>,
     paused: bool,
+    /// TLT's online EAGLE drafter, when the server drafts with it.
+    eagle: Option<OnlineDrafter>,
 }
 
-/// The engine thread's loop: until every sender of `msgs` is gone and nothing runs.
-pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: &Stats) {
+/// The engine thread's loop: until every sender of `msgs` is gone and nothing runs; then the online drafter (`eagle`,
+/// drafting for every engine when given) is checkpointed.
+pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: &Stats, eagle: Option<OnlineDrafter>) {
     let mut w = Worker {
         model: Arc::new(model),
         cfg,
@@ -370,6 +399,7 @@ pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: 
         held: VecDeque::new(),
         update: None,
         paused: false,
+        eagle,
     };
     loop {
         let live: usize = w.lanes.iter().map(|l| l.engine.live_tokens()).sum();
@@ -379,7 +409,7 @@ pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: 
         } else {
             match msgs.recv() {
                 Ok(m) => Some(m),
-                Err(_) => return,
+                Err(_) => break,
             }
         };
         for m in first.into_iter().chain(msgs.try_iter()) {
@@ -392,8 +422,16 @@ pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: 
             std::thread::sleep(PAUSED_POLL);
             continue;
         }
-        w.lanes.retain_mut(|l| l.engine.is_idle() || l.round(stats));
+        let eagle = w.eagle.as_ref();
+        w.lanes.retain_mut(|l| l.engine.is_idle() || l.round(stats, eagle));
         w.lanes.retain(|l| !l.engine.is_idle() || !l.pending.is_empty());
+        let running = w.running();
+        if let Some(d) = w.eagle.as_mut() {
+            d.on_round(running);
+        }
+    }
+    if let Some(Err(e)) = w.eagle.as_ref().map(OnlineDrafter::save) {
+        tracing::error!(error = %e, "checkpointing the online drafter at shutdown");
     }
 }
 
@@ -470,6 +508,11 @@ impl Worker<'_> {
         self.lanes.clear();
         let Update { model, version, reply, .. } = *u;
         self.model = Arc::new(model);
+        if let Some(d) = self.eagle.as_mut() {
+            if let Err(e) = d.retarget(&self.model) {
+                tracing::error!(error = %e, "the online drafter after the weight update");
+            }
+        }
         match self.stats.weight_version.write() {
             Ok(mut v) => *v = version.as_str().into(),
             Err(p) => *p.into_inner() = version.as_str().into(),
@@ -496,8 +539,8 @@ impl Worker<'_> {
 
     /// Aborts the running requests `which` picks; returns how many.
     fn abort_running(&mut self, which: impl Fn(&Pending) -> bool) -> usize {
-        let stats = self.stats;
-        self.lanes.iter_mut().map(|l| l.abort_where(stats, &which)).sum()
+        let (stats, eagle) = (self.stats, self.eagle.as_ref());
+        self.lanes.iter_mut().map(|l| l.abort_where(stats, eagle, &which)).sum()
     }
 
     /// Aborts the requests whose handler is gone (the client disconnected).
@@ -514,7 +557,7 @@ impl Worker<'_> {
         let key = Key::of(&job.sampling);
         let at = match self.lanes.iter().position(|l| l.key == key) {
             Some(i) => i,
-            None => match Lane::new(self.model.clone(), &job.sampling, self.cfg) {
+            None => match Lane::new(self.model.clone(), &job.sampling, self.cfg, self.eagle.as_ref()) {
                 Ok(lane) => {
                     self.lanes.push(lane);
                     self.lanes.len() - 1

@@ -55,6 +55,9 @@ pub struct Finished {
     /// Each speculative round of this request (its tree held at least one draft), in order: the index into
     /// `tokens` of the first token the round committed, and how many it committed.
     pub sd_rounds: Vec<(u32, u32)>,
+    /// Draft tokens verified for this request over its speculative rounds (its trees' nodes besides the roots):
+    /// the denominator of its acceptance rate (SGLang's `spec_draft_token_num`).
+    pub draft_tokens: u64,
     /// When recording was on ([`Engine::record_hidden`]): the target's features at every position fed, prompt
     /// included: `prompt.len() + tokens.len() - 1` rows, row `t` predicting token `t + 1` of prompt + tokens
     /// (EAGLE's pairing). [`Finished::token_hidden`] picks the row that predicted a generated token.
@@ -125,6 +128,7 @@ struct Live {
     logprobs: Vec<f32>,
     p_max: Vec<f32>,
     sd_rounds: Vec<(u32, u32)>,
+    draft_tokens: u64,
     /// Features of every fed position (`history.len() - 1` rows) when recording.
     hidden: Option<HiddenStates>,
     /// The request's sampling stream: position `i`'s coin is `stream.fork(i)` ([`Coins`]).
@@ -484,6 +488,7 @@ impl<T: Target> Engine<T> {
             logprobs: Vec::new(),
             p_max: Vec::new(),
             sd_rounds: Vec::new(),
+            draft_tokens: 0,
             hidden,
             stream: SeededRng::new(self.params.seed).fork(key),
         });
@@ -690,6 +695,7 @@ impl<T: Target> Engine<T> {
             }
             if tree.len() > 1 {
                 s.sd_rounds.push((round_start, kept as u32));
+                s.draft_tokens += (tree.len() - 1) as u64;
             }
             if let Some(d) = drafter.as_deref_mut() {
                 d.observe(s.id, &committed[..kept]);
@@ -739,6 +745,7 @@ impl<T: Target> Engine<T> {
             logprobs: s.logprobs,
             p_max: s.p_max,
             sd_rounds: s.sd_rounds,
+            draft_tokens: s.draft_tokens,
             hidden: s.hidden,
             reason,
         });

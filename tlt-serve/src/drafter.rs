@@ -1,0 +1,245 @@
+//! TLT's adaptive drafter inside the server: an EAGLE-2 drafter trained online on the hidden states of the requests
+//! the server decodes, in the server's idle time and long tail, hot-swapped into the engines through versioned
+//! weights, re-pointed at the new embedding and LM head on every weight update, and checkpointed.
+//!
+//! The parts are the trainer's (`tlt_drafter`): [`DrafterTrainer`], the [`OnlineBuffer`] of finished requests'
+//! features, the [`WeightsSlot`] the engines' [`EagleProposer`]s read at round boundaries, and the preemptible
+//! [`BackgroundTrainer`]. What is the server's own: when to train (while at most
+//! [`EagleConfig::tail_batch`] requests run), a step budget per weight version, and where samples of one weight
+//! version end (the buffer's "RL step" is the server's weight version counter, so samples of older policies age
+//! out as in the trainer).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tlt_drafter::online::{BackgroundTrainer, BufferConfig, FeatureSample, MicroStepOutcome, OnlineBuffer, WeightsSlot};
+use tlt_drafter::train::{online_step_fn, OnlineStepConfig};
+use tlt_drafter::{
+    DraftRuntime, DrafterConfig, DrafterTrainer, Eagle2Drafter, EagleProposer, FrozenTarget, RuntimeOptions,
+    TrainConfig,
+};
+use tlt_model::Llama;
+use tlt_spec_decode::Finished;
+
+use crate::{Error, Result};
+
+/// How the server's online EAGLE-2 drafter starts, trains and is kept.
+#[derive(Debug, Clone)]
+pub struct EagleConfig {
+    /// Start from this directory: a drafter-trainer checkpoint (what [`EagleConfig::checkpoint`] writes; resumed
+    /// exactly, optimizer state included) or an EAGLE-2 checkpoint in the fastrl/EAGLE layout (weights only, a
+    /// fresh optimizer). `None`: a fresh drafter from [`EagleConfig::seed`].
+    pub init: Option<PathBuf>,
+    /// Seed of a fresh drafter's weights.
+    pub seed: u64,
+    /// Where the drafter trainer is saved (atomically: written beside, then renamed): after every weight update
+    /// and when the engine thread stops. `None`: never saved.
+    pub checkpoint: Option<PathBuf>,
+    /// Train while at most this many requests run (the tail, and idle time); above it the trainer is paused
+    /// within one step. Default 4 (the trainer's `sd.tail_batch`).
+    pub tail_batch: usize,
+    /// Most optimizer steps per weight version (then the drafter is kept as it is until the next update); `None`:
+    /// unbounded.
+    pub steps_per_version: Option<u64>,
+    /// Optimizer, batch and loss settings. Default the trainer's (`sd.drafter_train`: constant LR 3e-4).
+    pub train: TrainConfig,
+    /// Samples kept: the last 2 weight versions', at most 2,000.
+    pub buffer: BufferConfig,
+    /// Publish the weights to the engines every this many steps. Default 5.
+    pub publish_every: u64,
+}
+
+impl Default for EagleConfig {
+    fn default() -> Self {
+        Self {
+            init: None,
+            seed: 0,
+            checkpoint: None,
+            tail_batch: 4,
+            steps_per_version: None,
+            train: TrainConfig { schedule: tlt_model::optim::LrSchedule::constant(3e-4), ..TrainConfig::default() },
+            buffer: BufferConfig::default(),
+            publish_every: 5,
+        }
+    }
+}
+
+/// The live figures of the online drafter, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct DrafterStats {
+    /// Optimizer steps so far (a resumed trainer's included).
+    pub steps: AtomicU64,
+    /// The weights version the engines draft with.
+    pub version: AtomicU64,
+    /// Samples in the training buffer.
+    pub samples: AtomicU64,
+    /// Checkpoints written.
+    pub checkpoints: AtomicU64,
+}
+
+/// The server's online EAGLE-2 drafter.
+pub struct OnlineDrafter {
+    trainer: Arc<Mutex<DrafterTrainer>>,
+    buffer: Arc<OnlineBuffer>,
+    slot: Arc<WeightsSlot<DraftRuntime>>,
+    worker: BackgroundTrainer,
+    /// The worker was resumed and not paused since.
+    training: bool,
+    tail_batch: usize,
+    checkpoint: Option<PathBuf>,
+    /// Weight updates so far: the buffer's step.
+    epoch: u64,
+    /// Steps done when the current weight version began; the budget counts from it.
+    epoch_start: Arc<AtomicU64>,
+    stats: Arc<DrafterStats>,
+}
+
+impl std::fmt::Debug for OnlineDrafter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnlineDrafter").field("version", &self.slot.version()).field("epoch", &self.epoch).finish()
+    }
+}
+
+/// A failure of the drafter's parts, as the server's error.
+fn drafter_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Model(format!("online drafter: {what}: {e}"))
+}
+
+impl OnlineDrafter {
+    /// The drafter for `model` as `cfg` says, its trainer thread started (paused), its figures kept in `stats`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the setting for a bad configuration or a checkpoint that does not fit `model`.
+    pub fn new(model: &Llama, cfg: &EagleConfig, stats: Arc<DrafterStats>) -> Result<Self> {
+        let invalid = |field: &str, e: &dyn std::fmt::Display| Error::Invalid { field: field.into(), reason: e.to_string() };
+        let trainer = match &cfg.init {
+            Some(dir) if dir.join(tlt_drafter::train::STATE_FILE).is_file() => {
+                DrafterTrainer::resume(dir, model).map_err(|e| invalid("drafter", &e))?
+            }
+            Some(dir) => {
+                let d = Eagle2Drafter::load(dir, model).map_err(|e| invalid("drafter", &e))?;
+                DrafterTrainer::new(d, cfg.train.clone()).map_err(|e| invalid("drafter", &e))?
+            }
+            None => {
+                let dcfg = DrafterConfig::eagle2_from_target(model.config(), false);
+                let d = Eagle2Drafter::random(dcfg, FrozenTarget::new(model), cfg.seed)
+                    .map_err(|e| drafter_err("building the drafter", e))?;
+                DrafterTrainer::new(d, cfg.train.clone()).map_err(|e| invalid("drafter_train", &e))?
+            }
+        };
+        let steps = trainer.steps_done();
+        let slot = Arc::new(WeightsSlot::new(
+            trainer.runtime(&RuntimeOptions::default()).map_err(|e| drafter_err("packing the drafter", e))?,
+        ));
+        let buffer = Arc::new(OnlineBuffer::new(cfg.buffer).map_err(|e| invalid("drafter_buffer", &e))?);
+        let trainer = Arc::new(Mutex::new(trainer));
+        let step_cfg = OnlineStepConfig { publish_every: cfg.publish_every, runtime: RuntimeOptions::default() };
+        let mut step = online_step_fn(trainer.clone(), buffer.clone(), slot.clone(), step_cfg)
+            .map_err(|e| invalid("publish_every", &e))?;
+        let epoch_start = Arc::new(AtomicU64::new(steps));
+        let (budget, start, counted) = (cfg.steps_per_version, epoch_start.clone(), trainer.clone());
+        let (live, published) = (stats.clone(), slot.clone());
+        let bounded = move || {
+            if let Some(b) = budget {
+                if counted.lock().steps_done() >= start.load(Ordering::Relaxed).saturating_add(b) {
+                    return Ok(MicroStepOutcome::NoData);
+                }
+            }
+            let out = step()?;
+            live.steps.store(counted.lock().steps_done(), Ordering::Relaxed);
+            live.version.store(published.version(), Ordering::Relaxed);
+            Ok(out)
+        };
+        stats.steps.store(steps, Ordering::Relaxed);
+        Ok(Self {
+            trainer,
+            buffer,
+            slot,
+            worker: BackgroundTrainer::spawn(bounded, Duration::from_millis(5)),
+            training: false,
+            tail_batch: cfg.tail_batch,
+            checkpoint: cfg.checkpoint.clone(),
+            epoch: 0,
+            epoch_start,
+            stats,
+        })
+    }
+
+    /// A proposer for one engine: it drafts with the newest published weights, picked up between rounds.
+    pub fn proposer(&self) -> EagleProposer {
+        EagleProposer::new(self.slot.clone())
+    }
+
+    /// A request finished (or was aborted): its tokens and the target's hidden states become training data.
+    ///
+    /// # Errors
+    /// When its hidden states are missing or inconsistent (the engine was not recording them).
+    pub fn observe(&self, f: &Finished) -> Result<()> {
+        let sample = FeatureSample::from_finished(f, self.epoch).map_err(|e| drafter_err("a finished request", e))?;
+        if sample.train_positions() > 0 {
+            self.buffer.push(sample).map_err(|e| drafter_err("the sample buffer", e))?;
+            self.report();
+        }
+        Ok(())
+    }
+
+    /// Between rounds: train while at most [`EagleConfig::tail_batch`] requests run, pause above it.
+    pub fn on_round(&mut self, running: usize) {
+        let train = running <= self.tail_batch;
+        if train && !self.training {
+            self.worker.resume();
+        } else if !train && self.training {
+            self.worker.pause();
+        }
+        self.training = train;
+    }
+
+    /// The served weights changed to `model` (nothing runs): the trainer stops, the drafter takes the new
+    /// embedding and LM head, the engines get the result, samples start a new version, and the trainer is
+    /// checkpointed. Training resumes at the next round in the tail.
+    ///
+    /// Returns whether a checkpoint was written.
+    ///
+    /// # Errors
+    /// When the drafter does not fit `model` or the checkpoint cannot be written.
+    pub fn retarget(&mut self, model: &Llama) -> Result<bool> {
+        self.worker.pause();
+        self.training = false;
+        {
+            let mut t = self.trainer.lock();
+            t.set_target(FrozenTarget::new(model)).map_err(|e| drafter_err("the new weights", e))?;
+            self.slot.publish(t.runtime(&RuntimeOptions::default()).map_err(|e| drafter_err("packing", e))?);
+            self.epoch_start.store(t.steps_done(), Ordering::Relaxed);
+        }
+        self.epoch += 1;
+        self.buffer.set_step(self.epoch);
+        self.report();
+        self.save()
+    }
+
+    /// Saves the trainer to [`EagleConfig::checkpoint`]; waits for the step in flight. Returns whether it wrote
+    /// one (not without a checkpoint directory).
+    ///
+    /// # Errors
+    /// When the checkpoint cannot be written.
+    pub fn save(&self) -> Result<bool> {
+        let Some(dir) = &self.checkpoint else { return Ok(false) };
+        save_to(&self.trainer.lock(), dir)?;
+        self.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Refreshes the figures the trainer thread does not keep (it keeps steps and versions as it publishes).
+    fn report(&self) {
+        self.stats.version.store(self.slot.version(), Ordering::Relaxed);
+        self.stats.samples.store(self.buffer.stats().held as u64, Ordering::Relaxed);
+    }
+}
+
+/// Writes `trainer`'s checkpoint to `dir`.
+fn save_to(trainer: &DrafterTrainer, dir: &Path) -> Result<()> {
+    trainer.save_checkpoint(dir).map_err(|e| drafter_err(&format!("saving to {}", dir.display()), e))
+}
