@@ -71,6 +71,33 @@ pub struct ServeConfig {
     pub chat_template: Option<tlt_rl::task::ChatTemplate>,
 }
 
+/// Sets the process's allocator up for the engine thread (glibc only; elsewhere a no-op). Call it first thing in
+/// `main`, before other threads start.
+///
+/// A round allocates and frees buffers of up to hundreds of MiB (a batch's logits: 512 rows x 49,152 tokens x 4
+/// bytes is 100 MiB). With glibc's defaults a thread other than the main one gets its own arena, whose heaps are at
+/// most 64 MiB and are unmapped when they empty, and anything above the dynamic mmap threshold (at most 32 MiB) is
+/// mapped and unmapped per use: the engine thread then faults in and zeroes fresh pages every round (the kernel's
+/// `clear_page` was ~8% of the engine thread's samples, against ~1-6% for the same rollout on the main thread). Here
+/// every thread shares the main arena, blocks up to 256 MiB come from the heap, and up to 256 MiB of freed memory
+/// is kept for the next round (more is returned to the system). Returns whether the settings took.
+pub fn tune_allocator() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        const MIB: libc::c_int = 1 << 20;
+        // SAFETY: mallopt only changes glibc's malloc parameters; it is safe to call at any time.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 1) == 1
+                && libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * MIB) == 1
+                && libc::mallopt(libc::M_TRIM_THRESHOLD, 256 * MIB) == 1
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
+
 /// Connections the listening socket queues before it refuses more (tokio's default is 1,024: a burst of more
 /// simultaneous clients would be reset).
 pub const LISTEN_BACKLOG: u32 = 8192;

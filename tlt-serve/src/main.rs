@@ -74,13 +74,21 @@ impl Args {
     }
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    // Before any other thread exists (the runtime's workers, the engine thread).
+    let tuned = tlt_serve::tune_allocator();
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(serve(tuned))
+}
+
+async fn serve(tuned_allocator: bool) -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if !tuned_allocator {
+        tracing::debug!("allocator settings not applied (not glibc)");
+    }
     let loaded = tlt_model::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
     let chat_template = tlt_serve::chat::model_template(&args.model, &loaded).unwrap_or_else(|e| {
         tracing::warn!(error = %e, "the chat template is unusable: /v1/chat/completions will refuse requests");

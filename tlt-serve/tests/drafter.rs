@@ -182,7 +182,7 @@ fn the_online_drafter_learns_keeps_acceptance_across_a_weight_update_and_resumes
 }
 
 #[test]
-fn the_drafter_is_checkpointed_when_the_server_stops() {
+fn the_drafter_is_checkpointed_when_the_server_stops_and_starts_from_either_format() {
     let dir = scratch("drafter-shutdown");
     let ckpt = dir.join("drafter");
     let decode = eagle(None, Some(&ckpt), STEPS);
@@ -197,6 +197,16 @@ fn the_drafter_is_checkpointed_when_the_server_stops() {
     drop(server.router);
     server.engine.join().unwrap();
     assert_eq!(tlt_drafter::DrafterTrainer::read_state(&ckpt).unwrap().step, 0);
+    // An EAGLE-2 drafter in the fastrl/EAGLE layout (weights only) starts the server too, drafting with exactly its
+    // weights: the same accept length as a server resumed from the trainer checkpoint it was exported from.
+    let trainer = tlt_drafter::DrafterTrainer::resume(&ckpt, &tiny()).unwrap();
+    let tlt_drafter::TrainableDrafter::Eagle2(d) = trainer.drafter() else { panic!("an EAGLE-2 drafter") };
+    let exported = dir.join("eagle2");
+    tlt_drafter::checkpoint::save_eagle2(d, &exported, tlt_drafter::SaveDType::F32).unwrap();
+    let measure = prompts(4, 9);
+    let (from_export, _) = accept_length(serve_with(tiny(), eagle(Some(&exported), None, 0)), &measure);
+    let (from_trainer, _) = accept_length(serve_with(tiny(), eagle(Some(&ckpt), None, 0)), &measure);
+    assert_eq!(from_export, from_trainer);
     // A drafter checkpoint that does not fit the model is refused by name.
     let other = Llama::random(tlt_model::LlamaConfig::tiny(VOCAB, 32, 1), 3).unwrap();
     let decode = eagle(Some(&ckpt), None, 0);

@@ -7,8 +7,11 @@
 //! thread per request. The in-process run decodes the same requests (same coin streams, a prompt's samples forked
 //! from one prefill) in one `tlt_spec_decode::Engine` driven round by round, the loop the server's engine thread
 //! runs. Each pair (in process, HTTP; the order alternating with the repeat) runs per `--sd` setting, `--repeats`
-//! times, interleaved; every HTTP output must equal its in-process twin token for token (the suite fails otherwise).
-//! Then `--concurrent` short requests at once: none lost, the process's peak resident memory reported.
+//! times, interleaved; every HTTP output must equal its in-process twin token for token (the suite fails otherwise, after writing
+//! its report with the differing outputs: request, seed, lengths, first differing position).
+//! Then `--concurrent` short requests at once: none lost, the process's peak resident memory reported. Both paths
+//! run with the allocator settings of the server binary (`tlt_serve::tune_allocator`; `--system-allocator`: glibc's
+//! defaults).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -24,7 +27,7 @@ use tlt_serve::api::seeded_stream;
 use tlt_serve::worker::DecodeConfig;
 use tlt_serve::{ServeConfig, Server};
 use tlt_spec_decode::{Drafter, Engine, GroupId, NgramDrafter, SamplingParams, SpecParams};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::report::{self, median, Header};
 use crate::sysinfo::{self, MachineInfo};
@@ -66,6 +69,10 @@ pub struct ServeArgs {
     /// `cpu` (the default): this suite measures the CPU path; a CUDA device is refused with what to run instead.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
+    /// Keep glibc's default allocator settings instead of the ones the server binary runs with
+    /// (`tlt_serve::tune_allocator`), for both paths.
+    #[arg(long)]
+    system_allocator: bool,
 }
 
 /// One request of the workload.
@@ -98,8 +105,23 @@ pub struct Run {
     pub latency_p99_s: Option<f64>,
     /// HTTP only: outputs equal to the in-process run's of the same setting and repeat.
     pub outputs_equal: Option<usize>,
+    /// HTTP only: the outputs that differ from their in-process twin (empty when all are equal).
+    pub differing: Vec<Differing>,
     /// Engine rounds (batched target forwards) the rollout took.
     pub rounds: u64,
+}
+
+/// An HTTP output that differs from its in-process twin.
+#[derive(Debug, Clone, Serialize)]
+pub struct Differing {
+    /// The request's index in the workload.
+    pub request: usize,
+    /// Its sampling seed.
+    pub seed: u64,
+    /// Tokens over HTTP and in process.
+    pub tokens: (usize, usize),
+    /// The first position where they differ.
+    pub first_difference: usize,
 }
 
 /// The concurrency check.
@@ -139,6 +161,8 @@ pub struct ServeReport {
     pub sd_speedup: Vec<(Sd, f64, f64)>,
     /// The concurrency check.
     pub concurrency: Concurrency,
+    /// Whether both paths ran with the server binary's allocator settings (`tlt_serve::tune_allocator`).
+    pub tuned_allocator: bool,
 }
 
 /// The workload: prompts x samples, long-tailed limits, a seed per sample.
@@ -305,6 +329,7 @@ fn http_run(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd, repeat: usize
         latency_p50_s: Some(tlt_rl::metrics::percentile(&lat, 0.5)),
         latency_p99_s: Some(tlt_rl::metrics::percentile(&lat, 0.99)),
         outputs_equal: None,
+        differing: Vec::new(),
         rounds,
     };
     Ok((run, outs))
@@ -352,6 +377,8 @@ fn concurrency(model: &Llama, args: &ServeArgs, prompt: &[u32]) -> Result<Concur
 /// # Errors
 /// On a model, engine, server or I/O error, or when an HTTP output differs from its in-process twin.
 pub fn run(args: &ServeArgs) -> Result<()> {
+    // The server binary's allocator settings, for both paths (before the suite starts threads).
+    let tuned_allocator = !args.system_allocator && tlt_serve::tune_allocator();
     ensure!(args.prompts > 0 && args.samples > 0 && args.repeats > 0, "prompts, samples and repeats must be >= 1");
     ensure!(args.min_new_tokens >= 1 && args.min_new_tokens <= args.max_new_tokens, "need 1 <= min <= max tokens");
     let machine = MachineInfo::collect();
@@ -388,19 +415,32 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 latency_p50_s: None,
                 latency_p99_s: None,
                 outputs_equal: None,
+                differing: Vec::new(),
                 rounds,
             });
             let (mut run, outs) = match http {
                 Some(h) => h,
                 None => http_run(&model, &reqs, args.temperature, sd, repeat)?,
             };
-            let equal = outs.iter().zip(&twin).filter(|(a, b)| a == b).count();
+            run.differing = outs
+                .iter()
+                .zip(&twin)
+                .enumerate()
+                .filter(|(_, (a, b))| a != b)
+                .map(|(i, (a, b))| Differing {
+                    request: i,
+                    seed: reqs[i].seed,
+                    tokens: (a.len(), b.len()),
+                    first_difference: a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len())),
+                })
+                .collect();
+            let equal = reqs.len() - run.differing.len();
             run.outputs_equal = Some(equal);
             info!(repeat, ?sd, wall = run.wall_s, tokens = run.tokens, equal, http_first, "http");
-            runs.push(run);
-            if equal != reqs.len() {
-                bail!("{} of {} HTTP outputs differ from the in-process run's", reqs.len() - equal, reqs.len());
+            for d in &run.differing {
+                warn!(?d, "an HTTP output differs from its in-process twin");
             }
+            runs.push(run);
         }
     }
     let tps = |path: &str, sd: Sd| -> Vec<f64> {
@@ -429,14 +469,21 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         sd_speedup: speedups,
         runs,
         concurrency,
+        tuned_allocator,
     };
-    report::write_outputs("serve", &report, &markdown(&report, args))
+    report::write_outputs("serve", &report, &markdown(&report, args))?;
+    // Written first, so that the differing outputs are on record.
+    let differing: usize = report.runs.iter().map(|r| r.differing.len()).sum();
+    if differing > 0 {
+        bail!("{differing} HTTP outputs differ from their in-process twins (listed in target/bench/serve.json)");
+    }
+    Ok(())
 }
 
 fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
     let mut s = format!(
         "# bench serve\n\n{} on {} ({} threads), commit {}\n\n`{}`\n\n{} requests ({} prompts x {} samples, T = {}), \
-         mean prompt {:.0} tokens, token limits p50/p90/max {}/{}/{}\n\n\
+         mean prompt {:.0} tokens, token limits p50/p90/max {}/{}/{}; allocator: {}\n\n\
          | path | SD | repeat | wall s | tokens | tok/s | rounds | p50 s | p99 s | equal to in-process |\n\
          |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         r.header.timestamp,
@@ -452,6 +499,7 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
         r.limit_p50_p90_max.0,
         r.limit_p50_p90_max.1,
         r.limit_p50_p90_max.2,
+        if r.tuned_allocator { "the server binary's (`tlt_serve::tune_allocator`)" } else { "glibc's defaults" },
     );
     let opt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
     for run in &r.runs {
@@ -468,6 +516,14 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
             opt(run.latency_p99_s),
             run.outputs_equal.map_or("-".to_string(), |n| n.to_string()),
         );
+    }
+    for run in r.runs.iter().filter(|r| !r.differing.is_empty()) {
+        for d in &run.differing {
+            s += &format!(
+                "\nDiffers ({:?}, repeat {}): request {} (seed {}), {} tokens over HTTP vs {} in process, from position {}\n",
+                run.sd, run.repeat, d.request, d.seed, d.tokens.0, d.tokens.1, d.first_difference
+            );
+        }
     }
     s += "\nHTTP / in-process throughput, median over pairs (target >= 0.95):";
     for (sd, m, lo, hi) in &r.http_over_in_process {
