@@ -1,5 +1,5 @@
 //! The skinny GEMM against a naive f64 reference, for every weight format and every instruction set this CPU
-//! has, over odd shapes and m = 1..64.
+//! has, over odd shapes and m = 1..64; and batch invariance (a row's bits whatever rows share the call).
 #![allow(clippy::unwrap_used, clippy::too_many_arguments)] // Tests: a panic is the failure report.
 
 use proptest::prelude::*;
@@ -87,6 +87,45 @@ proptest! {
         let dtype = DTYPES[dtype_pick];
         let k = if dtype.is_blocked() { kb * 32 } else { kb * 32 - 31 + k_extra };
         check(isa, 1, dtype, m, n, k, seed, seed % 2 == 0);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Batch invariance: a row's output is the same bits whatever rows share the call (any m, up to 300, any
+    /// thread count), so a request's logits do not depend on how many requests share its round.
+    #[test]
+    fn a_rows_output_does_not_depend_on_the_other_rows(
+        isa_pick in any::<prop::sample::Index>(),
+        dtype_pick in 0usize..6,
+        m in 1usize..300,
+        n in 1usize..70,
+        kb in 1usize..5,
+        threads in 1usize..4,
+        seed in any::<u64>(),
+    ) {
+        let isas = Isa::available();
+        let isa = isas[isa_pick.index(isas.len())];
+        let dtype = DTYPES[dtype_pick];
+        let k = kb * 32;
+        let w = Matrix::from_f32(n, k, &values(n * k, seed), dtype).unwrap();
+        let x = values(m * k, seed + 1);
+        let b = values(n, seed + 2);
+        let mut all = vec![f32::NAN; m * n];
+        gemm_with(GemmConfig { isa, threads }, &x, m, w.view(), Some(&b), &mut all).unwrap();
+        // Every row alone, and a few prefixes of the batch.
+        for (start, len) in (0..m).map(|i| (i, 1)).chain([(0, m / 2), (m / 3, m - m / 3)]) {
+            if len == 0 {
+                continue;
+            }
+            let mut part = vec![f32::NAN; len * n];
+            gemm_with(GemmConfig { isa, threads: 1 }, &x[start * k..(start + len) * k], len, w.view(), Some(&b), &mut part)
+                .unwrap();
+            let whole: Vec<u32> = all[start * n..(start + len) * n].iter().map(|v| v.to_bits()).collect();
+            let alone: Vec<u32> = part.iter().map(|v| v.to_bits()).collect();
+            prop_assert_eq!(whole, alone, "{:?} {:?} m={} n={} k={} rows {}..{}", isa, dtype, m, n, k, start, start + len);
+        }
     }
 }
 

@@ -1,13 +1,24 @@
-//! Linear layers of the inference forward: `tlt-kernels`' skinny GEMM for small row counts (reading candle's
-//! f32 storage in place, or a packed Q8_0/Q4/f16 copy), candle's packed GEMM for large prefills.
+//! Linear layers of the inference forward: `tlt-kernels`' GEMM (reading candle's f32 storage in place, or a packed
+//! Q8_0/Q4/f16 copy) for every row count, so that a row's output never depends on the rows beside it.
 
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use tlt_kernels::{gemm, MatRef, Matrix, WeightsRef};
 
 use crate::{Error, Result};
 
-/// Above this many rows candle's packed GEMM (compute-bound regime) beats weight streaming.
-pub(crate) const SKINNY_MAX_ROWS: usize = 64;
+/// Rows above which f32 linears go to candle's packed GEMM instead: never, unless the environment variable
+/// `TLT_SKINNY_MAX_ROWS` sets a bound (read once).
+///
+/// `tlt-kernels`' GEMM computes every output with the same reduction order whatever the number of rows; candle's
+/// blocks by the matrix shape. With candle above 64 rows, a request's logits depended on how many requests shared
+/// its round: a sampled token at a near tie flipped between a batch of 512 and one of 128 (SmolLM2-135M, T = 0.7,
+/// one request in 512), so the same request over HTTP (requests arriving over time) and in process differed. One
+/// kernel for every batch makes decoding batch-invariant, and it was faster too: the 512-request rollout of `bench
+/// serve` took 32.7 s against 36-38 s (2-vCPU AMD EPYC; candle's GEMM kept one of its two threads busy).
+fn skinny_max_rows() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| std::env::var("TLT_SKINNY_MAX_ROWS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(usize::MAX))
+}
 
 /// `y = x W^T (+ b)` for `rows` rows of `x`, `weight` `[n, k]`.
 pub(crate) fn linear(
@@ -24,7 +35,7 @@ pub(crate) fn linear(
         gemm(x, rows, p.view(), bias.as_deref(), &mut y)?;
         return Ok(y);
     }
-    if rows > SKINNY_MAX_ROWS {
+    if rows > skinny_max_rows() {
         let xt = Tensor::from_slice(x, (rows, k), &Device::Cpu)?;
         let mut out = xt.matmul(&weight.t()?)?;
         if let Some(b) = bias {

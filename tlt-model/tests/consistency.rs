@@ -122,6 +122,40 @@ fn batched_ragged_decode_matches_single_sequences() {
     }
 }
 
+/// Batch invariance: a sequence decoded beside 129 others (past the 64 rows where linears once switched to candle's
+/// GEMM) gets the same logit bits as decoded alone; so does its prefill beside other prompts.
+#[test]
+fn a_sequences_logits_are_the_same_bits_in_any_batch() {
+    let model = tiny();
+    let prompt: &[u32] = &[3, 1, 4, 1, 5, 9, 2, 6];
+    let next = [7u32, 11, 13];
+    let bits = |t: &Tensor| -> Vec<Vec<u32>> { rows(t).iter().map(|r| r.iter().map(|v| v.to_bits()).collect()).collect() };
+    // Alone.
+    let mut cache = model.new_cache();
+    let seq = cache.add_sequence();
+    let mut alone = vec![bits(&model.prefill(&mut cache, seq, prompt).unwrap().unsqueeze(0).unwrap())[0].clone()];
+    for &t in &next {
+        alone.push(bits(&model.decode(&mut cache, &[(seq, t)]).unwrap())[0].clone());
+    }
+    // Beside 129 other sequences with prompts of their own, prefilled in the same forward.
+    let others: Vec<Vec<u32>> = (0..129u32).map(|i| (0..1 + i % 9).map(|j| (i * 7 + j * 3) % 48).collect()).collect();
+    let mut cache = model.new_cache();
+    let seqs: Vec<SeqId> = (0..130).map(|_| cache.add_sequence()).collect();
+    let inputs: Vec<SeqInput> = std::iter::once(prompt)
+        .chain(others.iter().map(Vec::as_slice))
+        .zip(&seqs)
+        .map(|(tokens, &seq)| SeqInput { seq, tokens, tree: None, logits: LogitsFor::Last })
+        .collect();
+    let mut batched = vec![bits(&model.forward(&mut cache, &inputs, &[]).unwrap().logits)[0].clone()];
+    for &t in &next {
+        let batch: Vec<(SeqId, u32)> = seqs.iter().enumerate().map(|(i, &s)| (s, if i == 0 { t } else { 5 })).collect();
+        batched.push(bits(&model.decode(&mut cache, &batch).unwrap())[0].clone());
+    }
+    for (step, (a, b)) in alone.iter().zip(&batched).enumerate() {
+        assert!(a == b, "step {step}: the logits depend on the batch");
+    }
+}
+
 #[test]
 fn taps_expose_layer_inputs_and_final_norm() {
     let model = tiny();
