@@ -14,7 +14,8 @@ use crate::{Error, Result};
 /// its round: a sampled token at a near tie flipped between a batch of 512 and one of 128 (SmolLM2-135M, T = 0.7,
 /// one request in 512), so the same request over HTTP (requests arriving over time) and in process differed. One
 /// kernel for every batch makes decoding batch-invariant, and it was faster too: the 512-request rollout of `bench
-/// serve` took 32.7 s against 36-38 s (2-vCPU AMD EPYC; candle's GEMM kept one of its two threads busy).
+/// serve` took 32-36 s against 36-40 s (2-vCPU AMD EPYC); prefills of 1,024-2,048 tokens are 6-9% slower
+/// (`docs/bench/2026-11-28-serve-allocator-batch-invariance.md`).
 fn skinny_max_rows() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| std::env::var("TLT_SKINNY_MAX_ROWS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(usize::MAX))
