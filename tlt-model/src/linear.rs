@@ -18,7 +18,9 @@ use crate::{Error, Result};
 /// (`docs/bench/2026-11-28-serve-allocator-batch-invariance.md`).
 fn skinny_max_rows() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| std::env::var("TLT_SKINNY_MAX_ROWS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(usize::MAX))
+    *MAX.get_or_init(|| {
+        std::env::var("TLT_SKINNY_MAX_ROWS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(usize::MAX)
+    })
 }
 
 /// `y = x W^T (+ b)` for `rows` rows of `x`, `weight` `[n, k]`.

@@ -129,7 +129,8 @@ fn a_sequences_logits_are_the_same_bits_in_any_batch() {
     let model = tiny();
     let prompt: &[u32] = &[3, 1, 4, 1, 5, 9, 2, 6];
     let next = [7u32, 11, 13];
-    let bits = |t: &Tensor| -> Vec<Vec<u32>> { rows(t).iter().map(|r| r.iter().map(|v| v.to_bits()).collect()).collect() };
+    let bits =
+        |t: &Tensor| -> Vec<Vec<u32>> { rows(t).iter().map(|r| r.iter().map(|v| v.to_bits()).collect()).collect() };
     // Alone.
     let mut cache = model.new_cache();
     let seq = cache.add_sequence();

@@ -15,7 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tlt_drafter::online::{BackgroundTrainer, BufferConfig, FeatureSample, MicroStepOutcome, OnlineBuffer, WeightsSlot};
+use tlt_drafter::online::{
+    BackgroundTrainer, BufferConfig, FeatureSample, MicroStepOutcome, OnlineBuffer, WeightsSlot,
+};
 use tlt_drafter::train::{online_step_fn, OnlineStepConfig};
 use tlt_drafter::{
     DraftRuntime, DrafterConfig, DrafterTrainer, Eagle2Drafter, EagleProposer, FrozenTarget, RuntimeOptions,
@@ -114,7 +116,8 @@ impl OnlineDrafter {
     /// # Errors
     /// [`Error::Invalid`] naming the setting for a bad configuration or a checkpoint that does not fit `model`.
     pub fn new(model: &Llama, cfg: &EagleConfig, stats: Arc<DrafterStats>) -> Result<Self> {
-        let invalid = |field: &str, e: &dyn std::fmt::Display| Error::Invalid { field: field.into(), reason: e.to_string() };
+        let invalid =
+            |field: &str, e: &dyn std::fmt::Display| Error::Invalid { field: field.into(), reason: e.to_string() };
         let trainer = match &cfg.init {
             Some(dir) if dir.join(tlt_drafter::train::STATE_FILE).is_file() => {
                 DrafterTrainer::resume(dir, model).map_err(|e| invalid("drafter", &e))?

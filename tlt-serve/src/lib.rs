@@ -150,7 +150,8 @@ impl Server {
         *stats.weight_version.write().map_err(|_| Error::Model("the version lock is poisoned".into()))? =
             cfg.weight_version.as_deref().unwrap_or("default").into();
         let engine_stats = stats.clone();
-        let eagle = decode.eagle.as_ref().map(|e| drafter::OnlineDrafter::new(&model, e, stats.drafter.clone())).transpose()?;
+        let eagle =
+            decode.eagle.as_ref().map(|e| drafter::OnlineDrafter::new(&model, e, stats.drafter.clone())).transpose()?;
         let engine = std::thread::Builder::new()
             .name("tlt-serve-engine".into())
             .spawn(move || worker::run(model, &rx, &decode, &engine_stats, eagle))

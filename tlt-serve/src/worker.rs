@@ -248,13 +248,7 @@ impl Lane {
             (true, Some(d)) => Some(Box::new(d.proposer())),
             (true, None) => Some(Box::new(NgramDrafter::default())),
         };
-        Ok(Self {
-            key: Key::of(s),
-            engine,
-            drafter,
-            decoder: cfg.decoder()?,
-            pending: HashMap::new(),
-        })
+        Ok(Self { key: Key::of(s), engine, drafter, decoder: cfg.decoder()?, pending: HashMap::new() })
     }
 
     /// One round; the requests it finished go back to their handlers. On an engine error every request of the lane

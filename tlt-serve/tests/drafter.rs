@@ -79,7 +79,8 @@ fn accept_length(addr: SocketAddr, prompts: &[Vec<u32>]) -> (f64, Vec<Vec<u32>>)
 
 /// `model`'s plain greedy decoding of `prompts` (32 tokens each), in process.
 fn plain(model: &Llama, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
-    let params = tlt_spec_decode::SpecParams { stop_token_ids: Some(vec![]), ..tlt_spec_decode::SpecParams::greedy(32) };
+    let params =
+        tlt_spec_decode::SpecParams { stop_token_ids: Some(vec![]), ..tlt_spec_decode::SpecParams::greedy(32) };
     let mut e = tlt_spec_decode::Engine::new(model, params).unwrap();
     for p in prompts {
         e.add_request(p).unwrap();
@@ -132,7 +133,11 @@ fn the_online_drafter_learns_keeps_acceptance_across_a_weight_update_and_resumes
     }
     let t0 = Instant::now();
     while metric(live, "drafter_steps_total") < STEPS as f64 {
-        assert!(t0.elapsed() < Duration::from_secs(120), "the drafter did not train: {}", metric(live, "drafter_steps_total"));
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the drafter did not train: {}",
+            metric(live, "drafter_steps_total")
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let (a1, out) = accept_length(live, &measure);
