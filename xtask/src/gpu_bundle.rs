@@ -6,7 +6,8 @@
 //! The end-to-end call (`run.sh e2e`: the demo's comparison on the GPU) has a bundle of its own, `target/gpu-e2e`
 //! (`run.sh`, the `train` binary built with `cuda`, 18 MB stripped, its configs), and so has the data-parallel call
 //! (`run.sh ranks`), `target/gpu-ranks` (its test binary and the Open MPI wheel, 20 MB): the device tool carries
-//! 64 MiB per call, the repository included, and together they were 63 MB (2026-11-27; call 1's is 41 MB).
+//! 64 MiB per call, the repository included, and together they were 63 MB (2026-11-27; call 1's is 41 MB). The
+//! plan's calls, their limits and the rules the dry run checks are in [`plan`].
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,10 +18,10 @@ use tracing::{info, warn};
 /// One call of the GPU plan on the GPU machine (`run.sh CALL`; see the script's header).
 const RUN_SH: &str = include_str!("gpu_run.sh");
 
-/// The calls of the GPU plan, in order: call 1 (`all`: the CUDA suites, gpu-bench, the peer), call 2 (`ranks`)
-/// and call 3 (`e2e`: the demo's TLT-vs-baseline comparison on the GPU with SmolLM2's real weights, from
-/// `target/gpu-e2e`); then the sections of call 1 on their own, for reruns.
-pub const CALLS: [&str; 6] = ["all", "ranks", "e2e", "tests", "bench", "peer"];
+// A submodule in a file of its own (the plan's rules and their negative controls).
+#[path = "gpu_plan.rs"]
+pub mod plan;
+use plan::CALLS;
 
 /// The demo's config (`train`'s embedded default), which the `e2e` call's configs start from.
 const DEMO_CONFIG: &str = include_str!("../../examples/configs/demo.toml");
@@ -74,14 +75,6 @@ fn e2e_configs() -> Result<[(&'static str, String); 2]> {
     )?;
     Ok([(E2E_CONFIG, gpu), (E2E_DRY_CONFIG, dry)])
 }
-
-/// Files one call leaves under `$OUT`: its archive and its summary (the device tool takes at most 8).
-const CALL_FILES: usize = 2;
-/// At most this many lines of a call's summary (printed last, so it survives the tool's 12,000-character tail).
-const MAX_SUMMARY_LINES: usize = 40;
-/// The most seconds a call's steps may be budgeted in all: 8 minutes, so that a call fits the device tool's
-/// 10-minute command limit with the machine's start and the transfers.
-const CALL_BUDGET_S: u64 = 480;
 
 /// Most bytes of one weights part: with the repository (~5 MB) it stays under the device tool's 64 MiB per call.
 const PART_BYTES: usize = 48 << 20;
@@ -181,7 +174,8 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
             .sum()
     };
     let (mb, ranks_mb, e2e_mb) = (size(&dir), size(&ranks), size(&e2e));
-    info!(dir = %dir.display(), mb = mb / 1_000_000, "GPU bundle ready: one call per `run.sh CALL`: {CALLS:?}");
+    let calls: Vec<&str> = CALLS.iter().map(|c| c.name).collect();
+    info!(dir = %dir.display(), mb = mb / 1_000_000, "GPU bundle ready: one call per `run.sh CALL`: {calls:?}");
     info!(dir = %ranks.display(), mb = ranks_mb / 1_000_000, "the `ranks` call's bundle: `target/gpu-ranks/run.sh ranks`");
     info!(dir = %e2e.display(), mb = e2e_mb / 1_000_000, "the `e2e` call's bundle: `target/gpu-e2e/run.sh e2e`");
     Ok(dir)
@@ -230,7 +224,10 @@ fn write_scripts(root: &Path, dir: &Path) -> Result<()> {
 /// `cargo xtask gpu-bundle --dry-run`: runs every call of the plan here with its GPU steps stubbed (`TLT_DRY_RUN=1`:
 /// the test executables and the peer print canned output, one test failing; gpu-bench, the binary `bench`, runs on
 /// the simulated device; the `e2e` call runs the binary `train` on the CPU with `gguf`, SmolLM2's weights, and its
-/// dry-run config) and checks each call's output with [`check_call`]. Needs no GPU and no CUDA build.
+/// dry-run config) and checks each call's output ([`plan::check_call`]); prints the plan's total, the default calls'
+/// seconds of steps, and checks it ([`plan::plan_total`]); then runs call 1 again and kills it, every process of it
+/// at once, after half its steps' lines, and checks that what finished is under `$OUT` ([`plan::check_killed`]).
+/// Needs no GPU and no CUDA build.
 ///
 /// # Errors
 /// When a call breaks a rule or the script cannot run.
@@ -243,89 +240,171 @@ pub fn dry_run(root: &Path, bench: &Path, train: &Path, gguf: &Path) -> Result<(
     let dir = root.join("target").join("gpu-bundle-dry");
     let _ = std::fs::remove_dir_all(&dir);
     write_scripts(root, &dir)?;
-    for call in CALLS {
-        let out = dir.join("out").join(call);
-        std::fs::create_dir_all(&out)?;
-        let run = Command::new("bash")
-            .arg(dir.join("run.sh"))
+    // The script's temporary directories (a killed call leaves its own).
+    std::fs::create_dir_all(dir.join("tmp"))?;
+    let dry = |call: &str, out: &Path, cmd: &mut Command| {
+        // The test executables `build` puts in the bundle.
+        let tests: Vec<String> = std::iter::once("test-tlt-comm-nccl".to_string())
+            .chain(crate::CUDA_PACKAGES.iter().map(|p| format!("test-{p}")))
+            .collect();
+        cmd.arg(dir.join("run.sh"))
             .arg(call)
-            .env("OUT", &out)
+            .env("OUT", out)
+            .env("TMPDIR", dir.join("tmp"))
             .env("TLT_DRY_RUN", "1")
+            .env("TLT_DRY_TESTS", tests.join(" "))
             .env("TLT_DRY_BENCH", bench)
             .env("TLT_DRY_TRAIN", train)
             .env("TLT_DRY_GGUF", gguf)
-            .current_dir(root)
-            .output()
-            .with_context(|| format!("running run.sh {call}"))?;
-        let files: Vec<String> = std::fs::read_dir(&out)?
-            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-            .collect();
-        let summary = std::fs::read_to_string(out.join(format!("{call}-summary.txt"))).unwrap_or_default();
-        let stdout = String::from_utf8_lossy(&run.stdout);
-        let report = check_call(call, &files, &summary, &stdout, run.status.success())
-            .with_context(|| format!("dry run of `{call}` (stderr: {})", String::from_utf8_lossy(&run.stderr)))?;
-        println!("gpu-bundle dry run `{call}`: {report}");
+            .current_dir(root);
+    };
+    let mut reports = Vec::new();
+    for call in CALLS {
+        let out = dir.join("out").join(call.name);
+        std::fs::create_dir_all(&out)?;
+        let mut cmd = Command::new("bash");
+        dry(call.name, &out, &mut cmd);
+        let run = cmd.output().with_context(|| format!("running run.sh {}", call.name))?;
+        let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+        let left = left_under(&out, call.name, stdout, run.status.success())?;
+        let r = plan::check_call(&call, &left).with_context(|| {
+            format!("dry run of `{}` (stderr: {})", call.name, String::from_utf8_lossy(&run.stderr))
+        })?;
+        println!(
+            "gpu-bundle dry run `{}` ({}): {} steps ({} failed), {} s of steps of its {} s, a summary of {} lines \
+             printed as written and again last, files {:?}",
+            call.name,
+            if call.default { "default" } else { "optional" },
+            r.steps,
+            r.failed,
+            r.budget_s,
+            call.limit_s,
+            left.summary.lines().count(),
+            left.files
+        );
+        reports.push((call.name, r));
     }
+    println!("gpu-bundle dry run: {}", plan::plan_total(&reports)?);
+    // The killed-call control: call 1 killed after half its steps, as the device tool kills a command at its limit.
+    let call = CALLS[0].name;
+    let half = reports[0].1.steps.div_ceil(2);
+    let out = dir.join("out").join(format!("killed-{call}"));
+    std::fs::create_dir_all(&out)?;
+    let stderr = std::fs::File::create(dir.join(format!("killed-{call}.stderr")))?;
+    let mut cmd = Command::new("setsid");
+    cmd.arg("bash");
+    dry(call, &out, &mut cmd);
+    cmd.stdout(Stdio::piped()).stderr(stderr);
+    let seen = run_killed(cmd, half).with_context(|| format!("the killed-call control on `{call}`"))?;
+    let left = left_under(&out, call, String::new(), false)?;
+    let line = plan::check_killed(call, &seen, &left).context("the killed-call control")?;
+    println!("gpu-bundle dry run `{call}` killed after its step {half} of {}: {line}", reports[0].1.steps);
     Ok(())
 }
 
-/// One step's line of a call's summary: `NAME: rc CODE in SECONDS s (budget BUDGET s)`.
-fn step_line(line: &str) -> Option<(&str, i64, u64)> {
-    let (name, rest) = line.split_once(": rc ")?;
-    let (rc, rest) = rest.split_once(" in ")?;
-    let budget = rest.split_once("(budget ")?.1.split_once(" s)")?.0;
-    Some((name, rc.parse().ok()?, budget.parse().ok()?))
+/// What a call left under `out`: its files, its summary and its archive's entries (`tar tzf`).
+fn left_under(out: &Path, call: &str, stdout: String, exit_ok: bool) -> Result<plan::CallOutput> {
+    let files: Vec<String> =
+        std::fs::read_dir(out)?.filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned())).collect();
+    let summary = std::fs::read_to_string(out.join(format!("{call}-summary.txt"))).unwrap_or_default();
+    let archive = out.join(format!("{call}.tar.gz"));
+    let mut archived = Vec::new();
+    if archive.exists() {
+        let list = Command::new("tar").arg("tzf").arg(&archive).output().context("tar tzf")?;
+        if !list.status.success() {
+            bail!("{} is not a whole archive: {}", archive.display(), String::from_utf8_lossy(&list.stderr));
+        }
+        archived = String::from_utf8_lossy(&list.stdout).lines().map(str::to_string).collect();
+    }
+    Ok(plan::CallOutput { files, summary, archived, stdout, exit_ok })
 }
 
-/// The rules of one call's output, as the device tool and the plan need them: exactly the archive and the summary
-/// under `$OUT`; a summary of 1..=40 lines, printed last; every step named with its exit code and budget; the
-/// budgets within [`CALL_BUDGET_S`]; a last `status:` line that is `ok` exactly when every step exited 0 (else
-/// `FAILED:` and the failed steps, by name), matching the script's own exit status. A line on what passed.
-///
-/// # Errors
-/// The first rule broken.
-pub fn check_call(call: &str, files: &[String], summary: &str, stdout: &str, exit_ok: bool) -> Result<String> {
-    let want = [format!("{call}.tar.gz"), format!("{call}-summary.txt")];
-    if files.len() != CALL_FILES || !want.iter().all(|w| files.contains(w)) {
-        bail!("`{call}` left {files:?} under $OUT; the plan's rule is {want:?}");
+/// Runs `cmd` (a call under `setsid`, its stdout piped) and kills every process of its session with SIGKILL once it
+/// has printed `steps` step lines; returns every line it printed. Fails when it ends before or takes 10 minutes.
+fn run_killed(mut cmd: Command, steps: usize) -> Result<Vec<String>> {
+    use std::io::BufRead;
+    use std::time::{Duration, Instant};
+    let mut child = cmd.spawn().context("setsid bash run.sh")?;
+    let stdout = child.stdout.take().context("the call's stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let (mut seen, mut done, mut killed) = (Vec::new(), 0, Ok(0));
+    let mut kill_at = Some(steps);
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        done += usize::from(plan::step_line(&line).is_some());
+        seen.push(line);
+        if kill_at == Some(done) {
+            kill_at = None;
+            killed = kill_session(child.id());
+        }
     }
-    let lines: Vec<&str> = summary.lines().collect();
-    if lines.is_empty() || lines.len() > MAX_SUMMARY_LINES {
-        bail!("`{call}`'s summary has {} lines (1..={MAX_SUMMARY_LINES})", lines.len());
+    if kill_at.is_some() {
+        // It ended, or hung, before the kill: end what is left of it and say so.
+        let _ = kill_session(child.id());
     }
-    if !stdout.trim_end().ends_with(summary.trim_end()) {
-        bail!("`{call}` does not print its summary last");
+    let _ = child.wait();
+    let _ = reader.join();
+    if kill_at.is_some() {
+        bail!("the call printed {done} step lines and stopped before the kill after {steps}");
     }
-    let steps: Vec<(&str, i64, u64)> = lines.iter().filter_map(|l| step_line(l)).collect();
-    if steps.is_empty() {
-        bail!("`{call}`'s summary names no step");
+    killed?;
+    Ok(seen)
+}
+
+/// The live processes (not zombies) of session `sid`, from `/proc`.
+fn session_members(sid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+            // After the command's name (in parentheses): state, parent, process group, session.
+            let fields: Vec<&str> =
+                stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
+            fields.first().is_some_and(|s| *s != "Z") && fields.get(3).and_then(|s| s.parse().ok()) == Some(sid)
+        })
+        .collect()
+}
+
+/// Kills (SIGKILL) every process of the session that `leader` (a child of ours started with `setsid`) leads, its
+/// steps' `timeout`s, which move into process groups of their own, and their commands included; returns how many.
+/// Kills nothing unless `leader` leads its own session.
+fn kill_session(leader: u32) -> Result<usize> {
+    if !session_members(leader).contains(&leader) {
+        bail!("process {leader} does not lead a session of its own: nothing was killed");
     }
-    let budget: u64 = steps.iter().map(|s| s.2).sum();
-    if budget > CALL_BUDGET_S {
-        bail!("`{call}`'s steps are budgeted {budget} s in all, over {CALL_BUDGET_S} s");
+    let mut killed = std::collections::BTreeSet::new();
+    for _ in 0..100 {
+        let pids = session_members(leader);
+        if pids.is_empty() {
+            return Ok(killed.len());
+        }
+        let _ =
+            Command::new("kill").arg("-KILL").args(pids.iter().map(ToString::to_string)).stderr(Stdio::null()).status();
+        killed.extend(pids);
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let failed: Vec<&str> = steps.iter().filter(|s| s.1 != 0).map(|s| s.0).collect();
-    let status = lines.last().and_then(|l| l.strip_prefix("status: ")).unwrap_or_default();
-    let named: Vec<&str> = status.strip_prefix("FAILED:").map(|f| f.split_whitespace().collect()).unwrap_or_default();
-    let consistent = if failed.is_empty() { status == "ok" } else { named == failed };
-    if !consistent || exit_ok != failed.is_empty() {
-        bail!("`{call}`: steps {failed:?} failed, but the status line says {status:?} and the exit is ok: {exit_ok}");
-    }
-    Ok(format!(
-        "{} steps ({} failed), {budget} s of budget, summary of {} lines printed last, files {files:?}",
-        steps.len(),
-        failed.len(),
-        lines.len()
-    ))
+    bail!("processes of session {leader} outlive SIGKILL")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn good() -> (Vec<String>, String) {
-        let summary = "device: x\nstep-a: rc 0 in 3 s (budget 100 s)\n  test result: ok\nstep-b: rc 1 in 2 s (budget 50 s)\nstatus: FAILED: step-b\n";
-        (vec!["c.tar.gz".into(), "c-summary.txt".into()], summary.to_string())
+    #[test]
+    fn the_script_takes_the_plans_calls_and_kill_grace() {
+        assert!(RUN_SH.contains(&format!("\nkill_grace={}\n", plan::KILL_GRACE_S)), "run.sh's kill grace");
+        assert!(RUN_SH.contains(r#"(timeout -k "$kill_grace" "$budget")"#), "run.sh's steps run under timeout -k");
+        let line = RUN_SH.lines().map(str::trim).find(|l| l.starts_with("all |")).expect("run.sh's list of calls");
+        let names: Vec<&str> =
+            line.trim_end_matches(";;").trim().trim_end_matches(')').split('|').map(str::trim).collect();
+        assert_eq!(names, CALLS.iter().map(|c| c.name).collect::<Vec<_>>());
     }
 
     #[test]
@@ -348,29 +427,5 @@ mod tests {
         let t = &dry.trainer;
         assert_eq!((t.steps, t.prompts_per_step, t.group_size, t.max_new_tokens), (1, 2, 2, 16));
         assert_eq!((t.sd.warmup.prompts, dry.eval.prompts, dry.checkpoint_every), (0, 2, 0));
-    }
-
-    #[test]
-    fn the_dry_runs_checks_pass_a_good_call_and_catch_each_broken_rule() {
-        let (files, summary) = good();
-        let out = format!("noise\n{summary}");
-        assert!(check_call("c", &files, &summary, &out, false).is_ok());
-        // Negative controls: each rule broken once.
-        let many: String = (0..41).map(|i| format!("line {i}\n")).collect::<String>() + &summary;
-        let budget = summary.replace("budget 100 s", "budget 431 s");
-        let silent_failure = summary.replace("status: FAILED: step-b", "status: ok");
-        let cases = [
-            ("a third file", check_call("c", &[files[0].clone(), files[1].clone(), "x".into()], &summary, &out, false)),
-            ("41+ lines", check_call("c", &files, &many, &many, false)),
-            ("summary not last", check_call("c", &files, &summary, &format!("{summary}late output\n"), false)),
-            ("over budget", check_call("c", &files, &budget, &budget, false)),
-            ("a failure called ok", check_call("c", &files, &silent_failure, &silent_failure, false)),
-            ("exit ok despite a failure", check_call("c", &files, &summary, &out, true)),
-            ("no step", check_call("c", &files, "status: ok\n", "status: ok\n", true)),
-        ];
-        for (what, r) in cases {
-            let e = r.expect_err(what);
-            println!("negative control, {what}: {e}");
-        }
     }
 }
