@@ -7,7 +7,7 @@
 //! Every section runs on its own: a failing one is reported (in the output and the JSON, with its error) and the rest
 //! still run; the process exits with an error when any failed. `--device cuda[:N]` (feature `cuda`) or `--device
 //! sim` (the simulated device: CI runs this binary on `--arch tiny` to test it). Prints markdown tables, a summary of
-//! the sections last, and writes JSON.
+//! the sections last, and writes JSON (rewritten as each section ends, so a killed run keeps what finished).
 
 mod sd;
 mod sweep;
@@ -165,21 +165,42 @@ fn copy_bandwidth(g: &SharedGpu, bytes: usize) -> Result<f64> {
     Ok(2.0 * bytes as f64 / median(times))
 }
 
-/// The sections' outcomes, in order.
-#[derive(Default)]
+/// The sections' outcomes, in order, and where the JSON goes: it is rewritten as each section ends (atomically: a
+/// temporary file renamed over it), so a process killed at its time limit leaves every finished section's results.
 struct Sections {
     json: serde_json::Map<String, serde_json::Value>,
     outcomes: Vec<(String, Option<String>)>,
+    out: std::path::PathBuf,
 }
 
 impl Sections {
+    /// The JSON so far: `header`'s fields, then every section's.
+    fn document(&self, header: &serde_json::Value) -> serde_json::Value {
+        let mut json = header.clone();
+        if let Some(o) = json.as_object_mut() {
+            o.extend(self.json.clone());
+        }
+        json
+    }
+
+    /// Writes the JSON so far to `out`.
+    fn save(&self, header: &serde_json::Value) -> Result<()> {
+        if let Some(dir) = self.out.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = self.out.with_extension("json.part");
+        std::fs::write(&tmp, serde_json::to_string_pretty(&self.document(header))?)?;
+        std::fs::rename(&tmp, &self.out)?;
+        Ok(())
+    }
+
     /// Runs section `name`; its value goes to the JSON under `name`, or its error (a panic included) is recorded.
     fn run<T: serde::Serialize>(&mut self, name: &str, f: impl FnOnce() -> Result<T>) -> Option<T> {
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
             let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
             Err(anyhow::anyhow!("panicked: {}", msg.unwrap_or_default()))
         });
-        match ran {
+        let v = match ran {
             Ok(v) => {
                 self.json.insert(name.into(), serde_json::to_value(&v).unwrap_or(serde_json::Value::Null));
                 self.outcomes.push((name.into(), None));
@@ -192,7 +213,11 @@ impl Sections {
                 self.outcomes.push((name.into(), Some(msg)));
                 None
             }
+        };
+        if let Err(e) = self.save(&serde_json::json!({ "partial": true })) {
+            eprintln!("writing {}: {e:#}", self.out.display());
         }
+        v
     }
 }
 
@@ -202,7 +227,7 @@ fn main() -> Result<()> {
     let cfg = config(&a.arch)?;
     let g = open(&a.device)?;
     let sim = g.info().simulated;
-    let mut s = Sections::default();
+    let mut s = Sections { json: serde_json::Map::new(), outcomes: Vec::new(), out: a.out.clone() };
     let copy = s.run("copy_bandwidth", || copy_bandwidth(&g, if sim { 1 << 20 } else { 1 << 30 })).unwrap_or(f64::NAN);
     let hw = Hardware::measured(&g.info().name, g.info().multiprocessors, g.info().total_memory, copy);
     println!("{} on {} ({}): copy bandwidth {:.0} GB/s", a.arch, a.device, g.info().name, copy / 1e9);
@@ -212,17 +237,12 @@ fn main() -> Result<()> {
     if !a.contexts.is_empty() {
         s.run("context_sweep", || sweep::run(&g, &cfg, &a, copy));
     }
-    let mut json = serde_json::json!({
+    let header = serde_json::json!({
         "arch": a.arch, "device": a.device, "device_name": g.info().name, "context": a.context, "steps": a.steps,
         "copy_bandwidth": copy,
     });
-    if let Some(o) = json.as_object_mut() {
-        o.extend(s.json.clone());
-    }
-    if let Some(dir) = a.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&a.out, serde_json::to_string_pretty(&json)?)?;
+    s.save(&header)?;
+    let json = s.document(&header);
     println!("\nJSON: {}", a.out.display());
     for line in summary(&json, &s.outcomes) {
         println!("summary: {line}");
