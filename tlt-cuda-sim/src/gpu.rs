@@ -194,6 +194,7 @@ impl SimGpu {
             multiprocessors: 4,
             total_memory: 1 << 32,
             simulated: true,
+            attention_blocks_per_sm: tlt_kernels::cuda::plan::ATTENTION_BLOCKS_PER_SM,
         };
         Self { id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed), info, state: Arc::new(Mutex::new(state)) }
     }

@@ -127,7 +127,7 @@ pub struct CudaDrafter {
     gpu: SharedGpu,
     opts: CudaDraftOptions,
     free: Arc<Mutex<Vec<usize>>>,
-    /// Blocks split attention aims for: twice the device's multiprocessors.
+    /// Blocks of split attention resident on the device at once (`GpuInfo::target_blocks`), which sizes its chunks.
     target_blocks: usize,
     /// Weight versions uploaded so far.
     uploads: u64,
@@ -453,7 +453,7 @@ impl CudaDrafter {
         let attn = self.scratch_zeroed::<bf16>(qx.len())?;
         let tree = TreeDims { batch: step.seq_slot.len(), n_max: step.n_max };
         let a = c.dims.attn;
-        let chunks = Chunks::for_shape(tree, a, c.dims.max_len, self.target_blocks);
+        let chunks = Chunks::for_cache(a, c.dims.max_len, self.target_blocks);
         let [po, pml, pa] = chunks.part_lens(tree, a);
         let parts = if chunks.n_splits > 1 {
             // The arrival counters must start at zero (scratch is recycled); the kernel leaves them zero.

@@ -166,6 +166,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) tree_attention_bf16(
 #define MMA_TILE 16
 #define MMA_WARPS 4
 #define MMA_MAX_HD 128
+#define MMA_MAX_TREE 64
 #define MMA_STRIDE (MMA_MAX_HD + 8)
 #define MMA_STAGE_BYTES (2 * MMA_WARPS * MMA_TILE * MMA_STRIDE * 2)
 #define MMA_MERGE_BYTES ((MMA_WARPS * MMA_ROWS * MMA_MAX_HD + 2 * MMA_WARPS * MMA_ROWS) * 4)
@@ -187,28 +188,54 @@ __device__ __forceinline__ void mma_load_tile(uint4* pk, uint4* pv, const bf16_t
     }
 }
 
-// Split-K (flash-decoding) attention on the tensor cores, for decode, tree verification and causal chunks. A block
-// serves one KV head, one chunk of the keys and one row tile of a sequence: 16 query rows, (node, head) pairs of
-// 16 / group consecutive nodes times the KV head's group of query heads, so every query head of a group and every
-// node of a tree shares each K/V tile read (verify-k reads the KV once per tile, not k times). The chunk is cut
-// from the keys the tile's rows see (prefix + nodes), not from max_len: n_splits chunks of ceil(len / n_splits)
-// keys rounded to 16, so a graph captured for a long max_len spreads a short context over all its blocks too.
-// The block's 4 warps take alternate 16-key tiles of the chunk, each with its own online softmax: a warp loads
-// its next tile into registers (16-byte loads) while it computes the current one from shared memory, S = Q K^T and
-// O += P V on mma.sync m16n8k16 (bf16 in, f32 accumulation), P split into three bf16 parts so that the
-// products keep f32 accuracy; the warps' states are merged at the end. Visibility, layouts and metadata as
-// tree_attention_bf16. With one chunk the block writes the normalised bf16 output; otherwise its chunk's
-// unnormalised f32 output and (max, sum) to part_o [B, n_max, n_heads, n_splits, hd] and part_ml
-// [B, n_max, n_heads, n_splits, 2] (a chunk without visible keys writes sum 0), and the last block of the chunks to
-// arrive (arrivals: one counter per (sequence, row tile, KV head), [B, row_tiles, n_kv], zero before the launch and
-// left zero) combines them into out: no second launch. part_o, part_ml and arrivals may be null with one chunk.
-// head_dim: a multiple of 16, at most 128; n_heads / n_kv <= 16.
-// Grid: (row_tiles * n_splits * n_kv, 1, B), the row tile fastest (tiles sharing a chunk run together, and meet
-// its K/V in L2); block: 128.
+// As mma_load_tile, key j of the tile read at cache position pos[j] (negative: zeros).
+__device__ __forceinline__ void mma_gather_tile(uint4* pk, uint4* pv, const bf16_t* k, const bf16_t* v, size_t row,
+                                                const int* pos, int lane, int vecs, int nks)
+{
+#pragma unroll
+    for (int a = 0; a < MMA_MAX_HD / 16; a++) {
+        const int e = lane + 32 * a, j = e / vecs, c = e - j * vecs;
+        const int p = a < nks ? pos[j] : -1;
+        const uint4 zero = {0u, 0u, 0u, 0u};
+        pk[a] = p >= 0 ? tlt_ld16(k + (size_t)p * row + c * 8) : zero;
+        pv[a] = p >= 0 ? tlt_ld16(v + (size_t)p * row + c * 8) : zero;
+    }
+}
+
+// Split-K (flash-decoding) attention on the tensor cores, for decode, tree verification and causal chunks, cut so
+// that a row's output bits never depend on the other rows of the launch (the batch, the tree around a node).
+//
+// A row's keys are its LOGICAL key sequence: the committed prefix (cache positions 0 .. prefix_len[b]), then, for a
+// tree node, its ancestors by depth and itself (node j at cache position prefix_len[b] + j; with anc, the set bits
+// of the node's mask in increasing order, parents having smaller indices than their children), for a causal row
+// (anc == null) nodes 0 .. i. So a decode row after d committed tokens and the tree node at depth d over the same
+// prefix see the same keys at the same logical positions. The keys are cut into chunks of chunk_len (a multiple of
+// 64, fixed per cache and device by the plan, never by the batch) at logical positions 0, chunk_len, 2 chunk_len...;
+// a chunk's 16-key tiles lie at fixed offsets from its start, warp w taking tiles w, w + 4, ... with its own online
+// softmax, the warps merged in warp order, a row's chunks combined in chunk order: the same keys give the same
+// bits. A block serves one KV head, one chunk and one row tile of a sequence: 16 query rows, (node, head) pairs of
+// 16 / group consecutive nodes times the KV head's group of query heads. A tile of keys wholly inside the prefix is
+// read once for all 16 rows (every query head of a group and every node of a tree share it); a tile reaching past
+// the prefix is read and computed once per node of the row tile (in tree mode and for decode, n_max == 1), gathered
+// by logical position, with zeros past the node's keys, and only that node's rows take the result, so a decode row
+// and a verify row present the same keys (and zeros) in the same lanes of the tensor cores. Causal chunks of
+// several rows (prefill) share every tile, masked per row (they need not agree with decode bit for bit).
+// A warp loads its next shared tile into registers (16-byte loads) while it computes the current one from shared
+// memory: S = Q K^T and O = O * corr + P V on mma.sync m16n8k16 (bf16 in, f32 accumulation), P V summed from zero
+// per tile with P split into three bf16 parts so that the products keep f32 accuracy. A row whose keys fit one
+// chunk is written (normalised bf16) by its chunk's block; otherwise every chunk's block writes its unnormalised f32
+// output and (max, sum) to part_o [B, n_max, n_heads, n_splits, hd] and part_ml [B, n_max, n_heads, n_splits, 2],
+// and the last block of the row tile's chunks to arrive (arrivals: one counter per (sequence, row tile, KV head),
+// [B, row_tiles, n_kv], zero before the launch and left zero) combines them into out, a warp per row, its lanes
+// over the head dim, the row's chunks 0 .. n - 1 in order: no second launch. Blocks of chunks past the row tile's
+// keys return at once. part_o, part_ml and arrivals may be null when n_splits == 1. Visibility, layouts and
+// metadata as tree_attention_bf16. head_dim: a multiple of 16, at most 128; n_heads / n_kv <= 16; n_splits *
+// chunk_len >= max_len. Grid: (row_tiles * n_splits * n_kv, 1, B), the row tile fastest (tiles sharing a chunk run
+// together, and meet its K/V in L2); block: 128.
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf16(
     const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache, bf16_t* out, float* part_o, float* part_ml,
     int* arrivals, const int* seq_slot, const int* prefix_len, const int* n_nodes, const u64_t* anc,
-    int n_max, int n_heads, int n_kv, int hd, int max_len, int n_splits, int row_tiles, float scale)
+    int n_max, int n_heads, int n_kv, int hd, int max_len, int n_splits, int chunk_len, int row_tiles, float scale)
 {
     const int rt = blockIdx.x % row_tiles;
     const int split = (blockIdx.x / row_tiles) % n_splits;
@@ -220,13 +247,35 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
     const int i0 = rt * per_tile;
     if (i0 >= nn) return;
     const int i_end = min(nn, i0 + per_tile);
+    const int tile_nodes = i_end - i0;
     const int prefix = prefix_len[b];
     const int slot = seq_slot[b];
-    const int len = prefix + (anc ? nn : i_end);
-    int chunk = (len + n_splits - 1) / n_splits;
-    chunk = (chunk + MMA_TILE - 1) / MMA_TILE * MMA_TILE;
-    const int t_begin = min(len, split * chunk);
-    const int t_end = min(len, t_begin + chunk);
+    // Whether tiles past the prefix are read per node (trees, decode) or shared by the rows (causal chunks).
+    const bool per_node = anc != 0 || n_max == 1;
+
+    // Per node of the row tile: its logical length and (trees) its ancestors by depth, as node indices.
+    __shared__ int slen[MMA_ROWS];
+    __shared__ unsigned char spath[MMA_ROWS][MMA_MAX_TREE];
+    __shared__ int spos[MMA_WARPS][MMA_TILE];
+    if ((int)threadIdx.x < tile_nodes) {
+        const int n = threadIdx.x, i = i0 + n;
+        int len = prefix + i + 1;
+        if (anc) {
+            const u64_t mask = anc[(size_t)b * n_max + i];
+            int depth = 0;
+            for (int j = 0; j < MMA_MAX_TREE; j++)
+                if ((mask >> j) & 1ull) spath[n][depth++] = (unsigned char)j;
+            len = prefix + depth;
+        }
+        slen[n] = len;
+    }
+    __syncthreads();
+    int tile_len = 0;
+    for (int n = 0; n < tile_nodes; n++) tile_len = max(tile_len, slen[n]);
+    const int tile_chunks = (tile_len + chunk_len - 1) / chunk_len;
+    if (split >= tile_chunks) return;
+    const int t_begin = split * chunk_len;
+    const int t_end = min(tile_len, t_begin + chunk_len);
 
     __shared__ __align__(16) unsigned char smem[MMA_SMEM_BYTES];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -234,24 +283,19 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
     bf16_t* sk = reinterpret_cast<bf16_t*>(smem) + warp * MMA_TILE * MMA_STRIDE;
     bf16_t* sv = reinterpret_cast<bf16_t*>(smem) + (MMA_WARPS + warp) * MMA_TILE * MMA_STRIDE;
 
-    // This lane's two rows (g and g + 8): node, head and whether the row exists; what each of the 16 rows sees among
-    // the nodes is kept in shared memory (registers are the kernel's limit).
-    __shared__ u64_t smask[MMA_ROWS];
-    int node[2];
+    // This lane's two rows (g and g + 8): node, whether the row exists, and its logical length.
+    int node[2], rlen[2];
     bool live[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int r = g + 8 * h;
         node[h] = i0 + r / group;
         live[h] = r < per_tile * group && node[h] < i_end;
+        rlen[h] = live[h] ? slen[node[h] - i0] : 0;
     }
     // The tile's 16 query rows (bf16 as stored, zero for rows that do not exist; the scale is applied to the
     // scores), read as A fragments from shared memory at every tile (in registers they would spill).
     __shared__ __align__(16) bf16_t sq[MMA_ROWS][MMA_STRIDE];
-    if (threadIdx.x < MMA_ROWS) {
-        const int r = threadIdx.x, i = i0 + r / group;
-        smask[r] = anc && r < per_tile * group && i < i_end ? anc[(size_t)b * n_max + i] : 0ull;
-    }
     for (int e = threadIdx.x; e < MMA_ROWS * hd; e += MMA_WARPS * 32) {
         const int r = e / hd, d = e - r * hd, i = i0 + r / group;
         const bool exists = r < per_tile * group && i < i_end;
@@ -271,97 +315,126 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
     // A warp's 16 x hd tile is 2 * hd 16-byte vectors of K (and as many of V): hd / 16 per lane.
     uint4 pk[MMA_MAX_HD / 16], pv[MMA_MAX_HD / 16];
     int t0 = t_begin + warp * MMA_TILE;
-    mma_load_tile(pk, pv, k_cache + base, v_cache + base, row, t0, t_end, lane, vecs, nks);
+    if (t0 < t_end && (!per_node || t0 + MMA_TILE <= prefix))
+        mma_load_tile(pk, pv, k_cache + base, v_cache + base, row, t0, t_end, lane, vecs, nks);
     for (; t0 < t_end; t0 += MMA_WARPS * MMA_TILE) {
-        __syncwarp();
-#pragma unroll
-        for (int a = 0; a < MMA_MAX_HD / 16; a++) {
-            const int e = lane + 32 * a, j = e / vecs, c = e - j * vecs;
-            if (a < nks) {
-                tlt_st16(sk + j * MMA_STRIDE + c * 8, pk[a]);
-                tlt_st16(sv + j * MMA_STRIDE + c * 8, pv[a]);
+        const bool shared = !per_node || t0 + MMA_TILE <= prefix;
+        const int passes = shared ? 1 : tile_nodes;
+        for (int ps = 0; ps < passes; ps++) {
+            if (!shared) {
+                // Node i0 + ps alone: its keys t0 .. t0 + 15 by logical position (warp-uniform skip).
+                const int len = slen[ps];
+                if (len <= t0) continue;
+                if (lane < MMA_TILE) {
+                    const int t = t0 + lane;
+                    int p = -1;
+                    if (t < len) p = t < prefix ? t : prefix + (anc ? (int)spath[ps][t - prefix] : t - prefix);
+                    spos[warp][lane] = p;
+                }
+                __syncwarp();
+                mma_gather_tile(pk, pv, k_cache + base, v_cache + base, row, spos[warp], lane, vecs, nks);
             }
-        }
-        __syncwarp();
-        mma_load_tile(pk, pv, k_cache + base, v_cache + base, row, t0 + MMA_WARPS * MMA_TILE, t_end, lane, vecs, nks);
-        // S = Q K^T over the tile's 16 keys: two 8-key column blocks.
-        float s[2][4];
+            __syncwarp();
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            const bf16_t* kr = sk + (n * 8 + g) * MMA_STRIDE + 2 * t4;
-#pragma unroll
-            for (int ks = 0; ks < MMA_MAX_HD / 16; ks++) {
-                if (ks < nks) {
-                    const unsigned* q0 = reinterpret_cast<const unsigned*>(&sq[g][ks * 16 + 2 * t4]);
-                    const unsigned* q1 = reinterpret_cast<const unsigned*>(&sq[g + 8][ks * 16 + 2 * t4]);
-                    const unsigned qa[4] = {q0[0], q1[0], q0[4], q1[4]};
-                    const unsigned b0 = *reinterpret_cast<const unsigned*>(kr + ks * 16);
-                    const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + ks * 16 + 8);
-                    tlt_mma_bf16(s[n], qa, b0, b1);
+            for (int a = 0; a < MMA_MAX_HD / 16; a++) {
+                const int e = lane + 32 * a, j = e / vecs, c = e - j * vecs;
+                if (a < nks) {
+                    tlt_st16(sk + j * MMA_STRIDE + c * 8, pk[a]);
+                    tlt_st16(sv + j * MMA_STRIDE + c * 8, pv[a]);
                 }
             }
-        }
-        // Scale, mask, and the online softmax of each of the lane's rows (a row's 16 scores lie in the 4 lanes of
-        // its quad).
-        float mx[2] = {TLT_NEG_INF, TLT_NEG_INF};
-#pragma unroll
-        for (int n = 0; n < 2; n++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int h = e >> 1, t = t0 + n * 8 + 2 * t4 + (e & 1);
-                const int j = t - prefix;
-                const bool visible = live[h] && t < t_end &&
-                                     (t < prefix || (anc ? ((smask[g + 8 * h] >> j) & 1ull) != 0ull : j <= node[h]));
-                s[n][e] = visible ? s[n][e] * scale : TLT_NEG_INF;
-                mx[h] = fmaxf(mx[h], s[n][e]);
+            __syncwarp();
+            if (shared) {
+                const int nt = t0 + MMA_WARPS * MMA_TILE;
+                if (nt < t_end && (!per_node || nt + MMA_TILE <= prefix))
+                    mma_load_tile(pk, pv, k_cache + base, v_cache + base, row, nt, t_end, lane, vecs, nks);
             }
-        }
-        float corr[2];
+            // The rows this pass updates: every row on a shared tile, the pass's node's rows otherwise.
+            bool act[2];
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            const float m_new = fmaxf(m[h], mx[h]);
-            corr[h] = m[h] == TLT_NEG_INF ? 0.f : expf(m[h] - m_new);
-            m[h] = m_new;
-            l[h] *= corr[h];
-        }
-        // P as three bf16 A fragments (high, middle and low parts: p = hi + mid + lo within 2^-24 relative, as f32).
-        unsigned pa[3][4];
+            for (int h = 0; h < 2; h++) act[h] = live[h] && (shared || node[h] == i0 + ps);
+            // S = Q K^T over the tile's 16 keys: two 8-key column blocks.
+            float s[2][4];
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
+            for (int n = 0; n < 2; n++) {
+                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+                const bf16_t* kr = sk + (n * 8 + g) * MMA_STRIDE + 2 * t4;
 #pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-                const int h = e >> 1;
-                float p0 = s[n][e] == TLT_NEG_INF ? 0.f : expf(s[n][e] - m[h]);
-                float p1 = s[n][e + 1] == TLT_NEG_INF ? 0.f : expf(s[n][e + 1] - m[h]);
-                l[h] += p0 + p1;
-                // A fragment of P (16 rows x 16 keys): register 2n + h holds row g + 8h, keys 8n + 2t, + 1.
-#pragma unroll
-                for (int part = 0; part < 3; part++) {
-                    const bf16_t b0 = tlt_f2bf(p0), b1 = tlt_f2bf(p1);
-                    pa[part][2 * n + h] = tlt_pack_bf16x2(b0, b1);
-                    p0 -= tlt_bf2f(b0);
-                    p1 -= tlt_bf2f(b1);
+                for (int ks = 0; ks < MMA_MAX_HD / 16; ks++) {
+                    if (ks < nks) {
+                        const unsigned* q0 = reinterpret_cast<const unsigned*>(&sq[g][ks * 16 + 2 * t4]);
+                        const unsigned* q1 = reinterpret_cast<const unsigned*>(&sq[g + 8][ks * 16 + 2 * t4]);
+                        const unsigned qa[4] = {q0[0], q1[0], q0[4], q1[4]};
+                        const unsigned b0 = *reinterpret_cast<const unsigned*>(kr + ks * 16);
+                        const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + ks * 16 + 8);
+                        tlt_mma_bf16(s[n], qa, b0, b1);
+                    }
                 }
             }
-        }
-        // O = O * corr + P V, one 8-dim column block at a time.
-        const bf16_t* v0 = sv + (2 * t4) * MMA_STRIDE + g;
+            // Scale, mask (a row sees its keys below its logical length), and the online softmax of each of the
+            // lane's rows (a row's 16 scores lie in the 4 lanes of its quad).
+            float mx[2] = {TLT_NEG_INF, TLT_NEG_INF};
 #pragma unroll
-        for (int n = 0; n < MMA_MAX_HD / 8; n++) {
-            if (n < hd / 8) {
-                o[n][0] *= corr[0];
-                o[n][1] *= corr[0];
-                o[n][2] *= corr[1];
-                o[n][3] *= corr[1];
-                const bf16_t* vc = v0 + n * 8;
-                const unsigned b0 = tlt_pack_bf16x2(vc[0], vc[MMA_STRIDE]);
-                const unsigned b1 = tlt_pack_bf16x2(vc[8 * MMA_STRIDE], vc[9 * MMA_STRIDE]);
-                tlt_mma_bf16(o[n], pa[0], b0, b1);
-                tlt_mma_bf16(o[n], pa[1], b0, b1);
-                tlt_mma_bf16(o[n], pa[2], b0, b1);
+            for (int n = 0; n < 2; n++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int h = e >> 1, t = t0 + n * 8 + 2 * t4 + (e & 1);
+                    const bool visible = act[h] && t < rlen[h] && t < t_end;
+                    s[n][e] = visible ? s[n][e] * scale : TLT_NEG_INF;
+                    mx[h] = fmaxf(mx[h], s[n][e]);
+                }
+            }
+            float corr[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+                const float m_new = fmaxf(m[h], mx[h]);
+                corr[h] = m[h] == TLT_NEG_INF ? 0.f : expf(m[h] - m_new);
+                if (act[h]) {
+                    m[h] = m_new;
+                    l[h] *= corr[h];
+                }
+            }
+            // P as three bf16 A fragments (high, middle and low parts: p = hi + mid + lo within 2^-24 relative).
+            unsigned pa[3][4];
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+#pragma unroll
+                for (int e = 0; e < 4; e += 2) {
+                    const int h = e >> 1;
+                    float p0 = s[n][e] == TLT_NEG_INF ? 0.f : expf(s[n][e] - m[h]);
+                    float p1 = s[n][e + 1] == TLT_NEG_INF ? 0.f : expf(s[n][e + 1] - m[h]);
+                    if (act[h]) l[h] += p0 + p1;
+                    // A fragment of P (16 rows x 16 keys): register 2n + h holds row g + 8h, keys 8n + 2t, + 1.
+#pragma unroll
+                    for (int part = 0; part < 3; part++) {
+                        const bf16_t b0 = tlt_f2bf(p0), b1 = tlt_f2bf(p1);
+                        pa[part][2 * n + h] = tlt_pack_bf16x2(b0, b1);
+                        p0 -= tlt_bf2f(b0);
+                        p1 -= tlt_bf2f(b1);
+                    }
+                }
+            }
+            // O = O * corr + P V, one 8-dim column block at a time (P V from zero, so that a row's result does not
+            // depend on what the tile's other rows hold); rows outside the pass keep their O.
+            const bf16_t* v0 = sv + (2 * t4) * MMA_STRIDE + g;
+#pragma unroll
+            for (int n = 0; n < MMA_MAX_HD / 8; n++) {
+                if (n < hd / 8) {
+                    const bf16_t* vc = v0 + n * 8;
+                    const unsigned b0 = tlt_pack_bf16x2(vc[0], vc[MMA_STRIDE]);
+                    const unsigned b1 = tlt_pack_bf16x2(vc[8 * MMA_STRIDE], vc[9 * MMA_STRIDE]);
+                    float pv_acc[4] = {0.f, 0.f, 0.f, 0.f};
+                    tlt_mma_bf16(pv_acc, pa[0], b0, b1);
+                    tlt_mma_bf16(pv_acc, pa[1], b0, b1);
+                    tlt_mma_bf16(pv_acc, pa[2], b0, b1);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int h = e >> 1;
+                        o[n][e] = act[h] ? fmaf(o[n][e], corr[h], pv_acc[e]) : o[n][e];
+                    }
+                }
             }
         }
     }
@@ -397,6 +470,9 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
         const int r = e / hd, d = e - r * hd;
         const int i = i0 + r / group;
         if (r >= per_tile * group || i >= i_end) continue;
+        // This row's chunks: its own keys alone decide them.
+        const int row_chunks = (slen[r / group] + chunk_len - 1) / chunk_len;
+        if (split >= row_chunks) continue;
         float mm = TLT_NEG_INF;
         for (int w = 0; w < MMA_WARPS; w++)
             if (wl[w * MMA_ROWS + r] > 0.f) mm = fmaxf(mm, wm[w * MMA_ROWS + r]);
@@ -405,12 +481,12 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
             const float lw = wl[w * MMA_ROWS + r];
             if (lw > 0.f) {
                 const float f = expf(wm[w * MMA_ROWS + r] - mm);
-                ll += f * lw;
-                oo += f * wo[(w * MMA_ROWS + r) * MMA_MAX_HD + d];
+                ll = fmaf(f, lw, ll);
+                oo = fmaf(f, wo[(w * MMA_ROWS + r) * MMA_MAX_HD + d], oo);
             }
         }
         const size_t node_head = ((size_t)b * n_max + i) * n_heads + kvh * group + r % group;
-        if (n_splits == 1) {
+        if (row_chunks == 1) {
             out[node_head * hd + d] = tlt_f2bf(ll > 0.f ? oo / ll : 0.f);
         } else {
             const size_t part = node_head * n_splits + split;
@@ -421,38 +497,47 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
             }
         }
     }
-    if (n_splits == 1) return;
+    if (tile_chunks == 1) return;
 
-    // The last of the n_splits blocks of this (sequence, row tile, KV head) to arrive combines the chunks, in chunk
-    // order whichever block that is: out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s over the chunks with
-    // l_s > 0 (M: their largest m_s), and resets the counter for the next launch (a replayed graph).
+    // The last of the row tile's tile_chunks blocks to arrive combines every row of more than one chunk, a warp per
+    // row, its lanes over the head dim: out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s over the row's chunks
+    // s = 0 .. n - 1 in order (M: their largest m_s, a maximum in any order), whichever block that is; it resets the
+    // counter for the next launch (a replayed graph).
     __shared__ int s_last;
     const int arrival = (b * row_tiles + rt) * n_kv + kvh;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(arrivals + arrival, 1) == n_splits - 1;
+    if (threadIdx.x == 0) s_last = atomicAdd(arrivals + arrival, 1) == tile_chunks - 1;
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    for (int e = threadIdx.x; e < MMA_ROWS * hd; e += MMA_WARPS * 32) {
-        const int r = e / hd, d = e - r * hd;
+    for (int r = warp; r < per_tile * group; r += MMA_WARPS) {
         const int i = i0 + r / group;
-        if (r >= per_tile * group || i >= i_end) continue;
+        const int row_chunks = i < i_end ? (slen[r / group] + chunk_len - 1) / chunk_len : 0;
+        if (row_chunks <= 1) continue;
         const size_t node_head = ((size_t)b * n_max + i) * n_heads + kvh * group + r % group;
-        const size_t base = node_head * n_splits;
+        const size_t pbase = node_head * n_splits;
         float mx = TLT_NEG_INF;
-        for (int sp = 0; sp < n_splits; sp++)
-            if (__ldcg(part_ml + 2 * (base + sp) + 1) > 0.f) mx = fmaxf(mx, __ldcg(part_ml + 2 * (base + sp)));
-        float sum = 0.f, o = 0.f;
-        for (int sp = 0; sp < n_splits; sp++) {
-            const float l = __ldcg(part_ml + 2 * (base + sp) + 1);
-            if (l > 0.f) {
-                const float f = expf(__ldcg(part_ml + 2 * (base + sp)) - mx);
-                sum += f * l;
-                o += f * __ldcg(part_o + (base + sp) * hd + d);
+        for (int sp = lane; sp < row_chunks; sp += 32)
+            if (__ldcg(part_ml + 2 * (pbase + sp) + 1) > 0.f) mx = fmaxf(mx, __ldcg(part_ml + 2 * (pbase + sp)));
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        float sum = 0.f, acc[MMA_MAX_HD / 32];
+#pragma unroll
+        for (int a = 0; a < MMA_MAX_HD / 32; a++) acc[a] = 0.f;
+        for (int sp = 0; sp < row_chunks; sp++) {
+            const float ls = __ldcg(part_ml + 2 * (pbase + sp) + 1);
+            if (ls > 0.f) {
+                const float f = expf(__ldcg(part_ml + 2 * (pbase + sp)) - mx);
+                sum = fmaf(f, ls, sum);
+                const float* po = part_o + (pbase + sp) * hd;
+#pragma unroll
+                for (int a = 0; a < MMA_MAX_HD / 32; a++)
+                    if (lane + 32 * a < hd) acc[a] = fmaf(f, __ldcg(po + lane + 32 * a), acc[a]);
             }
         }
-        out[node_head * hd + d] = tlt_f2bf(sum > 0.f ? o / sum : 0.f);
+#pragma unroll
+        for (int a = 0; a < MMA_MAX_HD / 32; a++)
+            if (lane + 32 * a < hd) out[node_head * hd + lane + 32 * a] = tlt_f2bf(sum > 0.f ? acc[a] / sum : 0.f);
     }
     if (threadIdx.x == 0) arrivals[arrival] = 0;
 }
@@ -466,13 +551,14 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
 // (q_norm, k_norm: [hd] or null, Qwen3), RoPE at the row's position (as rope_kv_write_bf16) on q, written to q_out
 // ([rows, n_heads, hd]), and on k, written with v into layer `layer`'s caches at the row's slot and position
 // (k_cache, v_cache: that layer, [slots, max_len, n_kv, hd]). A padded row (slot < 0) or one past max_len writes only
-// q_out. hd even, hd / 2 <= QKV_MAX_THREADS. Grid: (n_heads + 2 * n_kv, rows); block: hd / 2 rounded up to a warp.
+// q_out. hd even, hd / 2 <= QKV_MAX_THREADS. Grid: (rows, n_heads + 2 * n_kv) (rows in x: a grid's y is at most
+// 65,535); block: hd / 2 rounded up to a warp.
 extern "C" __global__ void __launch_bounds__(QKV_MAX_THREADS) qkv_rope_kv_write_bf16(
     const bf16_t* qkv, const bf16_t* bias, const bf16_t* q_norm, const bf16_t* k_norm, bf16_t* q_out,
     bf16_t* k_cache, bf16_t* v_cache, const int* row_slot, const int* row_pos, const int* row_dst,
     const double* inv_freq, int rows, int n_heads, int n_kv, int hd, int max_len, float eps)
 {
-    const int hh = blockIdx.x, r = blockIdx.y;
+    const int r = blockIdx.x, hh = blockIdx.y;
     if (r >= rows) return;
     const int kvd = n_kv * hd, width = n_heads * hd + 2 * kvd;
     const int slot = row_slot[r];

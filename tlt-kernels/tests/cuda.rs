@@ -85,9 +85,20 @@ fn without_a_driver_the_device_path_errors() {
     }
 }
 
+#[path = "shared/split_chunks.rs"]
+mod split_chunks;
+
 mod gpu {
     //! Kernel results against the CPU kernels, on a GPU only (through the device seam, as the host code runs them;
     //! `tlt-cuda-sim` runs the same plans in CI).
+
+    /// Split attention over several chunks against the CPU, its arrival counters zero after the launch and after
+    /// two graph replays (the same body runs on the simulated device in `tlt-cuda-sim`'s kernel tests).
+    #[test]
+    fn split_attention_over_several_chunks_and_graph_replays() {
+        let Some(g) = gpu_or_skip("split_attention_over_several_chunks_and_graph_replays") else { return };
+        println!("{}", super::split_chunks::split_attention_over_several_chunks(g.as_ref()));
+    }
 
     use half::bf16;
     use std::sync::Arc;
@@ -173,9 +184,9 @@ mod gpu {
         tree_attention(&q, &keys, &vals, prefix, Visibility::Tree(&cpu_parents), shape, 0.125, &mut want).unwrap();
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst < 2e-2, "max |gpu - cpu| = {worst} (bf16 output)");
-        // The tensor-core split kernel (what the decoder runs), with one chunk and with as many as the keys allow.
-        for target_blocks in [1, 1 << 20] {
-            let chunks = plan::Chunks::for_shape(tree, shape, cache.max_len, target_blocks);
+        // The tensor-core split kernel (what the decoder runs), with one chunk and with 4 chunks of 16 keys (the
+        // 43 keys span 3 of them; `split_attention_over_several_chunks` runs longer ones).
+        for chunks in [plan::Chunks { n_splits: 1, chunk_len: 64 }, plan::Chunks { n_splits: 4, chunk_len: 16 }] {
             let [po, pml, pa] = chunks.part_lens(tree, shape);
             let parts = (up(g, &vec![0f32; po.max(1)]), up(g, &vec![0f32; pml.max(1)]), up(g, &vec![0i32; pa.max(1)]));
             let bufs = plan::SplitParts { o: parts.0.buf(), ml: parts.1.buf(), arrivals: parts.2.buf() };

@@ -7,8 +7,16 @@
 
 #![allow(clippy::unwrap_used, clippy::needless_range_loop)] // Tests: a panic is the failure report; indices mirror the kernels.
 
+mod invariance;
+#[path = "../../../tlt-kernels/tests/shared/split_chunks.rs"]
+mod split_chunks;
+
 use crate::common::{round_bf16, to_bf16, to_f32, variants, Rng};
 use half::bf16;
+use invariance::{
+    batch_dependent_chunks_fail_the_invariance_test,
+    split_attention_rows_are_the_same_bits_alone_in_a_batch_and_in_a_tree,
+};
 use tlt_cuda_sim::{SimBuf, SimDevice};
 use tlt_kernels::cuda::plan::{self, Chunks, Launch, RowBufs, SeqBufs, SplitParts};
 use tlt_kernels::cuda::{ancestor_masks, CacheDims, TreeDims};
@@ -123,8 +131,24 @@ fn reference(c: &Case, x: &Inputs, skip: Option<(usize, usize)>) -> Vec<f32> {
 enum Kernel {
     /// `tree_attention_bf16`: one block per (KV head, node), serial over the keys.
     Tree,
-    /// `attention_split_bf16` (its chunks combined by their last block) with the chunking for `target_blocks` blocks.
-    Split { target_blocks: usize },
+    /// `attention_split_bf16` (its chunks combined by their last block) with chunks of `chunk_len` keys (0: one
+    /// chunk over the whole cache).
+    Split { chunk_len: usize },
+    /// `attention_split_bf16` with the plan's chunking for a device of `resident` blocks ([`Chunks::for_cache`]).
+    SplitCache { resident: usize },
+}
+
+impl Kernel {
+    /// The chunking of a split kernel for a cache of `max_len` positions.
+    fn chunks(self, attn: AttnShape, max_len: usize) -> Chunks {
+        match self {
+            Self::Tree | Self::Split { chunk_len: 0 } => {
+                Chunks { n_splits: 1, chunk_len: max_len.next_multiple_of(16) }
+            }
+            Self::Split { chunk_len } => Chunks { n_splits: max_len.div_ceil(chunk_len), chunk_len },
+            Self::SplitCache { resident } => Chunks::for_cache(attn, max_len, resident),
+        }
+    }
 }
 
 /// Runs the case's plan for `kernel` on `dev` and returns `out`; `alter` may change the launches first. The split
@@ -157,9 +181,9 @@ fn run_from(
             let l = plan::tree_attention(x.cache, 1, x.tree, q.buf(), kc.buf(), vc.buf(), out.buf(), seq, anc_buf);
             (vec![l.unwrap()], None)
         }
-        Kernel::Split { target_blocks } => {
+        Kernel::Split { .. } | Kernel::SplitCache { .. } => {
             let a = x.cache.attn;
-            let chunks = Chunks::for_shape(x.tree, a, x.cache.max_len, target_blocks);
+            let chunks = kernel.chunks(a, x.cache.max_len);
             let [po, pml, pa] = chunks.part_lens(x.tree, a);
             let parts = (dev.zeros::<f32>(po), dev.zeros::<f32>(pml), dev.upload(&vec![arrivals; pa]));
             let bufs = Some(SplitParts { o: parts.0.buf(), ml: parts.1.buf(), arrivals: parts.2.buf() });
@@ -170,7 +194,12 @@ fn run_from(
     };
     alter(&mut launches);
     for l in &launches {
-        dev.launch(l).unwrap();
+        if let Err(e) = dev.launch(l) {
+            // A broken execution (a negative control) may fail the launch instead: NaN output, a miss to every
+            // comparison (on a healthy device the caller's comparison fails with it).
+            eprintln!("{kernel:?} {}: the launch failed: {e}", c.name);
+            return (vec![f32::NAN; x.q.len()], Vec::new());
+        }
     }
     (to_f32(&out.download()), parts.map_or_else(Vec::new, |p| p.2.download()))
 }
@@ -182,13 +211,15 @@ fn first_miss(got: &[f32], want: &[f32]) -> Option<usize> {
     got.iter().zip(want).position(|(&g, &w)| g.is_nan() || !close(g, w))
 }
 
-/// The kernels every case runs: the serial tree kernel, and the split kernel with one chunk, with the default
-/// chunking for an H100 (264 blocks), and with as many chunks as the shape allows.
-const KERNELS: [Kernel; 4] = [
+/// The kernels every case runs: the serial tree kernel, and the split kernel with one chunk, with chunks of one
+/// 16-key tile (warps 1 to 3 idle), of 64 keys (one tile a warp), and the plan's chunking for an H100 or H200 (264
+/// resident blocks: chunks of 128 keys and more).
+const KERNELS: [Kernel; 5] = [
     Kernel::Tree,
-    Kernel::Split { target_blocks: 1 },
-    Kernel::Split { target_blocks: 264 },
-    Kernel::Split { target_blocks: 1 << 20 },
+    Kernel::Split { chunk_len: 0 },
+    Kernel::Split { chunk_len: 16 },
+    Kernel::Split { chunk_len: 64 },
+    Kernel::SplitCache { resident: 264 },
 ];
 
 /// Runs case `c` through every kernel of [`KERNELS`] on both interleavings against the f64 reference; returns the
@@ -269,8 +300,8 @@ pub fn decode_attention_over_contexts_groups_and_head_dims(dev: &SimDevice) {
         }
     }
     println!(
-        "decode attention (tree_attention_bf16; attention_split_bf16 in 1, H100 and maximal \
-         chunks): {}; keys 1, 31, 32, 33, 512 (batch 2); 4,096 for groups 1 and 8; worst error {worst} of the \
+        "decode attention (tree_attention_bf16; attention_split_bf16 in 1 chunk, chunks of 16 and 64 keys, \
+         an H100's chunking): {}; keys 1, 31, 32, 33, 512 (batch 2); 4,096 for groups 1 and 8; worst error {worst} of the \
          bf16 tolerance (2^-8 relative + 2^-12)",
         ran.join(", ")
     );
@@ -313,9 +344,9 @@ pub fn tree_and_causal_chunk_attention(dev: &SimDevice) {
 
 /// Verify-8 (a chain) and decode at 16,384 and 32,768 keys (one sequence, groups of 4 and 8, head dims 128 and 64),
 /// and trees of 64 and 40 nodes (4 row tiles of 16 nodes with groups of 1; 32 tiles of 2 nodes with groups of 8):
-/// the split kernel with an H100's chunking and with the most chunks, against the f64 reference.
+/// the split kernel with an H100's chunking and with chunks of 64 keys, against the f64 reference.
 pub fn long_contexts_and_wide_trees(dev: &SimDevice) {
-    let split = [Kernel::Split { target_blocks: 264 }, Kernel::Split { target_blocks: 1 << 20 }];
+    let split = [Kernel::SplitCache { resident: 264 }, Kernel::Split { chunk_len: 64 }];
     let mut worst = Worst::default();
     let chain: Vec<i32> = (-1..7).collect();
     for (keys, attn) in [(16_384, AttnShape::new(4, 1, 128)), (32_768, AttnShape::new(8, 1, 64))] {
@@ -376,7 +407,7 @@ pub fn negative_controls_are_caught(dev: &SimDevice) {
     let c = tree_case(false);
     let x = inputs(&c, 5);
     let want = reference(&c, &x, None);
-    let split = Kernel::Split { target_blocks: 1 << 20 };
+    let split = Kernel::Split { chunk_len: 16 };
     for kernel in [Kernel::Tree, split] {
         assert_eq!(
             first_miss(&run(dev, &c, &x, kernel, |_| {}), &want),
@@ -386,10 +417,10 @@ pub fn negative_controls_are_caught(dev: &SimDevice) {
         // A broken execution: no barriers, so threads read shared tiles before they are written.
         let broken = run(&dev.without_barriers(), &c, &x, kernel, |_| {});
         assert!(first_miss(&broken, &want).is_some(), "{kernel:?}: dropping __syncthreads went unnoticed");
-        // A launch one block short (the tree kernel: one node; the split kernel: the last KV head's last row tile
-        // of nodes): those rows are never written.
+        // A launch short of blocks (the tree kernel: one node; the split kernel: its second KV head, 2 of 2, whose
+        // blocks are the grid's upper half): those rows are never written.
         let short =
-            run(dev, &c, &x, kernel, |l| if kernel == Kernel::Tree { l[0].grid[1] -= 1 } else { l[0].grid[0] -= 1 });
+            run(dev, &c, &x, kernel, |l| if kernel == Kernel::Tree { l[0].grid[1] -= 1 } else { l[0].grid[0] /= 2 });
         assert!(first_miss(&short, &want).is_some(), "{kernel:?}: a grid one block short went unnoticed");
     }
     // The split kernel's arrival counters not zeroed before the launch: no block (or the wrong one) combines the
@@ -417,24 +448,145 @@ pub fn negative_controls_are_caught(dev: &SimDevice) {
     println!("negative controls: barriers dropped, grid one block short, arrival counters not zeroed, a reference without one of 4,096 keys");
 }
 
+/// The multi-chunk test of `tlt-kernels/tests/cuda.rs` (there on a GPU) on the simulated device's seam (`SimGpu`,
+/// its stream running late): several chunks, the CPU's tree attention, arrival counters zero after the launch and
+/// after two graph replays.
 #[test]
-fn split_attention_chunks_fill_the_device_and_row_tiles_share_the_keys() {
-    use tlt_kernels::cuda::plan::{row_tiles, MIN_SPLIT_LEN};
-    let one = TreeDims { batch: 1, n_max: 1 };
-    // Batch-1 decode of SmolLM2 (3 KV heads, groups of 3) on an H100: 88 chunks would fill it, but a max_len of
-    // 4,096 allows 32 (96 blocks); 16,384 allows the 88 (264 blocks).
+fn split_attention_over_several_chunks_and_graph_replays_on_the_seam() {
+    for schedule in [tlt_cuda_sim::Schedule::Lazy, tlt_cuda_sim::Schedule::Seeded(3)] {
+        let sim = tlt_cuda_sim::SimGpu::new(schedule);
+        println!("{schedule:?}: {}", split_chunks::split_attention_over_several_chunks(&sim));
+    }
+}
+
+#[test]
+fn split_attention_chunks_are_fixed_per_cache_and_fill_a_wave() {
+    use tlt_kernels::cuda::plan::{row_tiles, CHUNK_ALIGN, MIN_SPLIT_LEN};
+    // Batch-1 decode of SmolLM2 (3 KV heads, groups of 3) on an H100 or H200 (264 resident blocks): 88 chunks a
+    // wave; a 4,096-key cache gets the shortest chunks (128 keys, 32 chunks), a 32,784-key one 86 chunks of 384.
     let smol = AttnShape::new(9, 3, 64);
-    assert_eq!(Chunks::for_shape(one, smol, 4096, 264), Chunks { n_splits: 32 });
-    assert_eq!(Chunks::for_shape(one, smol, 16_384, 264), Chunks { n_splits: 88 });
-    // Verify-8 of an 8B model (groups of 4): 2 row tiles of 4 nodes; batch 64 fills the device without splitting.
+    assert_eq!(Chunks::for_cache(smol, 4096, 264), Chunks { n_splits: 32, chunk_len: 128 });
+    assert_eq!(Chunks::for_cache(smol, 32_784, 264), Chunks { n_splits: 86, chunk_len: 384 });
+    // An 8B model (8 KV heads): 33 chunks a wave.
     let llama = AttnShape::new(32, 8, 128);
     assert_eq!(row_tiles(8, 4), 2);
-    assert_eq!(Chunks::for_shape(TreeDims { batch: 1, n_max: 8 }, llama, 32_768, 264).n_splits, 17);
-    assert_eq!(Chunks::for_shape(TreeDims { batch: 64, n_max: 1 }, llama, 4096, 264).n_splits, 1);
-    for (max_len, target) in [(1, 264), (33, 264), (4096, 1), (5000, 1000), (4097, 264)] {
-        let c = Chunks::for_shape(one, AttnShape::new(2, 2, 64), max_len, target);
-        assert!(c.n_splits >= 1 && c.n_splits <= max_len.div_ceil(MIN_SPLIT_LEN), "{max_len}: {c:?}");
+    assert_eq!(Chunks::for_cache(llama, 32_784, 264), Chunks { n_splits: 33, chunk_len: 1024 });
+    for (max_len, resident) in [(1, 264), (33, 264), (4096, 1), (5000, 1000), (4097, 264), (100_000, 8)] {
+        for attn in [AttnShape::new(2, 2, 64), smol, llama] {
+            let c = Chunks::for_cache(attn, max_len, resident);
+            assert!(c.chunk_len.is_multiple_of(CHUNK_ALIGN) && c.chunk_len >= MIN_SPLIT_LEN, "{max_len}: {c:?}");
+            assert!(c.n_splits * c.chunk_len >= max_len && (c.n_splits - 1) * c.chunk_len < max_len, "{c:?}");
+            assert!(c.n_splits == 1 || attn.n_kv_heads * c.n_splits <= resident.max(attn.n_kv_heads), "{c:?}");
+        }
     }
+    // The same chunking whatever the batch or tree (for_shape ignores them); the old rule's depends on them.
+    let one = TreeDims { batch: 1, n_max: 1 };
+    let wide = TreeDims { batch: 64, n_max: 8 };
+    assert_eq!(Chunks::for_shape(one, llama, 4096, 264), Chunks::for_shape(wide, llama, 4096, 264));
+    assert_ne!(Chunks::batch_dependent(one, llama, 4096, 264), Chunks::batch_dependent(wide, llama, 4096, 264));
+}
+
+/// One shape of the gpu-bench sweep as split attention runs it: blocks that have keys, and the waves of them.
+struct WaveRow {
+    model: &'static str,
+    context: usize,
+    batch: usize,
+    nodes: usize,
+    chunks: Chunks,
+    blocks: usize,
+    waves: f64,
+}
+
+/// The gpu-bench context sweep (`gpu-bench --contexts`: a cache of context + 16 positions, decode at batch 1 and
+/// 64, verify-8 at batch 1) as split attention cuts it on a device of `resident` blocks a wave.
+fn sweep_waves(resident: usize, rule: impl Fn(TreeDims, AttnShape, usize) -> Chunks) -> Vec<WaveRow> {
+    use tlt_kernels::cuda::plan::row_tiles;
+    let models = [
+        ("SmolLM2-135M", AttnShape::new(9, 3, 64)),
+        ("Llama-3-8B", AttnShape::new(32, 8, 128)),
+        ("Qwen3-8B", AttnShape::new(32, 8, 128)),
+    ];
+    let mut rows = Vec::new();
+    for (model, attn) in models {
+        for context in [512, 4096, 16_384, 32_768] {
+            let max_len = context + 16;
+            for (batch, nodes) in [(1, 1), (64, 1), (1, 8)] {
+                let tree = TreeDims { batch, n_max: nodes };
+                let chunks = rule(tree, attn, max_len);
+                // A row tile's keys: the prefix and its deepest node (decode: the row itself).
+                let keys = context + nodes;
+                let tiles = row_tiles(nodes, attn.n_heads / attn.n_kv_heads) * attn.n_kv_heads * batch;
+                let blocks = tiles * keys.div_ceil(chunks.chunk_len).min(chunks.n_splits);
+                let waves = blocks as f64 / resident as f64;
+                rows.push(WaveRow { model, context, batch, nodes, chunks, blocks, waves });
+            }
+        }
+    }
+    rows
+}
+
+/// Whether `waves` ends just past a whole wave: more than one wave, the last under a quarter full.
+fn just_past_a_wave(waves: f64) -> bool {
+    waves > 1.0 && waves.fract() > 0.0 && waves.fract() < 0.25
+}
+
+/// The wave test: which shapes of the gpu-bench sweep land just past a wave of split attention on an H200 (132 SMs,
+/// [`plan::ATTENTION_BLOCKS_PER_SM`] resident blocks each; the simulated device reports that residency too). With
+/// the chunks of [`Chunks::for_cache`] none of batch 1 (decode, verify-8) does, and no shape wastes more than 10% of
+/// its waves; the old batch-dependent rule put Llama-3-8B's verify-8 one block a chunk past a wave (the negative
+/// control: the same check finds it).
+#[test]
+fn split_attention_fills_whole_waves_over_the_gpu_bench_sweep() {
+    let sim = tlt_cuda_sim::SimGpu::new(tlt_cuda_sim::Schedule::Eager);
+    let info = tlt_kernels::cuda::Gpu::info(&sim);
+    assert_eq!(info.attention_blocks_per_sm, plan::ATTENTION_BLOCKS_PER_SM, "the simulated device's residency");
+    assert_eq!(info.target_blocks(), info.multiprocessors * plan::ATTENTION_BLOCKS_PER_SM);
+    let resident = 132 * plan::ATTENTION_BLOCKS_PER_SM;
+    let rows = sweep_waves(resident, |_, a, m| Chunks::for_cache(a, m, resident));
+    println!("split attention on an H200 ({resident} resident blocks), the gpu-bench sweep:");
+    println!("| model | context | batch | nodes | chunk | chunks | blocks | waves | last wave | just past |");
+    let mut past = Vec::new();
+    for r in &rows {
+        let last = if r.waves.fract() == 0.0 { 1.0 } else { r.waves.fract() };
+        let flag = just_past_a_wave(r.waves);
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.0}% | {} |",
+            r.model,
+            r.context,
+            r.batch,
+            r.nodes,
+            r.chunks.chunk_len,
+            r.chunks.n_splits,
+            r.blocks,
+            r.waves,
+            100.0 * last,
+            if flag { "YES" } else { "" }
+        );
+        if flag {
+            past.push(format!("{} ctx {} b{} n{}", r.model, r.context, r.batch, r.nodes));
+        }
+        // Batch 1 (the latency-bound shapes) never lands just past a wave.
+        assert!(r.batch > 1 || !flag, "{} ctx {} verify-{}: {:.2} waves", r.model, r.context, r.nodes, r.waves);
+        // No shape wastes more than 10% of its waves' time on an unfilled last wave.
+        let efficiency = r.waves / r.waves.ceil();
+        assert!(r.waves < 1.0 || efficiency > 0.9, "{} ctx {} b{}: {:.2} waves", r.model, r.context, r.batch, r.waves);
+    }
+    println!("just past a wave: {}", if past.is_empty() { "none".to_string() } else { past.join(", ") });
+    // The negative control: the old rule (chunks from the batch, div_ceil) at the issue's shape.
+    let old = sweep_waves(resident, |t, a, m| Chunks::batch_dependent(t, a, m, resident));
+    let bad: Vec<_> = old.iter().filter(|r| r.batch == 1 && just_past_a_wave(r.waves)).collect();
+    assert!(
+        bad.iter().any(|r| r.model == "Llama-3-8B" && r.nodes == 8),
+        "the old rule's verify-8 second wave went unnoticed"
+    );
+    println!(
+        "the old batch-dependent rule: {} batch-1 shapes just past a wave (e.g. {} ctx {} verify-8: {} blocks, {:.2} waves)",
+        bad.len(),
+        bad[0].model,
+        bad[0].context,
+        bad[0].blocks,
+        bad[0].waves
+    );
 }
 
 /// RoPE (rotate-half pairs) at each row's position, in f32 from f64 angles, as the kernel computes it.
@@ -569,12 +721,66 @@ pub fn qkv_rope_kv_write_equals_bias_norm_rope_and_write(dev: &SimDevice) {
     println!("qkv_rope_kv_write_bf16: plain (GQA 2, d64), with q/k/v bias (Qwen2), with q/k head norms (Qwen3, d128); a padded row");
 }
 
+/// Rows past a grid's y limit (65,535): the fused q/k/v epilogue puts rows in grid.x, so a prefill of 65,537 rows
+/// runs whole; the last row's q and its cache write against the reference (the control: the old grid, rows in y,
+/// is past the limit a launch takes).
+pub fn qkv_rope_kv_write_takes_more_rows_than_a_grid_y(dev: &SimDevice) {
+    let a = AttnShape::new(1, 1, 16);
+    let cache = CacheDims { layers: 1, slots: 1, max_len: 8, attn: a };
+    let rows = 65_537;
+    let width = 3 * a.head_dim;
+    let mut rng = Rng::new(65_537);
+    let last = round_bf16(&rng.vec(width, -2.0, 2.0));
+    let mut qkv = vec![0f32; rows * width];
+    qkv[(rows - 1) * width..].copy_from_slice(&last);
+    let inv_freq: Vec<f64> = (0..a.head_dim / 2).map(|i| 1e4f64.powf(-2.0 * i as f64 / a.head_dim as f64)).collect();
+    // Every row padding (slot -1) but the last, which writes cache position 5 at RoPE position 70,000.
+    let mut slot = vec![-1i32; rows];
+    slot[rows - 1] = 0;
+    let (pos, dst) = (vec![70_000i32; rows], vec![5i32; rows]);
+    let qkvb = dev.upload(&to_bf16(&qkv));
+    let (q_out, kc, vc) =
+        (dev.zeros::<bf16>(rows * a.head_dim), dev.zeros::<bf16>(cache.len()), dev.zeros::<bf16>(cache.len()));
+    let (sb, pb, db, fb) = (dev.upload(&slot), dev.upload(&pos), dev.upload(&dst), dev.upload(&inv_freq));
+    let meta = RowBufs { slot: sb.buf(), pos: pb.buf(), dst: db.buf() };
+    let l = plan::qkv_rope_kv_write(
+        cache,
+        0,
+        rows,
+        qkvb.buf(),
+        None,
+        None,
+        q_out.buf(),
+        kc.buf(),
+        vc.buf(),
+        meta,
+        fb.buf(),
+        1e-6,
+    )
+    .unwrap();
+    assert_eq!(l.grid, [rows as u32, 3, 1], "rows in grid.x, head vectors in y");
+    assert!(l.grid[0] > plan::MAX_GRID_Y, "the negative control: rows in y would be refused");
+    dev.launch(&l).unwrap();
+    let got_q = to_f32(&q_out.download());
+    let want_q = rotate(&last[..16], 70_000.0, &inv_freq);
+    let want_k = rotate(&last[16..32], 70_000.0, &inv_freq);
+    let close = |g: &[f32], w: &[f32]| g.iter().zip(w).all(|(a, b)| (a - b).abs() <= b.abs() * 2f32.powi(-7) + 1e-3);
+    assert!(close(&got_q[(rows - 1) * 16..], &want_q), "the last row's q");
+    assert!(got_q[..(rows - 1) * 16].iter().all(|&x| x == 0.0), "zero rows rotate to zero");
+    assert!(close(&to_f32(&kc.download())[5 * 16..6 * 16], &want_k), "the last row's k in the cache");
+    assert_eq!(to_f32(&vc.download())[5 * 16..6 * 16], last[32..], "the last row's v in the cache");
+    println!("qkv_rope_kv_write_bf16: 65,537 rows (grid.x), the last one's q, k and v against the reference");
+}
+
 kernel_tests!(
     decode_attention_over_contexts_groups_and_head_dims,
     tree_and_causal_chunk_attention,
     long_contexts_and_wide_trees,
     mma_probe_is_the_cpu_product,
     negative_controls_are_caught,
+    split_attention_rows_are_the_same_bits_alone_in_a_batch_and_in_a_tree,
+    batch_dependent_chunks_fail_the_invariance_test,
     rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache,
     qkv_rope_kv_write_equals_bias_norm_rope_and_write,
+    qkv_rope_kv_write_takes_more_rows_than_a_grid_y,
 );

@@ -106,12 +106,21 @@ impl CudaGpu {
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("multiprocessor count"))?;
+        // The split attention kernel's real residency (registers and shared memory), the size of its waves.
+        let attention_blocks_per_sm = functions
+            .iter()
+            .find(|(n, _)| *n == "attention_split_bf16")
+            .and_then(|(_, f)| f.occupancy_max_active_blocks_per_multiprocessor(128, 0, None).ok())
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(super::plan::ATTENTION_BLOCKS_PER_SM);
         let info = GpuInfo {
             name: ctx.name().unwrap_or_else(|_| format!("CUDA device {ordinal}")),
             arch,
             multiprocessors: usize::try_from(sms).unwrap_or(1).max(1),
             total_memory: ctx.total_mem().map_err(drv("total memory"))?,
             simulated: false,
+            attention_blocks_per_sm,
         };
         let blas =
             CudaBlas::new(stream.clone()).map_err(|e| Error::Cuda { op: "cublasCreate", message: format!("{e:?}") })?;

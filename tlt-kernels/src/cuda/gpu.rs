@@ -43,13 +43,18 @@ pub struct GpuInfo {
     /// Whether this is the CPU simulation of a device (tests size their work by it: it runs kernels thousands of
     /// times slower).
     pub simulated: bool,
+    /// Blocks of split attention (`attention_split_bf16`, 128 threads) resident on one multiprocessor at once: on a
+    /// GPU `cuOccupancyMaxActiveBlocksPerMultiprocessor` of the loaded kernel, else
+    /// [`super::plan::ATTENTION_BLOCKS_PER_SM`] (the simulated device reports that too).
+    pub attention_blocks_per_sm: usize,
 }
 
 impl GpuInfo {
-    /// Blocks split attention aims for: twice the multiprocessors.
+    /// Blocks of split attention resident on the whole device at once (one wave): multiprocessors x
+    /// [`GpuInfo::attention_blocks_per_sm`]. [`super::plan::Chunks::for_cache`] sizes chunks by it.
     #[must_use]
     pub fn target_blocks(&self) -> usize {
-        2 * self.multiprocessors.max(1)
+        self.multiprocessors.max(1) * self.attention_blocks_per_sm.max(1)
     }
 }
 

@@ -15,7 +15,7 @@ use half::bf16;
 use tlt_cudagraph::{BucketPolicy, FallbackReason, ShapeCache, ShapeEntry, ShapePlan, ShapeStats};
 use tlt_kernels::cuda::packing::Packing;
 use tlt_kernels::cuda::plan::{self, Buf, Chunks, SeqBufs};
-use tlt_kernels::cuda::{gpu, CacheDims, DeviceBuf, DeviceLinear, Gpu, GpuGraph, SharedGpu, Staged, TreeDims};
+use tlt_kernels::cuda::{gpu, CacheDims, DeviceBuf, DeviceLinear, Gpu, GpuGraph, SharedGpu, Staged};
 use tlt_kernels::AttnShape;
 
 use self::step::{GpuOps, StepBuffers};
@@ -248,7 +248,7 @@ pub struct CudaLlama {
     cache: CacheDims,
     /// The hidden features a forward keeps (default: the final norm).
     taps: Vec<Tap>,
-    /// Blocks split attention aims for: twice the device's multiprocessors.
+    /// Blocks of split attention resident on the device at once (`GpuInfo::target_blocks`), which sizes its chunks.
     target_blocks: usize,
 }
 
@@ -565,8 +565,7 @@ impl CudaLlama {
         let batch = graph_batch.unwrap_or(seqs.len());
         let shape = StepShape { batch, n_max, tree };
         let (gpu, cfg, taps) = (&self.gpu, &self.cfg, self.layer_taps().len());
-        let chunks =
-            Chunks::for_shape(TreeDims { batch, n_max }, self.cache.attn, self.cache.max_len, self.target_blocks);
+        let chunks = Chunks::for_cache(self.cache.attn, self.cache.max_len, self.target_blocks);
         let (mut entry, plan) = self.shapes.checkout(shape, graph_batch.is_some(), || {
             let b = StepBuffers::new(gpu, cfg, batch, n_max, tree, taps, chunks)?;
             let bytes = b.bytes();

@@ -127,7 +127,7 @@ pub struct StepProgram<'a> {
     /// The layers whose input residual stream is copied into [`StepBufs::taps`] (`num_layers`: the last layer's
     /// output), in tap order.
     pub layer_taps: &'a [usize],
-    /// Blocks split attention aims for (twice the device's multiprocessors; [`Chunks::for_shape`]).
+    /// Blocks of split attention resident at once on the device (`GpuInfo::target_blocks`; [`Chunks::for_cache`]).
     pub target_blocks: usize,
 }
 
@@ -158,10 +158,11 @@ impl StepProgram<'_> {
         Ok(())
     }
 
-    /// The attention chunking of step shape `b`.
+    /// The attention chunking of step shape (`_batch`, `_n_max`): the cache's ([`Chunks::for_cache`]), the same for
+    /// every batch and tree, so a row's attention bits do not depend on the rows beside it.
     #[must_use]
-    pub fn chunks(&self, batch: usize, n_max: usize) -> Chunks {
-        Chunks::for_shape(TreeDims { batch, n_max }, self.cache.attn, self.cache.max_len, self.target_blocks)
+    pub fn chunks(&self, _batch: usize, _n_max: usize) -> Chunks {
+        Chunks::for_cache(self.cache.attn, self.cache.max_len, self.target_blocks)
     }
 
     /// Issues the whole forward: embedding, every layer and the LM head into `b.logits`. Per decode layer 9

@@ -7,7 +7,9 @@
 
 use half::bf16;
 use serde::Serialize;
-use tlt_kernels::cuda::plan::{row_tiles, splits_attention, Buf, GemmEx, Launch, SplitParts, MMA_ROWS};
+use tlt_kernels::cuda::plan::{
+    row_tiles, splits_attention, Buf, GemmEx, Launch, SplitParts, ATTENTION_BLOCKS_PER_SM, MMA_ROWS,
+};
 use tlt_kernels::cuda::{CacheDims, TreeDims};
 use tlt_kernels::AttnShape;
 
@@ -102,6 +104,8 @@ struct Counter<'a> {
     batch: usize,
     n_max: usize,
     context: usize,
+    /// Chunks of split attention a row tile's keys span at this context (not the grid's: blocks past them return
+    /// at once).
     n_splits: usize,
     ops: Vec<OpCost>,
 }
@@ -140,13 +144,19 @@ impl DeviceOps for Counter<'_> {
             // Every row tile of a sequence reads its K and V (counted once per sequence: a chunk's row tiles run
             // side by side and share it through L2), its q, and writes its output or its chunks' partials. FLOPs:
             // the tensor-core products of 16-row tiles, Q K^T once and P V three times (P in three bf16 parts).
+            // The 16-key tiles past the prefix (the one holding its end, and the nodes') run once per node of a
+            // row tile (a node's keys gathered by logical position, for batch invariance): their keys are read
+            // per node and their products repeated per node.
             "attention_split_bf16" => {
-                let kv = self.batch as f64 * keys * kvd * 2.0 * 2.0;
                 let group = c.num_attention_heads / c.kv_heads().max(1);
+                let per_tile = (MMA_ROWS / group.clamp(1, MMA_ROWS)).min(self.n_max).max(1) as f64;
+                let tail = ((self.context % 16 + self.n_max).div_ceil(16) * 16) as f64;
+                let kv = self.batch as f64 * ((keys - tail).max(0.0) + tail * self.n_max as f64) * kvd * 2.0 * 2.0;
                 let tiles = (self.batch * c.kv_heads() * row_tiles(self.n_max, group)) as f64;
                 // With several chunks the partials are written, then read back by each tile's last block.
                 let out = if self.n_splits > 1 { 2.0 * parts } else { 0.0 } + nodes * heads * hd * 2.0;
-                (kv + nodes * qd * 2.0 + out, tiles * MMA_ROWS as f64 * keys * hd * 2.0 * 4.0)
+                let key_tiles = (keys - tail).max(0.0) + tail * per_tile;
+                (kv + nodes * qd * 2.0 + out, tiles * MMA_ROWS as f64 * key_tiles * hd * 2.0 * 4.0)
             }
             // One block per (KV head, node): the K and V are read once per node (L2 shares them).
             "tree_attention_bf16" => {
@@ -239,12 +249,14 @@ pub fn step(
         v_cache: fake(cache.len()),
         w: &w,
         layer_taps: &[],
-        target_blocks: 2 * hw.sms,
+        target_blocks: hw.sms * ATTENTION_BLOCKS_PER_SM,
     };
     let rows = batch * n_max;
     let tree = TreeDims { batch, n_max };
     let chunks = program.chunks(batch, n_max);
-    let n_splits = if splits_attention(attn) { chunks.n_splits } else { 1 };
+    // Fixed-size chunks: the context decides how many have keys.
+    let n_splits =
+        if splits_attention(attn) { (context + n_max).div_ceil(chunks.chunk_len).min(chunks.n_splits) } else { 1 };
     let [po, pml, pa] = chunks.part_lens(tree, attn);
     let meta = StepMeta::new(batch, n_max, n_max > 1);
     let b = StepBufs {

@@ -75,6 +75,9 @@ pub fn rope_kv_write(
     Ok(Launch::new("rope_kv_write_bf16", [dim("rows", rows)?, 1, 1], ATT_BLOCK, args))
 }
 
+/// The largest grid y (and z) of a CUDA launch.
+pub const MAX_GRID_Y: u32 = 65_535;
+
 /// The largest head dim of [`qkv_rope_kv_write`] (one thread per RoPE pair, at most 128 a block).
 pub const MAX_QKV_HEAD_DIM: usize = 256;
 
@@ -84,7 +87,8 @@ pub const MAX_QKV_HEAD_DIM: usize = 256;
 /// head_dim]`) and on k, and k and v written into layer `layer` of the caches, as [`rope_kv_write`] does.
 ///
 /// # Errors
-/// As [`rope_kv_write`]; also for a head dim above [`MAX_QKV_HEAD_DIM`] or a bias or norm of the wrong length.
+/// As [`rope_kv_write`]; also for a head dim above [`MAX_QKV_HEAD_DIM`], a bias or norm of the wrong length, or more
+/// head vectors than [`MAX_GRID_Y`] (rows go in grid.x, any count a launch takes).
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_rope_kv_write(
     cache: CacheDims,
@@ -125,7 +129,11 @@ pub fn qkv_rope_kv_write(
     let args: Vec<Arg> = head.into_iter().chain(tail).chain([Arg::F32(eps)]).collect();
     let vectors = dim("head vectors", a.n_heads + 2 * a.n_kv_heads)?;
     let block = (a.head_dim / 2).next_multiple_of(32) as u32;
-    Ok(Launch::new("qkv_rope_kv_write_bf16", [vectors, dim("rows", rows)?, 1], block, args))
+    // Rows in grid.x (up to 2^31 - 1), head vectors in grid.y: a grid's y is at most 65,535, a prefill's rows are not.
+    if vectors > MAX_GRID_Y {
+        return Err(Error::InvalidArgument(format!("{vectors} head vectors exceed a grid's y limit of {MAX_GRID_Y}")));
+    }
+    Ok(Launch::new("qkv_rope_kv_write_bf16", [dim("rows", rows)?, vectors, 1], block, args))
 }
 
 /// Attention of each sequence's nodes over layer `layer` of the cache (`tree_attention_bf16`): `out =
@@ -184,8 +192,16 @@ pub fn tree_attention(
     Ok(Launch::new("tree_attention_bf16", grid, ATT_BLOCK, args))
 }
 
-/// The fewest keys per chunk [`Chunks::for_shape`] plans for a full context (`max_len / n_splits`).
+/// The fewest keys per chunk [`Chunks::for_cache`] plans.
 pub const MIN_SPLIT_LEN: usize = 128;
+
+/// Chunk lengths are multiples of this: the split kernel's 4 warps take 16-key tiles in turn.
+pub const CHUNK_ALIGN: usize = 64;
+
+/// Resident blocks of [`attention`]'s kernel per multiprocessor where the device cannot say
+/// ([`crate::cuda::GpuInfo::attention_blocks_per_sm`]): 2, the H100's and H200's (229 registers a thread, 128
+/// threads a block, 64K registers an SM).
+pub const ATTENTION_BLOCKS_PER_SM: usize = 2;
 
 /// Query rows (node, head) of one block of [`attention`]'s tensor-core kernel: one `m16n8k16` row tile.
 pub const MMA_ROWS: usize = 16;
@@ -205,30 +221,57 @@ pub fn row_tiles(n_max: usize, group: usize) -> usize {
     n_max.div_ceil((MMA_ROWS / group.clamp(1, MMA_ROWS)).max(1)).max(1)
 }
 
-/// How [`attention`] cuts each sequence's keys: `n_splits` chunks, one block per (KV head, chunk, row tile). The
-/// kernel cuts the keys a row tile sees at the step (not `max_len`) into `n_splits` equal chunks, so every chunk
-/// works whatever the context.
+/// How [`attention`] cuts each row's keys: chunks of `chunk_len` keys along the row's logical key sequence (the
+/// committed prefix, then a tree node's ancestors by depth and itself), at logical positions 0, `chunk_len`, ...,
+/// combined in order; `n_splits` chunks cover `max_len`, one block per (KV head, chunk, row tile), blocks past a
+/// row tile's keys returning at once. Fixed per cache and device, never per batch or tree: a decode row, the same
+/// row beside 63 other sequences, and the verify node at the same depth sum the same keys in the same order, so
+/// their outputs are the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Chunks {
-    /// Chunks per (KV head, row tile, sequence).
+    /// Chunks per (KV head, row tile, sequence): the grid's, `max_len.div_ceil(chunk_len)`.
     pub n_splits: usize,
+    /// Keys per chunk (a multiple of 16).
+    pub chunk_len: usize,
 }
 
 impl Chunks {
-    /// The chunking of a step shape: enough chunks that the grid holds about `target_blocks` blocks (twice the
-    /// device's multiprocessors), at most `max_len / MIN_SPLIT_LEN`; one chunk when the (KV head, row tile,
-    /// sequence) blocks alone fill the device. Fixed per shape and `max_len`, so a captured graph replays it
-    /// whatever the context lengths.
+    /// The chunking of a cache of `max_len` positions on a device where `resident_blocks` blocks of the kernel run
+    /// at once ([`crate::cuda::GpuInfo::target_blocks`]: resident blocks per SM x SMs): the shortest chunk, a
+    /// multiple of [`CHUNK_ALIGN`] and at least [`MIN_SPLIT_LEN`], such that batch-1 decode over the whole cache
+    /// (`n_kv_heads` blocks a chunk) fits one wave, `n_kv_heads * n_splits <= resident_blocks`. It depends on the
+    /// cache and device alone, never on the batch or the tree, and is fixed per cache, so a captured graph replays
+    /// it whatever the context lengths.
     #[must_use]
-    pub fn for_shape(tree: TreeDims, attn: AttnShape, max_len: usize, target_blocks: usize) -> Self {
+    pub fn for_cache(attn: AttnShape, max_len: usize, resident_blocks: usize) -> Self {
+        let max_len = max_len.max(1);
+        let chunks_per_wave = (resident_blocks / attn.n_kv_heads.max(1)).max(1);
+        let chunk_len = max_len.div_ceil(chunks_per_wave).next_multiple_of(CHUNK_ALIGN).max(MIN_SPLIT_LEN);
+        Self { n_splits: max_len.div_ceil(chunk_len), chunk_len }
+    }
+
+    /// [`Chunks::for_cache`] (the step shape `_tree` does not enter: kept for callers that name it).
+    #[must_use]
+    pub fn for_shape(_tree: TreeDims, attn: AttnShape, max_len: usize, resident_blocks: usize) -> Self {
+        Self::for_cache(attn, max_len, resident_blocks)
+    }
+
+    /// The OLD, batch-dependent rule, for negative controls only: enough chunks that the grid holds about
+    /// `target_blocks` blocks for `tree`'s batch, the keys cut into that many equal chunks. With it a row's output
+    /// bits depend on the batch and tree beside it, which the batch-invariance tests must catch.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn batch_dependent(tree: TreeDims, attn: AttnShape, max_len: usize, target_blocks: usize) -> Self {
         let group = attn.n_heads / attn.n_kv_heads.max(1);
         let blocks = (attn.n_kv_heads * row_tiles(tree.n_max, group) * tree.batch).max(1);
         let want = target_blocks.div_ceil(blocks).max(1);
-        Self { n_splits: want.min(max_len.div_ceil(MIN_SPLIT_LEN)).max(1) }
+        let n_splits = want.min(max_len.div_ceil(MIN_SPLIT_LEN)).max(1);
+        let chunk_len = max_len.max(1).div_ceil(n_splits).next_multiple_of(16);
+        Self { n_splits: max_len.max(1).div_ceil(chunk_len), chunk_len }
     }
 
     /// Elements of the buffers of [`SplitParts`] for `tree` and `attn` (`[o, ml, arrivals]`; all 0 with one chunk,
-    /// which writes the output directly).
+    /// which writes the output directly). Fixed per shape: a captured graph keeps them.
     #[must_use]
     pub fn part_lens(&self, tree: TreeDims, attn: AttnShape) -> [usize; 3] {
         if self.n_splits == 1 {
@@ -255,13 +298,14 @@ pub struct SplitParts {
 }
 
 /// Split-K attention on the tensor cores (`attention_split_bf16`, one launch: with several chunks the last block of
-/// each to arrive combines them): the same result as [`tree_attention`] with the keys cut into [`Chunks`] across
-/// blocks, each block serving 16 query rows (a KV head's whole query group, for as many nodes as fit) so that a
-/// tree's nodes and a group's heads share every K/V read. `parts`: the scratch of [`Chunks::part_lens`] (ignored
-/// with one chunk).
+/// each to arrive combines them): the same result as [`tree_attention`] with each row's logical keys cut into
+/// [`Chunks`] across blocks, each block serving 16 query rows (a KV head's whole query group, for as many nodes as
+/// fit) so that a tree's nodes and a group's heads share every K/V read of the committed prefix; a row's output bits
+/// do not depend on the batch or the tree around it (the keys past the prefix are read per node). `parts`: the
+/// scratch of [`Chunks::part_lens`] (ignored with one chunk).
 ///
 /// # Errors
-/// As [`tree_attention`]; also for partial buffers of the wrong size or no chunks. A shape the kernel does not take
+/// As [`tree_attention`]; also for partial buffers of the wrong size or chunks that do not cover `max_len`. A shape the kernel does not take
 /// ([`splits_attention`]: tiny test drafters have head_dim 4) plans [`tree_attention`] alone, whatever the chunks.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
@@ -283,8 +327,15 @@ pub fn attention(
         // Before the first GPU run such drafters failed with "split attention needs head_dim % 8 == 0, got 4".
         return Ok(vec![one]);
     }
-    if chunks.n_splits == 0 {
-        return Err(Error::InvalidArgument("attention over no chunks".into()));
+    if chunks.n_splits == 0
+        || chunks.chunk_len == 0
+        || !chunks.chunk_len.is_multiple_of(16)
+        || chunks.n_splits * chunks.chunk_len < cache.max_len
+    {
+        return Err(Error::InvalidArgument(format!(
+            "attention chunks {chunks:?} do not cover a cache of {} positions in 16-key tiles",
+            cache.max_len
+        )));
     }
     let lens = chunks.part_lens(tree, a);
     let (part_o, part_ml, arrivals) = match (chunks.n_splits, parts) {
@@ -306,7 +357,12 @@ pub fn attention(
     let mut args = one.args[..4].to_vec();
     args.extend([part_o, part_ml, arrivals]);
     args.extend_from_slice(&one.args[4..]);
-    args.extend([i32_arg("n_splits", chunks.n_splits)?, i32_arg("row_tiles", tiles)?, scale]);
+    args.extend([
+        i32_arg("n_splits", chunks.n_splits)?,
+        i32_arg("chunk_len", chunks.chunk_len)?,
+        i32_arg("row_tiles", tiles)?,
+        scale,
+    ]);
     let grid = [dim("row tiles x chunks x KV heads", tiles * chunks.n_splits * a.n_kv_heads)?, 1, one.grid[2]];
     Ok(vec![Launch::new("attention_split_bf16", grid, 128, args)])
 }

@@ -280,7 +280,7 @@ mod tests {
         for attn in [AttnShape::new(4, 2, 4), AttnShape::new(4, 2, 8)] {
             let cache = CacheDims { layers: 1, slots: 2, max_len: 512, attn };
             let q = bf(tree.nodes() * attn.n_heads * attn.head_dim);
-            let chunks = Chunks::for_shape(tree, attn, 512, 264);
+            let chunks = Chunks::for_cache(attn, 512, 264);
             assert!(chunks.n_splits > 1, "the case asks for several chunks");
             let l = attention(cache, 0, tree, chunks, q, bf(cache.len()), bf(cache.len()), q, seq, None, Some(parts));
             let kernels: Vec<&str> = l.unwrap().iter().map(|l| l.kernel).collect();
@@ -290,7 +290,7 @@ mod tests {
         let attn = AttnShape::new(6, 2, 16);
         let cache = CacheDims { layers: 1, slots: 2, max_len: 512, attn };
         let q = bf(tree.nodes() * 6 * 16);
-        let chunks = Chunks::for_shape(tree, attn, 512, 264);
+        let chunks = Chunks::for_cache(attn, 512, 264);
         let [po, pml, pa] = chunks.part_lens(tree, attn);
         assert_eq!(pa, 2 * 2, "a row tile per sequence and KV head");
         let parts = SplitParts { o: Buf::new(0x30_0000, po), ml: Buf::new(0x40_0000, pml), arrivals: Buf::new(0, pa) };
