@@ -1,6 +1,7 @@
 """slime's rollout requests and parsing against an SGLang API: tlt-serve's, or the reference mock's.
 
 Usage: python3 check_slime_client.py BASE_URL PROMPT_IDS_JSON [--server-kind tlt-serve|sglang] [--schema-out FILE]
+           [--router ROUTER_URL]
 
 slime is not on PyPI, so its client code cannot be installed here: this script sends the payloads slime's rollout
 builds and parses the answers the way it does (THUDM/slime, `slime/rollout/sglang_rollout.py`: `GenerateState`'s
@@ -22,6 +23,16 @@ slime's abort (requests in flight, held by an in-place pause so that they surely
   pause before admission (`tokenizer_manager.py`, `generate_request`) and `abort_all` does not reach it, so there
   the requests are sent first and paused in place once all run (the reference mock decodes slowly enough for that);
   its running requests end with `abort` after one more decode step, i.e. after `/continue_generation`.
+
+`--router ROUTER_URL`: slime's deployment, with sglang-router in front of the engine at BASE_URL. The engine registers
+with the router as slime's `SGLangEngine._register_to_router` does (`POST /workers` with its URL and `worker_type`
+"regular"; the router adds it in the background, so the script waits until `GET /workers` lists it); the rollout
+and eval requests go to the router's `/generate` (slime's `generate` posts there); the abort is slime's: the
+workers' URLs from the router's `GET /workers`, then each worker's `/abort_request` with `abort_all` until its
+`/v1/loads?include=core` counts no request (`abort_servers_until_idle`); the other control calls go to the engine,
+as slime's engine actors send them. Also checked through the router: an eval request (slime's eval sampling
+parameters, greedy, seeded), and a `/generate` option at a value the server does not serve, refused with a 400
+that names it (slime would otherwise train on an answer that ignored it).
 
 `--schema-out FILE` writes, for every answer parsed, its JSON shape: per check (`POST /generate`, `POST /generate
 (aborted)`, `POST /abort_request`, ...), every key path (`$.meta_info.output_token_logprobs[][0]`: `[]` is a list's
@@ -132,6 +143,60 @@ def get(url, check):
     return record(check, parse_body(r))
 
 
+def eval_sampling_params(max_new_tokens, seed):
+    # slime's eval_rollout_single_dataset base_sampling_params at an eval dataset's settings (greedy), with
+    # sglang_enable_deterministic_inference's sampling_seed.
+    return dict(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, stop=None,
+                stop_token_ids=None, skip_special_tokens=False, no_stop_trim=True,
+                spaces_between_special_tokens=False, sampling_seed=seed)
+
+
+def register_with_router(router, base):
+    """slime's SGLangEngine._register_to_router, then a wait until the router lists the worker."""
+    r = requests.post(f"{router}/workers", json={"url": base, "worker_type": "regular"}, timeout=60)
+    r.raise_for_status()
+    deadline = time.time() + 60
+    while True:
+        workers = requests.get(f"{router}/workers", timeout=60).json()["workers"]
+        if any(w["url"] == base for w in workers):
+            return workers
+        assert time.time() < deadline, f"the router did not add {base}: {workers}"
+        time.sleep(0.1)
+
+
+def abort_servers_until_idle(router):
+    """slime's abort(): the workers from the router, then abort_server_until_idle on each."""
+    urls = [w["url"] for w in requests.get(f"{router}/workers", timeout=60).json()["workers"]]
+    answers = []
+    deadline = time.time() + 30
+    for url in urls:
+        while True:
+            assert time.time() < deadline, f"{url} still counts requests after its aborts"
+            answers.append(post(f"{url}/abort_request", {"abort_all": True}, "POST /abort_request"))
+            load = requests.get(f"{url}/v1/loads?include=core", timeout=60).json()
+            if num_requests_from_load(load) <= 0:
+                break
+            time.sleep(0.5)
+    return urls, answers
+
+
+def num_requests_from_load(load):
+    # slime/backends/sglang_utils/server_control.py, verbatim.
+    if isinstance(load, list):
+        return sum(num_requests_from_load(item) for item in load)
+    if not isinstance(load, dict):
+        return 0
+    if "loads" in load:
+        return num_requests_from_load(load["loads"])
+    for key in ("num_reqs", "num_total_reqs", "total_reqs"):
+        value = load.get(key)
+        if isinstance(value, int):
+            return value
+    running = load.get("num_running_reqs", load.get("total_running_reqs"))
+    waiting = load.get("num_waiting_reqs", load.get("total_waiting_reqs"))
+    return (running if isinstance(running, int) else 0) + (waiting if isinstance(waiting, int) else 0)
+
+
 def sampling_params(max_new_tokens):
     # slime's GenerateState.sampling_params with its defaults (rollout_stop and rollout_stop_token_ids unset).
     return dict(temperature=0.8, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, stop=None,
@@ -164,8 +229,14 @@ def main():
     ap.add_argument("prompts")
     ap.add_argument("--server-kind", choices=["tlt-serve", "sglang"], default="tlt-serve")
     ap.add_argument("--schema-out")
+    ap.add_argument("--router")
     args = ap.parse_args()
     base, prompts, kind = args.base, json.loads(args.prompts), args.server_kind
+    # Where slime's rollout posts /generate: the router in front of the engine, or the engine itself.
+    gen = args.router or base
+    if args.router:
+        workers = register_with_router(args.router, base)
+        print(f"ok registered with the router as slime does: {[w['url'] for w in workers]}")
 
     get(f"{base}/health_generate", "GET /health_generate")
     print("ok /health_generate")
@@ -173,7 +244,7 @@ def main():
     group = [p for p in prompts for _ in range(4)]
     payload = lambda ids, n: {"input_ids": ids, "sampling_params": sampling_params(n), "return_logprob": True}
     with ThreadPoolExecutor(max_workers=len(group)) as pool:
-        outs = list(pool.map(lambda ids: post(f"{base}/generate", payload(ids, 16), "POST /generate"), group))
+        outs = list(pool.map(lambda ids: post(f"{gen}/generate", payload(ids, 16), "POST /generate"), group))
     samples = [parse(o) for o in outs]
     for o, (text, tokens, log_probs, status, version) in zip(outs, samples):
         assert tokens == o["output_ids"] and len(log_probs) == len(tokens) == o["meta_info"]["completion_tokens"]
@@ -181,14 +252,28 @@ def main():
         assert isinstance(text, str)
     distinct = {tuple(t) for _, t, _, _, _ in samples[:4]}
     assert len(distinct) > 1, "a prompt's 4 unseeded samples are all the same"
-    print(f"ok rollout: {len(group)} requests parsed as slime does (tokens, log-probs, status, weight_version)")
+    via = " through the router" if args.router else ""
+    print(f"ok rollout{via}: {len(group)} requests parsed as slime does (tokens, log-probs, status, weight_version)")
+
+    if args.router:
+        # slime's eval: greedy and seeded, twice: the same answer (through the router, which may add fields).
+        body = {"input_ids": prompts[0], "sampling_params": eval_sampling_params(12, 1234), "return_logprob": True}
+        evals = [parse(post(f"{gen}/generate", body, "POST /generate")) for _ in range(2)]
+        assert evals[0][1] == evals[1][1] and evals[0][1] and len(evals[0][2]) == len(evals[0][1]), evals
+        print(f"ok eval through the router: greedy, seeded, {len(evals[0][1])} tokens, repeated exactly")
+        # An option the server does not serve, at a value that would change the answer: refused by name.
+        bad = {"input_ids": prompts[0], "sampling_params": sampling_params(4), "return_logprob": True,
+               "top_logprobs_num": 2}
+        r = requests.post(f"{gen}/generate", json=bad, timeout=60)
+        assert r.status_code == 400 and "top_logprobs_num" in r.text, (r.status_code, r.text)
+        print(f"ok through the router, top_logprobs_num 2 refused: {r.status_code} {r.json()['error']['message']}")
 
     # Abort: requests in flight, then what still runs is aborted, as slime does once it has enough samples. They are
     # held by an in-place pause so that they surely still run when the abort comes (on tlt-serve's tiny test model a
     # request would otherwise finish within milliseconds); the order depends on the server (module docstring).
     answers = []
     def long_request(ids):
-        answers.append(post(f"{base}/generate", payload(ids, 64), "POST /generate (aborted)"))
+        answers.append(post(f"{gen}/generate", payload(ids, 64), "POST /generate (aborted)"))
     threads = [threading.Thread(target=long_request, args=(p,)) for p in prompts]
     if kind == "tlt-serve":
         post(f"{base}/pause_generation", {"mode": "in_place"}, "POST /pause_generation (in_place)")
@@ -200,8 +285,15 @@ def main():
         time.sleep(0.01)
     if kind == "sglang":
         post(f"{base}/pause_generation", {"mode": "in_place"}, "POST /pause_generation (in_place)")
-    aborted = post(f"{base}/abort_request", {"abort_all": True}, "POST /abort_request")
-    post(f"{base}/continue_generation", {}, "POST /continue_generation")
+    if args.router:
+        # slime aborts every worker the router lists until none counts a request.
+        urls, abort_answers = abort_servers_until_idle(args.router)
+        assert urls == [base], urls
+        aborted = abort_answers[0]
+        post(f"{base}/continue_generation", {}, "POST /continue_generation")
+    else:
+        aborted = post(f"{base}/abort_request", {"abort_all": True}, "POST /abort_request")
+        post(f"{base}/continue_generation", {}, "POST /continue_generation")
     for t in threads:
         t.join()
     for o in answers:
@@ -210,7 +302,7 @@ def main():
     assert len(answers) == len(prompts)
     if isinstance(aborted, dict) and "num_aborted_requests" in aborted:  # tlt-serve's; SGLang answers an empty body
         assert aborted["num_aborted_requests"] == len(prompts), aborted
-    print(f"ok abort_all: {len(answers)} requests in flight answered 'abort', parsed as slime does")
+    print(f"ok abort_all{via}: {len(answers)} requests in flight answered 'abort', parsed as slime does")
 
     post(f"{base}/pause_generation", {}, "POST /pause_generation")
     post(f"{base}/continue_generation", {}, "POST /continue_generation")

@@ -4,6 +4,8 @@ Usage: python3 check_trl_client.py BASE_URL PROMPT_IDS_JSON
 
 TRL's `VLLMClient` talks to `vllm serve` over HTTP; this runs its request and parsing code unchanged against
 tlt-serve: `check_server` (GET /health), `get_world_size` (GET /get_world_size), the model id from GET /v1/models,
+`get_server_info` (GET /server_info: `model_config.logprobs_mode`, which `GRPOTrainer` checks, and
+`weight_transfer_config`, null, so `init_communicator` refuses with TRL's own message),
 `generate` (POST /v1/completions with a batch of token-id prompts, `n`, `return_token_ids`,
 `return_tokens_as_token_ids`, `logprobs=0`, TRL's defaults `top_k=0`, `min_p=0`, `repetition_penalty=1`) and its
 `parse_logprobs`. The package is installed with `--no-deps` (it would pull torch, transformers and vLLM, which need
@@ -73,6 +75,18 @@ def main():
     print(f"ok check_server and /v1/models: model {client.model!r}")
     assert client.get_world_size() == 1
     print("ok get_world_size: 1")
+    # GRPOTrainer reads the server's vLLM config through get_server_info (/server_info): the log-probs mode for its
+    # importance-sampling check, and init_communicator the weight-transfer engine (none: TRL's NCCL weight sync is
+    # not served, and init_communicator says so with its own message before touching a device).
+    config = client.get_server_info()
+    assert config["model_config"]["logprobs_mode"] == "processed_logprobs", config
+    try:
+        client.init_communicator(device=0)
+    except RuntimeError as e:
+        assert "no weight-transfer engine" in str(e), e
+        print("ok get_server_info: logprobs_mode processed_logprobs; init_communicator: no weight-transfer engine")
+    else:
+        raise SystemExit("init_communicator started without a weight-transfer engine")
 
     n = 3
     out = client.generate(prompts, n=n, temperature=0.7, max_tokens=12, logprobs=0, generation_kwargs={"seed": 7})

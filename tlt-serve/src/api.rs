@@ -46,6 +46,14 @@ pub struct SamplingParams {
     pub repetition_penalty: Option<f64>,
     /// 0 only (not implemented otherwise).
     pub min_p: Option<f64>,
+    /// Constrained decoding: null only (not served).
+    pub json_schema: Option<serde_json::Value>,
+    /// Constrained decoding: null only (not served).
+    pub regex: Option<serde_json::Value>,
+    /// Constrained decoding: null only (not served).
+    pub ebnf: Option<serde_json::Value>,
+    /// A custom logit processor's parameters: null only (no custom logit processors).
+    pub custom_params: Option<serde_json::Value>,
 }
 
 /// A prompt: text, or token ids.
@@ -79,7 +87,8 @@ impl<T> OneOrMany<T> {
 }
 
 /// SGLang's `POST /generate` body: one prompt, or a batch of them (one `sampling_params` for all; then the answer is
-/// a list).
+/// a list). Besides the fields served, SGLang's options that this server does not serve are accepted at the values
+/// that change nothing (what sglang-router adds to every request it forwards) and refused by name otherwise.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateRequest {
@@ -99,6 +108,107 @@ pub struct GenerateRequest {
     /// the final answer, then `[DONE]`.
     #[serde(default)]
     pub stream: bool,
+    /// `output_token_logprobs` carry each token's decoded text as their third element (null otherwise).
+    #[serde(default)]
+    pub return_text_in_logprobs: bool,
+    // SGLang's `/generate` options this server does not serve, as sglang-router 0.3.2 re-serialises every request
+    // it forwards (its request struct: `model` null, `return_text_in_logprobs`, `stream`, `return_hidden_states`,
+    // `background`, `return_bytes` and `return_entropy` false, `log_metrics` true, `no_logs` false, and the others
+    // when the client sent them). Each is accepted at its neutral value (absent, null, or the value named) and
+    // refused by name otherwise ([`GenerateRequest::check_unserved`]); any other field is refused as unknown.
+    /// The model to route to: any name (this server serves one model).
+    pub model: Option<String>,
+    /// SGLang's metrics switch: either value (this server's metrics count every request).
+    pub log_metrics: Option<bool>,
+    /// SGLang's request-log switch: either value (requests are not logged by content).
+    pub no_logs: Option<bool>,
+    /// SGLang's prefix-cache namespace: any value (nothing is cached across requests).
+    pub extra_key: Option<String>,
+    /// The data-parallel rank to run on: 0 or null (one rank).
+    pub data_parallel_rank: Option<i64>,
+    /// Where input log-probs start: -1 or null (input log-probs are not served).
+    pub logprob_start_len: Option<i64>,
+    /// Top alternatives per token: 0 or null (not served).
+    pub top_logprobs_num: Option<i64>,
+    /// false or null (hidden states are not returned).
+    pub return_hidden_states: Option<bool>,
+    /// false or null.
+    pub return_entropy: Option<bool>,
+    /// false or null.
+    pub return_bytes: Option<bool>,
+    /// false or null.
+    pub return_routed_experts: Option<bool>,
+    /// false or null (no background requests).
+    pub background: Option<bool>,
+    /// null (requests are served first come, first served).
+    pub priority: Option<serde_json::Value>,
+    /// null.
+    pub token_ids_logprob: Option<serde_json::Value>,
+    /// null.
+    pub input_embeds: Option<serde_json::Value>,
+    /// null (text only).
+    pub image_data: Option<serde_json::Value>,
+    /// null (text only).
+    pub video_data: Option<serde_json::Value>,
+    /// null (text only).
+    pub audio_data: Option<serde_json::Value>,
+    /// null.
+    pub session_params: Option<serde_json::Value>,
+    /// null (no LoRA adapters).
+    pub lora_path: Option<serde_json::Value>,
+    /// null (no LoRA adapters).
+    pub lora_id: Option<serde_json::Value>,
+    /// null.
+    pub custom_logit_processor: Option<serde_json::Value>,
+    /// null (no prefill/decode disaggregation).
+    pub bootstrap_host: Option<serde_json::Value>,
+    /// null (no prefill/decode disaggregation).
+    pub bootstrap_port: Option<serde_json::Value>,
+    /// null (no prefill/decode disaggregation).
+    pub bootstrap_room: Option<serde_json::Value>,
+}
+
+impl GenerateRequest {
+    /// Refuses, by name, an option this server does not serve at a value that would change the answer (the
+    /// gateway's neutral values pass).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the first such field.
+    pub fn check_unserved(&self) -> Result<()> {
+        let is_false = |b: Option<bool>| !b.unwrap_or(false);
+        let flags = [
+            ("data_parallel_rank", self.data_parallel_rank.is_none_or(|r| r == 0), "this server has one rank, 0"),
+            ("logprob_start_len", self.logprob_start_len.is_none_or(|l| l == -1), "input log-probs are not served: -1"),
+            ("top_logprobs_num", self.top_logprobs_num.is_none_or(|n| n == 0), "top alternatives are not served: 0"),
+            ("return_hidden_states", is_false(self.return_hidden_states), "hidden states are not served"),
+            ("return_entropy", is_false(self.return_entropy), "entropies are not served"),
+            ("return_bytes", is_false(self.return_bytes), "token bytes are not served"),
+            ("return_routed_experts", is_false(self.return_routed_experts), "this model has no experts"),
+            ("background", is_false(self.background), "background requests are not served"),
+        ];
+        if let Some((name, _, reason)) = flags.iter().find(|(_, ok, _)| !ok) {
+            return Err(invalid(name, *reason));
+        }
+        let nulls = [
+            ("priority", &self.priority, "priority scheduling is not served"),
+            ("token_ids_logprob", &self.token_ids_logprob, "log-probs of chosen tokens are not served"),
+            ("input_embeds", &self.input_embeds, "send input_ids or text"),
+            ("image_data", &self.image_data, "images are not served"),
+            ("video_data", &self.video_data, "videos are not served"),
+            ("audio_data", &self.audio_data, "audio is not served"),
+            ("session_params", &self.session_params, "sessions are not served"),
+            ("lora_path", &self.lora_path, "LoRA adapters are not served"),
+            ("lora_id", &self.lora_id, "LoRA adapters are not served"),
+            ("custom_logit_processor", &self.custom_logit_processor, "custom logit processors are not served"),
+            ("bootstrap_host", &self.bootstrap_host, "prefill/decode disaggregation is not served"),
+            ("bootstrap_port", &self.bootstrap_port, "prefill/decode disaggregation is not served"),
+            ("bootstrap_room", &self.bootstrap_room, "prefill/decode disaggregation is not served"),
+        ];
+        match nulls.iter().find(|(_, v, _)| v.as_ref().is_some_and(|v| !v.is_null())) {
+            Some((name, _, reason)) => Err(invalid(name, *reason)),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Why a request ended, as SGLang says it.
@@ -200,8 +310,8 @@ pub struct MetaInfo {
     pub cached_tokens: usize,
     /// The weights' version.
     pub weight_version: String,
-    /// `[logprob, token_id, text]` per output token, with `return_logprob` (text is null: not decoded).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// `[logprob, token_id, text]` per output token, with `return_logprob` (text: the token decoded, with
+    /// `return_text_in_logprobs`; else null).
     pub output_token_logprobs: Option<Vec<(f32, u32, Option<String>)>>,
     /// Speculative rounds of this request.
     pub spec_verify_ct: usize,
@@ -464,6 +574,15 @@ impl SamplingParams {
             ("min_p", self.min_p.is_none_or(|p| p == 0.0), "only 0 is served"),
         ];
         if let Some((name, _, reason)) = neutral.iter().find(|(_, ok, _)| !ok) {
+            return Err(invalid(&field(name), *reason));
+        }
+        let unserved = [
+            ("json_schema", &self.json_schema, "constrained decoding is not served"),
+            ("regex", &self.regex, "constrained decoding is not served"),
+            ("ebnf", &self.ebnf, "constrained decoding is not served"),
+            ("custom_params", &self.custom_params, "custom logit processors are not served"),
+        ];
+        if let Some((name, _, reason)) = unserved.iter().find(|(_, v, _)| v.as_ref().is_some_and(|v| !v.is_null())) {
             return Err(invalid(&field(name), *reason));
         }
         let (temperature, top_p, top_k) =

@@ -23,6 +23,7 @@ pub mod chat;
 pub mod control;
 pub mod drafter;
 pub mod routes;
+pub mod server_info;
 pub mod stats;
 mod stream;
 pub mod trl;
@@ -149,6 +150,16 @@ impl Server {
         let stats = std::sync::Arc::new(stats::Stats::default());
         *stats.weight_version.write().map_err(|_| Error::Model("the version lock is poisoned".into()))? =
             cfg.weight_version.as_deref().unwrap_or("default").into();
+        let server_args = server_info::server_args(&server_info::RunningArgs {
+            model_path: &cfg.model_name,
+            has_tokenizer: tokenizer.is_some(),
+            weight_dtype: model.inference_dtype(),
+            context_length: limits.context,
+            vocab_size: limits.vocab_size,
+            max_running_requests: cfg.decode.max_running,
+            speculate: cfg.decode.speculate,
+            eagle: cfg.decode.eagle.is_some(),
+        });
         let engine_stats = stats.clone();
         let eagle =
             decode.eagle.as_ref().map(|e| drafter::OnlineDrafter::new(&model, e, stats.drafter.clone())).transpose()?;
@@ -166,6 +177,7 @@ impl Server {
             stats,
             chat_template: cfg.chat_template,
             max_running: cfg.decode.max_running,
+            server_args,
         });
         Ok(Self { router: routes::router(state), engine })
     }

@@ -48,6 +48,8 @@ pub struct AppState {
     pub chat_template: Option<tlt_rl::task::ChatTemplate>,
     /// Most requests decoding at once (`DecodeConfig::max_running`).
     pub max_running: usize,
+    /// SGLang's server arguments as this server runs (`/get_server_info`, `/server_info`; [`crate::server_info`]).
+    pub server_args: serde_json::Value,
 }
 
 impl IntoResponse for Error {
@@ -101,7 +103,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/health_generate", get(health_generate))
         .route("/get_model_info", get(model_info))
+        .route("/model_info", get(model_info))
         .route("/get_server_info", get(server_info))
+        .route("/server_info", get(server_info))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/get_weight_version", get(control::weight_version))
@@ -237,6 +241,7 @@ pub(crate) type Prepared = (String, Vec<u32>, Sampling);
 /// A `/generate` request checked: each prompt's id, ids and sampling (with a fresh coin stream when unseeded), and
 /// whether it was a batch.
 pub(crate) fn prepare_generate(s: &AppState, req: &GenerateRequest) -> crate::Result<(Vec<Prepared>, bool)> {
+    req.check_unserved()?;
     let sampling = req.sampling_params.validate(&s.limits)?;
     let (field, prompts, batched) = match (&req.input_ids, &req.text) {
         (Some(ids), None) => {
@@ -290,8 +295,9 @@ pub(crate) fn generate_response(
     out: &Output,
     finished: bool,
 ) -> GenerateResponse {
+    let text = |t: u32| req.return_text_in_logprobs.then(|| s.detokenize_with(&[t], false));
     let logprobs =
-        req.return_logprob.then(|| out.logprobs.iter().zip(&out.tokens).map(|(&l, &t)| (l, t, None)).collect());
+        req.return_logprob.then(|| out.logprobs.iter().zip(&out.tokens).map(|(&l, &t)| (l, t, text(t))).collect());
     GenerateResponse {
         text: s.detokenize_with(&out.tokens, req.sampling_params.skip_special_tokens.unwrap_or(true)),
         meta_info: MetaInfo {
@@ -423,9 +429,13 @@ async fn model_info(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
         "weight_version": &*s.stats.version()}))
 }
 
+/// The server arguments, and what changes: the weights' version.
 async fn server_info(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(json!({"model_path": s.model_name, "context_length": s.limits.context, "vocab_size": s.limits.vocab_size,
-        "weight_version": &*s.stats.version(), "version": env!("CARGO_PKG_VERSION"), "engine": "tlt-serve"}))
+    let mut info = s.server_args.clone();
+    if let Some(map) = info.as_object_mut() {
+        map.insert("weight_version".into(), json!(&*s.stats.version()));
+    }
+    Json(info)
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {

@@ -6,7 +6,14 @@
 //! - slime's rollout payloads and parsing (`scripts/check_slime_client.py`; slime is not on PyPI, so the script sends
 //!   what its rollout sends and reads answers as it does, with `requests`);
 //! - TRL's `VLLMClient` request and parsing code (`scripts/check_trl_client.py`, trl 1.16.0 installed without its
-//!   GPU dependencies), whose samples are then checked against SGLang's `/generate` with the same seed.
+//!   GPU dependencies), whose samples are then checked against SGLang's `/generate` with the same seed;
+//! - the verl adapter (`python/tlt_verl`, aiohttp) driven as verl's agent loop drives its rollout servers
+//!   (`scripts/check_verl_adapter.py`), against the SGLang mock and the binary;
+//! - slime's deployment: PyPI's sglang-router 0.3.2 (the Rust gateway, started as slime starts it:
+//!   `scripts/run_sglang_router.py`, 127.0.0.1 only, killed at the end) in front of the binary, the engine
+//!   registered as slime registers it, slime's rollout, eval and abort through it (`check_slime_client.py --router`);
+//! - slime's external-engine start-up: its discovery and server-argument assert against `/server_info`
+//!   (`scripts/check_slime_startup.py`), and the assert failing for flags this server does not run with.
 //!
 //! Without a package a test says SKIP, unless `TLT_REQUIRE_PYTHON_CHECK` is set (`cargo xtask test` installs the
 //! packages and sets it), then it fails.
@@ -281,4 +288,107 @@ fn slimes_reads_of_sglangs_answers_conform_field_by_field() {
     );
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn verls_rollout_server_contract_holds_through_the_adapter() {
+    if !importable("verls_rollout_server_contract_holds_through_the_adapter", "aiohttp, pydantic") {
+        return;
+    }
+    let prompts = serde_json::to_string(&vec![vec![72u32, 105, 33], vec![49, 32, 45, 32, 49, 61]]).unwrap();
+    // The reference first: SGLang's answers as the mock shapes them (50 ms a token, so that requests stay in flight).
+    let (_mock, mock_port) = serve_sglang_mock(&["--enable-metrics", "--token-delay", "0.05"]);
+    run_script(
+        "check_verl_adapter.py",
+        &[format!("http://127.0.0.1:{mock_port}"), prompts.clone(), "--server-kind".into(), "sglang".into()],
+    );
+    // Then the binary, with a weight update from the checkpoint it serves.
+    let (_serving, dir, port) = serve_binary("verl");
+    let out = run_script(
+        "check_verl_adapter.py",
+        &[format!("http://127.0.0.1:{port}"), prompts, "--update-weights-from".into(), dir.display().to_string()],
+    );
+    assert!(out.contains("verl adapter: all checks passed"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A free port on 127.0.0.1.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Whether `GET path` on `port` answers 200.
+fn answers(port: u16, path: &str) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.starts_with("HTTP/1.1 200")
+}
+
+/// PyPI's sglang-router, started as slime starts it (`scripts/run_sglang_router.py`), on 127.0.0.1 and a free
+/// port, with no workers yet; killed when the guard drops. Its port.
+fn serve_sglang_router() -> (Serving, u16) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/run_sglang_router.py");
+    let (port, metrics) = (free_port(), free_port());
+    let child = Command::new(python())
+        .arg(&script)
+        .args([port.to_string(), metrics.to_string()])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut serving = Serving(child);
+    let t = Instant::now();
+    while !answers(port, "/workers") {
+        if let Ok(Some(status)) = serving.0.try_wait() {
+            panic!("sglang-router exited before it served: {status}");
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "sglang-router did not come up on port {port}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("sglang-router listening on 127.0.0.1:{port}");
+    (serving, port)
+}
+
+#[test]
+fn slimes_rollout_and_eval_go_through_the_real_sglang_router() {
+    let modules = "requests, sglang_router.launch_router, sglang_router.sglang_router_rs";
+    if !importable("slimes_rollout_and_eval_go_through_the_real_sglang_router", modules) {
+        return;
+    }
+    let (_serving, dir, port) = serve_binary("router");
+    let (_router, router_port) = serve_sglang_router();
+    let prompts = vec![vec![72u32, 105, 33], vec![49, 32, 45, 32, 49, 61]];
+    let out = run_script(
+        "check_slime_client.py",
+        &[
+            format!("http://127.0.0.1:{port}"),
+            serde_json::to_string(&prompts).unwrap(),
+            "--router".into(),
+            format!("http://127.0.0.1:{router_port}"),
+        ],
+    );
+    for line in ["ok rollout through the router", "ok eval through the router", "ok abort_all through the router"] {
+        assert!(out.contains(line), "{line:?} missing:\n{out}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn slimes_start_up_assert_passes_against_get_server_info() {
+    if !importable("slimes_start_up_assert_passes_against_get_server_info", "requests") {
+        return;
+    }
+    let (_serving, dir, port) = serve_binary("startup");
+    let base = format!("http://127.0.0.1:{port}");
+    let out = run_script("check_slime_startup.py", std::slice::from_ref(&base));
+    assert!(out.contains("ok slime's start-up assert over ['enable_memory_saver']"), "{out}");
+    // The negative controls: slime launched with flags this server does not run as fails its own assert.
+    for flag in ["--fp16", "--offload-rollout", "--use-rollout-routing-replay"] {
+        let out = run_script("check_slime_startup.py", &[base.clone(), flag.into(), "--expect-fail".into()]);
+        assert!(out.contains("ok the start-up assert fails as expected"), "{flag}: {out}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -124,13 +124,26 @@ fn ensure_wheel(dir: &Path, requirement: &str, prefix: &str) -> Result<PathBuf> 
 
 /// Python packages the EAGLE export check (`scripts/check_eagle_export.py`) needs, pinned.
 /// (`openai`: `tlt-serve`'s OpenAI endpoints read by the official client; `requests` and `packaging`: what TRL's
-/// client code needs; both in `tlt-serve/tests/python_clients.rs`.)
-const PY_CHECK_REQUIREMENTS: [&str; 5] =
-    ["safetensors==0.8.0", "numpy==2.4.6", "openai==3.51.0", "requests==2.34.2", "packaging==26.3"];
+/// client code needs; `aiohttp`: the verl adapter's HTTP client (`python/tlt_verl`); `aiohttp`, `setproctitle`,
+/// `orjson`, `uvicorn` and `fastapi`: sglang-router's dependencies, pinned here because it is installed without
+/// them (below); all in `tlt-serve/tests/python_clients.rs`.)
+const PY_CHECK_REQUIREMENTS: [&str; 10] = [
+    "safetensors==0.8.0",
+    "numpy==2.4.6",
+    "openai==3.51.0",
+    "requests==2.34.2",
+    "packaging==26.3",
+    "aiohttp==3.14.5",
+    "setproctitle==1.3.8",
+    "orjson==3.13.0",
+    "uvicorn==0.54.0",
+    "fastapi==0.165.0",
+];
 
 /// Python packages the checks install without their dependencies: TRL's would pull torch, transformers and vLLM (GPU
-/// builds); its client code the check runs needs only `requests` and `packaging` (above).
-const PY_CHECK_NO_DEPS: [&str; 1] = ["trl==1.16.0"];
+/// builds); its client code the check runs needs only `requests` and `packaging` (above). sglang-router (the Rust
+/// gateway slime puts in front of every engine, a CPU wheel) goes without its own so that the versions above hold.
+const PY_CHECK_NO_DEPS: [&str; 2] = ["trl==1.16.0", "sglang-router==0.3.2"];
 
 /// Installs [`PY_CHECK_REQUIREMENTS`], then [`PY_CHECK_NO_DEPS`] without dependencies, with `pip install --target`
 /// into `<cache>/pydeps` (once; a marker file records success) and returns that directory, for `PYTHONPATH`.
