@@ -524,6 +524,8 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_split_bf1
         float sum = 0.f, acc[MMA_MAX_HD / 32];
 #pragma unroll
         for (int a = 0; a < MMA_MAX_HD / 32; a++) acc[a] = 0.f;
+        // Unrolled so that the loads of several chunks are in flight at once; the sums stay in chunk order.
+#pragma unroll 4
         for (int sp = 0; sp < row_chunks; sp++) {
             const float ls = __ldcg(part_ml + 2 * (pbase + sp) + 1);
             if (ls > 0.f) {
