@@ -199,7 +199,7 @@ pub const MIN_SPLIT_LEN: usize = 128;
 pub const CHUNK_ALIGN: usize = 64;
 
 /// Resident blocks of [`attention`]'s kernel per multiprocessor where the device cannot say
-/// ([`crate::cuda::GpuInfo::attention_blocks_per_sm`]): 2, the H100's and H200's (229 registers a thread, 128
+/// ([`crate::cuda::GpuInfo::attention_blocks_per_sm`]): 2, the H100's and H200's (209 registers a thread, 128
 /// threads a block, 64K registers an SM).
 pub const ATTENTION_BLOCKS_PER_SM: usize = 2;
 
