@@ -1,5 +1,5 @@
 //! Our CUDA kernels executed in the simulated device with the host's launch plans, against CPU references: one
-//! module per kernel source (`attention.rs`, `kv.rs`, `layer.rs`, `sampling.rs`, `train.rs`,
+//! module per kernel source (`attention.rs`, `kv.rs`, `layer.rs`, `sampling.rs`, `skinny.rs`, `train.rs`,
 //! `train_attention.rs`). Each test body takes the device it runs on: it is its own `#[test]` on a fresh device, and
 //! [`every_kernel_is_launched_by_a_test`] runs every body on one device and counts, from the launches that device
 //! recorded, that each kernel of ours ran.
@@ -35,6 +35,7 @@ mod draft_train;
 mod kv;
 mod layer;
 mod sampling;
+mod skinny;
 mod train;
 mod train_attention;
 
@@ -71,6 +72,7 @@ fn every_kernel_is_launched_by_a_test() {
         kv::BODIES,
         layer::BODIES,
         sampling::BODIES,
+        skinny::BODIES,
         train::BODIES,
         train_attention::BODIES,
     ];

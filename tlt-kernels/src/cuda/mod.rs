@@ -105,6 +105,7 @@ pub const SOURCES: &[KernelSource] = &[
             "silu_mul_packed_bf16",
         ],
     },
+    KernelSource { file: "skinny.cu", text: include_str!("../../cuda/skinny.cu"), kernels: &["skinny_gemm_bf16"] },
     KernelSource {
         file: "kv.cu",
         text: include_str!("../../cuda/kv.cu"),

@@ -250,6 +250,8 @@ pub struct CudaLlama {
     taps: Vec<Tap>,
     /// Blocks of split attention resident on the device at once (`GpuInfo::target_blocks`), which sizes its chunks.
     target_blocks: usize,
+    /// The batch-invariance tests' negative control ([`CudaLlama::split_gemms_by_rows`]).
+    split_by_rows: bool,
 }
 
 impl CudaLlama {
@@ -436,6 +438,7 @@ impl CudaLlama {
             cache,
             taps: vec![Tap::FinalNorm],
             target_blocks,
+            split_by_rows: false,
         })
     }
 
@@ -599,6 +602,7 @@ impl CudaLlama {
             w: &weights,
             layer_taps: &layer_taps,
             target_blocks: self.target_blocks,
+            split_by_rows: self.split_by_rows,
         };
         let step = entry.bufs.bufs()?;
         program.record(&mut GpuOps(self.gpu.as_ref()), &step)?;
@@ -644,6 +648,13 @@ impl CudaLlama {
     /// As [`CudaLlama::logits`].
     pub fn hidden(&self, out: &StepOutput) -> Result<Buf<bf16>> {
         self.buffers(out).map(|b| b.xn.buf())
+    }
+
+    /// The negative control of the batch-invariance tests, never for production: the decode and verify GEMMs'
+    /// K split chosen from the row count ([`StepProgram::split_by_rows`]), so that a row's logits depend on the rows
+    /// beside it. Shapes already run keep what they ran (captured graphs replay it).
+    pub fn split_gemms_by_rows(&mut self, on: bool) {
+        self.split_by_rows = on;
     }
 
     /// Copies the first `len` committed positions of slot `src` to slot `dst` in every layer (a prompt prefilled once

@@ -1,8 +1,10 @@
 //! The decoder forward as a program ([`StepProgram::record`]).
 
 use half::bf16;
-use tlt_kernels::cuda::plan::{self, Buf, Chunks, GemmEx, GemmY, Launch, RowBufs, SeqBufs, SplitParts};
-use tlt_kernels::cuda::{CacheDims, TreeDims};
+use tlt_kernels::cuda::plan::{
+    self, Buf, Chunks, GemmEx, GemmY, Launch, RowBufs, SeqBufs, SkinnyIn, SkinnyOut, SplitParts,
+};
+use tlt_kernels::cuda::{CacheDims, TreeDims, MAX_TREE_NODES};
 
 use super::MetaBufs;
 use crate::config::LlamaConfig;
@@ -129,6 +131,9 @@ pub struct StepProgram<'a> {
     pub layer_taps: &'a [usize],
     /// Blocks of split attention resident at once on the device (`GpuInfo::target_blocks`; [`Chunks::for_cache`]).
     pub target_blocks: usize,
+    /// The negative control of the batch-invariance tests, never set in production: the batch-invariant GEMM's K
+    /// split chosen from the row count (8 warps for one row, 1 for more), which must break the tests.
+    pub split_by_rows: bool,
 }
 
 impl StepProgram<'_> {
@@ -165,41 +170,97 @@ impl StepProgram<'_> {
         Chunks::for_cache(self.cache.attn, self.cache.max_len, self.target_blocks)
     }
 
-    /// Issues the whole forward: embedding, every layer and the LM head into `b.logits`. Per decode layer 9
-    /// launches: the fused q/k/v GEMM, its epilogue (bias, Qwen3 head norms, RoPE, cache write), split attention
-    /// (its chunks combined by their last block), the output GEMM, the residual add fused with the MLP's norm, the fused gate/up GEMM, the
-    /// activation, the down GEMM, and the residual add fused with the next layer's norm (or the final one).
-    /// Launches, GEMMs and device copies only: nothing allocates, synchronises or reads the host, so a CUDA stream
-    /// can capture it into a graph.
+    /// Whether a step of `n_max` nodes per sequence runs on the batch-invariant GEMM ([`plan::skinny_gemm`]): the
+    /// decode and verify shapes (at most [`MAX_TREE_NODES`] nodes) of a model whose inner dimensions the kernel
+    /// takes and whose output, gate/up and down projections have no bias. Longer steps (prefill) run cuBLAS.
+    #[must_use]
+    pub fn batch_invariant(&self, n_max: usize) -> bool {
+        let cfg = self.cfg;
+        let dims = [cfg.hidden_size, cfg.intermediate_size, cfg.q_dim()];
+        let unbiased = self.w.layers.iter().all(|l| l.o.b.is_none() && l.gate_up.b.is_none() && l.down.b.is_none());
+        n_max <= MAX_TREE_NODES && dims.into_iter().all(plan::skinny_takes) && unbiased
+    }
+
+    /// Issues the whole forward: embedding, every layer and the LM head into `b.logits` (and the final norm's rows
+    /// into `b.xn`). Launches, GEMMs and device copies only: nothing allocates, synchronises or reads the host, so a
+    /// CUDA stream can capture it into a graph.
+    ///
+    /// Decode and verify shapes ([`Self::batch_invariant`]) run 6 launches per layer, each row's bits independent of
+    /// the rows beside it: the q/k/v GEMM with the input norm in its prologue, its epilogue kernel (bias, Qwen3 head
+    /// norms, RoPE, cache write), split attention (its chunks combined by their last block), the output GEMM adding
+    /// into the residual stream, the gate/up GEMM with the MLP's norm in its prologue and SwiGLU in its epilogue, the
+    /// down GEMM adding into the residual stream; the LM head is one more with the final norm in its prologue.
+    /// Other shapes run cuBLAS: 9 launches per layer ([`Self::record_cublas`]).
     ///
     /// # Errors
     /// A plan's shape check, or the executor's error.
     pub fn record(&self, ops: &mut dyn DeviceOps, b: &StepBufs) -> Result<()> {
+        if !self.batch_invariant(b.n_max) {
+            return self.record_cublas(ops, b);
+        }
         let cfg = self.cfg;
         let w = self.w;
         let rows = b.batch * b.n_max;
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps as f32);
+        let norm = |weight| SkinnyIn::Norm { x: b.x, weight, eps, out: None };
+        let groups = if self.split_by_rows && rows > 1 { 1 } else { plan::SKINNY_K_GROUPS };
+        let gemm = |n, k, input, w, out| plan::skinny_gemm_split(rows, n, k, input, w, out, groups);
+        ops.launch(&plan::embed_rows(rows, h, w.embed, b.meta.tokens, b.x)?)?;
+        self.tap(ops, b, 0)?;
+        for (li, lw) in w.layers.iter().enumerate() {
+            let qkv = SkinnyOut::Bf16 { y: b.qkv, bias: None };
+            ops.launch(&gemm(lw.qkv.out, h, norm(lw.in_norm), lw.qkv.w, qkv)?)?;
+            self.attention(ops, b, li, lw)?;
+            let (o, gu, down) = (&lw.o, &lw.gate_up, &lw.down);
+            ops.launch(&gemm(o.out, o.inp, SkinnyIn::Bf16(b.attn), o.w, SkinnyOut::AddF32(b.x))?)?;
+            ops.launch(&gemm(gu.out, h, norm(lw.post_norm), gu.w, SkinnyOut::SwiGlu(b.act))?)?;
+            ops.launch(&gemm(down.out, down.inp, SkinnyIn::Bf16(b.act), down.w, SkinnyOut::AddF32(b.x))?)?;
+            self.tap(ops, b, li + 1)?;
+        }
+        let head = w.head.unwrap_or(w.embed);
+        let last = SkinnyIn::Norm { x: b.x, weight: w.norm, eps, out: Some(b.xn) };
+        ops.launch(&gemm(cfg.vocab_size, h, last, head, SkinnyOut::F32(b.logits))?)?;
+        Ok(())
+    }
+
+    /// A layer's q/k/v epilogue and attention: from `b.qkv` to `b.attn`.
+    fn attention(&self, ops: &mut dyn DeviceOps, b: &StepBufs, li: usize, lw: &LayerBufs) -> Result<()> {
+        let rows = b.batch * b.n_max;
         let tree = TreeDims { batch: b.batch, n_max: b.n_max };
         let chunks = self.chunks(b.batch, b.n_max);
         let parts = (chunks.n_splits > 1).then_some(b.parts);
         let (kc, vc) = (self.k_cache, self.v_cache);
+        let m = &b.meta;
+        let meta = RowBufs { slot: m.row_slot, pos: m.row_pos, dst: m.row_dst };
+        let (inv, bias, eps) = (self.w.inv_freq, lw.qkv.b, self.cfg.rms_norm_eps as f32);
+        ops.launch(&plan::qkv_rope_kv_write(
+            self.cache, li, rows, b.qkv, bias, lw.qk_norm, b.q, kc, vc, meta, inv, eps,
+        )?)?;
+        let seq = SeqBufs { slot: m.seq_slot, prefix_len: m.seq_prefix, n_nodes: m.seq_nodes };
+        for l in plan::attention(self.cache, li, tree, chunks, b.q, kc, vc, b.attn, seq, m.anc, parts)? {
+            ops.launch(&l)?;
+        }
+        Ok(())
+    }
+
+    /// The forward on cuBLAS (prefill shapes): per layer 9 launches: the fused q/k/v GEMM, its epilogue, split
+    /// attention, the output GEMM, the residual add fused with the MLP's norm, the fused gate/up GEMM, the
+    /// activation, the down GEMM, and the residual add fused with the next layer's norm (or the final one).
+    ///
+    /// # Errors
+    /// As [`Self::record`].
+    pub fn record_cublas(&self, ops: &mut dyn DeviceOps, b: &StepBufs) -> Result<()> {
+        let cfg = self.cfg;
+        let w = self.w;
+        let rows = b.batch * b.n_max;
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps as f32);
         ops.launch(&plan::embed_rows(rows, h, w.embed, b.meta.tokens, b.x)?)?;
         self.tap(ops, b, 0)?;
         let first = w.layers.first().map_or(w.norm, |l| l.in_norm);
         ops.launch(&plan::rms_norm(rows, h, eps, b.x, first, b.xn)?)?;
         for (li, lw) in w.layers.iter().enumerate() {
             self.linear(ops, rows, b.xn, &lw.qkv, b.qkv, false)?;
-            let m = &b.meta;
-            let meta = RowBufs { slot: m.row_slot, pos: m.row_pos, dst: m.row_dst };
-            let inv = w.inv_freq;
-            let bias = lw.qkv.b;
-            ops.launch(&plan::qkv_rope_kv_write(
-                self.cache, li, rows, b.qkv, bias, lw.qk_norm, b.q, kc, vc, meta, inv, eps,
-            )?)?;
-            let seq = SeqBufs { slot: m.seq_slot, prefix_len: m.seq_prefix, n_nodes: m.seq_nodes };
-            for l in plan::attention(self.cache, li, tree, chunks, b.q, kc, vc, b.attn, seq, m.anc, parts)? {
-                ops.launch(&l)?;
-            }
+            self.attention(ops, b, li, lw)?;
             self.linear(ops, rows, b.attn, &lw.o, b.o, true)?;
             ops.launch(&plan::add_rms_norm(rows, h, eps, b.x, b.o, lw.post_norm, b.xn)?)?;
             self.linear(ops, rows, b.xn, &lw.gate_up, b.gate_up, true)?;

@@ -8,7 +8,7 @@
 use half::bf16;
 use serde::Serialize;
 use tlt_kernels::cuda::plan::{
-    row_tiles, splits_attention, Buf, GemmEx, Launch, SplitParts, ATTENTION_BLOCKS_PER_SM, MMA_ROWS,
+    row_tiles, splits_attention, Buf, GemmEx, Launch, SkinnyShape, SplitParts, ATTENTION_BLOCKS_PER_SM, MMA_ROWS,
 };
 use tlt_kernels::cuda::{CacheDims, TreeDims};
 use tlt_kernels::AttnShape;
@@ -127,6 +127,11 @@ impl Counter<'_> {
 
 impl DeviceOps for Counter<'_> {
     fn launch(&mut self, l: &Launch) -> Result<()> {
+        if let Some(g) = SkinnyShape::of(l) {
+            // Named as a GEMM: the weights' part of the step's split.
+            self.push(format!("gemm skinny {} x {} x {}", g.m, g.n, g.k), g.bytes(), g.flops());
+            return Ok(());
+        }
         let c = self.cfg;
         let (rows, h, i) = (self.rows as f64, c.hidden_size as f64, c.intermediate_size as f64);
         let (qd, kvd, heads, hd) =
@@ -250,6 +255,7 @@ pub fn step(
         w: &w,
         layer_taps: &[],
         target_blocks: hw.sms * ATTENTION_BLOCKS_PER_SM,
+        split_by_rows: false,
     };
     let rows = batch * n_max;
     let tree = TreeDims { batch, n_max };

@@ -239,6 +239,7 @@ mod attention;
 mod draft_train;
 mod gemm;
 mod rows;
+mod skinny;
 mod train;
 mod train_attention;
 
@@ -246,6 +247,7 @@ pub use attention::*;
 pub use draft_train::*;
 pub use gemm::*;
 pub use rows::*;
+pub use skinny::*;
 pub use train::*;
 pub use train_attention::*;
 
