@@ -31,7 +31,7 @@ and eval requests go to the router's `/generate` (slime's `generate` posts there
 workers' URLs from the router's `GET /workers`, then each worker's `/abort_request` with `abort_all` until its
 `/v1/loads?include=core` counts no request (`abort_servers_until_idle`); the other control calls go to the engine,
 as slime's engine actors send them. Also checked through the router: an eval request (slime's eval sampling
-parameters, greedy, seeded), and a `/generate` option at a value the server does not serve, refused with a 400
+parameters, greedy, seeded, with stop strings), and a `/generate` option at a value the server does not serve, refused with a 400
 that names it (slime would otherwise train on an answer that ignored it).
 
 `--schema-out FILE` writes, for every answer parsed, its JSON shape: per check (`POST /generate`, `POST /generate
@@ -144,9 +144,9 @@ def get(url, check):
 
 
 def eval_sampling_params(max_new_tokens, seed):
-    # slime's eval_rollout_single_dataset base_sampling_params at an eval dataset's settings (greedy), with
-    # sglang_enable_deterministic_inference's sampling_seed.
-    return dict(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, stop=None,
+    # slime's eval_rollout_single_dataset base_sampling_params at an eval dataset's settings (greedy, stop strings
+    # as `--rollout-stop` gives them), with sglang_enable_deterministic_inference's sampling_seed.
+    return dict(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, stop=["</answer>", "\n\n"],
                 stop_token_ids=None, skip_special_tokens=False, no_stop_trim=True,
                 spaces_between_special_tokens=False, sampling_seed=seed)
 

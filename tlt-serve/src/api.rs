@@ -24,13 +24,15 @@ pub struct SamplingParams {
     pub ignore_eos: Option<bool>,
     /// Seed of the request's sampling stream (absent: a fresh stream per request).
     pub sampling_seed: Option<u64>,
-    /// Stop strings: absent, null or empty (as slime sends by default); stop strings are not served yet, so any
-    /// other value is refused by name.
+    /// Stop strings: a string or a list of them (absent, null or empty: none). The answer ends at the token whose
+    /// text completes one (kept in `output_ids` and its log-probs); finish reason `{"type": "stop", "matched":
+    /// <the string>}`; `text` is cut before the string's first occurrence unless `no_stop_trim`. Needs a
+    /// tokenizer; at most [`MAX_STOP_STRINGS`] strings of at most [`MAX_STOP_BYTES`] bytes.
     pub stop: Option<serde_json::Value>,
     /// Decode `text` without special tokens. Default true (SGLang's).
     pub skip_special_tokens: Option<bool>,
-    /// SGLang's switch to keep a matched stop string in `text`: accepted either way (stop strings are refused, and
-    /// `output_ids` always end with the stop token that ended them).
+    /// Keep a matched stop string in `text` (default false: `text` ends before it). Stop tokens are kept either
+    /// way: `output_ids` end with the stop token that ended them.
     pub no_stop_trim: Option<bool>,
     /// SGLang's detokenization switch: accepted either way (`text` is the tokenizer's own decoding).
     pub spaces_between_special_tokens: Option<bool>,
@@ -217,20 +219,34 @@ pub struct FinishReason {
     /// `stop` (a stop token), `length` (`max_new_tokens` or the context) or `abort`.
     #[serde(rename = "type")]
     pub kind: String,
-    /// The stop token that ended it.
+    /// The stop token or stop string that ended it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub matched: Option<u32>,
+    pub matched: Option<Matched>,
     /// Why it was aborted.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
 
+/// What stopped a request, as SGLang's `matched` gives it: a token id or a stop string.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(untagged)]
+pub enum Matched {
+    /// A stop token.
+    Token(u32),
+    /// A stop string.
+    Text(String),
+}
+
 impl FinishReason {
-    /// SGLang's reason for an output that ended for `reason` with `last` its last token.
-    pub fn of(reason: tlt_spec_decode::FinishReason, last: Option<u32>) -> Self {
+    /// SGLang's reason for an output that ended for `reason` with `last` its last token, `stop` the request's stop
+    /// strings.
+    pub fn of(reason: tlt_spec_decode::FinishReason, last: Option<u32>, stop: &[String]) -> Self {
         let kind = finish_kind(reason).to_owned();
         match reason {
-            tlt_spec_decode::FinishReason::Stop => Self { kind, matched: last, message: None },
+            tlt_spec_decode::FinishReason::Stop => Self { kind, matched: last.map(Matched::Token), message: None },
+            tlt_spec_decode::FinishReason::StopString { index } => {
+                Self { kind, matched: stop.get(index).cloned().map(Matched::Text), message: None }
+            }
             tlt_spec_decode::FinishReason::Abort => {
                 Self { kind, matched: None, message: Some("aborted before it finished".into()) }
             }
@@ -414,6 +430,7 @@ impl OpenAiOptions {
             top_k,
             max_new_tokens: new_tokens(max_tokens_field, max_tokens, 16)?,
             stop_token_ids: Some(stop),
+            stop_strings: Vec::new(),
             seed: self.seed,
             stream: self.seed.map_or(0, |s| seeded_stream(s, 0)),
         })
@@ -455,6 +472,8 @@ pub struct Sampling {
     pub max_new_tokens: usize,
     /// Stop tokens (`None`: the model's end of sequence).
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Stop strings (matched in the decoded output).
+    pub stop_strings: Vec<String>,
     /// The client's sampling seed.
     pub seed: Option<u64>,
     /// The request's coin stream (every engine of the server has the same seed, so requests with different seeds
@@ -549,22 +568,51 @@ fn new_tokens(field: &str, n: Option<u64>, default: u64) -> Result<usize> {
     }
 }
 
+/// Most stop strings a request may give.
+pub const MAX_STOP_STRINGS: usize = 32;
+/// Longest stop string, in bytes (every new token decodes a window of as many tokens).
+pub const MAX_STOP_BYTES: usize = 256;
+
 impl SamplingParams {
+    /// The stop strings: `stop` as a string or a list of strings (none when absent, null, `""` or `[]`).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming `sampling_params.stop` (or the element) for another type, an empty string in a
+    /// list, or more or longer strings than the limits.
+    pub fn stop_strings(&self) -> Result<Vec<String>> {
+        const FIELD: &str = "sampling_params.stop";
+        let strings = match &self.stop {
+            None | Some(serde_json::Value::Null) => return Ok(Vec::new()),
+            Some(serde_json::Value::String(s)) if s.is_empty() => return Ok(Vec::new()),
+            Some(serde_json::Value::String(s)) => vec![s.clone()],
+            Some(serde_json::Value::Array(items)) => {
+                let mut out = Vec::with_capacity(items.len());
+                for (i, v) in items.iter().enumerate() {
+                    match v.as_str() {
+                        Some(s) if !s.is_empty() => out.push(s.to_owned()),
+                        _ => return Err(invalid(&format!("{FIELD}[{i}]"), "a stop string must be a non-empty string")),
+                    }
+                }
+                out
+            }
+            Some(_) => return Err(invalid(FIELD, "a string or a list of strings")),
+        };
+        if strings.len() > MAX_STOP_STRINGS {
+            return Err(invalid(FIELD, format!("{} stop strings; at most {MAX_STOP_STRINGS}", strings.len())));
+        }
+        if let Some(i) = strings.iter().position(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(invalid(&format!("{FIELD}[{i}]"), format!("longer than {MAX_STOP_BYTES} bytes")));
+        }
+        Ok(strings)
+    }
+
     /// Validated, with the model's end-of-sequence tokens added to the stop tokens unless `ignore_eos`.
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the field.
     pub fn validate(&self, limits: &Limits) -> Result<Sampling> {
         let field = |name: &str| format!("sampling_params.{name}");
-        let stop_empty = match &self.stop {
-            None | Some(serde_json::Value::Null) => true,
-            Some(serde_json::Value::String(s)) => s.is_empty(),
-            Some(serde_json::Value::Array(a)) => a.is_empty(),
-            Some(_) => false,
-        };
-        if !stop_empty {
-            return Err(invalid(&field("stop"), "stop strings are not served yet: use stop_token_ids"));
-        }
+        let stop_strings = self.stop_strings()?;
         let neutral = [
             ("n", self.n.is_none_or(|n| n == 1), "only 1 is served (send a request per sample)"),
             ("min_new_tokens", self.min_new_tokens.is_none_or(|n| n == 0), "only 0 is served"),
@@ -604,6 +652,7 @@ impl SamplingParams {
             top_k,
             max_new_tokens,
             stop_token_ids: Some(stop),
+            stop_strings,
             seed: self.sampling_seed,
             stream: self.sampling_seed.map_or(0, |s| seeded_stream(s, 0)),
         })

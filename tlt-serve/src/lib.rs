@@ -160,16 +160,18 @@ impl Server {
             speculate: cfg.decode.speculate,
             eagle: cfg.decode.eagle.is_some(),
         });
+        let tokenizer = tokenizer.map(std::sync::Arc::new);
+        let engine_tokenizer = tokenizer.clone();
         let engine_stats = stats.clone();
         let eagle =
             decode.eagle.as_ref().map(|e| drafter::OnlineDrafter::new(&model, e, stats.drafter.clone())).transpose()?;
         let engine = std::thread::Builder::new()
             .name("tlt-serve-engine".into())
-            .spawn(move || worker::run(model, &rx, &decode, &engine_stats, eagle))
+            .spawn(move || worker::run(model, &rx, &decode, &engine_stats, eagle, engine_tokenizer))
             .map_err(|e| Error::Model(format!("starting the engine thread: {e}")))?;
         let state = std::sync::Arc::new(routes::AppState {
             msgs: jobs,
-            tokenizer: tokenizer.map(std::sync::Arc::new),
+            tokenizer,
             limits,
             model_name: cfg.model_name,
             next_id: std::sync::atomic::AtomicU64::new(0),

@@ -243,6 +243,10 @@ pub(crate) type Prepared = (String, Vec<u32>, Sampling);
 pub(crate) fn prepare_generate(s: &AppState, req: &GenerateRequest) -> crate::Result<(Vec<Prepared>, bool)> {
     req.check_unserved()?;
     let sampling = req.sampling_params.validate(&s.limits)?;
+    if !sampling.stop_strings.is_empty() && s.tokenizer.is_none() {
+        let reason = "this model has no tokenizer to match stop strings with: use stop_token_ids";
+        return Err(Error::Invalid { field: "sampling_params.stop".into(), reason: reason.into() });
+    }
     let (field, prompts, batched) = match (&req.input_ids, &req.text) {
         (Some(ids), None) => {
             let (items, batched) = ids.items();
@@ -298,11 +302,20 @@ pub(crate) fn generate_response(
     let text = |t: u32| req.return_text_in_logprobs.then(|| s.detokenize_with(&[t], false));
     let logprobs =
         req.return_logprob.then(|| out.logprobs.iter().zip(&out.tokens).map(|(&l, &t)| (l, t, text(t))).collect());
+    let stop = req.sampling_params.stop_strings().unwrap_or_default();
+    let mut text = s.detokenize_with(&out.tokens, req.sampling_params.skip_special_tokens.unwrap_or(true));
+    // SGLang's trim: the text ends before the first occurrence of the stop string that ended it.
+    if let (true, tlt_spec_decode::FinishReason::StopString { index }) = (finished, out.reason) {
+        let at = stop.get(index).and_then(|m| text.find(m.as_str()));
+        if let (Some(at), false) = (at, req.sampling_params.no_stop_trim.unwrap_or(false)) {
+            text.truncate(at);
+        }
+    }
     GenerateResponse {
-        text: s.detokenize_with(&out.tokens, req.sampling_params.skip_special_tokens.unwrap_or(true)),
+        text,
         meta_info: MetaInfo {
             id: rid.to_owned(),
-            finish_reason: finished.then(|| FinishReason::of(out.reason, out.tokens.last().copied())),
+            finish_reason: finished.then(|| FinishReason::of(out.reason, out.tokens.last().copied(), &stop)),
             prompt_tokens: out.prompt_tokens,
             completion_tokens: out.tokens.len(),
             cached_tokens: 0,
@@ -320,7 +333,7 @@ pub(crate) fn generate_response(
 #[derive(serde::Serialize)]
 #[serde(untagged)]
 enum GenerateAnswer {
-    One(GenerateResponse),
+    One(Box<GenerateResponse>),
     Many(Vec<GenerateResponse>),
 }
 
@@ -337,7 +350,7 @@ async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<Gener
         answers.push(generate_response(s, &req, &rid, &out, true));
     }
     match answers.pop() {
-        Some(one) if !batched => Ok(GenerateAnswer::One(one)),
+        Some(one) if !batched => Ok(GenerateAnswer::One(Box::new(one))),
         last => Ok(GenerateAnswer::Many(answers.into_iter().chain(last).collect())),
     }
 }
@@ -415,6 +428,7 @@ async fn health_generate(State(s): State<Arc<AppState>>) -> Response {
         top_k: None,
         max_new_tokens: 1,
         stop_token_ids: Some(Vec::new()),
+        stop_strings: Vec::new(),
         seed: None,
         stream: 0,
     };

@@ -200,6 +200,7 @@ struct Key {
     top_p: Option<u32>,
     top_k: Option<usize>,
     stop: Option<Vec<u32>>,
+    stop_strings: Vec<String>,
 }
 
 impl Key {
@@ -209,7 +210,19 @@ impl Key {
             top_p: s.top_p.map(f32::to_bits),
             top_k: s.top_k,
             stop: s.stop_token_ids.clone(),
+            stop_strings: s.stop_strings.clone(),
         }
+    }
+}
+
+/// The server's tokenizer, shared, as the engine's stop-string decoder (special tokens skipped).
+#[derive(Debug)]
+struct SharedTokenizer(Arc<tokenizers::Tokenizer>);
+
+impl tlt_spec_decode::TokenDecoder for SharedTokenizer {
+    fn decode(&self, tokens: &[u32]) -> tlt_spec_decode::Result<String> {
+        // tlt-spec-decode's own decoding for a tokenizer (special tokens skipped).
+        tlt_spec_decode::TokenDecoder::decode(&*self.0, tokens)
     }
 }
 
@@ -231,16 +244,26 @@ struct Lane {
 }
 
 impl Lane {
-    fn new(model: Arc<Llama>, s: &Sampling, cfg: &DecodeConfig, eagle: Option<&OnlineDrafter>) -> Result<Self> {
+    fn new(
+        model: Arc<Llama>,
+        s: &Sampling,
+        cfg: &DecodeConfig,
+        eagle: Option<&OnlineDrafter>,
+        tokenizer: Option<&Arc<tokenizers::Tokenizer>>,
+    ) -> Result<Self> {
         let params = SpecParams {
             sampling: SamplingParams { temperature: s.temperature, top_k: s.top_k, top_p: s.top_p },
             max_new_tokens: s.max_new_tokens,
             stop_token_ids: s.stop_token_ids.clone(),
-            stop: Vec::new(),
+            stop: s.stop_strings.clone(),
             // One seed for every engine: a request's own seed chose its coin stream.
             seed: 0,
         };
         let mut engine = Engine::new(model, params).map_err(|e| Error::Engine(e.to_string()))?;
+        if !s.stop_strings.is_empty() {
+            let tok = tokenizer.ok_or_else(|| Error::Engine("stop strings without a tokenizer".into()))?;
+            engine = engine.with_decoder(Box::new(SharedTokenizer(tok.clone())));
+        }
         // The online drafter trains on the target's hidden states of what this engine decodes.
         engine.record_hidden(eagle.is_some());
         let drafter: Option<Box<dyn Drafter>> = match (cfg.speculate, eagle) {
@@ -380,11 +403,20 @@ struct Worker<'c> {
     paused: bool,
     /// TLT's online EAGLE drafter, when the server drafts with it.
     eagle: Option<OnlineDrafter>,
+    /// The model's tokenizer (stop strings are matched in its decoding).
+    tokenizer: Option<Arc<tokenizers::Tokenizer>>,
 }
 
 /// The engine thread's loop: until every sender of `msgs` is gone and nothing runs; then the online drafter (`eagle`,
-/// drafting for every engine when given) is checkpointed.
-pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: &Stats, eagle: Option<OnlineDrafter>) {
+/// drafting for every engine when given) is checkpointed. `tokenizer` matches stop strings.
+pub fn run(
+    model: Llama,
+    msgs: &mpsc::Receiver<Msg>,
+    cfg: &DecodeConfig,
+    stats: &Stats,
+    eagle: Option<OnlineDrafter>,
+    tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+) {
     let mut w = Worker {
         model: Arc::new(model),
         cfg,
@@ -394,6 +426,7 @@ pub fn run(model: Llama, msgs: &mpsc::Receiver<Msg>, cfg: &DecodeConfig, stats: 
         update: None,
         paused: false,
         eagle,
+        tokenizer,
     };
     loop {
         let live: usize = w.lanes.iter().map(|l| l.engine.live_tokens()).sum();
@@ -551,7 +584,13 @@ impl Worker<'_> {
         let key = Key::of(&job.sampling);
         let at = match self.lanes.iter().position(|l| l.key == key) {
             Some(i) => i,
-            None => match Lane::new(self.model.clone(), &job.sampling, self.cfg, self.eagle.as_ref()) {
+            None => match Lane::new(
+                self.model.clone(),
+                &job.sampling,
+                self.cfg,
+                self.eagle.as_ref(),
+                self.tokenizer.as_ref(),
+            ) {
                 Ok(lane) => {
                     self.lanes.push(lane);
                     self.lanes.len() - 1
