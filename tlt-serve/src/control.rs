@@ -65,8 +65,12 @@ pub(crate) async fn pause(State(s): State<Arc<AppState>>, body: Bytes) -> Respon
 
 /// `POST /continue_generation`.
 pub(crate) async fn resume(State(s): State<Arc<AppState>>) -> Response {
-    if s.msgs.send(Msg::Continue).is_err() {
-        return Error::Stopped.into_response();
+    if let Err(e) = s.msgs.try_send(Msg::Continue) {
+        return match e {
+            std::sync::mpsc::TrySendError::Full(_) => Error::Full("the engine's queue is full: retry".into()),
+            std::sync::mpsc::TrySendError::Disconnected(_) => Error::Stopped,
+        }
+        .into_response();
     }
     // The switch the engine thread sets; reported at once so that a client reading /metrics next sees it.
     s.stats.paused.store(false, Ordering::Relaxed);
@@ -90,7 +94,25 @@ pub(crate) async fn abort(State(s): State<Arc<AppState>>, body: Result<Json<Abor
     .await
 }
 
-/// `POST /update_weights_from_disk`: loads the checkpoint off the engine thread (decoding goes on meanwhile), then
+/// The update in progress: taken, or refused (409) while another holds it; released when dropped.
+struct OneUpdate<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl<'a> OneUpdate<'a> {
+    fn take(flag: &'a std::sync::atomic::AtomicBool) -> crate::Result<Self> {
+        flag.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .map(|_| Self(flag))
+            .map_err(|_| Error::Busy("another weight update is in progress: refused before loading".into()))
+    }
+}
+
+impl Drop for OneUpdate<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// `POST /update_weights_from_disk`: only from under the `--weights-dir` roots ([`crate::weights`]), one at a time;
+/// loads the checkpoint off the engine thread (decoding goes on meanwhile), then
 /// swaps it in between rounds once the running requests have finished on the old weights (or were aborted, with
 /// `abort_all_requests`); requests that arrive meanwhile wait and decode on the new weights. Answers SGLang's
 /// `{"success", "message", "num_paused_requests"}` once the new weights serve.
@@ -103,11 +125,13 @@ pub(crate) async fn update_weights(
             let reason = format!("`{f}` is not served: `auto` (read off the path: a directory or a .gguf file)");
             return Err(Error::Invalid { field: "load_format".into(), reason });
         }
-        let path = std::path::PathBuf::from(&req.model_path);
-        let loaded = tokio::task::spawn_blocking(move || tlt_model::load(&path))
+        // One update at a time, refused before anything is read.
+        let _one = OneUpdate::take(&s.stats.updating)?;
+        let roots = s.weight_roots.clone();
+        let requested = req.model_path.clone();
+        let loaded = tokio::task::spawn_blocking(move || roots.load(&requested))
             .await
-            .map_err(|e| Error::Model(format!("loading the weights: {e}")))?
-            .map_err(|e| Error::Invalid { field: "model_path".into(), reason: e.to_string() })?;
+            .map_err(|_| Error::Engine("loading the weights failed (see the server's log)".into()))??;
         let version = req.weight_version.clone().unwrap_or_else(|| s.stats.version().to_string());
         let aborted = s
             .control(|reply| {

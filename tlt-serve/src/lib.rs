@@ -22,11 +22,13 @@ pub mod api;
 pub mod chat;
 pub mod control;
 pub mod drafter;
+pub mod guard;
 pub mod routes;
 pub mod server_info;
 pub mod stats;
 mod stream;
 pub mod trl;
+pub mod weights;
 pub mod worker;
 
 /// Everything that can go wrong in `tlt-serve`.
@@ -47,9 +49,28 @@ pub enum Error {
     /// The server cannot do it now (another weight update runs; requests paused in place): a 409 saying why.
     #[error("{0}")]
     Busy(String),
-    /// The engine thread is gone (the server is shutting down).
+    /// The engine thread is gone (the server is shutting down, or it died): a 503.
     #[error("the engine thread stopped")]
     Stopped,
+    /// Not allowed (a weight path outside the `--weights-dir` roots): a 403 naming the field.
+    #[error("{field}: {reason}")]
+    Forbidden {
+        /// The field.
+        field: String,
+        /// Why, without anything of the file it names.
+        reason: String,
+    },
+    /// The engine's queue is full: a 429 saying so.
+    #[error("{0}")]
+    Full(String),
+    /// A request asks for more than the server's bounds (prompts x `n`): a 413 naming the field.
+    #[error("{field}: {reason}")]
+    TooLarge {
+        /// The field.
+        field: String,
+        /// The bound.
+        reason: String,
+    },
     /// Loading the model or tokenizer, or the tokenizer on a prompt.
     #[error("{0}")]
     Model(String),
@@ -70,6 +91,8 @@ pub struct ServeConfig {
     /// The model's chat template, for `/v1/chat/completions` (see [`chat::model_template`]); without one, chat
     /// requests are refused.
     pub chat_template: Option<tlt_rl::task::ChatTemplate>,
+    /// The API key, the weight roots, the queue, batch and time bounds ([`guard::GuardConfig`]).
+    pub guard: guard::GuardConfig,
 }
 
 /// Sets the process's allocator up for the engine thread (glibc only; elsewhere a no-op). Call it first thing in
@@ -121,6 +144,9 @@ pub async fn bind(host: &str, port: u16) -> std::io::Result<tokio::net::TcpListe
         .unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{host} resolves to nothing"))))
 }
 
+/// Room in the engine thread's channel beyond the queued requests, for control messages.
+pub const CONTROL_SLOTS: usize = 1024;
+
 /// A running server's parts: the router to serve, and the engine thread, which ends once the router (every clone
 /// of its state) is dropped.
 pub struct Server {
@@ -145,7 +171,16 @@ impl Server {
         if cfg.decode.max_running == 0 {
             return Err(Error::Invalid { field: "max_running".into(), reason: "must be at least 1".into() });
         }
-        let (jobs, rx) = std::sync::mpsc::channel();
+        if cfg.guard.max_queued == 0 || cfg.guard.max_batch == 0 {
+            let reason = "the queue and batch bounds must be at least 1";
+            return Err(Error::Invalid { field: "max_queued".into(), reason: reason.into() });
+        }
+        let weight_roots = weights::WeightRoots::new(&cfg.guard.weights_dirs)?;
+        if weight_roots.is_empty() {
+            tracing::info!("no --weights-dir: /update_weights_from_disk refuses every path");
+        }
+        // Bounded: the waiting requests (at most `max_queued`, counted before they are sent) and control messages.
+        let (jobs, rx) = std::sync::mpsc::sync_channel(cfg.guard.max_queued.saturating_add(CONTROL_SLOTS));
         let decode = cfg.decode.clone();
         let stats = std::sync::Arc::new(stats::Stats::default());
         *stats.weight_version.write().map_err(|_| Error::Model("the version lock is poisoned".into()))? =
@@ -167,7 +202,20 @@ impl Server {
             decode.eagle.as_ref().map(|e| drafter::OnlineDrafter::new(&model, e, stats.drafter.clone())).transpose()?;
         let engine = std::thread::Builder::new()
             .name("tlt-serve-engine".into())
-            .spawn(move || worker::run(model, &rx, &decode, &engine_stats, eagle, engine_tokenizer))
+            .spawn(move || {
+                let run = std::panic::AssertUnwindSafe(|| {
+                    worker::run(model, &rx, &decode, &engine_stats, eagle, engine_tokenizer);
+                });
+                if let Err(p) = std::panic::catch_unwind(run) {
+                    let cause = p
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic without a message".into());
+                    tracing::error!(%cause, "the engine thread panicked: every route answers 503 from now on");
+                    let _ = engine_stats.engine_failure.set(cause);
+                }
+            })
             .map_err(|e| Error::Model(format!("starting the engine thread: {e}")))?;
         let state = std::sync::Arc::new(routes::AppState {
             msgs: jobs,
@@ -180,6 +228,8 @@ impl Server {
             chat_template: cfg.chat_template,
             max_running: cfg.decode.max_running,
             server_args,
+            weight_roots,
+            guard: cfg.guard,
         });
         Ok(Self { router: routes::router(state), engine })
     }

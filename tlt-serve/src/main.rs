@@ -57,6 +57,23 @@ struct Args {
     /// Most drafter optimizer steps per weight version (default: unbounded).
     #[arg(long)]
     drafter_steps_per_version: Option<u64>,
+    /// Require `Authorization: Bearer KEY` on every route but `/health*` and `/metrics` (SGLang's `--api-key`).
+    /// Default: none, every route open.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// A directory `/update_weights_from_disk` may load checkpoints from (repeatable; symlinks resolved). Without
+    /// one, every update from disk is refused.
+    #[arg(long = "weights-dir")]
+    weights_dirs: Vec<PathBuf>,
+    /// Most requests waiting for the engine; past it a request is answered 429.
+    #[arg(long, default_value_t = tlt_serve::guard::DEFAULT_MAX_QUEUED)]
+    max_queued_requests: usize,
+    /// Most samples (prompts x n) in one request; past it a 413.
+    #[arg(long, default_value_t = tlt_serve::guard::DEFAULT_MAX_BATCH)]
+    max_batch_requests: usize,
+    /// Abort and answer 504 a request not answered within this many seconds (0: no limit, the default).
+    #[arg(long, default_value_t = 0.0)]
+    request_timeout: f64,
 }
 
 impl Args {
@@ -110,6 +127,16 @@ async fn serve(tuned_allocator: bool) -> Result<()> {
         model_name: args.model.display().to_string(),
         weight_version: args.weight_version,
         chat_template,
+        guard: tlt_serve::guard::GuardConfig {
+            api_key: args.api_key.clone(),
+            weights_dirs: args.weights_dirs.clone(),
+            max_queued: args.max_queued_requests,
+            max_batch: args.max_batch_requests,
+            request_timeout: (args.request_timeout > 0.0)
+                .then(|| std::time::Duration::try_from_secs_f64(args.request_timeout))
+                .transpose()
+                .context("--request-timeout")?,
+        },
     };
     let server = Server::start(loaded.model, loaded.tokenizer, cfg)?;
     let listener =

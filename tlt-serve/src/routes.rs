@@ -30,8 +30,9 @@ pub const BODY_LIMIT: usize = 16 << 20;
 
 /// What the handlers share.
 pub struct AppState {
-    /// The engine thread's queue.
-    pub msgs: mpsc::Sender<Msg>,
+    /// The engine thread's queue (bounded: [`crate::guard::GuardConfig::max_queued`] requests and
+    /// [`crate::CONTROL_SLOTS`] control messages).
+    pub msgs: mpsc::SyncSender<Msg>,
     /// The model's tokenizer (text prompts and outputs need it).
     pub tokenizer: Option<Arc<Tokenizer>>,
     /// Request limits.
@@ -50,6 +51,10 @@ pub struct AppState {
     pub max_running: usize,
     /// SGLang's server arguments as this server runs (`/get_server_info`, `/server_info`; [`crate::server_info`]).
     pub server_args: serde_json::Value,
+    /// Where `/update_weights_from_disk` may load from.
+    pub weight_roots: crate::weights::WeightRoots,
+    /// The key, the bounds.
+    pub guard: crate::guard::GuardConfig,
 }
 
 impl IntoResponse for Error {
@@ -58,6 +63,11 @@ impl IntoResponse for Error {
             Error::Invalid { field, .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", Some(field.clone())),
             Error::Model(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
             Error::Busy(_) => (StatusCode::CONFLICT, "invalid_request_error", None),
+            Error::Forbidden { field, .. } => (StatusCode::FORBIDDEN, "invalid_request_error", Some(field.clone())),
+            Error::Full(_) => (StatusCode::TOO_MANY_REQUESTS, "server_error", None),
+            Error::TooLarge { field, .. } => {
+                (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", Some(field.clone()))
+            }
             Error::Stopped => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None),
             Error::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
         };
@@ -121,6 +131,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/get_tensor_parallel_size/", get(crate::trl::tensor_parallel_size))
         .route("/reset_prefix_cache/", post(crate::trl::reset_prefix_cache))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), crate::guard::guard))
         .with_state(state)
 }
 
@@ -149,13 +160,61 @@ impl AppState {
         sampling: Sampling,
         progress: Option<tokio::sync::mpsc::UnboundedSender<crate::worker::Progress>>,
     ) -> crate::Result<oneshot::Receiver<crate::Result<Output>>> {
+        self.reserve(1)?;
+        self.send_reserved(rid, prompt, sampling, progress)
+    }
+
+    /// Takes `n` places in the waiting queue, all or none.
+    ///
+    /// # Errors
+    /// [`Error::Full`] (a 429) when fewer than `n` are free.
+    pub(crate) fn reserve(&self, n: usize) -> crate::Result<()> {
+        let max = self.guard.max_queued as u64;
+        self.stats
+            .waiting
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| w.checked_add(n as u64).filter(|&t| t <= max))
+            .map(|_| ())
+            .map_err(|_| {
+                Error::Full(format!(
+                    "the queue is full ({} requests wait for the engine): retry later",
+                    self.guard.max_queued
+                ))
+            })
+    }
+
+    /// Sends a job whose place in the queue [`AppState::reserve`] took (given back when it cannot be sent).
+    fn send_reserved(
+        &self,
+        rid: Option<String>,
+        prompt: Vec<u32>,
+        sampling: Sampling,
+        progress: Option<tokio::sync::mpsc::UnboundedSender<crate::worker::Progress>>,
+    ) -> crate::Result<oneshot::Receiver<crate::Result<Output>>> {
         let (reply, rx) = oneshot::channel();
-        Stats::add(&self.stats.waiting, 1);
-        if self.msgs.send(Msg::Job(Job { rid, prompt, sampling, reply, progress })).is_err() {
-            Stats::sub(&self.stats.waiting, 1);
-            return Err(Error::Stopped);
+        match self.msgs.try_send(Msg::Job(Job { rid, prompt, sampling, reply, progress })) {
+            Ok(()) => Ok(rx),
+            Err(e) => {
+                Stats::sub(&self.stats.waiting, 1);
+                Err(match e {
+                    mpsc::TrySendError::Full(_) => Error::Full("the engine's queue is full: retry later".into()),
+                    mpsc::TrySendError::Disconnected(_) => Error::Stopped,
+                })
+            }
         }
-        Ok(rx)
+    }
+
+    /// Refuses a request of more than [`crate::guard::GuardConfig::max_batch`] samples.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] naming `field`.
+    pub(crate) fn check_batch(&self, field: &str, samples: usize) -> crate::Result<()> {
+        // A request larger than the queue could never be queued whole.
+        let most = self.guard.max_batch.min(self.guard.max_queued);
+        if samples > most {
+            let reason = format!("{samples} samples (prompts x n) in one request: at most {most}");
+            return Err(Error::TooLarge { field: field.into(), reason });
+        }
+        Ok(())
     }
 
     /// Queues `n` samples of every prompt at once (the engine batches them all; a prompt's samples fork its
@@ -169,7 +228,9 @@ impl AppState {
         sampling: &Sampling,
         rid: &str,
     ) -> crate::Result<Vec<Output>> {
-        let total = prompts.len() * n;
+        let total = prompts.len().saturating_mul(n);
+        self.check_batch("n", total)?;
+        self.reserve(total)?;
         let first = if sampling.seed.is_some() { 0 } else { self.fresh_streams(total as u64) };
         let mut pending = Vec::with_capacity(total);
         for (k, p) in prompts.iter().flat_map(|p| std::iter::repeat_n(p, n)).enumerate() {
@@ -178,7 +239,14 @@ impl AppState {
                 None => first + k as u64,
             };
             let sampling = Sampling { stream, ..sampling.clone() };
-            pending.push(self.enqueue(Some(format!("{rid}-{k}")), p.clone(), sampling)?);
+            match self.send_reserved(Some(format!("{rid}-{k}")), p.clone(), sampling, None) {
+                Ok(rx) => pending.push(rx),
+                Err(e) => {
+                    // The places of the samples not sent go back (this one's went back in `send_reserved`).
+                    Stats::sub(&self.stats.waiting, (total - k - 1) as u64);
+                    return Err(e);
+                }
+            }
         }
         let mut outs = Vec::with_capacity(total);
         for rx in pending {
@@ -190,7 +258,10 @@ impl AppState {
     /// Sends the engine thread a control message made around `reply` and waits for its answer.
     pub(crate) async fn control<A>(&self, msg: impl FnOnce(oneshot::Sender<A>) -> Msg) -> crate::Result<A> {
         let (reply, rx) = oneshot::channel();
-        self.msgs.send(msg(reply)).map_err(|_| Error::Stopped)?;
+        self.msgs.try_send(msg(reply)).map_err(|e| match e {
+            mpsc::TrySendError::Full(_) => Error::Full("the engine's queue is full: retry later".into()),
+            mpsc::TrySendError::Disconnected(_) => Error::Stopped,
+        })?;
         rx.await.map_err(|_| Error::Stopped)
     }
 
@@ -267,6 +338,7 @@ pub(crate) fn prepare_generate(s: &AppState, req: &GenerateRequest) -> crate::Re
     if prompts.is_empty() {
         return Err(Error::Invalid { field: field.into(), reason: "an empty batch".into() });
     }
+    s.check_batch(field, prompts.len())?;
     let rids: Vec<Option<String>> = match &req.rid {
         None => vec![None; prompts.len()],
         Some(r) => {
@@ -339,10 +411,18 @@ enum GenerateAnswer {
 
 async fn run_generate(s: &AppState, req: GenerateRequest) -> crate::Result<GenerateAnswer> {
     let (items, batched) = prepare_generate(s, &req)?;
-    // Every prompt of a batch is queued before any is awaited: the engine batches them.
+    // Every prompt of a batch is queued before any is awaited (the engine batches them), or none is.
+    s.reserve(items.len())?;
     let mut pending = Vec::with_capacity(items.len());
-    for (rid, prompt, sampling) in items {
-        pending.push((s.enqueue(Some(rid.clone()), prompt, sampling)?, rid));
+    let total = items.len();
+    for (k, (rid, prompt, sampling)) in items.into_iter().enumerate() {
+        match s.send_reserved(Some(rid.clone()), prompt, sampling, None) {
+            Ok(rx) => pending.push((rx, rid)),
+            Err(e) => {
+                Stats::sub(&s.stats.waiting, (total - k - 1) as u64);
+                return Err(e);
+            }
+        }
     }
     let mut answers = Vec::with_capacity(pending.len());
     for (rx, rid) in pending {

@@ -37,12 +37,16 @@ pub struct Stats {
     pub aborted: AtomicU64,
     /// Weight updates applied.
     pub weight_updates: AtomicU64,
+    /// A weight update is being loaded or applied (one at a time: a second is refused before it loads).
+    pub updating: AtomicBool,
     /// `/pause_generation` is in force: the engine thread admits requests but runs no round.
     pub paused: AtomicBool,
     /// The online EAGLE drafter's figures (zero without one).
     pub drafter: std::sync::Arc<crate::drafter::DrafterStats>,
     /// The version of the weights the engine decodes with now (set by the engine thread on an update).
     pub weight_version: std::sync::RwLock<std::sync::Arc<str>>,
+    /// Why the engine thread died (its panic's message), once it has: every route then answers 503.
+    pub engine_failure: std::sync::OnceLock<String>,
 }
 
 /// `counter` read for a report.
@@ -87,7 +91,7 @@ impl Stats {
         const COUNTER: &str = "counter";
         let share = get(&self.spec_rounds) as f64 / (get(&self.request_rounds) as f64).max(1.0);
         let d = &self.drafter;
-        let rows: [(&str, &str, &str, f64); 21] = [
+        let rows: [(&str, &str, &str, f64); 22] = [
             ("waiting_requests", GAUGE, "Requests queued for the engine, not yet decoding.", get(&self.waiting) as f64),
             ("running_requests", GAUGE, "Requests decoding.", get(&self.running) as f64),
             ("requests_total", COUNTER, "Requests finished with an output.", get(&self.finished) as f64),
@@ -138,6 +142,12 @@ impl Stats {
                 GAUGE,
                 "1 while generation is paused.",
                 f64::from(u8::from(self.paused.load(Ordering::Relaxed))),
+            ),
+            (
+                "weight_update_in_progress",
+                GAUGE,
+                "1 while a weight update loads or waits to be applied.",
+                f64::from(u8::from(self.updating.load(Ordering::Relaxed))),
             ),
         ];
         let mut out = String::new();

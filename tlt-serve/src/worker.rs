@@ -153,6 +153,10 @@ pub struct DecodeConfig {
     pub max_running: usize,
     /// Draft with TLT's online EAGLE-2 drafter (trained on the served requests' hidden states) instead of n-grams.
     pub eagle: Option<EagleConfig>,
+    /// Tests only (no flag sets it): the engine thread panics when it admits a request with this `rid`, so that
+    /// tests can see what a dead engine thread answers.
+    #[doc(hidden)]
+    pub panic_on_rid: Option<String>,
 }
 
 impl Default for DecodeConfig {
@@ -167,6 +171,7 @@ impl Default for DecodeConfig {
             },
             max_running: 256,
             eagle: None,
+            panic_on_rid: None,
         }
     }
 }
@@ -580,6 +585,12 @@ impl Worker<'_> {
 
     /// Adds `job` to the lane of its sampling (made when new); an error goes straight back to its handler.
     fn admit(&mut self, job: Job) {
+        if job.rid.is_some() && job.rid == self.cfg.panic_on_rid {
+            #[allow(clippy::panic)] // The failpoint's purpose.
+            {
+                panic!("failpoint: a request with rid {:?} kills the engine thread", job.rid);
+            }
+        }
         let stats = self.stats;
         let key = Key::of(&job.sampling);
         let at = match self.lanes.iter().position(|l| l.key == key) {

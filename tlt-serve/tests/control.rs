@@ -174,18 +174,18 @@ fn an_update_can_abort_what_runs_and_bad_updates_are_refused_by_field() {
     tlt_model::save_hf_dir(&slow(10), None, &dir, candle_core::DType::F32).unwrap();
     let path = dir.display().to_string();
 
-    // Refused: a model of another shape, a path with no model, a load format not served.
+    // Refused: a model of another shape, a path with no model (not under the roots), a load format not served.
     let other = dir.join("other-shape");
     let mut cfg = LlamaConfig::tiny(VOCAB, 64, 2);
     cfg.max_position_embeddings = 4096;
     tlt_model::save_hf_dir(&Llama::random(cfg, 1).unwrap(), None, &other, candle_core::DType::F32).unwrap();
-    for (body, param) in [
-        (json!({"model_path": other.display().to_string()}), "model_path"),
-        (json!({"model_path": "/nonexistent/model"}), "model_path"),
-        (json!({"model_path": path, "load_format": "dummy"}), "load_format"),
+    for (body, want, param) in [
+        (json!({"model_path": other.display().to_string()}), 400, "model_path"),
+        (json!({"model_path": "/nonexistent/model"}), 403, "model_path"),
+        (json!({"model_path": path, "load_format": "dummy"}), 400, "load_format"),
     ] {
         let (status, v) = post(addr, "/update_weights_from_disk", &body);
-        assert_eq!((status, &v["error"]["param"]), (400, &json!(param)), "{body}: {v}");
+        assert_eq!((status, &v["error"]["param"]), (want, &json!(param)), "{body}: {v}");
     }
 
     // Paused in place with a request running: an update that would let it finish is refused (it could not finish

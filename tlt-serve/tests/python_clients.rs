@@ -82,6 +82,9 @@ fn serve_binary(name: &str) -> (Serving, std::path::PathBuf, u16) {
         .arg("--model")
         .arg(&dir)
         .args(["--port", &port.to_string()])
+        // The verl adapter's check updates the weights from the checkpoint itself.
+        .arg("--weights-dir")
+        .arg(&dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

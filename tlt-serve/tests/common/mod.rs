@@ -35,8 +35,15 @@ pub fn serve_model(model: Llama, speculate: bool) -> SocketAddr {
 /// A server of `model` decoding as `decode`, weight version `v1`; its address. The runtime lives as long as the test
 /// process.
 pub fn serve_with(model: Llama, decode: DecodeConfig) -> SocketAddr {
-    let cfg =
-        ServeConfig { decode, model_name: "tiny".into(), weight_version: Some("v1".into()), ..ServeConfig::default() };
+    // Weight updates from the system's temporary directory (where the tests write their checkpoints).
+    let guard = tlt_serve::guard::GuardConfig { weights_dirs: vec![std::env::temp_dir()], ..Default::default() };
+    let cfg = ServeConfig {
+        decode,
+        model_name: "tiny".into(),
+        weight_version: Some("v1".into()),
+        guard,
+        ..ServeConfig::default()
+    };
     serve_config(model, None, cfg)
 }
 
@@ -62,6 +69,27 @@ pub fn send_post(addr: SocketAddr, path: &str, body: &[u8]) -> TcpStream {
     s.write_all(head.as_bytes()).unwrap();
     let _ = s.write_all(body);
     s
+}
+
+/// `method path` with `headers` and `body` written by hand (no `Content-Type` unless given): (status, JSON body).
+pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> (u16, Value) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !body.is_empty() || method == "POST" {
+        head.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    let _ = s.write_all(body);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out);
+    let status: u16 = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let json = text.split("\r\n\r\n").nth(1).and_then(|b| serde_json::from_str(b).ok()).unwrap_or(Value::Null);
+    (status, json)
 }
 
 /// `POST path` with `body` (raw bytes): (status, JSON body).
