@@ -23,9 +23,14 @@ pub(crate) async fn weight_version(State(s): State<Arc<AppState>>) -> Json<serde
     Json(json!({"weight_version": &*s.stats.version()}))
 }
 
-/// `/flush_cache`: nothing is cached across requests; as SGLang, it succeeds only when no request waits or runs.
+/// `/flush_cache`: nothing is cached across requests; as SGLang, it succeeds only when no request waits or runs (asked
+/// of the engine thread, so that requests sent just before are counted).
 pub(crate) async fn flush_cache(State(s): State<Arc<AppState>>) -> Response {
-    if s.stats.idle() {
+    let quiet = match s.control(|reply| Msg::Flush { reply }).await {
+        Ok(q) => q,
+        Err(e) => return e.into_response(),
+    };
+    if quiet {
         (StatusCode::OK, "Cache flushed (nothing is cached across requests).").into_response()
     } else {
         let body = json!({"error": {"message": "requests are waiting or running: flush when idle",
@@ -35,8 +40,8 @@ pub(crate) async fn flush_cache(State(s): State<Arc<AppState>>) -> Response {
 }
 
 /// `POST /pause_generation` (body optional, as SGLang's clients send it with or without `{"mode": ...}`): no round
-/// runs until `/continue_generation`; requests are still taken. Mode `abort` (the default) ends the running requests
-/// first, `in_place` keeps them.
+/// runs until `/continue_generation`; requests are still taken (admitted, not advanced). Mode `abort` (the default)
+/// first ends the running and the queued requests (SGLang's), `in_place` keeps them.
 pub(crate) async fn pause(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let req: PauseRequest = if body.iter().all(u8::is_ascii_whitespace) {
         PauseRequest::default()

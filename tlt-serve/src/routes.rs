@@ -136,23 +136,8 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 impl AppState {
-    /// Runs `prompt` with `sampling` on the engine thread. Dropping the future (the client went away) aborts it.
-    async fn submit(&self, rid: Option<String>, prompt: Vec<u32>, sampling: Sampling) -> crate::Result<Output> {
-        self.enqueue(rid, prompt, sampling)?.await.map_err(|_| Error::Stopped)?
-    }
-
     /// Queues `prompt` with `sampling` for the engine thread; its output arrives on the returned channel (dropping
-    /// it aborts the request at the next round boundary).
-    pub(crate) fn enqueue(
-        &self,
-        rid: Option<String>,
-        prompt: Vec<u32>,
-        sampling: Sampling,
-    ) -> crate::Result<oneshot::Receiver<crate::Result<Output>>> {
-        self.enqueue_with(rid, prompt, sampling, None)
-    }
-
-    /// [`AppState::enqueue`], streaming each round's new tokens to `progress` when given.
+    /// it aborts the request at the next round boundary); each round's new tokens go to `progress` when given.
     pub(crate) fn enqueue_with(
         &self,
         rid: Option<String>,
@@ -500,7 +485,11 @@ async fn health() -> StatusCode {
     StatusCode::OK
 }
 
-/// Healthy when the engine thread decodes: one token of a one-token prompt.
+/// How long `/health_generate` waits for the engine thread before it answers 503.
+const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// Healthy when the engine thread answers: decoding one token of a one-token prompt when idle, at once (SGLang's
+/// behaviour) when it is busy, paused or updating, so that the check never queues behind the load.
 async fn health_generate(State(s): State<Arc<AppState>>) -> Response {
     let sampling = Sampling {
         temperature: 0.0,
@@ -512,9 +501,18 @@ async fn health_generate(State(s): State<Arc<AppState>>) -> Response {
         seed: None,
         stream: 0,
     };
-    match s.submit(None, vec![0], sampling).await {
-        Ok(_) => StatusCode::OK.into_response(),
-        Err(e) => e.into_response(),
+    let (reply, rx) = oneshot::channel();
+    // Counted as waiting (the engine thread takes it off), never refused for a full queue.
+    Stats::add(&s.stats.waiting, 1);
+    let job = Job { rid: None, prompt: vec![0], sampling, reply, progress: None };
+    if s.msgs.try_send(Msg::Health(job)).is_err() {
+        Stats::sub(&s.stats.waiting, 1);
+        return Error::Stopped.into_response();
+    }
+    match tokio::time::timeout(HEALTH_TIMEOUT, rx).await {
+        Ok(Ok(Ok(_))) => StatusCode::OK.into_response(),
+        Ok(Ok(Err(e))) => e.into_response(),
+        Ok(Err(_)) | Err(_) => Error::Stopped.into_response(),
     }
 }
 

@@ -48,6 +48,14 @@ pub enum Msg {
     },
     /// Run rounds again.
     Continue,
+    /// Whether SGLang's `/flush_cache` may succeed: nothing waits or runs and no update waits.
+    Flush {
+        /// The answer.
+        reply: oneshot::Sender<bool>,
+    },
+    /// `/health_generate`: answered at once (with no tokens) when the engine is busy, paused or updating, since the
+    /// engine thread answering proves it alive; decoded (its one token) when idle.
+    Health(Job),
     /// Swap in new weights (see the module docs).
     Update(Box<Update>),
 }
@@ -478,22 +486,25 @@ impl Worker<'_> {
             Msg::Job(job) => self.held.push_back(job),
             Msg::Abort { rid, reply } => {
                 let which = |p: Option<&String>| rid.is_none() || p == rid.as_ref();
-                let mut n = self.abort_running(|p| which(p.rid.as_ref()));
-                let version = self.stats.version();
-                let (gone, kept): (VecDeque<Job>, VecDeque<Job>) =
-                    self.held.drain(..).partition(|j| which(j.rid.as_ref()));
-                self.held = kept;
-                for job in gone {
-                    n += 1;
-                    Stats::sub(&self.stats.waiting, 1);
-                    Stats::add(&self.stats.aborted, 1);
-                    let out = Output::aborted_unadmitted(&job, version.clone());
-                    let _ = job.reply.send(Ok(out));
-                }
+                let n = self.abort_running(|p| which(p.rid.as_ref())) + self.abort_held(|j| which(j.rid.as_ref()));
                 let _ = reply.send(n);
             }
+            Msg::Flush { reply } => {
+                let quiet = self.running() == 0 && self.update.is_none() && self.held.is_empty();
+                let _ = reply.send(quiet);
+            }
+            Msg::Health(job) => {
+                if self.paused || self.running() > 0 || !self.held.is_empty() || self.update.is_some() {
+                    Stats::sub(&self.stats.waiting, 1);
+                    let _ =
+                        job.reply.send(Ok(Output::empty(job.prompt.len(), FinishReason::Length, self.stats.version())));
+                } else {
+                    self.held.push_front(job);
+                }
+            }
+            // SGLang's abort mode ends the queued requests too, not only the running ones.
             Msg::Pause { abort, reply } => {
-                let n = if abort { self.abort_running(|_| true) } else { 0 };
+                let n = if abort { self.abort_running(|_| true) + self.abort_held(|_| true) } else { 0 };
                 self.paused = true;
                 self.stats.paused.store(true, Ordering::Relaxed);
                 let _ = reply.send(n);
@@ -567,6 +578,21 @@ impl Worker<'_> {
             }
             self.admit(job);
         }
+    }
+
+    /// Ends the waiting requests `which` picks (they answer `abort` with no tokens); returns how many.
+    fn abort_held(&mut self, which: impl Fn(&Job) -> bool) -> usize {
+        let version = self.stats.version();
+        let (gone, kept): (VecDeque<Job>, VecDeque<Job>) = self.held.drain(..).partition(|j| which(j));
+        self.held = kept;
+        let n = gone.len();
+        Stats::sub(&self.stats.waiting, n as u64);
+        Stats::add(&self.stats.aborted, n as u64);
+        for job in gone {
+            let out = Output::aborted_unadmitted(&job, version.clone());
+            let _ = job.reply.send(Ok(out));
+        }
+        n
     }
 
     /// Aborts the running requests `which` picks; returns how many.
