@@ -19,8 +19,7 @@
 //! assert!(comm.try_recv(7).unwrap().is_none());
 //! ```
 //!
-//! **Where it sits:** depends on thiserror and, with `mpi`, rsmpi; used by `tlt-rl` (data-parallel GRPO, work in
-//! progress: issue 28).
+//! **Where it sits:** depends on thiserror and, with `mpi`, rsmpi; used by `tlt-rl` (data-parallel GRPO).
 
 pub mod launch;
 #[cfg(feature = "mpi")]

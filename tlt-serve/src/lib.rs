@@ -11,8 +11,8 @@
 //!
 //! Aborts (by request id, by a client gone, by a pause) and weight updates act between rounds; an update never mixes
 //! two weight versions in one response. Every request is validated ([`api`]): a bad field is a 4xx with a JSON error
-//! naming it. [`stats`] feeds `/metrics`; `/generate` streams server-sent events on request. Work in progress (issue
-//! 35): not yet distributed weight updates.
+//! naming it. [`stats`] feeds `/metrics`; `/generate` streams server-sent events on request. Not built yet:
+//! distributed (NCCL) weight updates.
 //!
 //! **Where it sits:** depends on tlt-model, tlt-spec-decode (the engine), tlt-scheduler (the gate and bandit),
 //! tlt-drafter (the online drafter),

@@ -22,7 +22,7 @@ pub struct E2eArgs {
     #[arg(long)]
     steps: Option<u64>,
     /// Where the rollouts run: `cpu`, or `cuda[:N]` (the `train` example built with `--features cuda`, NVRTC from
-    /// the pinned wheel; the policy update stays on the CPU until GPU training, issue 17).
+    /// the pinned wheel).
     #[arg(long, default_value = "cpu")]
     device: String,
 }
