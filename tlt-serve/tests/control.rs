@@ -7,20 +7,11 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tlt_model::{EosTokens, Llama, LlamaConfig};
+use tlt_model::{Llama, LlamaConfig};
 use tlt_spec_decode::{Engine, Plan, SpecParams};
 
 mod common;
 use common::*;
-
-/// A model big enough that a long request takes a while (about a second for 3,000 tokens here), with a long
-/// context; `seed` picks its weights.
-fn slow(seed: u64) -> Llama {
-    let mut cfg = LlamaConfig::tiny(VOCAB, 128, 4);
-    cfg.max_position_embeddings = 4096;
-    cfg.eos_token_id = Some(EosTokens::One(1));
-    Llama::random(cfg, seed).unwrap()
-}
 
 /// A fresh directory for this test (removed first if a run before left it).
 fn scratch(name: &str) -> std::path::PathBuf {

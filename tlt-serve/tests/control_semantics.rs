@@ -7,19 +7,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tlt_model::{EosTokens, Llama, LlamaConfig};
 use tlt_serve::worker::DecodeConfig;
 
 mod common;
 use common::*;
-
-/// A model slow enough that a 3,000-token request takes about a second.
-fn slow(seed: u64) -> Llama {
-    let mut cfg = LlamaConfig::tiny(VOCAB, 128, 4);
-    cfg.max_position_embeddings = 4096;
-    cfg.eos_token_id = Some(EosTokens::One(1));
-    Llama::random(cfg, seed).unwrap()
-}
 
 fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     let t0 = Instant::now();

@@ -9,21 +9,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tlt_model::{EosTokens, Llama, LlamaConfig};
 use tlt_serve::guard::GuardConfig;
 use tlt_serve::worker::DecodeConfig;
 use tlt_serve::ServeConfig;
 
 mod common;
 use common::*;
-
-/// A model slow enough that a 3,000-token request takes about a second, with a long context.
-fn slow(seed: u64) -> Llama {
-    let mut cfg = LlamaConfig::tiny(VOCAB, 128, 4);
-    cfg.max_position_embeddings = 4096;
-    cfg.eos_token_id = Some(EosTokens::One(1));
-    Llama::random(cfg, seed).unwrap()
-}
 
 /// A server of [`slow`] with `guard` and `decode`; its address.
 fn guarded(guard: GuardConfig, decode: DecodeConfig) -> SocketAddr {

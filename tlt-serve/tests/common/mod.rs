@@ -17,6 +17,15 @@ pub fn tiny() -> Llama {
     Llama::random(cfg, 5).unwrap()
 }
 
+/// A model big enough that a long request takes a while (about a second for 3,000 tokens), with a 4,096-token
+/// context; `seed` picks its weights.
+pub fn slow(seed: u64) -> Llama {
+    let mut cfg = LlamaConfig::tiny(VOCAB, 128, 4);
+    cfg.max_position_embeddings = 4096;
+    cfg.eos_token_id = Some(EosTokens::One(1));
+    Llama::random(cfg, seed).unwrap()
+}
+
 /// A server of [`tiny`] on a free port, SD on or off; its address.
 pub fn serve(speculate: bool) -> SocketAddr {
     serve_model(tiny(), speculate)
@@ -71,6 +80,16 @@ pub fn send_post(addr: SocketAddr, path: &str, body: &[u8]) -> TcpStream {
     s
 }
 
+/// Reads a whole HTTP answer from `s`: (status, JSON body; `Null` when it is not JSON).
+pub fn reply(mut s: TcpStream) -> (u16, Value) {
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out);
+    let status: u16 = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let json = text.split("\r\n\r\n").nth(1).and_then(|b| serde_json::from_str(b).ok()).unwrap_or(Value::Null);
+    (status, json)
+}
+
 /// `method path` with `headers` and `body` written by hand (no `Content-Type` unless given): (status, JSON body).
 pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> (u16, Value) {
     let mut s = TcpStream::connect(addr).unwrap();
@@ -84,23 +103,12 @@ pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &st
     head.push_str("\r\n");
     s.write_all(head.as_bytes()).unwrap();
     let _ = s.write_all(body);
-    let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
-    let text = String::from_utf8_lossy(&out);
-    let status: u16 = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let json = text.split("\r\n\r\n").nth(1).and_then(|b| serde_json::from_str(b).ok()).unwrap_or(Value::Null);
-    (status, json)
+    reply(s)
 }
 
 /// `POST path` with `body` (raw bytes): (status, JSON body).
 pub fn post_raw(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Value) {
-    let mut s = send_post(addr, path, body);
-    let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
-    let text = String::from_utf8_lossy(&out);
-    let status: u16 = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let json = text.split("\r\n\r\n").nth(1).and_then(|b| serde_json::from_str(b).ok()).unwrap_or(Value::Null);
-    (status, json)
+    reply(send_post(addr, path, body))
 }
 
 /// `POST path` with `body`: the raw response text (head and body, chunked framing included).
