@@ -32,8 +32,8 @@ use tlt_model::device_step::{StepLayout, StepMeta};
 pub use crate::cuda_train::{CudaDrafterTrainer, DeviceLoss, DraftArena};
 
 use crate::config::DrafterKind;
-use crate::exec::{DraftExecutor, Forward, Group};
-use crate::runtime::{Attend, DraftRuntime, ExportedLinear, Row};
+use crate::exec::{DraftExecutor, Forward};
+use crate::runtime::{Attend, DraftRuntime, ExportedLinear, Group, Row};
 use crate::{Error, Result};
 
 fn kern(e: tlt_kernels::Error) -> Error {

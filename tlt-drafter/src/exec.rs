@@ -2,16 +2,10 @@
 //! per-request bookkeeping: host logic, device-independent) and the drafter's forward and top-k: on the host
 //! ([`HostExecutor`]: the packed CPU runtime) or on a CUDA device (`cuda::CudaDrafter`, feature `cuda`).
 
-use std::ops::Range;
-
 use tlt_kernels::log_softmax;
 
-use crate::runtime::{Attend, DraftCache, DraftRuntime, Row};
+use crate::runtime::{DraftCache, DraftRuntime, Group, Row};
 use crate::Result;
-
-/// One sequence's share of a forward: its cache, its rows (a range of the forward's rows), and what they attend
-/// to besides the cache's committed positions.
-pub type Group<'c, 'p, C> = (&'c mut C, Range<usize>, Attend<'p>);
 
 /// What a forward returns: the layer outputs `[rows, H]` (each row's feature for its children) and, when asked,
 /// every row's most probable draft tokens (target ids with log-probabilities, best first).

@@ -102,11 +102,11 @@ pub use config::{default_aux_layers, DrafterConfig, DrafterKind, Eagle2LossConfi
 pub use eagle2::{Eagle2Batch, Eagle2Drafter, Eagle2Loss, Eagle2Weights};
 pub use eagle3::{Eagle3Batch, Eagle3Drafter, Eagle3Loss, Eagle3Weights, Teacher};
 pub use error::{Error, Result};
-pub use exec::{DraftExecutor, Forward, Group, HostExecutor};
+pub use exec::{DraftExecutor, Forward, HostExecutor};
 pub use frozen::FrozenTarget;
 pub use layer::DraftLayer;
 pub use propose::EagleProposer;
-pub use runtime::{Attend, DraftCache, DraftRuntime, Row, RuntimeOptions};
+pub use runtime::{Attend, DraftCache, DraftRuntime, Group, Row, RuntimeOptions};
 pub use train::{DrafterTrainer, StepStats, TrainConfig, TrainableDrafter};
 pub use vocab::VocabMap;
 

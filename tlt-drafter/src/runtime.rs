@@ -7,6 +7,7 @@
 //! `H` wide), then attends over `[input_layernorm(embed); hidden_norm(g)]`. Both return the layer output `a` (fed
 //! back as the next feature) and logits over the draft vocabulary (EAGLE-3 applies the final norm first).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
@@ -15,7 +16,6 @@ use tlt_model::ops::{add_assign, apply_rope, rms_norm_rows, rope_table, silu_mul
 use tlt_model::Linear;
 
 use crate::config::DrafterKind;
-use crate::exec::Group;
 use crate::{DraftLayer, DrafterConfig, Eagle2Drafter, Eagle3Drafter, Error, Result};
 
 /// A linear layer packed for the inference GEMM (a copy: training may keep changing the source).
@@ -157,6 +157,11 @@ pub struct DraftCache {
     /// Committed positions in the cache.
     pub(crate) len: usize,
 }
+
+/// One sequence's share of a forward: its cache, its rows (a range of the forward's rows), and what they attend
+/// to besides the cache's committed positions. It lives here, beside [`Attend`], so that the executors above
+/// (`exec`, `cuda`) and this runtime share it without importing each other.
+pub type Group<'c, 'p, C> = (&'c mut C, Range<usize>, Attend<'p>);
 
 /// What a group of rows attends to besides its cache's committed positions.
 #[derive(Debug, Clone, Copy)]

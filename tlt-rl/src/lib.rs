@@ -6,6 +6,7 @@
 //! **Where it sits:** depends on every crate above; used by the `examples` crate and `xtask`. See the workspace
 //! README for the crate graph.
 
+mod ceiling;
 mod error;
 pub mod grpo;
 pub mod metrics;

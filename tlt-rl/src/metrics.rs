@@ -162,13 +162,20 @@ pub struct StepMetrics {
     /// Tokens committed in each decode step, all requests together (aligned with `active_requests`).
     #[serde(default)]
     pub round_tokens: Vec<u64>,
+    /// Wall seconds from the start of the rollout to the end of each decode step (aligned with `active_requests`):
+    /// the running batch against time, where TLT's cheaper or dearer rounds show as they ran.
+    #[serde(default, deserialize_with = "vec_f64_or_nan")]
+    pub round_end_s: Vec<f64>,
+    /// Whether each decode step speculated (aligned with `active_requests`).
+    #[serde(default)]
+    pub round_sd: Vec<bool>,
     /// Speculative rounds of this rollout that the bandit ran with its plain arm.
     #[serde(default)]
     pub plain_arm_steps: u64,
     /// Speculative request-rounds, their committed tokens and the argmax-chain ceiling of the same rounds
     /// ([`SdCeiling`](crate::trainer::SdCeiling)).
     #[serde(default)]
-    pub sd_ceiling: crate::trainer::SdCeiling,
+    pub sd_ceiling: crate::ceiling::SdCeiling,
     /// Seconds the drafter caught up before speculative rounds (inside `rollout_s`).
     #[serde(default, deserialize_with = "f64_or_nan")]
     pub drafter_prepare_s: f64,

@@ -61,7 +61,8 @@ pub use export::{
 pub use memory::DeviceMemoryPlan;
 pub use parallel::shard;
 pub use reward::ScoringConfig;
-pub use rollout::{Observer, Quiet, RolloutOutput, Sample, SdCeiling, CEILING_DEPTHS};
+pub use crate::ceiling::{SdCeiling, CEILING_DEPTHS};
+pub use rollout::{Observer, Quiet, RolloutOutput, Sample};
 pub use update::UpdateStats;
 pub use warmup::{cache_key, WarmupConfig, WarmupReport, WARMUP_DATA_BASE};
 

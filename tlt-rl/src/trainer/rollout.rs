@@ -10,6 +10,7 @@ use tlt_spec_decode::{Counters, Engine, FinishReason, Finished, GroupId, Samplin
 
 use super::drafter::RolloutDrafter;
 use super::env::Prompt;
+use crate::ceiling::SdCeiling;
 use crate::{Error, Result};
 
 /// Watches a rollout (progress bars, logs). Every method has a no-op default.
@@ -64,6 +65,11 @@ pub struct RolloutOutput {
     /// What the speculative rounds committed and what an argmax-chain drafter would have expected in the very
     /// same rounds.
     pub sd_ceiling: SdCeiling,
+    /// Wall seconds from the start of the rollout to the end of each round (aligned with the trace's `active`):
+    /// the running batch drawn against time, where rounds of different cost show as they ran.
+    pub round_end_s: Vec<f64>,
+    /// Whether each round speculated (aligned with `round_end_s`).
+    pub round_sd: Vec<bool>,
 }
 
 impl RolloutOutput {
@@ -71,6 +77,10 @@ impl RolloutOutput {
     /// groups renumbered from `group_offset`.
     pub(crate) fn append(&mut self, other: RolloutOutput, group_offset: usize) {
         self.samples.extend(other.samples.into_iter().map(|s| Sample { group: s.group + group_offset, ..s }));
+        // A later rollout's clock starts where this one's decoding ended.
+        let offset = self.seconds;
+        self.round_end_s.extend(other.round_end_s.iter().map(|t| t + offset));
+        self.round_sd.extend(other.round_sd);
         self.trace.append(other.trace);
         let (a, b) = (&mut self.counters, other.counters);
         a.rounds += b.rounds;
@@ -91,61 +101,6 @@ impl RolloutOutput {
         self.preempt_latency = self.preempt_latency.max(other.preempt_latency);
         self.features.extend(other.features);
         self.sd_ceiling.merge(&other.sd_ceiling);
-    }
-}
-
-/// Tokens per verify step of a rollout's speculative rounds beside the **argmax-chain ceiling** of the same
-/// rounds: a point-mass draft is accepted with the target's probability of it, so no chain beats drafting the
-/// argmax, whose expected tokens per step from a round's first position `t` at depth `k` are
-/// `1 + Σ_{i=1..k} Π_{j<i} p_max(t + j)` (read along the committed tokens, from the distribution each was drawn
-/// from). A tree of width `w` can beat it by at most the top-`w` mass per node.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct SdCeiling {
-    /// Speculative request-rounds.
-    pub rounds: u64,
-    /// Tokens they committed.
-    pub tokens: u64,
-    /// Sum over those rounds of the ceiling at depth 2, 4 and 6.
-    pub ceiling_sums: [f64; 3],
-}
-
-/// The depths of [`SdCeiling::ceiling_sums`].
-pub const CEILING_DEPTHS: [usize; 3] = [2, 4, 6];
-
-impl SdCeiling {
-    /// Adds a finished request's speculative rounds.
-    pub fn add(&mut self, p_max: &[f32], sd_rounds: &[(u32, u32)]) {
-        for &(start, committed) in sd_rounds {
-            self.rounds += 1;
-            self.tokens += u64::from(committed);
-            for (sum, &k) in self.ceiling_sums.iter_mut().zip(&CEILING_DEPTHS) {
-                let (mut prod, mut e) = (1.0f64, 1.0f64);
-                for &p in p_max.iter().skip(start as usize).take(k) {
-                    prod *= f64::from(p);
-                    e += prod;
-                }
-                *sum += e;
-            }
-        }
-    }
-
-    /// Adds another rollout's rounds.
-    pub fn merge(&mut self, other: &SdCeiling) {
-        self.rounds += other.rounds;
-        self.tokens += other.tokens;
-        for (a, b) in self.ceiling_sums.iter_mut().zip(other.ceiling_sums) {
-            *a += b;
-        }
-    }
-
-    /// Committed tokens per speculative request-round (0 without rounds).
-    pub fn tokens_per_step(&self) -> f64 {
-        self.tokens as f64 / self.rounds.max(1) as f64
-    }
-
-    /// The mean ceiling at depth `CEILING_DEPTHS[i]` (0 without rounds).
-    pub fn ceiling(&self, i: usize) -> f64 {
-        self.ceiling_sums.get(i).map_or(0.0, |s| s / self.rounds.max(1) as f64)
     }
 }
 
@@ -257,8 +212,11 @@ pub(crate) fn run_rollout<T: Target>(
     let mut done: Vec<Option<Finished>> = Vec::with_capacity(total);
     let mut sd_ceiling = SdCeiling::default();
     let (mut finished, mut tokens) = (0usize, 0usize);
+    let (mut round_end_s, mut round_sd) = (Vec::new(), Vec::new());
     while !engine.is_idle() {
+        let sd_before = decoder.trace().sd_steps;
         decoder.step(&mut engine, proposer.as_deref_mut())?;
+        round_sd.push(decoder.trace().sd_steps > sd_before);
         for mut f in engine.take_finished() {
             if let Some(d) = drafter.as_deref() {
                 d.on_finished(&f, rl_step)?;
@@ -285,6 +243,7 @@ pub(crate) fn run_rollout<T: Target>(
         if let Some(d) = drafter.as_deref_mut() {
             d.on_round(engine.num_live())?;
         }
+        round_end_s.push(t0.elapsed().as_secs_f64());
         obs.on_round(engine.num_live(), finished, total, tokens);
         tlt_model::chaos::kill_point("rollout.round");
         if let Some(hook) = give_away.as_mut() {
@@ -302,7 +261,10 @@ pub(crate) fn run_rollout<T: Target>(
     }
     let seconds = t0.elapsed().as_secs_f64();
     let (drafter_s, preempt_latency) = match drafter {
-        Some(d) => d.end_rollout()?,
+        Some(d) => {
+            obs.on_phase(rl_step, "drafter");
+            d.end_rollout()?
+        }
         None => (0.0, None),
     };
     let drafter_after_s = (t0.elapsed().as_secs_f64() - seconds).min(drafter_s);
@@ -328,29 +290,7 @@ pub(crate) fn run_rollout<T: Target>(
         preempt_latency,
         features,
         sd_ceiling,
+        round_end_s,
+        round_sd,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sd_ceiling_hand_computed() {
-        let mut c = SdCeiling::default();
-        // Rounds starting at token 1 (committed 2) and token 3 (committed 1).
-        c.add(&[0.9, 0.5, 0.8, 0.25, 1.0], &[(1, 2), (3, 1)]);
-        assert_eq!((c.rounds, c.tokens), (2, 3));
-        assert!((c.tokens_per_step() - 1.5).abs() < 1e-12);
-        // Depth 2: 1 + 0.5 + 0.5 * 0.8 = 1.9 and 1 + 0.25 + 0.25 * 1.0 = 1.5.
-        assert!((c.ceiling(0) - (1.9 + 1.5) / 2.0).abs() < 1e-6, "{}", c.ceiling(0));
-        // Depth 4 runs out of tokens: 1 + 0.5 + 0.4 + 0.1 + 0.1 = 2.1 and 1.5 as above.
-        assert!((c.ceiling(1) - (2.1 + 1.5) / 2.0).abs() < 1e-6, "{}", c.ceiling(1));
-        let mut d = SdCeiling::default();
-        d.merge(&c);
-        d.merge(&c);
-        assert_eq!((d.rounds, d.tokens), (4, 6));
-        assert!((d.ceiling(1) - c.ceiling(1)).abs() < 1e-12);
-        assert_eq!(SdCeiling::default().tokens_per_step(), 0.0);
-    }
 }
