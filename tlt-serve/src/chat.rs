@@ -14,7 +14,8 @@ use serde::{Deserialize, Serialize};
 use tlt_rl::task::{ChatMessage, ChatTemplate};
 
 use crate::api::{check_ids, finish_kind, invalid, Limits, OpenAiOptions, Sampling, Usage};
-use crate::routes::{answer, unix_seconds, usage, AppState};
+use crate::reply::{answer, unix_seconds, usage};
+use crate::state::AppState;
 use crate::{Error, Result};
 
 /// The chat template of the model at `path`: the GGUF's `tokenizer.chat_template` (`loaded.chat_template`, with the

@@ -14,7 +14,8 @@ use axum::Json;
 use serde_json::json;
 
 use crate::api::{AbortRequest, PauseRequest, UpdateWeightsRequest};
-use crate::routes::{answer, AppState};
+use crate::reply::answer;
+use crate::state::AppState;
 use crate::worker::{Msg, Update};
 use crate::Error;
 

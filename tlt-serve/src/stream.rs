@@ -12,7 +12,8 @@ use axum::response::{IntoResponse, Response};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::api::GenerateRequest;
-use crate::routes::{generate_response, prepare_generate, AppState};
+use crate::generate::{generate_response, prepare_generate};
+use crate::state::AppState;
 use crate::worker::{Output, Progress};
 use crate::Error;
 

@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::api::{check_ids, Prompt, SamplingParams};
-use crate::routes::{answer, AppState};
+use crate::reply::answer;
+use crate::state::AppState;
 use crate::Error;
 
 /// TRL's `/generate/` body.
