@@ -9,13 +9,13 @@
 
 use std::sync::{Arc, Mutex};
 
-use tlt_kernels::cuda::SharedGpu;
 use tlt_model::{Device, Llama};
 use tlt_scheduler::AdaptiveDecoder;
 use tlt_spec_decode::cuda::CudaTarget;
 
 use super::drafter::RolloutDrafter;
 use super::rollout::{run_rollout, Observer, RolloutJob, RolloutOutput};
+use super::types::GpuHandle;
 use super::update::{policy_update, TrainSeq, UpdateContext, UpdateStats};
 use super::update_device::{DeviceTrain, DeviceUpdate};
 use crate::{Error, Result};
@@ -26,53 +26,6 @@ pub(crate) const GRAPH_BUDGET: u64 = 2 << 30;
 /// The KV cache positions per sequence of the rollout engine for prompts up to `prompt_room` tokens.
 pub(crate) fn cache_positions(prompt_room: usize, max_new_tokens: usize) -> usize {
     prompt_room + max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1
-}
-
-/// The device rollouts and the EAGLE drafter's forward share: a CUDA device opened at first use (feature `cuda`), or
-/// one handed in; none when rollouts run on the CPU.
-#[derive(Debug)]
-pub(crate) struct GpuHandle {
-    /// The CUDA device to open at first use (`None`: the CPU, or a device handed in).
-    ordinal: Option<usize>,
-    gpu: Mutex<Option<SharedGpu>>,
-}
-
-impl GpuHandle {
-    /// A handle for `device` (nothing opened yet).
-    pub(crate) fn new(device: Device) -> Self {
-        let ordinal = match device {
-            Device::Cuda(n) => Some(n),
-            Device::Cpu => None,
-        };
-        Self { ordinal, gpu: Mutex::new(None) }
-    }
-
-    /// A handle on a device already open.
-    pub(crate) fn with(gpu: SharedGpu) -> Self {
-        Self { ordinal: None, gpu: Mutex::new(Some(gpu)) }
-    }
-
-    /// Whether rollouts run on a device (not the CPU).
-    pub(crate) fn on_device(&self) -> bool {
-        self.ordinal.is_some() || self.gpu.lock().is_ok_and(|g| g.is_some())
-    }
-
-    /// The device, opened on first use.
-    ///
-    /// # Errors
-    /// Without a driver (never a panic), in a build without `cuda`, or for rollouts on the CPU.
-    pub(crate) fn gpu(&self) -> Result<SharedGpu> {
-        let mut g =
-            self.gpu.lock().map_err(|_| Error::InvalidArgument("the device handle's lock is poisoned".into()))?;
-        if let Some(gpu) = g.as_ref() {
-            return Ok(gpu.clone());
-        }
-        let ordinal =
-            self.ordinal.ok_or_else(|| Error::InvalidArgument("rollouts on the CPU have no device".into()))?;
-        let opened = tlt_kernels::cuda::open_device(ordinal).map_err(|e| Error::Model(e.into()))?;
-        *g = Some(opened.clone());
-        Ok(opened)
-    }
 }
 
 /// The rollout backend of a trainer.

@@ -18,11 +18,34 @@ use tlt_model::Llama;
 use tlt_spec_decode::{Drafter, DrafterSet, Finished, HybridDrafter, NgramDrafter, SuffixConfig, SuffixDrafter};
 
 use super::config::{DrafterChoice, DrafterSchedule, SdConfig};
-use super::device::GpuHandle;
+use super::types::GpuHandle;
 use crate::{Error, Result};
 
 #[path = "drafter_replica.rs"]
 mod replica;
+
+/// One rank's part in the replicated drafter (its methods are in `drafter_replica.rs`). Declared here, beside
+/// the [`RolloutDrafter`] that holds it, so that this file names nothing of that child module, which extends
+/// `RolloutDrafter` and so imports this one.
+struct Replica {
+    comm: super::parallel::SharedComm,
+    /// Features this rank sent to the trainer this step.
+    sent_features: std::sync::atomic::AtomicU64,
+    /// Features the trainer received this step.
+    received_features: u64,
+    /// Versions the trainer sent to each rank this step.
+    sent_weights: Vec<u64>,
+    /// Versions this rank received this step.
+    received_weights: u64,
+    /// Versions this rank installed mid-rollout this step.
+    swaps: u64,
+    /// Drafter steps the trainer took in its idle time this step, and their seconds.
+    idle_steps: u64,
+    idle_s: f64,
+    /// `fixed` schedule: the trainer holds the step's features, `(rank, sample)` in arrival order, until the step's
+    /// end, and takes them in in rank order then ([`Self::take_in`]); otherwise features enter the buffer at once.
+    ordered: Option<std::sync::Mutex<Vec<(usize, FeatureSample)>>>,
+}
 
 /// The online EAGLE-2 drafter: trainer, sample buffer, weights slot and background worker.
 pub(crate) struct OnlineEagle {
@@ -39,7 +62,7 @@ pub(crate) struct OnlineEagle {
     train_since: Option<Instant>,
     train_s: f64,
     /// Its part in a data-parallel job ([`RolloutDrafter::replicate`]).
-    replica: Option<replica::Replica>,
+    replica: Option<Replica>,
 }
 
 /// The device executor EAGLE proposers share when rollouts run on a device (built once: cache, buffers).

@@ -30,7 +30,7 @@ use tlt_drafter::RuntimeOptions;
 use tlt_model::optim::ParamState;
 use tlt_spec_decode::HiddenStates;
 
-use super::{DrafterSchedule, OnlineEagle, RolloutDrafter};
+use super::{DrafterSchedule, OnlineEagle, Replica, RolloutDrafter};
 use crate::trainer::parallel::{decode, encode, SharedComm};
 use crate::{Error, Result};
 
@@ -77,27 +77,6 @@ struct WireTensor {
     exp_avg: Vec<f32>,
     exp_avg_sq: Vec<f32>,
     steps: u64,
-}
-
-/// One rank's part in the replicated drafter.
-pub(super) struct Replica {
-    comm: SharedComm,
-    /// Features this rank sent to the trainer this step.
-    sent_features: AtomicU64,
-    /// Features the trainer received this step.
-    received_features: u64,
-    /// Versions the trainer sent to each rank this step.
-    sent_weights: Vec<u64>,
-    /// Versions this rank received this step.
-    received_weights: u64,
-    /// Versions this rank installed mid-rollout this step.
-    swaps: u64,
-    /// Drafter steps the trainer took in its idle time this step, and their seconds.
-    idle_steps: u64,
-    idle_s: f64,
-    /// `fixed` schedule: the trainer holds the step's features, `(rank, sample)` in arrival order, until the step's
-    /// end, and takes them in in rank order then ([`Self::take_in`]); otherwise features enter the buffer at once.
-    ordered: Option<Mutex<Vec<(usize, FeatureSample)>>>,
 }
 
 impl Replica {

@@ -36,6 +36,7 @@ mod reward;
 mod rollout;
 #[cfg(test)]
 mod tests;
+mod types;
 mod update;
 mod update_device;
 mod warmup;
@@ -51,8 +52,11 @@ use tlt_model::optim::AdamW;
 use tlt_model::{Llama, WeightDType};
 use tlt_scheduler::AdaptiveDecoder;
 
+pub use crate::ceiling::{SdCeiling, CEILING_DEPTHS};
 pub use checkpoint::{TrainerState, DRAFTER_BUFFER_FILE, DRAFTER_DIR, OPTIMIZER_FILE, POLICY_DIR, STATE_FILE};
-pub use config::{DrafterChoice, DrafterSchedule, DynamicSampling, Mode, OptimConfig, SdConfig, TrainerConfig};
+pub use config::{
+    DrafterChoice, DrafterSchedule, DynamicSampling, Mode, OptimConfig, SdConfig, TrainerConfig, WarmupConfig,
+};
 pub use env::{Environment, Prompt, TextEnv};
 pub use export::{
     make_readable, serve_commands, serve_instructions, tokenizer_config, ExportConfig, Exported, EXPORT_DRAFTER_DIR,
@@ -61,10 +65,10 @@ pub use export::{
 pub use memory::DeviceMemoryPlan;
 pub use parallel::shard;
 pub use reward::ScoringConfig;
-pub use crate::ceiling::{SdCeiling, CEILING_DEPTHS};
-pub use rollout::{Observer, Quiet, RolloutOutput, Sample};
+pub use rollout::{Observer, Quiet, RolloutOutput};
+pub use types::Sample;
 pub use update::UpdateStats;
-pub use warmup::{cache_key, WarmupConfig, WarmupReport, WARMUP_DATA_BASE};
+pub use warmup::{cache_key, WarmupReport, WARMUP_DATA_BASE};
 
 use crate::grpo::group_advantages;
 use crate::metrics::StepMetrics;
@@ -148,7 +152,7 @@ impl<E: Environment> std::fmt::Debug for Trainer<E> {
 
 /// Puts the EAGLE drafter's forward on the rollouts' device, with room for the running requests, a prompt, the
 /// answer and the largest draft tree.
-fn draft_on(cfg: &TrainerConfig, d: &mut RolloutDrafter, handle: Arc<device::GpuHandle>) {
+fn draft_on(cfg: &TrainerConfig, d: &mut RolloutDrafter, handle: Arc<types::GpuHandle>) {
     let slots = cfg.rollout.max_running.min(cfg.prompts_per_step * cfg.group_size).max(1);
     let max_len = PROMPT_ROOM + cfg.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES;
     d.draft_on_device(handle, slots, max_len);
@@ -350,7 +354,7 @@ impl<E: Environment> Trainer<E> {
     /// `SimGpu`), on which CI runs the trainer's device path.
     #[must_use]
     pub fn with_gpu(mut self, gpu: tlt_kernels::cuda::SharedGpu) -> Self {
-        let handle = Arc::new(device::GpuHandle::with(gpu));
+        let handle = Arc::new(types::GpuHandle::with(gpu));
         self.rollouts = RolloutDevice::on(handle.clone());
         if let Some(d) = self.drafter.as_mut() {
             draft_on(&self.cfg, d, handle);

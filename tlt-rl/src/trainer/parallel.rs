@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use tlt_comm::{Comm, Tag};
 use tlt_model::optim::AdamW;
 
-use super::rollout::Sample;
+use super::types::Sample;
 use crate::grpo::LossStats;
 use crate::task::Score;
 use crate::{Error, Result};

@@ -10,6 +10,7 @@ use tlt_spec_decode::{Counters, Engine, FinishReason, Finished, GroupId, Samplin
 
 use super::drafter::RolloutDrafter;
 use super::env::Prompt;
+use super::types::Sample;
 use crate::ceiling::SdCeiling;
 use crate::{Error, Result};
 
@@ -26,21 +27,6 @@ pub trait Observer {
 pub struct Quiet;
 
 impl Observer for Quiet {}
-
-/// One generated sample.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Sample {
-    /// Index of its prompt in the step (its GRPO group).
-    pub group: usize,
-    /// Prompt tokens.
-    pub prompt: Vec<u32>,
-    /// Generated tokens (a stop token last if it stopped).
-    pub tokens: Vec<u32>,
-    /// The rollout's log-probabilities of `tokens` (temperature 1, as the engine records them).
-    pub logprobs: Vec<f32>,
-    /// It hit the length limit without stopping.
-    pub truncated: bool,
-}
 
 /// What a rollout produced.
 #[derive(Debug, Clone)]

@@ -8,7 +8,7 @@ use tlt_model::optim::AdamW;
 use tlt_model::{accumulate_grads, Checkpoints, Llama};
 
 use super::head::ChunkedHead;
-use super::rollout::Sample;
+use super::types::Sample;
 use crate::grpo::{policy_loss, GrpoConfig, LossInputs, LossNorm, LossStats};
 use crate::microbatch::plan_micro_batches;
 use crate::Result;

@@ -2,7 +2,6 @@
 //! sampling settings, the EAGLE drafter trains on those answers' hidden states for a budget, and the warm drafter
 //! is cached under a key of everything that decides it, so a second run starts from it at once.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -13,7 +12,7 @@ use tlt_kernels::SplitMix64;
 use tlt_model::Llama;
 use tlt_scheduler::AdaptiveDecoder;
 
-use super::config::{Mode, TrainerConfig};
+use super::config::{Mode, TrainerConfig, WarmupConfig};
 use super::drafter::RolloutDrafter;
 use super::env::{Environment, Prompt};
 use super::rollout::{spec_params, Observer, RolloutJob};
@@ -25,57 +24,6 @@ use crate::{Error, Result};
 /// generated tasks (unseen problems of the same kind); a finite dataset wraps around into its training problems,
 /// which is what TLT warms on.
 pub const WARMUP_DATA_BASE: u64 = 1 << 40;
-
-/// Settings of the drafter warm-up ([`crate::trainer::Trainer::warm_up_drafter`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct WarmupConfig {
-    /// Prompts the policy answers (0: no warm-up). Default 0.
-    pub prompts: usize,
-    /// Answers per prompt, sampled at the rollout's temperature. Default 4.
-    pub samples_per_prompt: usize,
-    /// Most new tokens per answer. Default 256.
-    pub max_new_tokens: usize,
-    /// Training budget in wall seconds (checked between steps; at least one step runs). Default 60.
-    pub seconds: f64,
-    /// Training budget in steps instead of `seconds` (`None`: the time budget). A step budget makes the warm
-    /// drafter deterministic. Default `None`.
-    pub max_steps: Option<u64>,
-    /// Directory of cached warm drafters, one subdirectory per key (`None`: no cache). Relative paths are
-    /// relative to the working directory. Default `None`.
-    pub cache_dir: Option<PathBuf>,
-}
-
-impl Default for WarmupConfig {
-    fn default() -> Self {
-        Self { prompts: 0, samples_per_prompt: 4, max_new_tokens: 256, seconds: 60.0, max_steps: None, cache_dir: None }
-    }
-}
-
-impl WarmupConfig {
-    /// Checks the values.
-    ///
-    /// # Errors
-    /// [`Error::InvalidConfig`] naming the field.
-    pub fn validate(&self) -> Result<()> {
-        if self.prompts == 0 {
-            return Ok(());
-        }
-        if self.samples_per_prompt == 0 {
-            return Err(Error::config("sd.warmup.samples_per_prompt", "must be at least 1"));
-        }
-        if self.max_new_tokens == 0 {
-            return Err(Error::config("sd.warmup.max_new_tokens", "must be at least 1"));
-        }
-        if !(self.seconds.is_finite() && self.seconds > 0.0) {
-            return Err(Error::config("sd.warmup.seconds", format!("{} must be finite and > 0", self.seconds)));
-        }
-        if self.max_steps == Some(0) {
-            return Err(Error::config("sd.warmup.max_steps", "must be at least 1 (or unset)"));
-        }
-        Ok(())
-    }
-}
 
 /// What a warm-up did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
