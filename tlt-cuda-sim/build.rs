@@ -1,4 +1,4 @@
-//! Compiles our CUDA C kernels (`tlt-kernels/cuda/*.cu`) as host C++ against the simulated device
+//! Compiles our CUDA C kernels (tlt-kernels' `cuda/*.cu`, found through its `links` metadata) as host C++ against the simulated device
 //! (`csrc/cuda_sim.h`, `csrc/runtime.cc`), with a table of every `extern "C" __global__` kernel: its name, a
 //! trampoline that unpacks a launch's parameters into the kernel's signature, and that signature's parameter kinds.
 //! The table also holds the detector controls of `csrc/controls.cu` (deliberately faulty kernels named `ctl_*`).
@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 fn main() {
     let here = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    let kernels = here.join("../tlt-kernels/cuda");
+    // tlt-kernels' `cuda/` (its build script's `cuda_dir`, through `links`), so a published crate finds it too.
+    let kernels = PathBuf::from(std::env::var("DEP_TLT_KERNELS_CUDA_DIR").expect("tlt-kernels' build script sets cuda_dir"));
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let mut sources: Vec<PathBuf> = std::fs::read_dir(&kernels)
         .expect("tlt-kernels/cuda is readable")
