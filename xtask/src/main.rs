@@ -159,6 +159,12 @@ enum Cmd {
         #[command(subcommand)]
         suite: Suite,
     },
+    /// Each crate's file import graph (`--dot`: DOT) and the check that no files import each other in a circle.
+    Graph {
+        /// Print DOT instead of an indented list.
+        #[arg(long)]
+        dot: bool,
+    },
 }
 
 /// Options of `demo`.
@@ -608,5 +614,6 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             bench_kernels::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Graph { dot } => graph::print(dot).map(|()| ExitCode::SUCCESS),
     }
 }
