@@ -132,21 +132,6 @@ pub fn group_advantages(rewards: &[f64], group_size: usize, cfg: &GrpoConfig) ->
     Ok(Advantages { values, zero_variance_group, group_size, drop_zero_variance: cfg.drop_zero_variance_groups })
 }
 
-/// DAPO soft overlong punishment for a response of `len` tokens with limit `max_len`: 0 up to
-/// `max_len - buffer_len`, then linear down to `-factor` at `max_len`, and `-factor` beyond.
-///
-/// With `buffer_len == 0` it is 0 up to `max_len` and `-factor` beyond.
-pub fn overlong_penalty(len: usize, max_len: usize, buffer_len: usize, factor: f64) -> f64 {
-    let expected = max_len.saturating_sub(buffer_len);
-    if len <= expected {
-        0.0
-    } else if len <= max_len && buffer_len > 0 {
-        (expected as f64 - len as f64) / buffer_len as f64 * factor
-    } else {
-        -factor
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,19 +201,6 @@ mod tests {
         // At batch level a group of one is an ordinary member of the batch.
         let batch = group_advantages(&[1.0, 0.0], 1, &cfg(false, MeanLevel::Batch)).unwrap();
         assert_eq!(batch.values, vec![0.5, -0.5]);
-    }
-
-    #[test]
-    fn grpo_overlong_penalty_zones() {
-        assert_eq!(overlong_penalty(10, 20, 4, 1.0), 0.0);
-        assert_eq!(overlong_penalty(16, 20, 4, 1.0), 0.0);
-        assert!((overlong_penalty(17, 20, 4, 1.0) + 0.25).abs() < 1e-12);
-        assert!((overlong_penalty(18, 20, 4, 2.0) + 1.0).abs() < 1e-12);
-        assert_eq!(overlong_penalty(20, 20, 4, 1.0), -1.0);
-        assert_eq!(overlong_penalty(25, 20, 4, 1.0), -1.0);
-        assert_eq!(overlong_penalty(20, 20, 0, 1.0), 0.0);
-        assert_eq!(overlong_penalty(21, 20, 0, 1.0), -1.0);
-        assert!((overlong_penalty(1, 3, 10, 1.0) + 0.1).abs() < 1e-12);
     }
 
     /// Groups of rewards with at least two distinct values each.

@@ -196,7 +196,7 @@ impl GrpoConfig {
     pub fn shaped_reward(&self, reward: f64, response_len: usize, max_response_len: usize) -> f64 {
         match self.truncation {
             Truncation::Penalty { buffer_len, factor } => {
-                reward + super::overlong_penalty(response_len, max_response_len, buffer_len, factor)
+                reward + overlong_penalty(response_len, max_response_len, buffer_len, factor)
             }
             Truncation::Keep | Truncation::Mask => reward,
         }
@@ -205,6 +205,21 @@ impl GrpoConfig {
     /// Whether an answer's tokens get loss weight: false only for truncated answers under [`Truncation::Mask`].
     pub fn trains_on(&self, truncated: bool) -> bool {
         !(truncated && self.truncation == Truncation::Mask)
+    }
+}
+
+/// DAPO soft overlong punishment for a response of `len` tokens with limit `max_len`: 0 up to
+/// `max_len - buffer_len`, then linear down to `-factor` at `max_len`, and `-factor` beyond.
+///
+/// With `buffer_len == 0` it is 0 up to `max_len` and `-factor` beyond.
+pub fn overlong_penalty(len: usize, max_len: usize, buffer_len: usize, factor: f64) -> f64 {
+    let expected = max_len.saturating_sub(buffer_len);
+    if len <= expected {
+        0.0
+    } else if len <= max_len && buffer_len > 0 {
+        (expected as f64 - len as f64) / buffer_len as f64 * factor
+    } else {
+        -factor
     }
 }
 
@@ -278,5 +293,18 @@ mod tests {
         assert!(!mask.trains_on(true));
         assert!(mask.trains_on(false));
         assert_eq!(mask.shaped_reward(0.5, 100, 10), 0.5);
+    }
+
+    #[test]
+    fn grpo_overlong_penalty_zones() {
+        assert_eq!(overlong_penalty(10, 20, 4, 1.0), 0.0);
+        assert_eq!(overlong_penalty(16, 20, 4, 1.0), 0.0);
+        assert!((overlong_penalty(17, 20, 4, 1.0) + 0.25).abs() < 1e-12);
+        assert!((overlong_penalty(18, 20, 4, 2.0) + 1.0).abs() < 1e-12);
+        assert_eq!(overlong_penalty(20, 20, 4, 1.0), -1.0);
+        assert_eq!(overlong_penalty(25, 20, 4, 1.0), -1.0);
+        assert_eq!(overlong_penalty(20, 20, 0, 1.0), 0.0);
+        assert_eq!(overlong_penalty(21, 20, 0, 1.0), -1.0);
+        assert!((overlong_penalty(1, 3, 10, 1.0) + 0.1).abs() < 1e-12);
     }
 }

@@ -13,7 +13,7 @@ mod loss;
 mod loss_tests;
 
 pub(crate) use advantages::all_equal;
-pub use advantages::{group_advantages, overlong_penalty, Advantages};
-pub use config::{GrpoConfig, KlConfig, KlEstimator, LossAgg, MeanLevel, Truncation};
+pub use advantages::{group_advantages, Advantages};
+pub use config::{overlong_penalty, GrpoConfig, KlConfig, KlEstimator, LossAgg, MeanLevel, Truncation};
 pub use logprobs::{kl_estimate, logprobs_and_entropy};
 pub use loss::{policy_loss, LossInputs, LossNorm, LossStats};
