@@ -746,8 +746,6 @@ const KNOWN_CIRCLES: &[(&str, &[&str])] = &[
     ("tlt-spec-decode", &["drafter.rs", "engine.rs"]),
     // The GEMM's thread count in gemm/mod.rs read by the team that runs it.
     ("tlt-kernels", &["gemm/mod.rs", "team.rs"]),
-    // score_answer (task/mod.rs) dispatches to the verifiers, which use its Deadline and Verdict and call it back.
-    ("tlt-rl", &["task/mod.rs", "task/answer.rs", "task/countdown.rs", "task/expr.rs"]),
     // Binaries whose helpers (workspace_root, cargo, shared flags) live in main.rs. xtask's files were being
     // reorganized when this list was written (`*`: any circle of that root).
     ("xtask/main.rs", &["*"]),

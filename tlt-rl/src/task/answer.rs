@@ -2,7 +2,7 @@
 //! MATH graders but without floats or regexes.
 
 use super::expr::Rational;
-use super::{Deadline, TimedOut, Verdict};
+use super::verdict::{Deadline, TimedOut, Verdict};
 
 /// The final answer of `completion`: the content of the last complete `\boxed{...}` or `\fbox{...}` (braces balanced,
 /// the outermost box when boxes nest), else what follows the last `####` (GSM8K): the number that leads its line

@@ -3,8 +3,7 @@
 use serde::{Deserialize, Serialize};
 use tlt_kernels::SplitMix64;
 
-use super::expr::{evaluate, ExprError, Rational};
-use super::{score_answer, Answer, Deadline, Problem, RewardConfig, Score, Task, Verdict};
+use super::{score_answer, Answer, Problem, RewardConfig, Score, Task};
 use crate::{Error, Result};
 
 /// Settings of [`Countdown`].
@@ -172,41 +171,6 @@ fn random_expression(numbers: &[i64], rng: &mut SplitMix64) -> Node {
     pool.pop().unwrap_or(Node { text: "0".into(), value: 0, compound: false })
 }
 
-/// The trimmed content of the last `<answer>...</answer>`.
-fn answer_tag(text: &str) -> Option<&str> {
-    let end = text.rfind("</answer>")?;
-    let start = text[..end].rfind("<answer>")? + "<answer>".len();
-    Some(text[start..end].trim())
-}
-
-/// Whether the multiset `used` equals the multiset `available`: every provided number used exactly once, as
-/// TinyZero's `validate_equation` requires (an equation that leaves a number out is wrong).
-fn uses_each_exactly_once(used: &[i128], available: &[i64]) -> bool {
-    let mut avail: Vec<i128> = available.iter().map(|&x| i128::from(x)).collect();
-    let mut used = used.to_vec();
-    avail.sort_unstable();
-    used.sort_unstable();
-    used == avail
-}
-
-/// Grades `text` against a Countdown puzzle.
-pub(crate) fn verify(numbers: &[i64], target: i64, text: &str, deadline: &mut Deadline) -> Verdict {
-    if deadline.tick().is_err() {
-        return Verdict::TimedOut;
-    }
-    let Some(equation) = answer_tag(text) else {
-        return Verdict::Unformatted;
-    };
-    match evaluate(equation, deadline) {
-        Err(ExprError::TimedOut) => Verdict::TimedOut,
-        Err(_) => Verdict::Wrong,
-        Ok(e) if uses_each_exactly_once(&e.literals, numbers) && e.value == Rational::int(i128::from(target)) => {
-            Verdict::Correct
-        }
-        Ok(_) => Verdict::Wrong,
-    }
-}
-
 impl Task for Countdown {
     fn name(&self) -> &str {
         "countdown"
@@ -234,6 +198,8 @@ impl Task for Countdown {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::task::expr::evaluate;
+    use crate::task::verdict::Deadline;
     use proptest::prelude::*;
 
     fn task(seed: u64) -> Countdown {
@@ -309,17 +275,6 @@ mod tests {
         assert!(!grade(&[1, 2], 3, &format!("<answer>{huge} - {huge} + 3</answer>")).correct);
         let big = "9".repeat(30);
         assert!(!grade(&[1], 1, &format!("<answer>{big} * {big} * {big}</answer>")).correct);
-    }
-
-    #[test]
-    fn task_countdown_multiset() {
-        assert!(uses_each_exactly_once(&[], &[]));
-        assert!(uses_each_exactly_once(&[2, 3, 2], &[2, 2, 3]));
-        assert!(!uses_each_exactly_once(&[], &[1]), "a number left out");
-        assert!(!uses_each_exactly_once(&[2, 2], &[2, 3, 2]), "a number left out");
-        assert!(!uses_each_exactly_once(&[2, 2], &[2, 3]));
-        assert!(!uses_each_exactly_once(&[4], &[2, 3]));
-        assert!(!uses_each_exactly_once(&[1], &[]));
     }
 
     /// TinyZero requires every number exactly once: an equation that reaches the target with a number left out is

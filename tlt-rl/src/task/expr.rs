@@ -4,7 +4,7 @@
 //! The evaluator is an iterative shunting-yard (no recursion, so deep nesting cannot overflow the stack), checks a
 //! [`Deadline`] per token, and reports overflow and division by zero as errors instead of panicking.
 
-use super::{Deadline, TimedOut};
+use super::verdict::{Deadline, TimedOut};
 
 /// An exact fraction `num / den` in lowest terms with `den > 0`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -29,12 +29,12 @@ mod answer;
 mod arithmetic;
 mod chat;
 mod countdown;
+mod countdown_verify;
 mod expr;
 mod jsonl;
 mod split;
+mod verdict;
 mod word;
-
-use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +47,7 @@ pub use split::{DataSplit, Split, GENERATOR_EVAL_BASE};
 pub use word::{WordConfig, WordProblems};
 
 use crate::{Error, Result};
+use verdict::{Deadline, Verdict};
 
 /// Verifiers look at this many trailing bytes of a completion (rounded to a character boundary), as verl's GSM8K
 /// grader looks at the last 300 characters: the answer comes last, and the cap bounds the work per completion.
@@ -181,7 +182,7 @@ pub fn score_answer(answer: &Answer, completion: &str, reward: &RewardConfig) ->
     let verdict = match answer {
         Answer::Number(truth) => answer::verify(truth, text, &mut deadline, false),
         Answer::Hashes(truth) => answer::verify(truth, text, &mut deadline, true),
-        Answer::Countdown { numbers, target } => countdown::verify(numbers, *target, text, &mut deadline),
+        Answer::Countdown { numbers, target } => countdown_verify::verify(numbers, *target, text, &mut deadline),
     };
     match verdict {
         Verdict::TimedOut => Score::TIMED_OUT,
@@ -239,60 +240,6 @@ pub fn builtin_with(
     }
 }
 
-/// What a verifier concluded, before it is turned into a [`Score`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Verdict {
-    /// No answer in the required format.
-    Unformatted,
-    /// A formatted but wrong (or unparsable) answer.
-    Wrong,
-    /// A formatted, correct answer.
-    Correct,
-    /// The deadline passed.
-    TimedOut,
-}
-
-/// The deadline passed (the error of deadline-checked helpers).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct TimedOut;
-
-/// A deadline checked from inside parser and evaluator loops (the clock is read every 64 ticks, the first included).
-#[derive(Debug, Clone)]
-pub(crate) struct Deadline {
-    end: Option<Instant>,
-    ticks: u32,
-    expired: bool,
-}
-
-impl Deadline {
-    /// No deadline.
-    pub(crate) fn none() -> Self {
-        Self { end: None, ticks: 0, expired: false }
-    }
-
-    /// `ms` milliseconds from now (0: already expired at the first check).
-    pub(crate) fn after_ms(ms: u64) -> Self {
-        Self { end: Instant::now().checked_add(Duration::from_millis(ms)), ticks: 0, expired: false }
-    }
-
-    /// One step of work: `Err(TimedOut)` once the deadline has passed.
-    pub(crate) fn tick(&mut self) -> std::result::Result<(), TimedOut> {
-        if !self.expired {
-            if let Some(end) = self.end {
-                if self.ticks.is_multiple_of(64) && Instant::now() >= end {
-                    self.expired = true;
-                }
-                self.ticks = self.ticks.wrapping_add(1);
-            }
-        }
-        if self.expired {
-            Err(TimedOut)
-        } else {
-            Ok(())
-        }
-    }
-}
-
 /// The last `max_bytes` bytes of `s`, moved forward to a character boundary.
 pub(crate) fn tail(s: &str, max_bytes: usize) -> &str {
     let mut start = s.len().saturating_sub(max_bytes);
@@ -304,6 +251,7 @@ pub(crate) fn tail(s: &str, max_bytes: usize) -> &str {
 
 #[cfg(test)]
 mod tests {
+    use super::verdict::TimedOut;
     use super::*;
 
     /// TinyZero's format bonus, so that the tests see every reward level.
