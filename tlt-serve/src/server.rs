@@ -12,7 +12,7 @@ pub struct ServeConfig {
     pub model_name: String,
     /// The weights' version in answers. Default `"default"` (SGLang's).
     pub weight_version: Option<String>,
-    /// The model's chat template, for `/v1/chat/completions` (see [`chat::model_template`]); without one, chat
+    /// The model's chat template, for `/v1/chat/completions` (see [`crate::chat::model_template`]); without one, chat
     /// requests are refused.
     pub chat_template: Option<tlt_rl::task::ChatTemplate>,
     /// The API key, the weight roots, the queue, batch and time bounds ([`guard::GuardConfig`]).
