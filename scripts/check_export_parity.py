@@ -3,7 +3,7 @@
 
 Usage: check_export_parity.py DUMP_DIR
 
-DUMP_DIR is written by `cargo xtask check-export` (xtask/src/export_check.rs): `manifest.json` names the exported
+DUMP_DIR is written by `cargo xtask check-export` (bench/src/export_check.rs): `manifest.json` names the exported
 directories and the safetensors files holding the inputs TLT ran and TLT's outputs. Three checks, each run when the
 manifest has its entry:
 

@@ -11,31 +11,17 @@
 //!   (the `train` example's `--mode compare` on its embedded config), printing the report; `--device cuda` on a GPU;
 //! - `bench <suite>`: benchmark suites (`decode`, `kernels`, `spec`, `drafter`, `rollout`, `e2e`, `group`, `serve`, ...) writing `target/bench/<suite>.json` and `.md`.
 //!
-//! See `xtask/README.md` for every option and every field of the benchmark reports.
+//! `bench`, `roofline`, `fuzz` and `check-export` need the model crates: they are commands of `tlt-bench`
+//! (`bench/`), which this binary builds and runs with the same arguments (see `bench.rs`), so that this one
+//! depends on light crates only and builds in seconds.
+//!
+//! See `xtask/README.md` for every option, `bench/README.md` for every field of the benchmark reports.
 
 mod assets;
-mod bench_decode;
-mod bench_decode_md;
-mod bench_drafter;
-mod bench_e2e;
-mod bench_gpu;
-mod bench_group;
-mod bench_kernels;
-mod bench_llamacpp;
-mod bench_ranks;
-mod bench_rollout;
-mod bench_serve;
-mod bench_spec;
-mod candle_ref;
-mod drafter_data;
-mod drift;
-mod export_check;
-mod fuzz;
+mod bench;
+mod demo;
 mod gpu_bundle;
 mod graph;
-mod report;
-mod roofline;
-mod sysinfo;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -64,7 +50,12 @@ enum Cmd {
     },
     /// Compare exported policies and drafters with Hugging Face transformers and the `speculators` package (the
     /// format vLLM reads): greedy tokens, final hidden states, draft logits. Needs `fetch-assets --python-checks`.
-    CheckExport(export_check::CheckExportArgs),
+    #[command(disable_help_flag = true)]
+    CheckExport {
+        /// The arguments of `tlt-bench check-export` (`cargo xtask check-export --help` lists them).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Lints (`cargo fmt --check`, `cargo clippy -D warnings`, `cargo doc` with warnings denied), then fetch assets and run all tests of the
     /// workspace (cargo nextest, or cargo test without it).
     Test {
@@ -102,42 +93,22 @@ enum Cmd {
     /// the same seeds (one run after the other, each in a fresh process; `--interleave`: step by step in one), and a
     /// report (reward before/after, step-time split, TLT speedup, the tail and the bounds) ending with a per-step
     /// summary. Output in `target/demo`.
-    Demo(DemoArgs),
+    Demo(demo::DemoArgs),
     /// Fuzz a loader with structure-aware mutations of real files for `--minutes`; findings (panics, aborts,
     /// oversized allocations, hangs) go to `target/fuzz/<target>/findings/`, the summary to `summary.json`.
+    #[command(disable_help_flag = true)]
     Fuzz {
-        /// The loader.
-        #[arg(value_enum)]
-        target: fuzz::Target,
-        /// How long to fuzz.
-        #[arg(long, default_value_t = 1.0)]
-        minutes: f64,
-        /// The run's seed (input `i` is a function of it and `i`).
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Seconds without progress that count as a hang.
-        #[arg(long, default_value_t = 10)]
-        hang_s: u64,
-    },
-    /// The worker process of `fuzz` (internal).
-    #[command(hide = true)]
-    FuzzWorker {
-        #[arg(value_enum)]
-        target: fuzz::Target,
-        #[arg(long)]
-        seed: u64,
-        #[arg(long)]
-        from: u64,
-        #[arg(long)]
-        gguf: PathBuf,
+        /// The arguments of `tlt-bench fuzz` (`cargo xtask fuzz --help` lists them).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
     /// The predicted time of the device decode step on an H100 and an H200, op by op, at the benchmark shapes (a
     /// roofline of the program `CudaLlama` runs); `target/bench/roofline.json` and `.md`.
+    #[command(disable_help_flag = true)]
     Roofline {
-        /// The measured copy bandwidth (TB/s, read + write) of the third table; default: the H200 run's of
-        /// 2026-11-27.
-        #[arg(long, default_value_t = roofline::H200_MEASURED_COPY / 1e12)]
-        copy_bandwidth: f64,
+        /// The arguments of `tlt-bench roofline` (`cargo xtask roofline --help` lists them).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
     /// Fault injection: `train` on a tiny model killed by SIGKILL at seeded points (rollout rounds, optimizer
     /// steps, drafter steps, checkpoint writes, metrics appends; one rank of a 2-rank MPI job), resumed until done
@@ -154,10 +125,13 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
-    /// Run a benchmark suite; results go to `target/bench/<suite>.json` and `.md`.
+    /// Run a benchmark suite; results go to `target/bench/<suite>.json` and `.md` (`cargo xtask bench --help`
+    /// lists the suites).
+    #[command(disable_help_flag = true)]
     Bench {
-        #[command(subcommand)]
-        suite: Suite,
+        /// The suite and its arguments, for `tlt-bench bench`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
     /// Each crate's file import graph (`--dot`: DOT) and the check that no files import each other in a circle.
     Graph {
@@ -167,72 +141,15 @@ enum Cmd {
     },
 }
 
-/// Options of `demo`.
-#[derive(Debug, clap::Args)]
-struct DemoArgs {
-    /// Override the number of RL steps of each run.
-    #[arg(long)]
-    steps: Option<u64>,
-    /// A run config instead of the embedded demo config.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Data-parallel ranks (MPI processes, `mpirun -np N`; the `train` binary is then built with `--features
-    /// mpi`).
-    #[arg(long, default_value_t = 1)]
-    ranks: usize,
-    /// Where rollouts and the policy update run: `cpu`, or `cuda[:N]` (the `train` binary built with `--features
-    /// cuda`, NVRTC from the pinned wheel on the library path; cuBLAS 13 and a driver from the GPU machine).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// The policy: a `.gguf` file or a Hugging Face checkpoint directory (Llama, Qwen2.5, Qwen3) instead of the
-    /// fetched SmolLM2-135M-Instruct GGUF.
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Both runs in one process, their steps interleaved (the order alternating), instead of one after the other
-    /// in fresh processes; both trainers resident at once (one rank only).
-    #[arg(long)]
-    interleave: bool,
-}
-
-#[derive(Debug, Subcommand)]
-enum Suite {
-    /// Batched greedy decode of SmolLM2-135M (f32): tlt-model vs candle-transformers' Llama, side by side.
-    Decode(bench_decode::DecodeArgs),
-    /// Skinny GEMM per weight shape, format and row count, weights from DRAM; f32 vs candle-core's matmul.
-    Kernels(bench_kernels::KernelArgs),
-    /// Speculative vs plain decoding of SmolLM2-135M through one engine: oracle and n-gram drafters, side by side.
-    Spec(bench_spec::SpecArgs),
-    /// EAGLE-2/EAGLE-3 drafters trained offline on SmolLM2's own responses: tau and speedup at batch 1.
-    Drafter(bench_drafter::DrafterArgs),
-    /// Long-tailed rollouts: the cluster simulator calibrated from `spec.json`, and a real SmolLM2 run of the
-    /// SD gate + bandit driving the engine against plain decoding.
-    Rollout(bench_rollout::RolloutArgs),
-    /// GRPO end to end on SmolLM2: TLT vs baseline with the same config and seeds, per-step times and speedups.
-    E2e(bench_e2e::E2eArgs),
-    /// Group drafting on SmolLM2 GRPO rollouts: plain, n-gram, suffix over the group (with and without history)
-    /// and the adaptive rollout; tokens per step beside the argmax-chain ceiling, by running batch; prefill sharing.
-    Group(bench_group::GroupArgs),
-    /// Batch-1 decode against llama.cpp's `llama-bench` (built beside the project) on the same weights
-    /// (f32 and Q8_0 GGUFs written from the model's), threads and context, interleaved.
-    Llamacpp(bench_llamacpp::LlamaCppArgs),
-    /// Data-parallel ranks measured beside the cluster simulator calibrated on them, and its labelled predictions
-    /// for GPU clusters (`target/bench/ranks.json` and `.md`).
-    Ranks(bench_ranks::RanksArgs),
-    /// The rollout server (`tlt-serve`) against the same rollout in process: a slime-like workload over HTTP,
-    /// throughput ratio, SD on/off, latency percentiles, and many requests at once.
-    Serve(bench_serve::ServeArgs),
-}
-
-/// The suites that measure CPU code in this process take `--device` too, so that every suite reads the same
-/// flag; on a CUDA device they stop with what to run instead.
-fn cpu_only(suite: &str, device: &str) -> Result<()> {
-    if bench_gpu::is_cuda(device)? {
-        bail!(
-            "`bench {suite}` measures the CPU path in this process; on a GPU run `bench decode|spec --device {device}` \
-             (gpu-bench: decode, verify, oracle SD) or `bench e2e --device {device}` (trainer rollouts on the device)"
-        );
+/// Whether `device` names a CUDA device (`cuda` or `cuda:N`); an error for anything but those and `cpu`. The
+/// names `tlt_model::Device` parses, which `tlt-bench` checks again; this crate does not link `tlt-model`.
+pub(crate) fn is_cuda(device: &str) -> Result<bool> {
+    match device.split_once(':') {
+        None if device == "cpu" => Ok(false),
+        None if device == "cuda" => Ok(true),
+        Some(("cuda", n)) if n.parse::<usize>().is_ok() => Ok(true),
+        _ => bail!("device must be cpu, cuda or cuda:N, got {device:?}"),
     }
-    Ok(())
 }
 
 /// The workspace root (the parent of this crate's directory).
@@ -349,16 +266,12 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
     // The export parity check needs torch, transformers and speculators (~6 GB): run only when installed.
     match assets::python_export_deps(false)? {
         Some(_) => {
-            let args = export_check::CheckExportArgs {
-                policy: None,
-                drafter: None,
-                target: None,
-                tiny: true,
-                new_tokens: 16,
-                out: workspace_root().join("target").join("export-check-tiny"),
-            };
-            if let Err(e) = export_check::run(&args) {
-                eprintln!("error: export parity check: {e:#}");
+            let out = workspace_root().join("target").join("export-check-tiny");
+            let mut args = vec!["check-export".to_string(), "--tiny".into(), "--new-tokens".into(), "16".into()];
+            args.extend(["--out".to_string(), out.display().to_string()]);
+            let code = bench::run(&args)?;
+            if !code.success() {
+                eprintln!("error: export parity check: `tlt-bench check-export --tiny` failed ({code})");
                 return Ok(ExitCode::FAILURE);
             }
         }
@@ -451,46 +364,6 @@ pub(crate) fn cuda_package_args() -> Vec<&'static str> {
     CUDA_PACKAGES.iter().flat_map(|p| ["-p", p]).collect()
 }
 
-/// `demo`: the `train` example's `--mode compare` (built with the features `args` need) into `target/demo`.
-fn demo(args: &DemoArgs) -> Result<ExitCode> {
-    let cuda = bench_gpu::is_cuda(&args.device)?;
-    let model = match &args.model {
-        Some(m) => m.clone(),
-        None => assets::fetch_assets()?,
-    };
-    let out = workspace_root().join("target").join("demo");
-    let mut cmd = cargo();
-    cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "train"]);
-    let features: Vec<&str> =
-        [(args.ranks > 1, "mpi"), (cuda, "cuda")].into_iter().filter(|f| f.0).map(|f| f.1).collect();
-    if !features.is_empty() {
-        cmd.args(["--features", &features.join(",")]);
-    }
-    if cuda {
-        cmd.env("LD_LIBRARY_PATH", assets::nvrtc_library_path()?);
-    }
-    cmd.args(["--", "--mode", "compare", "--ranks", &args.ranks.to_string(), "--device", &args.device]);
-    cmd.arg("--model").arg(&model).arg("--out").arg(&out).current_dir(workspace_root());
-    if args.model.is_none() {
-        cmd.env("TLT_SMOLLM2_GGUF", &model);
-    }
-    if let Some(s) = args.steps {
-        cmd.arg("--steps").arg(s.to_string());
-    }
-    if let Some(c) = &args.config {
-        cmd.arg("--config").arg(c);
-    }
-    if args.interleave {
-        cmd.arg("--interleave");
-    }
-    let _ = std::fs::remove_dir_all(&out);
-    Ok(exit_code(run(cmd)?))
-}
-
-/// Caps single allocations while a fuzz worker feeds a loader (no cap otherwise).
-#[global_allocator]
-static ALLOC: fuzz::alloc::Capped = fuzz::alloc::Capped;
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -521,10 +394,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::CheckExport(args) => {
-            export_check::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Cmd::CheckExport { args } => bench::forward("check-export", args),
         Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),
         Cmd::TestCuda { gpu } => cuda_tests(gpu),
         Cmd::GpuBundle { dry_run: true, .. } => {
@@ -553,67 +423,26 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Fuzz { target, minutes, seed, hang_s } => {
-            let gguf = assets::fetch_assets()?;
-            let summary = fuzz::run(target, minutes, seed, hang_s, &gguf)?;
-            Ok(if summary.findings.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
-        }
-        Cmd::FuzzWorker { target, seed, from, gguf } => {
-            fuzz::worker(target, seed, from, &gguf)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Demo(args) => demo(&args),
+        Cmd::Fuzz { args } => bench::forward("fuzz", args),
+        Cmd::Demo(args) => demo::demo(&args),
         Cmd::Chaos { kills, rank_kills, seed } => chaos(kills, rank_kills, seed),
-        Cmd::Roofline { copy_bandwidth } => {
-            roofline::run(&workspace_root().join("target").join("bench"), copy_bandwidth * 1e12)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench { suite: Suite::Decode(args) } => {
-            bench_decode::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench { suite: Suite::Llamacpp(args) } => {
-            cpu_only("llamacpp", &args.device)?;
-            bench_llamacpp::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench { suite: Suite::Serve(args) } => {
-            cpu_only("serve", &args.device)?;
-            bench_serve::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench { suite: Suite::Group(args) } => {
-            cpu_only("group", &args.device)?;
-            bench_group::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench { suite: Suite::E2e(args) } => {
-            bench_e2e::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench { suite: Suite::Drafter(args) } => {
-            cpu_only("drafter", &args.device)?;
-            bench_drafter::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench { suite: Suite::Rollout(args) } => {
-            cpu_only("rollout", &args.device)?;
-            bench_rollout::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench { suite: Suite::Spec(args) } => {
-            bench_spec::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench { suite: Suite::Ranks(args) } => {
-            bench_ranks::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench { suite: Suite::Kernels(args) } => {
-            cpu_only("kernels", &args.device)?;
-            bench_kernels::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Cmd::Roofline { args } => bench::forward("roofline", args),
+        Cmd::Bench { args } => bench::forward("bench", args),
         Cmd::Graph { dot } => graph::print(dot).map(|()| ExitCode::SUCCESS),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names() {
+        assert!(!is_cuda("cpu").unwrap());
+        assert!(is_cuda("cuda").unwrap());
+        assert!(is_cuda("cuda:1").unwrap());
+        assert!(is_cuda("cuda:x").is_err());
+        assert!(is_cuda("gpu").is_err());
+        assert!(is_cuda("cpu:0").is_err());
     }
 }

@@ -313,7 +313,7 @@ pub fn run(args: &SpecArgs) -> Result<()> {
     let timestamp = sysinfo::utc_timestamp();
     let path = match &args.model {
         Some(p) => p.clone(),
-        None => crate::assets::fetch_assets()?,
+        None => crate::env::smollm2_gguf()?,
     };
     let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
     let model = loaded.model;

@@ -124,7 +124,7 @@ pub fn seeds(target: Target, root: &Path, gguf: &Path) -> Result<Vec<Seed>> {
         Target::RunToml => {
             let dir = root.join("seed-toml");
             std::fs::create_dir_all(&dir)?;
-            let demo = crate::workspace_root().join("examples/configs/demo.toml");
+            let demo = crate::env::workspace_root().join("examples/configs/demo.toml");
             std::fs::copy(&demo, dir.join("run.toml")).with_context(|| format!("copying {}", demo.display()))?;
             vec![seed(&dir, "run.toml", Format::Toml, false)?]
         }

@@ -44,7 +44,7 @@ impl MachineInfo {
 
 /// `git rev-parse HEAD` of the workspace, with `-dirty` when the work tree has changes; `"unknown"` without git.
 pub fn git_commit() -> String {
-    let root = crate::workspace_root();
+    let root = crate::env::workspace_root();
     let run = |args: &[&str]| {
         Command::new("git")
             .args(args)

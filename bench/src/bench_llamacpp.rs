@@ -4,7 +4,7 @@
 //! The weights: the model's GGUF is dequantized and written again as an f32 GGUF and a Q8_0 GGUF
 //! ([`requantize_gguf`], llama.cpp's reference rounding); tlt-model runs the f32 tensors it loads from the
 //! model's GGUF (the same values) or its Q8_0 pack of them. llama.cpp is not built by this command (its code is
-//! never vendored here): build it beside the project and pass `--llama-bench`; `xtask/README.md` gives the
+//! never vendored here): build it beside the project and pass `--llama-bench`; `bench/README.md` gives the
 //! commands used for the recorded runs.
 
 use std::path::{Path, PathBuf};
@@ -155,7 +155,7 @@ pub fn run(args: &LlamaCppArgs) -> Result<()> {
     let timestamp = sysinfo::utc_timestamp();
     let path = match &args.model {
         Some(p) => p.clone(),
-        None => crate::assets::fetch_assets()?,
+        None => crate::env::smollm2_gguf()?,
     };
     let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
     let tokenizer = loaded.tokenizer.with_context(|| format!("{} carries no tokenizer", path.display()))?;
@@ -169,7 +169,7 @@ pub fn run(args: &LlamaCppArgs) -> Result<()> {
     let (mut build, mut cpu_info) = (String::new(), String::new());
     let mut results = Vec::new();
     for (name, (ours_dtype, ggml)) in formats {
-        let gguf = requant_path(&path, &name);
+        let gguf = requant_path(&path, &name)?;
         requantize_gguf(&path, &gguf, ggml)?;
         let mut model = loaded.model.clone();
         model.pack_for_inference(ours_dtype)?;

@@ -388,7 +388,7 @@ pub fn run(args: &GroupArgs) -> Result<()> {
     let machine = MachineInfo::collect();
     let timestamp = sysinfo::utc_timestamp();
     let plan = parse_plan(&args.plan)?;
-    let path = crate::assets::fetch_assets()?;
+    let path = crate::env::smollm2_gguf()?;
     let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
     let (model, tok) = (loaded.model, loaded.tokenizer.context("the GGUF carries no tokenizer")?);
     let task = builtin("arithmetic", args.seed)?;

@@ -383,7 +383,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     ensure!(args.min_new_tokens >= 1 && args.min_new_tokens <= args.max_new_tokens, "need 1 <= min <= max tokens");
     let machine = MachineInfo::collect();
     let timestamp = sysinfo::utc_timestamp();
-    let path = crate::assets::fetch_assets()?;
+    let path = crate::env::smollm2_gguf()?;
     let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
     let (model, tok) = (loaded.model, loaded.tokenizer.context("the GGUF carries no tokenizer")?);
     let reqs = workload(args, &tok)?;

@@ -67,8 +67,7 @@ const PROMPTS: [&str; 8] = [
 
 /// Runs the check; fails when the packages are missing or a comparison fails.
 pub fn run(args: &CheckExportArgs) -> Result<()> {
-    let py = crate::assets::python_export_deps(false)?
-        .with_context(|| format!("the Python packages are not installed ({})", crate::assets::EXPORT_CHECK_FETCH))?;
+    let py = crate::env::python_export_deps()?;
     let out = &args.out;
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
@@ -94,7 +93,7 @@ pub fn run(args: &CheckExportArgs) -> Result<()> {
 
 /// Runs the script on `dump` with `py` on `PYTHONPATH`.
 pub fn run_script(py: &Path, dump: &Path) -> Result<()> {
-    let script = crate::workspace_root().join("scripts").join("check_export_parity.py");
+    let script = crate::env::workspace_root().join("scripts").join("check_export_parity.py");
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let status = Command::new(&python)
         .arg(&script)

@@ -266,7 +266,7 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     let timestamp = sysinfo::utc_timestamp();
     let path = match &args.model {
         Some(p) => p.clone(),
-        None => crate::assets::fetch_assets()?,
+        None => crate::env::smollm2_gguf()?,
     };
     let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
     let target = loaded.model;
@@ -285,7 +285,7 @@ pub fn run(args: &DrafterArgs) -> Result<()> {
     );
 
     let t = Instant::now();
-    let cache = crate::assets::cache_dir().join("drafter-data");
+    let cache = crate::env::cache_dir()?.join("drafter-data");
     let (mut samples, mut cached) =
         cached_rollout_samples(&cache, &path, &target, &train_prompts, args.rollout_tokens, 16)?;
     if args.extra_fills > 0 {

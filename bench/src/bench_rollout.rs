@@ -208,7 +208,7 @@ pub struct RealRun {
 }
 
 fn real_run(args: &RolloutArgs) -> Result<RealRun> {
-    let path = crate::assets::fetch_assets()?;
+    let path = crate::env::smollm2_gguf()?;
     let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
     let (model, tok) = (loaded.model, loaded.tokenizer.context("the GGUF carries no tokenizer")?);
     let (train, _) = prompts();
@@ -293,15 +293,15 @@ pub fn run(args: &RolloutArgs) -> Result<()> {
     let source = match &args.calibration {
         Some(p) => p.clone(),
         None => {
-            let t = crate::workspace_root().join("target/bench/spec.json");
+            let t = crate::env::workspace_root().join("target/bench/spec.json");
             if t.exists() {
                 t
             } else {
-                crate::workspace_root().join("docs/bench/2026-11-22-spec.json")
+                crate::env::workspace_root().join("docs/bench/2026-11-22-spec.json")
             }
         }
     };
-    let drafter_json = crate::workspace_root().join("target/bench/drafter.json");
+    let drafter_json = crate::env::workspace_root().join("target/bench/drafter.json");
     let calibration = calibrate(&source, drafter_json.exists().then_some(drafter_json.as_path()))?;
     info!(source = %calibration.source, decode = ?calibration.decode, verify = ?calibration.verify, "calibrated");
     let mut simulations = Vec::new();

@@ -94,19 +94,20 @@ fn row(t: &StepMetrics, b: &StepMetrics) -> StepRow {
 
 /// Runs the suite.
 pub fn run(args: &E2eArgs) -> Result<()> {
-    let gguf = crate::assets::fetch_assets()?;
-    let out = crate::workspace_root().join("target").join("bench").join("e2e-run");
+    let gguf = crate::env::smollm2_gguf()?;
+    let out = crate::env::workspace_root().join("target").join("bench").join("e2e-run");
     let cuda = crate::bench_gpu::is_cuda(&args.device)?;
-    let mut cmd = crate::cargo();
+    let mut cmd = crate::env::cargo();
     cmd.args(["run", "--release", "-p", "tlt-examples", "--bin", "train"]);
     if cuda {
-        cmd.args(["--features", "cuda"]).env("LD_LIBRARY_PATH", crate::assets::nvrtc_library_path()?);
+        // NVRTC: on the library path `cargo xtask` gives us for a CUDA device.
+        cmd.args(["--features", "cuda"]);
     }
     cmd.args(["--", "--mode", "compare", "--device", &args.device, "--model"])
         .arg(&gguf)
         .arg("--out")
         .arg(&out)
-        .current_dir(crate::workspace_root());
+        .current_dir(crate::env::workspace_root());
     if let Some(c) = &args.config {
         cmd.arg("--config").arg(c);
     }
@@ -114,7 +115,7 @@ pub fn run(args: &E2eArgs) -> Result<()> {
         cmd.arg("--steps").arg(s.to_string());
     }
     let _ = std::fs::remove_dir_all(&out);
-    let status = crate::run(cmd)?;
+    let status = crate::env::run(cmd)?;
     anyhow::ensure!(status.success(), "the train example failed: {status}");
     let summary = out.join("summary.json");
     let text = std::fs::read_to_string(&summary).with_context(|| format!("reading {}", summary.display()))?;

@@ -289,7 +289,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     let timestamp = sysinfo::utc_timestamp();
     let path = match &args.model {
         Some(p) => p.clone(),
-        None => crate::assets::fetch_assets()?,
+        None => crate::env::smollm2_gguf()?,
     };
     let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
     let model = loaded.model;
@@ -327,7 +327,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     } else {
         let mut ours = model.clone();
         ours.pack_for_inference(WeightDType::Q8_0)?;
-        let gguf = requant_path(&path, "q8_0");
+        let gguf = requant_path(&path, "q8_0")?;
         if !gguf.exists() {
             info!(from = %path.display(), to = %gguf.display(), "writing a Q8_0 GGUF for candle-transformers");
         }

@@ -540,7 +540,7 @@ pub struct Report {
 pub fn run(a: &RanksArgs) -> Result<()> {
     let timestamp = sysinfo::utc_timestamp();
     let machine = MachineInfo::collect();
-    let dir = if a.dir.is_absolute() { a.dir.clone() } else { crate::workspace_root().join(&a.dir) };
+    let dir = if a.dir.is_absolute() { a.dir.clone() } else { crate::env::workspace_root().join(&a.dir) };
     let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
         .with_context(|| format!("reading {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))

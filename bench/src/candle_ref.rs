@@ -115,9 +115,9 @@ fn file_type(dtype: GgmlDType) -> Option<u32> {
 
 /// Where the copy of the GGUF `src` re-written in format `name` (`q8_0`, `f32`) lives:
 /// `<cache>/requant/<stem>.<NAME>.gguf`.
-pub fn requant_path(src: &Path, name: &str) -> std::path::PathBuf {
+pub fn requant_path(src: &Path, name: &str) -> anyhow::Result<std::path::PathBuf> {
     let stem = src.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
-    crate::assets::cache_dir().join("requant").join(format!("{stem}.{}.gguf", name.to_ascii_uppercase()))
+    Ok(crate::env::cache_dir()?.join("requant").join(format!("{stem}.{}.gguf", name.to_ascii_uppercase())))
 }
 
 /// Writes `dst`, a copy of the GGUF `src` whose matrices are re-quantized to `dtype`: every tensor is read with

@@ -1,6 +1,7 @@
 //! `cargo xtask bench decode|spec --device cuda[:N]`: the GPU suites. Builds `gpu-bench` (tlt-examples with
 //! `--features cuda`; no CUDA toolkit needed to build) and runs it per architecture with NVRTC from the pinned wheel on
-//! the library path (cuBLAS 13 must be installed on the GPU machine): batched decode with and without CUDA graphs
+//! the library path (`cargo xtask` puts it there for a CUDA `--device`; cuBLAS 13 must be installed on the GPU
+//! machine): batched decode with and without CUDA graphs
 //! against the measured copy bandwidth, verify-k over decode-1, and the engine on the device with a perfect oracle
 //! drafter at several tokens per round. JSON and markdown per architecture in `target/bench/`.
 
@@ -16,15 +17,14 @@ pub fn is_cuda(device: &str) -> Result<bool> {
 
 /// Runs `gpu-bench` on `device` for each of `archs`, with `extra` arguments.
 pub fn run(device: &str, archs: &[&str], extra: &[&str]) -> Result<()> {
-    let lib_path = crate::assets::nvrtc_library_path()?;
-    let status = crate::cargo()
+    let status = crate::env::cargo()
         .args(["build", "--release", "-p", "tlt-examples", "--features", "cuda", "--bin", "gpu-bench"])
         .status()
         .context("cargo build gpu-bench")?;
     if !status.success() {
         bail!("building gpu-bench failed");
     }
-    let root = crate::workspace_root();
+    let root = crate::env::workspace_root();
     let out_dir = root.join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
     for arch in archs {
@@ -34,7 +34,6 @@ pub fn run(device: &str, archs: &[&str], extra: &[&str]) -> Result<()> {
             .args(["--arch", arch, "--device", device, "--out"])
             .arg(&json)
             .args(extra)
-            .env("LD_LIBRARY_PATH", &lib_path)
             .output()
             .context("running gpu-bench")?;
         let text = String::from_utf8_lossy(&out.stdout);

@@ -1,7 +1,7 @@
 //! `cargo xtask fuzz <target> --minutes N`: a structure-aware mutation fuzzer for the loaders (GGUF, safetensors,
 //! config.json, tokenizer.json, drafter checkpoints, TOML run configs).
 //!
-//! The parent runs a worker process (`xtask fuzz-worker`) that feeds input after input to the loader and prints
+//! The parent runs a worker process (`tlt-bench fuzz-worker`) that feeds input after input to the loader and prints
 //! one line per input (`<index> <outcome>`). Input `i` is a pure function of the run's seed, `i` and the seed files,
 //! so any input can be rebuilt from its index. The parent records a **finding** when the worker
 //! - reports a panic (caught with `catch_unwind`; the worker goes on),
@@ -67,7 +67,7 @@ fn name(target: Target) -> String {
 }
 
 fn dir_of(target: Target) -> PathBuf {
-    crate::workspace_root().join("target").join("fuzz").join(name(target))
+    crate::env::workspace_root().join("target").join("fuzz").join(name(target))
 }
 
 /// Runs the fuzzer on `target` for `minutes`, starting from `seed`.

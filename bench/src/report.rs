@@ -57,7 +57,7 @@ pub fn command_line() -> String {
 
 /// Writes `target/bench/<suite>.json` (pretty-printed `report`) and `target/bench/<suite>.md` (`table`).
 pub fn write_outputs(suite: &str, report: &impl Serialize, table: &str) -> Result<()> {
-    let dir = crate::workspace_root().join("target").join("bench");
+    let dir = crate::env::workspace_root().join("target").join("bench");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let json = serde_json::to_string_pretty(report)?;
     write(&dir.join(format!("{suite}.json")), &json)?;
