@@ -17,6 +17,11 @@
 //! **Where it sits:** depends on tlt-model, tlt-spec-decode (the engine), tlt-scheduler (the gate and bandit),
 //! tlt-drafter (the online drafter),
 //! tlt-rl (its chat template renderer), axum and tokio.
+//!
+//! **Inside:** [`routes`] assembles the router; the handlers (`generate`, [`chat`], [`control`], [`trl`], `info`,
+//! `stream`) share the state in `state.rs` and the reply shapes in `reply.rs`, and none of them imports `routes`
+//! (`cargo xtask graph` draws the files' imports).
+
 pub mod api;
 pub mod chat;
 pub mod control;
