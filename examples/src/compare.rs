@@ -17,7 +17,7 @@ pub const POLICY_FILES: [&str; 2] = ["export/policy/model.safetensors", "checkpo
 
 /// A step's seconds split into the parts that add up to its wall time: rollout, rewards (the wait for them after
 /// the rollout), update, drafter (trained after the rollout), other (publication and the rest).
-fn split(m: &StepMetrics) -> [f64; 6] {
+pub fn split(m: &StepMetrics) -> [f64; 6] {
     let parts = [m.rollout_s, m.reward_wait_s, m.train_s, m.drafter_after_s];
     let other = (m.step_s - parts.iter().sum::<f64>()).max(0.0);
     [parts[0], parts[1], parts[2], parts[3], other, m.step_s]

@@ -1,12 +1,26 @@
 //! Shared bits of the example programs (`generate`, `train`): where the default model lives, logging, the
-//! data-parallel launch (MPI ranks) and the compact end of `train --mode compare` ([`compare`]).
+//! data-parallel launch (MPI ranks), the compact end of `train --mode compare` ([`compare`]), its response-length
+//! test ([`lengths`]) and its HTML page ([`report`]), and the progress bars that logging writes around
+//! ([`progress_bars`]).
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 pub mod compare;
+pub mod lengths;
+pub mod progress;
 pub mod ranks;
+pub mod report;
+
+/// The progress bars of this process, once [`progress_bars`] made them.
+static BARS: std::sync::OnceLock<indicatif::MultiProgress> = std::sync::OnceLock::new();
+
+/// The process's one set of progress bars on stderr: log lines ([`init_logging`]) are written above them (the
+/// bars hidden while a line is written), so neither tears the other.
+pub fn progress_bars() -> &'static indicatif::MultiProgress {
+    BARS.get_or_init(indicatif::MultiProgress::new)
+}
 
 /// `tracing` to stderr, filtered by `RUST_LOG` (default `info`), coloured on a terminal; each line prefixed by
 /// `[rank r/n] ` when this process is one of several MPI ranks ([`ranks::launched`]).
@@ -52,7 +66,13 @@ impl Drop for Prefixed {
         out.extend_from_slice(self.prefix.as_bytes());
         out.extend_from_slice(&self.line);
         // Logging has nowhere to report its own failure.
-        let _ = std::io::stderr().lock().write_all(&out);
+        let write = || {
+            let _ = std::io::stderr().lock().write_all(&out);
+        };
+        match BARS.get() {
+            Some(bars) => bars.suspend(write),
+            None => write(),
+        }
     }
 }
 

@@ -11,21 +11,24 @@
 //! the previous or the new checkpoint, recovered at `--resume`; `--resume` continues from it bit for bit and is an
 //! error without one unless `--allow-fresh`), `plots/` (PNG + SVG) and `export/`: the RL-trained policy as a Hugging Face directory
 //! (`policy/`) and its drafter in the EAGLE format SGLang and vLLM serve (`drafter/`), with `SERVE.md` giving
-//! both engines' command lines (`--export-at-checkpoints` adds `exports/step-<n>/` at every checkpoint). `--mode compare` runs TLT and then the baseline with the same seeds,
-//! each in a fresh process of this binary (both pay the same first-update warm-up of a new process, and only one
-//! trainer's memory is resident at a time), or with `--interleave` both in this process, step by step, and prints
-//! the report `cargo xtask demo` shows (reward before/after, step-time split, TLT speed-up, peak memory), then the
-//! per-step summary of `tlt_examples::compare` (also in `<out>/summary.txt`).
+//! both engines' command lines (`--export-at-checkpoints` adds `exports/step-<n>/` at every checkpoint). `--mode compare` runs TLT and the baseline with the same seeds,
+//! both in this process, step by step (a drift of the machine falls on both), or with `--sequential` one after
+//! the other, each in a fresh process of this binary (both pay the same first-update warm-up of a new process, and
+//! only one trainer's memory is resident at a time), and prints the report `cargo xtask demo` shows (reward
+//! before/after, step-time split, TLT speed-up, peak memory), the per-step summary of `tlt_examples::compare`
+//! (also in `<out>/summary.txt`) and the two runs' response-length test (`tlt_examples::lengths`); the same on one
+//! page, `<out>/report.html`, with the charts of `<out>/plots/`. Progress shows as one bar per run on a terminal
+//! (`--progress`).
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 use tlt_examples::default_model;
+use tlt_examples::progress::{rss_gb, Progress, ProgressMode};
+use tlt_examples::report::Schedule;
 use tlt_rl::runner::{run, run_interleaved, text_env, Comparison, RunConfig, RunDir, RunOutcome};
-use tlt_rl::trainer::{Mode, Observer, TextEnv, Trainer, TrainerConfig, SERVE_FILE};
+use tlt_rl::trainer::{Mode, TextEnv, Trainer, TrainerConfig, SERVE_FILE};
 
 /// The ranks' wait limits of this process (`--rank-wait-s`, `--rank-silence-s`), set once from the command line.
 static DEADLINES: std::sync::OnceLock<tlt_comm::Deadlines> = std::sync::OnceLock::new();
@@ -43,8 +46,8 @@ enum RunMode {
     Tlt,
     /// Plain rollouts.
     Baseline,
-    /// TLT, then the baseline with the same seeds (each in its own process; `--interleave`: both in this one,
-    /// step by step), and the comparison report.
+    /// TLT and the baseline with the same seeds (step by step in this process; `--sequential`: one after the
+    /// other, each in its own process), and the comparison report.
     Compare,
 }
 
@@ -110,63 +113,19 @@ struct Args {
     /// the job with an error naming it, seconds.
     #[arg(long, default_value_t = 60.0)]
     rank_silence_s: f64,
-    /// `--mode compare` only: both trainers in this process, their steps interleaved (the order alternating from
-    /// step to step) instead of one run after the other in fresh processes: a drift of the machine over time
-    /// biases neither run. Both trainers are resident at once (about twice the memory); one rank only.
+    /// `--mode compare` only, and its default with one rank (the flag is kept for older command lines): both
+    /// trainers in this process, their steps interleaved (the order alternating from step to step): a drift of
+    /// the machine over time biases neither run. Both trainers are resident at once (about twice the memory).
     #[arg(long)]
     interleave: bool,
-}
-
-/// Progress bars: one per rollout (finished requests), a spinner for the other phases.
-struct Progress {
-    bar: Option<ProgressBar>,
-    label: String,
-    enabled: bool,
-}
-
-impl Progress {
-    fn new(label: &str) -> Self {
-        Self { bar: None, label: label.into(), enabled: std::io::stderr().is_terminal() }
-    }
-}
-
-impl Observer for Progress {
-    fn on_round(&mut self, running: usize, finished: usize, total: usize, tokens: usize) {
-        if let Some(bar) = &self.bar {
-            bar.set_length(total as u64);
-            bar.set_position(finished as u64);
-            bar.set_message(format!("{running} running, {tokens} tokens"));
-        }
-    }
-
-    fn on_phase(&mut self, step: u64, phase: &str) {
-        tracing::debug!(step, phase, rss_gb = rss_gb("VmRSS:"), peak_gb = rss_gb("VmHWM:"), "phase starts");
-        if let Some(bar) = self.bar.take() {
-            bar.finish_and_clear();
-        }
-        if !self.enabled {
-            return;
-        }
-        let bar = if phase == "rollout" {
-            let style = ProgressStyle::with_template("{prefix} [{elapsed_precise}] {bar:30} {pos}/{len} done, {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar());
-            ProgressBar::new(0).with_style(style)
-        } else {
-            let b = ProgressBar::new_spinner();
-            b.enable_steady_tick(std::time::Duration::from_millis(200));
-            b
-        };
-        bar.set_prefix(format!("{} step {step} {phase}", self.label));
-        self.bar = Some(bar);
-    }
-}
-
-impl Drop for Progress {
-    fn drop(&mut self) {
-        if let Some(bar) = self.bar.take() {
-            bar.finish_and_clear();
-        }
-    }
+    /// `--mode compare` only: TLT's run, then the baseline's, each in a fresh process of this binary (one trainer
+    /// resident at a time; the default with several ranks).
+    #[arg(long, conflicts_with = "interleave")]
+    sequential: bool,
+    /// Progress: `bars` (one per run, with the phase, elapsed time and time left), `plain` (log lines only), or
+    /// `auto`: bars when stderr is a terminal.
+    #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
+    progress: ProgressMode,
 }
 
 fn load_config(args: &Args) -> Result<RunConfig> {
@@ -289,11 +248,22 @@ fn finish(t: Trainer<TextEnv>, out: &RunOutcome, dir: &RunDir) -> Result<()> {
 }
 
 /// One run in `dir`; its outcome, with this process's peak memory, also goes to `<dir>/outcome.json`.
-fn run_mode(model_path: &Path, cfg: &RunConfig, mode: Mode, dir: &Path, resume: Resume) -> Result<RunOutcome> {
+fn run_mode(
+    model_path: &Path,
+    cfg: &RunConfig,
+    mode: Mode,
+    dir: &Path,
+    resume: Resume,
+    progress: ProgressMode,
+) -> Result<RunOutcome> {
     let dir = RunDir(dir.to_path_buf());
     let mut t = trainer(model_path, cfg, mode, &dir, resume)?;
     let rank = t.rank();
-    let mut out = run(&mut t, cfg, &dir, &mut Progress::new(label(mode)))?;
+    // One bar per job: the other ranks log only.
+    let progress = if rank == 0 { progress } else { ProgressMode::Plain };
+    let mut bar = Progress::new(label(mode), cfg.trainer.steps, progress);
+    let mut out = run(&mut t, cfg, &dir, &mut bar)?;
+    drop(bar);
     finish(t, &out, &dir)?;
     out.peak_rss_gb = peak_rss_gb();
     if rank == 0 {
@@ -312,6 +282,7 @@ fn compare(
     resume: Resume,
     ranks: usize,
     drafter: Option<&str>,
+    progress: ProgressMode,
 ) -> Result<Comparison> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let config = out.join("config.toml");
@@ -326,6 +297,8 @@ fn compare(
             cmd.arg("--allow-changed-task");
         }
         cmd.args(["--ranks", &ranks.to_string()]);
+        // Decided here, where stderr is the user's: the child's stderr is the same, but say it explicitly.
+        cmd.args(["--progress", if progress.bars() { "bars" } else { "plain" }]);
         if let Some(d) = DEADLINES.get() {
             cmd.args(["--rank-wait-s", &d.wait.as_secs_f64().to_string()]);
             cmd.args(["--rank-silence-s", &d.silence.as_secs_f64().to_string()]);
@@ -350,13 +323,21 @@ fn compare(
 /// TLT and the baseline in this process with the same (effective) config, step by step
 /// ([`run_interleaved`]: the order alternates, TLT first on even steps). Each run's outcome also goes to
 /// `<out>/<mode>/outcome.json`; both carry this process's peak memory (both trainers together).
-fn compare_interleaved(model_path: &Path, cfg: &RunConfig, out: &Path, resume: Resume) -> Result<Comparison> {
+fn compare_interleaved(
+    model_path: &Path,
+    cfg: &RunConfig,
+    out: &Path,
+    resume: Resume,
+    progress: ProgressMode,
+) -> Result<Comparison> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     std::fs::write(out.join("config.toml"), toml::to_string_pretty(cfg)?)?;
     let (dt, db) = (RunDir(out.join("tlt")), RunDir(out.join("baseline")));
     let mut tt = trainer(model_path, cfg, Mode::Tlt, &dt, resume)?;
     let mut tb = trainer(model_path, cfg, Mode::Baseline, &db, resume)?;
-    let (mut pt, mut pb) = (Progress::new(label(Mode::Tlt)), Progress::new(label(Mode::Baseline)));
+    let steps = cfg.trainer.steps;
+    let (mut pt, mut pb) =
+        (Progress::new(label(Mode::Tlt), steps, progress), Progress::new(label(Mode::Baseline), steps, progress));
     let (mut ot, mut ob) = run_interleaved((&mut tt, &dt, &mut pt), (&mut tb, &db, &mut pb), cfg)?;
     drop((pt, pb));
     finish(tt, &ot, &dt)?;
@@ -371,14 +352,6 @@ fn compare_interleaved(model_path: &Path, cfg: &RunConfig, out: &Path, resume: R
 /// This process's peak resident set (VmHWM) in GB, where `/proc` has it (Linux).
 fn peak_rss_gb() -> Option<f64> {
     rss_gb("VmHWM:")
-}
-
-/// A memory figure of this process from `/proc/self/status` (`VmRSS:` now, `VmHWM:` peak) in GB (Linux only).
-fn rss_gb(field: &str) -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with(field))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1e6)
 }
 
 fn main() -> Result<()> {
@@ -419,6 +392,9 @@ fn run_main() -> Result<()> {
     if args.interleave && (args.mode != RunMode::Compare || args.ranks > 1) {
         bail!("--interleave runs TLT and the baseline in one process: it needs --mode compare and one rank");
     }
+    if args.sequential && args.mode != RunMode::Compare {
+        bail!("--sequential orders the two runs of --mode compare");
+    }
     let mut cfg = load_config(&args)?;
     cfg.allow_changed_task = args.allow_changed_task;
     if args.print_config {
@@ -428,19 +404,26 @@ fn run_main() -> Result<()> {
     let model = args.model.clone().unwrap_or_else(default_model);
     match args.mode {
         RunMode::Tlt => {
-            run_mode(&model, &cfg, Mode::Tlt, &args.out.join("tlt"), Resume::of(&args))?;
+            run_mode(&model, &cfg, Mode::Tlt, &args.out.join("tlt"), Resume::of(&args), args.progress)?;
         }
         RunMode::Baseline => {
-            run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), Resume::of(&args))?;
+            run_mode(&model, &cfg, Mode::Baseline, &args.out.join("baseline"), Resume::of(&args), args.progress)?;
         }
         RunMode::Compare => {
-            let cmp = if args.interleave {
-                compare_interleaved(&model, &cfg, &args.out, Resume::of(&args))?
-            } else {
-                compare(&model, &cfg, &args.out, Resume::of(&args), args.ranks, args.drafter.as_deref())?
+            // Interleaved unless asked otherwise; several ranks run each mode as its own MPI job.
+            let schedule = if args.sequential || args.ranks > 1 { Schedule::Sequential } else { Schedule::Interleaved };
+            let resume = Resume::of(&args);
+            let cmp = match schedule {
+                Schedule::Interleaved => compare_interleaved(&model, &cfg, &args.out, resume, args.progress)?,
+                Schedule::Sequential => {
+                    compare(&model, &cfg, &args.out, resume, args.ranks, args.drafter.as_deref(), args.progress)?
+                }
             };
-            let plots =
-                tlt_rl::plot::training_plots(&cmp.tlt.metrics, Some(&cmp.baseline.metrics), &args.out.join("plots"))?;
+            let plots_dir = args.out.join("plots");
+            let (tm, bm) = (&cmp.tlt.metrics, &cmp.baseline.metrics);
+            let mut plots = tlt_rl::plot::training_plots(tm, Some(bm), &plots_dir)?;
+            plots.extend(tlt_rl::plot::comparison_plots(tm, bm, &plots_dir)?);
+            let lengths = tlt_examples::lengths::LengthComparison::new(tm, bm);
             let summary = args.out.join("summary.json");
             std::fs::write(&summary, serde_json::to_string_pretty(&cmp)?)?;
             println!("\n{}", cmp.report());
@@ -452,7 +435,11 @@ fn run_main() -> Result<()> {
             );
             // Last, so that a caller that keeps only the output's tail (the GPU plan's `e2e` call) keeps it.
             let (text, path) = tlt_examples::compare::write_summary(&cmp, &args.out)?;
+            let page = tlt_examples::report::write_html(&cmp, &lengths, schedule, &text, &args.out)?;
             print!("\nsummary ({}):\n{text}", path.display());
+            println!("runs: {}", schedule.describe());
+            println!("report page: {}", page.display());
+            println!("{}", lengths.verdict());
         }
     }
     Ok(())

@@ -64,17 +64,24 @@ pub(crate) struct Series {
     pub points: Vec<(f64, f64)>,
     /// Draw as a step function (hold each `y` until the next `x`) instead of straight segments.
     pub step: bool,
+    /// Draw each point as a dot and no line (marks on another series, such as the rounds where SD ran).
+    pub dots: bool,
 }
 
 impl Series {
     /// A series drawn with straight segments.
     pub(crate) fn new(name: impl Into<String>, points: Vec<(f64, f64)>) -> Self {
-        Self { name: name.into(), points, step: false }
+        Self { name: name.into(), points, step: false, dots: false }
+    }
+
+    /// A series drawn as dots, one per point, unconnected.
+    pub(crate) fn dots(name: impl Into<String>, points: Vec<(f64, f64)>) -> Self {
+        Self { name: name.into(), points, step: false, dots: true }
     }
 
     /// A series drawn as a step function.
     pub(crate) fn steps(name: impl Into<String>, points: Vec<(f64, f64)>) -> Self {
-        Self { name: name.into(), points, step: true }
+        Self { name: name.into(), points, step: true, dots: false }
     }
 
     /// The finite points, expanded into a staircase for a step series.
@@ -344,8 +351,11 @@ impl Chart for LineChart {
         if all().next().is_none() {
             no_data(&chart, &sizes)?;
         }
-        for (path, &style) in paths.iter().zip(&styles) {
-            if let [p] = path.as_slice() {
+        for ((path, &style), series) in paths.iter().zip(&styles).zip(&self.series) {
+            if series.dots {
+                let r = sizes.stroke + 2;
+                chart.draw_series(path.iter().map(|p| Circle::new(*p, r, style.color.filled())))?;
+            } else if let [p] = path.as_slice() {
                 chart.draw_series(std::iter::once(Circle::new(*p, sizes.stroke * 2 + 2, style.color.filled())))?;
             } else {
                 chart.draw_series(LineSeries::new(path.iter().copied(), style))?;

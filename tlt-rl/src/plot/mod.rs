@@ -21,6 +21,9 @@
 
 mod axis;
 mod chart;
+mod compare;
+
+pub use compare::{comparison_plots, pooled_lengths};
 
 use std::path::{Path, PathBuf};
 

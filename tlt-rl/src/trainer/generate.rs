@@ -311,6 +311,8 @@ impl<E: Environment> Trainer<E> {
             active_requests: active.clone(),
             round_seconds: out.trace.round_seconds.clone(),
             round_tokens: out.trace.round_tokens.clone(),
+            round_end_s: out.round_end_s.clone(),
+            round_sd: out.round_sd.clone(),
             plain_arm_steps: out.trace.plain_arm_steps,
             drafter_prepare_s: out.trace.prepare_seconds,
             sd_ceiling: out.sd_ceiling,
