@@ -773,14 +773,14 @@ pub fn qkv_rope_kv_write_takes_more_rows_than_a_grid_y(dev: &SimDevice) {
 }
 
 kernel_tests!(
-    decode_attention_over_contexts_groups_and_head_dims,
-    tree_and_causal_chunk_attention,
-    long_contexts_and_wide_trees,
-    mma_probe_is_the_cpu_product,
-    negative_controls_are_caught,
-    split_attention_rows_are_the_same_bits_alone_in_a_batch_and_in_a_tree,
-    batch_dependent_chunks_fail_the_invariance_test,
-    rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache,
-    qkv_rope_kv_write_equals_bias_norm_rope_and_write,
-    qkv_rope_kv_write_takes_more_rows_than_a_grid_y,
+    decode_attention_over_contexts_groups_and_head_dims => [attention_split_bf16, tree_attention_bf16],
+    tree_and_causal_chunk_attention => [attention_split_bf16, tree_attention_bf16],
+    long_contexts_and_wide_trees => [attention_split_bf16, tree_attention_bf16],
+    mma_probe_is_the_cpu_product => [mma_bf16_probe],
+    negative_controls_are_caught => [attention_split_bf16, tree_attention_bf16],
+    split_attention_rows_are_the_same_bits_alone_in_a_batch_and_in_a_tree => [attention_split_bf16],
+    batch_dependent_chunks_fail_the_invariance_test => [attention_split_bf16],
+    rope_kv_write_rotates_at_non_zero_positions_and_writes_the_cache => [rope_kv_write_bf16],
+    qkv_rope_kv_write_equals_bias_norm_rope_and_write => [qkv_rope_kv_write_bf16],
+    qkv_rope_kv_write_takes_more_rows_than_a_grid_y => [qkv_rope_kv_write_bf16],
 );

@@ -239,7 +239,7 @@ pub fn smooth_l1_matches_f64_and_finite_differences(dev: &SimDevice) {
 }
 
 kernel_tests!(
-    soft_ce_matches_f64,
-    soft_ce_back_matches_f64_and_finite_differences,
-    smooth_l1_matches_f64_and_finite_differences,
+    soft_ce_matches_f64 => [soft_ce_f32],
+    soft_ce_back_matches_f64_and_finite_differences => [soft_ce_back_f32, soft_ce_f32],
+    smooth_l1_matches_f64_and_finite_differences => [smooth_l1_back_f32, smooth_l1_f32],
 );

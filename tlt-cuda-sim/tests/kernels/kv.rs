@@ -85,4 +85,7 @@ pub fn gather_path_rows_packs_the_accepted_nodes(dev: &SimDevice) {
     println!("gather_path_rows_bf16: 3 sequences, width 300; node indices 99 and -3 skipped, n_acc past max_path");
 }
 
-kernel_tests!(commit_path_moves_accepted_rows_in_every_layer, gather_path_rows_packs_the_accepted_nodes);
+kernel_tests!(
+    commit_path_moves_accepted_rows_in_every_layer => [commit_path_bf16],
+    gather_path_rows_packs_the_accepted_nodes => [gather_path_rows_bf16],
+);

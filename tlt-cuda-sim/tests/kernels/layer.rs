@@ -210,13 +210,13 @@ pub fn silu_mul_packed_reads_gate_and_up_from_one_row(dev: &SimDevice) {
 }
 
 kernel_tests!(
-    embed_rows_copies_table_rows,
-    rms_norm_rows_match_f64,
-    head_rms_norm_normalises_every_head_vector_in_place,
-    element_wise_kernels_cover_every_element,
-    bias_add_adds_the_bias_to_every_row,
-    fill_uniform_is_the_documented_hash,
-    concat_rows_joins_f32_and_bf16_sources,
-    add_rms_norm_adds_the_residual_then_normalises,
-    silu_mul_packed_reads_gate_and_up_from_one_row,
+    embed_rows_copies_table_rows => [embed_rows_bf16],
+    rms_norm_rows_match_f64 => [rms_norm_bf16],
+    head_rms_norm_normalises_every_head_vector_in_place => [head_rms_norm_bf16],
+    element_wise_kernels_cover_every_element => [add_bf16_to_f32, silu_mul_bf16],
+    bias_add_adds_the_bias_to_every_row => [bias_add_bf16],
+    fill_uniform_is_the_documented_hash => [fill_uniform_bf16],
+    concat_rows_joins_f32_and_bf16_sources => [concat_rows_bf16],
+    add_rms_norm_adds_the_residual_then_normalises => [add_rms_norm_bf16],
+    silu_mul_packed_reads_gate_and_up_from_one_row => [silu_mul_packed_bf16],
 );

@@ -1,32 +1,44 @@
 //! Our CUDA kernels executed in the simulated device with the host's launch plans, against CPU references: one
 //! module per kernel source (`attention.rs`, `kv.rs`, `layer.rs`, `sampling.rs`, `skinny.rs`, `train.rs`,
-//! `train_attention.rs`). Each test body takes the device it runs on: it is its own `#[test]` on a fresh device, and
-//! [`every_kernel_is_launched_by_a_test`] runs every body on one device and counts, from the launches that device
-//! recorded, that each kernel of ours ran.
+//! `train_attention.rs`). Each test body is its own `#[test]` on a fresh device and names the kernels it launches;
+//! the test fails when the device recorded no launch of one of them, and
+//! [`every_kernel_is_launched_by_a_test`] checks that the bodies' names cover every kernel of ours. Coverage so
+//! costs nothing beyond the tests themselves (running every body a second time, on one device, took as long as all
+//! the kernel tests together).
 
 #![allow(clippy::unwrap_used)] // Tests: a panic is the failure report.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 
 use tlt_cuda_sim::SimDevice;
 use tlt_kernels::cuda::SOURCES;
 
-/// Declares the kernel tests of a module from its test bodies (`fn(&SimDevice)`): `BODIES`, every body by name
-/// (for the coverage test), and in `tests` one `#[test]` per body on a fresh device.
+/// Declares the kernel tests of a module from its test bodies (`fn(&SimDevice)`), each with the kernels it
+/// launches: `BODIES`, every body by name with its kernels (for the coverage test), and in `tests` one `#[test]` per
+/// body on a fresh device that then checks each named kernel was launched.
 macro_rules! kernel_tests {
-    ($($body:ident),+ $(,)?) => {
-        /// Every test body of this module, by name.
-        pub const BODIES: &[(&str, fn(&tlt_cuda_sim::SimDevice))] = &[$((stringify!($body), $body)),+];
+    ($($body:ident => [$($kernel:ident),+ $(,)?]),+ $(,)?) => {
+        /// Every test body of this module, by name, with the kernels it launches.
+        pub const BODIES: &[(&str, &[&str])] = &[$((stringify!($body), &[$(stringify!($kernel)),+])),+];
 
         mod tests {
             $(
                 #[test]
                 fn $body() {
-                    super::$body(&tlt_cuda_sim::SimDevice::new());
+                    let dev = tlt_cuda_sim::SimDevice::new();
+                    super::$body(&dev);
+                    crate::assert_launched(&dev, stringify!($body), &[$(stringify!($kernel)),+]);
                 }
             )+
         }
     };
+}
+
+/// Fails unless `dev` recorded a launch of each of `kernels` (the kernels test `body` says it covers).
+fn assert_launched(dev: &SimDevice, body: &str, kernels: &[&str]) {
+    let launched: BTreeSet<&str> = dev.launches().iter().map(|l| l.kernel).collect();
+    let missing: Vec<&&str> = kernels.iter().filter(|k| !launched.contains(**k)).collect();
+    assert!(missing.is_empty(), "{body} names kernels it never launched: {missing:?} (launched: {launched:?})");
 }
 
 mod attention;
@@ -62,10 +74,10 @@ fn the_simulation_compiles_exactly_our_kernels() {
     }
 }
 
-/// Every test body runs on one device; every kernel tlt-kernels declares must be among the launches it recorded.
+/// The kernels the test bodies name cover every kernel tlt-kernels declares, and name only those (each body's
+/// own test checks that it launched what it names).
 #[test]
 fn every_kernel_is_launched_by_a_test() {
-    let dev = SimDevice::new();
     let bodies = [
         attention::BODIES,
         draft_train::BODIES,
@@ -76,18 +88,37 @@ fn every_kernel_is_launched_by_a_test() {
         train::BODIES,
         train_attention::BODIES,
     ];
-    for (name, body) in bodies.iter().flat_map(|b| b.iter()) {
-        body(&dev);
-        println!("ran {name}");
-    }
-    let mut counts: BTreeMap<&str, usize> = SOURCES.iter().flat_map(|s| s.kernels.iter().map(|&k| (k, 0))).collect();
-    for l in dev.launches() {
-        *counts.entry(l.kernel).or_default() += 1;
-    }
-    println!("launches recorded per kernel ({} launches):", dev.launches().len());
-    for (k, n) in &counts {
-        println!("  {k}: {n}");
-    }
-    let missing: Vec<&str> = counts.iter().filter(|(_, &n)| n == 0).map(|(&k, _)| k).collect();
-    assert!(missing.is_empty(), "kernels no test launches: {missing:?}");
+    let declared: BTreeSet<&str> = SOURCES.iter().flat_map(|s| s.kernels.iter().copied()).collect();
+    let named: BTreeSet<&str> = bodies.iter().flat_map(|b| b.iter()).flat_map(|(_, ks)| ks.iter().copied()).collect();
+    assert_eq!(uncovered(&declared, &named), Vec::<&str>::new(), "kernels no test launches");
+    let unknown: Vec<&&str> = named.difference(&declared).collect();
+    assert!(unknown.is_empty(), "test bodies name kernels tlt-kernels does not declare: {unknown:?}");
+    println!(
+        "{} kernels, each launched by one of {} test bodies",
+        declared.len(),
+        bodies.iter().map(|b| b.len()).sum::<usize>()
+    );
+    // Negative control: without the bodies of one module, its kernels are reported.
+    let without_kv: BTreeSet<&str> = bodies
+        .iter()
+        .filter(|b| !std::ptr::eq(**b, kv::BODIES))
+        .flat_map(|b| b.iter())
+        .flat_map(|(_, ks)| ks.iter().copied())
+        .collect();
+    assert_eq!(uncovered(&declared, &without_kv), vec!["commit_path_bf16", "gather_path_rows_bf16"]);
+}
+
+/// The declared kernels that no body names, in order.
+fn uncovered<'a>(declared: &BTreeSet<&'a str>, named: &BTreeSet<&str>) -> Vec<&'a str> {
+    declared.iter().copied().filter(|k| !named.contains(k)).collect()
+}
+
+/// Negative control of the per-test check: a body that names a kernel it never launched fails.
+#[test]
+fn a_body_naming_a_kernel_it_never_launched_fails() {
+    let dev = SimDevice::new();
+    let named = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        assert_launched(&dev, "an empty body", &["tree_accept"]);
+    }));
+    assert!(named.is_err(), "a kernel that was never launched passed the check");
 }

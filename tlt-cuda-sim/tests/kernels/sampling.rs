@@ -233,7 +233,7 @@ pub fn top_k_rows_in_order_with_ties_and_log_probs(dev: &SimDevice) {
 }
 
 kernel_tests!(
-    sample_rows_argmax_draws_masks_and_rejected_rows,
-    tree_accept_walks_every_tree,
-    top_k_rows_in_order_with_ties_and_log_probs,
+    sample_rows_argmax_draws_masks_and_rejected_rows => [sample_rows_f32],
+    tree_accept_walks_every_tree => [tree_accept],
+    top_k_rows_in_order_with_ties_and_log_probs => [top_k_rows_f32],
 );

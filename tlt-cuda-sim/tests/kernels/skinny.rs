@@ -212,4 +212,7 @@ pub fn skinny_gemm_rows_are_batch_invariant(dev: &SimDevice) {
     println!("skinny_gemm_bf16: rows' bits alone = beside 129 others = at another position of 64, both orders");
 }
 
-kernel_tests!(skinny_gemm_matches_f64_in_every_epilogue, skinny_gemm_rows_are_batch_invariant);
+kernel_tests!(
+    skinny_gemm_matches_f64_in_every_epilogue => [skinny_gemm_bf16],
+    skinny_gemm_rows_are_batch_invariant => [skinny_gemm_bf16],
+);

@@ -651,15 +651,15 @@ pub fn cast_and_add_cover_every_element(dev: &SimDevice) {
 }
 
 kernel_tests!(
-    rope_rows_matches_f64_and_the_decode_path,
-    rope_rows_back_is_the_transpose,
-    rms_norm_back_matches_f64_and_finite_differences,
-    col_sum_matches_f64_and_accumulates,
-    silu_mul_back_matches_f64,
-    token_logprobs_match_f64,
-    token_logprobs_back_matches_f64_and_finite_differences,
-    embed_back_sums_rows_by_token,
-    sum_squares_matches_f64,
-    adamw_equals_the_host_optimizer_bit_for_bit,
-    cast_and_add_cover_every_element,
+    rope_rows_matches_f64_and_the_decode_path => [rope_kv_write_bf16, rope_rows_bf16],
+    rope_rows_back_is_the_transpose => [rope_rows_back_f32],
+    rms_norm_back_matches_f64_and_finite_differences => [col_sum_f32, rms_norm_back_f32],
+    col_sum_matches_f64_and_accumulates => [col_sum_f32],
+    silu_mul_back_matches_f64 => [silu_mul_back_bf16],
+    token_logprobs_match_f64 => [token_logprobs_f32],
+    token_logprobs_back_matches_f64_and_finite_differences => [token_logprobs_back_f32, token_logprobs_f32],
+    embed_back_sums_rows_by_token => [embed_back_f32],
+    sum_squares_matches_f64 => [sum_squares_f32],
+    adamw_equals_the_host_optimizer_bit_for_bit => [adamw_f32],
+    cast_and_add_cover_every_element => [add_f32, cast_f32_bf16],
 );

@@ -397,7 +397,7 @@ fn the_reference_backward_is_the_gradient_of_the_reference_forward() {
 }
 
 kernel_tests!(
-    train_attention_matches_the_f64_reference,
-    train_attention_is_bit_identical_under_every_block_interleaving,
-    train_attention_negative_controls_are_caught,
+    train_attention_matches_the_f64_reference => [train_attention_back_dkv_bf16, train_attention_back_dq_bf16, train_attention_fwd_bf16],
+    train_attention_is_bit_identical_under_every_block_interleaving => [train_attention_back_dkv_bf16, train_attention_back_dq_bf16, train_attention_fwd_bf16],
+    train_attention_negative_controls_are_caught => [train_attention_back_dkv_bf16, train_attention_back_dq_bf16, train_attention_fwd_bf16],
 );
