@@ -9,18 +9,22 @@
 //!
 //! See `bench/README.md` for every field of the benchmark reports, `xtask/README.md` for the options.
 
+#[cfg(feature = "candle-ref")]
 mod bench_decode;
+#[cfg(feature = "candle-ref")]
 mod bench_decode_md;
 mod bench_drafter;
 mod bench_e2e;
 mod bench_gpu;
 mod bench_group;
 mod bench_kernels;
+#[cfg(feature = "candle-ref")]
 mod bench_llamacpp;
 mod bench_ranks;
 mod bench_rollout;
 mod bench_serve;
 mod bench_spec;
+#[cfg(feature = "candle-ref")]
 mod candle_ref;
 mod drafter_data;
 mod drift;
@@ -101,6 +105,7 @@ enum Cmd {
 #[derive(Debug, Subcommand)]
 enum Suite {
     /// Batched greedy decode of SmolLM2-135M (f32): tlt-model vs candle-transformers' Llama, side by side.
+    #[cfg(feature = "candle-ref")]
     Decode(bench_decode::DecodeArgs),
     /// Skinny GEMM per weight shape, format and row count, weights from DRAM; f32 vs candle-core's matmul.
     Kernels(bench_kernels::KernelArgs),
@@ -118,6 +123,7 @@ enum Suite {
     Group(bench_group::GroupArgs),
     /// Batch-1 decode against llama.cpp's `llama-bench` (built beside the project) on the same weights
     /// (f32 and Q8_0 GGUFs written from the model's), threads and context, interleaved.
+    #[cfg(feature = "candle-ref")]
     Llamacpp(bench_llamacpp::LlamaCppArgs),
     /// Data-parallel ranks measured beside the cluster simulator calibrated on them, and its labelled predictions
     /// for GPU clusters (`target/bench/ranks.json` and `.md`).
@@ -181,7 +187,9 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
 
 fn bench(suite: Suite) -> Result<()> {
     match suite {
+        #[cfg(feature = "candle-ref")]
         Suite::Decode(args) => bench_decode::run(&args),
+        #[cfg(feature = "candle-ref")]
         Suite::Llamacpp(args) => {
             cpu_only("llamacpp", &args.device)?;
             bench_llamacpp::run(&args)

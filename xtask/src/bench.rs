@@ -44,7 +44,9 @@ pub fn forward(command: &str, args: Vec<String>) -> Result<ExitCode> {
 pub fn run(args: &[String]) -> Result<ExitStatus> {
     let env = environment(args)?;
     let status = cargo()
-        .args(["build", "--release", "--quiet", "--workspace", "--bin", "tlt-bench", "--features", &all_features()])
+        // `candle-ref`: the decode and llama.cpp suites' reference, which the test build leaves out.
+        .args(["build", "--release", "--quiet", "--workspace", "--bin", "tlt-bench"])
+        .args(["--features", &format!("{},tlt-bench/candle-ref", all_features())])
         .status()
         .context("cargo build tlt-bench")?;
     if !status.success() {

@@ -194,7 +194,9 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         // code under `cfg(not(feature))` and under `cfg(feature)`); rustdoc's link checks (broken and private
         // intra-doc links) once, with every feature: it documents a superset. The whole workspace is selected each
         // time, so the dependencies resolve (and build) alike.
-        for features in [None, Some(all.as_str())] {
+        // The second pass adds `tlt-bench/candle-ref` (the decode and llama.cpp suites), which the tests leave out.
+        let lint_all = format!("{all},tlt-bench/candle-ref");
+        for features in [None, Some(lint_all.as_str())] {
             let mut clippy = cargo();
             clippy.args(["clippy", "--workspace", "--all-targets"]);
             if let Some(f) = features {
