@@ -223,6 +223,10 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
     let nvrtc = assets::nvrtc_library_path()?;
     let env = |cmd: &mut Command| {
         cmd.env("TLT_SMOLLM2_GGUF", &gguf).env("LD_LIBRARY_PATH", &nvrtc).env("TLT_REQUIRE_NVRTC", "1");
+        // The runners run one test (or rank) per core: one kernel thread each (tlt-kernels' spinning team, rayon's
+        // pool under candle), else two teams of all the cores spin on the same cores waiting for each other's
+        // descheduled helpers. Tests that exercise several threads set their count explicitly.
+        cmd.env("TLT_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
         if gpu {
             cmd.env("TLT_REQUIRE_GPU", "1");
         }
