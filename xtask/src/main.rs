@@ -22,6 +22,7 @@ mod bench;
 mod demo;
 mod gpu_bundle;
 mod graph;
+mod package;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -215,6 +216,7 @@ fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
             return Ok(exit_code(code));
         }
         graph::check(cargo)?;
+        package::check(cargo)?;
     }
     let gguf = assets::fetch_assets()?;
     // Every release build below uses the same features (CUDA and MPI on), so the workspace compiles once: the
