@@ -6,19 +6,9 @@ use tlt_kernels::SeededRng;
 
 use crate::stop::StopStrings;
 use crate::{
-    Coins, DraftContext, DraftTree, Drafter, Error, ExactVerifier, HiddenStates, Plan, Result, SeqHandle, SpecParams,
-    Target, TargetInput, TokenDecoder, Verified, Verifier, VerifySpec,
+    Coins, DraftContext, DraftTree, Drafter, Error, ExactVerifier, GroupId, HiddenStates, Plan, RequestId, Result,
+    SeqHandle, SpecParams, Target, TargetInput, TokenDecoder, Verified, Verifier, VerifySpec,
 };
-
-/// Identifies a request of an [`Engine`] (dense, in order of [`Engine::add_request`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RequestId(pub usize);
-
-/// Identifies a group of requests that answer one prompt together (a GRPO group), as given to
-/// [`Engine::add_request_in_group`] or made by [`Engine::add_group`]. Group drafters
-/// ([`SuffixDrafter`](crate::SuffixDrafter)) draft from a request's siblings.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
-pub struct GroupId(pub u64);
 
 /// Why a request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -50,6 +50,7 @@ mod drafter;
 mod engine;
 mod error;
 mod hidden;
+mod ids;
 #[cfg(feature = "llama")]
 mod llama;
 mod ngram;
@@ -64,9 +65,10 @@ mod tree;
 mod verify;
 
 pub use drafter::{DraftContext, Drafter, DrafterSet};
-pub use engine::{Counters, Engine, FinishReason, Finished, GroupId, RequestId};
+pub use engine::{Counters, Engine, FinishReason, Finished};
 pub use error::{Error, Result};
 pub use hidden::HiddenStates;
+pub use ids::{GroupId, RequestId};
 #[cfg(feature = "llama")]
 pub use llama::TappedLlama;
 pub use ngram::NgramDrafter;
