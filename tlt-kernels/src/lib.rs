@@ -46,15 +46,17 @@ mod rng;
 mod sampling;
 mod simd;
 mod team;
+mod threads;
 
 pub use attention::{tree_attention, tree_attention_with, AttnShape, Visibility};
 pub use error::{Error, Result};
-pub use gemm::{default_threads, gemm, gemm_with, GemmConfig, MatRef, Matrix, WeightDType, WeightsRef};
+pub use gemm::{gemm, gemm_with, GemmConfig, MatRef, Matrix, WeightDType, WeightsRef};
 pub use isa::Isa;
 pub use rng::{SeededRng, SplitMix64};
 pub use sampling::{
     argmax, categorical, log_softmax, probs, sample, token_logprob, token_logprob_pmax, SamplingParams,
 };
+pub use threads::default_threads;
 
 /// The README's examples, compiled and run as doc tests.
 #[cfg(doctest)]

@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use crate::error::check_len;
 use crate::simd::{Scalar, Simd};
-use crate::{Error, Isa, Result};
+use crate::{default_threads, Error, Isa, Result};
 use format::{Bf16, Format, F16, F32, Q4_0, Q4_1, Q8_0};
 use kernel::{Dims, MR};
 pub use matrix::{MatRef, Matrix, WeightDType, WeightsRef};
@@ -30,24 +30,6 @@ impl Default for GemmConfig {
     fn default() -> Self {
         Self { isa: Isa::best(), threads: default_threads() }
     }
-}
-
-/// The default GEMM and attention thread count (cached): `TLT_NUM_THREADS` when set to a positive number (as
-/// `RAYON_NUM_THREADS` and `OMP_NUM_THREADS` do for their pools), else the number of cores. A test runner that runs
-/// one test process per core sets it to 1: two spinning teams of all the cores on the same cores wait on each
-/// other's descheduled helpers.
-pub fn default_threads() -> usize {
-    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *THREADS.get_or_init(|| {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        threads_from_env(std::env::var("TLT_NUM_THREADS").ok().as_deref(), cores)
-    })
-}
-
-/// `TLT_NUM_THREADS`'s value if it is a positive number, else `cores` (an unset, empty, zero or malformed value
-/// falls back: a wrong setting must not make the kernels fail).
-fn threads_from_env(value: Option<&str>, cores: usize) -> usize {
-    value.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or(cores)
 }
 
 /// `y = x · W^T (+ bias)` with the default configuration. `x` is `[m, k]`, `y` is `[m, n]`, row-major.
@@ -208,19 +190,4 @@ unsafe fn range_avx2<F: Format>(p: Shared<F::Elem>, row_elems: usize, d: Dims, r
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
 unsafe fn range_avx512<F: Format>(p: Shared<F::Elem>, row_elems: usize, d: Dims, rows: Range<usize>) {
     unsafe { range_generic::<crate::simd::Avx512, F, 4, 8>(p, row_elems, d, rows) }
-}
-
-#[cfg(test)]
-mod thread_env_tests {
-    use super::threads_from_env;
-
-    #[test]
-    fn tlt_num_threads_overrides_the_core_count_only_when_positive() {
-        assert_eq!(threads_from_env(Some("1"), 8), 1);
-        assert_eq!(threads_from_env(Some(" 3 "), 8), 3);
-        assert_eq!(threads_from_env(None, 8), 8);
-        for bad in ["", "0", "-2", "two"] {
-            assert_eq!(threads_from_env(Some(bad), 8), 8, "{bad:?}");
-        }
-    }
 }
