@@ -9,79 +9,23 @@
 //! sim` (the simulated device: CI runs this binary on `--arch tiny` to test it). Prints markdown tables, a summary of
 //! the sections last, and writes JSON (rewritten as each section ends, so a killed run keeps what finished).
 
+mod args;
 mod sd;
 mod sweep;
+mod timing;
 
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tlt_kernels::cuda::{gpu, DeviceBuf, SharedGpu, MAX_TREE_NODES};
-use tlt_model::cuda::{CudaLlama, DeviceSeq};
+use tlt_model::cuda::CudaLlama;
 use tlt_model::device_step::roofline::{self, Hardware};
 use tlt_model::LlamaConfig;
 use tlt_spec_decode::cuda::CudaTarget;
 
-/// The command line.
-#[derive(Parser, Debug)]
-#[command(about = "Decode, verify-k and speculative decoding timings of an architecture on a device")]
-pub struct Args {
-    /// smollm2-135m, qwen2.5-1.5b, qwen2.5-7b, llama3-8b, qwen3-0.6b, qwen3-8b, or tiny (a 2-layer model for the
-    /// simulated device).
-    #[arg(long, default_value = "smollm2-135m")]
-    arch: String,
-    /// `cuda`, `cuda:N` or `sim` (the simulated device).
-    #[arg(long, default_value = "cuda")]
-    device: String,
-    /// Batch sizes of the decode sweep.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128,256")]
-    batches: Vec<usize>,
-    /// Committed tokens per sequence before the timed steps.
-    #[arg(long, default_value_t = 512)]
-    pub context: usize,
-    /// Timed steps per measurement (the median is reported).
-    #[arg(long, default_value_t = 30)]
-    pub steps: usize,
-    /// Verify widths measured at batch 1 (tokens per verify forward).
-    #[arg(long, value_delimiter = ',', default_value = "2,4,6,8")]
-    verify: Vec<usize>,
-    /// Mean tokens per round of the oracle speculative decoding (a perfect oracle drafting `tau - 1` tokens per
-    /// round, verified on the device through the engine).
-    #[arg(long, value_delimiter = ',', default_value = "2,4,6")]
-    pub tau: Vec<usize>,
-    /// Batches of the engine's speculative decoding (oracle and EAGLE-2).
-    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
-    pub sd_batches: Vec<usize>,
-    /// Tokens generated per request in the engine's runs.
-    #[arg(long, default_value_t = 256)]
-    pub sd_tokens: usize,
-    /// Rows per sequence of the timed EAGLE drafter level (its top-k, the draft tree's width).
-    #[arg(long, default_value_t = 4)]
-    pub drafter_top_k: usize,
-    /// Batches of the EAGLE drafter level.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
-    pub drafter_batches: Vec<usize>,
-    /// Skip the EAGLE-2 sections (SD and the draft level): their drafter of the target's shape holds a copy of the
-    /// embedding and LM head, built on the CPU first (seconds for an 8B shape's vocabulary).
-    #[arg(long)]
-    no_eagle: bool,
-    /// Contexts of the sweep (decode at `--sweep-batches` and verify-`--sweep-verify` at batch 1, each beside the
-    /// roofline's prediction); none: no sweep.
-    #[arg(long, value_delimiter = ',')]
-    pub contexts: Vec<usize>,
-    /// Batches of the context sweep (those that fit in 3/4 of the device's memory).
-    #[arg(long, value_delimiter = ',', default_value = "1,64")]
-    pub sweep_batches: Vec<usize>,
-    /// Nodes of the sweep's verify (a chain, batch 1).
-    #[arg(long, default_value_t = 8)]
-    pub sweep_verify: usize,
-    /// Only the copy bandwidth and the context sweep.
-    #[arg(long)]
-    sweep_only: bool,
-    /// JSON output.
-    #[arg(long, default_value = "target/bench/gpu-decode.json")]
-    out: std::path::PathBuf,
-}
+use args::Args;
+use timing::{median, time_forward};
 
 /// Published shapes of the architectures the issue names (config.json of each model), and `tiny`.
 fn config(arch: &str) -> Result<LlamaConfig> {
@@ -120,32 +64,6 @@ fn open(device: &str) -> Result<SharedGpu> {
             bail!("gpu-bench runs on a device (`cargo xtask bench decode` is the CPU suite)")
         }
     }
-}
-
-/// The middle element (the upper one of an even count).
-pub fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// Median seconds of `steps` forwards of `n` tokens for each of `batch` sequences at `context` (a decode step for
-/// `n == 1`, else the verification of an `n`-node draft chain, as speculative decoding runs it).
-fn time_forward(m: &mut CudaLlama, batch: usize, n: usize, context: usize, steps: usize) -> Result<f64> {
-    let tokens: Vec<u32> = (0..n as u32).map(|t| 10 + t).collect();
-    let chain: Vec<i32> = (0..n as i32).map(|i| i - 1).collect();
-    let parents = (n > 1).then_some(chain.as_slice());
-    let seqs: Vec<DeviceSeq> =
-        (0..batch).map(|slot| DeviceSeq { slot, prefix_len: context, tokens: &tokens, parents }).collect();
-    let mut times = Vec::with_capacity(steps);
-    for step in 0..steps + 3 {
-        let t0 = Instant::now();
-        m.forward(&seqs)?;
-        m.gpu().synchronize().context("synchronize")?;
-        if step >= 3 {
-            times.push(t0.elapsed().as_secs_f64());
-        }
-    }
-    Ok(median(times))
 }
 
 /// Device-to-device copy bandwidth (read + write bytes per second) over a buffer of `bytes`.

@@ -15,7 +15,8 @@ use tlt_model::LlamaConfig;
 use tlt_spec_decode::cuda::CudaTarget;
 use tlt_spec_decode::{Corruption, Counters, Drafter, Engine, OracleDrafter, Plan, RequestId, SpecParams};
 
-use super::{median, Args};
+use crate::args::Args;
+use crate::timing::median;
 
 /// One run of the engine: decode-phase seconds (prefill excluded), every request's tokens (request order) and the
 /// counters.

@@ -9,7 +9,8 @@ use tlt_model::cuda::CudaLlama;
 use tlt_model::device_step::roofline::{self, memory_bytes, Hardware};
 use tlt_model::LlamaConfig;
 
-use super::{time_forward, Args};
+use crate::args::Args;
+use crate::timing::time_forward;
 
 /// Runs the sweep; returns its JSON rows.
 pub fn run(g: &SharedGpu, cfg: &LlamaConfig, a: &Args, copy: f64) -> Result<Vec<serde_json::Value>> {
