@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::{Compared, Report, Run};
+use super::data::{idle_fraction, Compared, Report, Run, StepLine};
 
 fn mean(xs: impl IntoIterator<Item = f64>) -> f64 {
     let (s, n) = xs.into_iter().fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
@@ -34,7 +34,7 @@ fn kind(steal: Option<bool>) -> &'static str {
 
 /// Per (ranks, stealing, RL step): the runs' means of the measured figures.
 fn measured_table(s: &mut String, runs: &[Run]) {
-    let mut by: BTreeMap<(&str, u64), (&Run, Vec<&super::StepLine>)> = BTreeMap::new();
+    let mut by: BTreeMap<(&str, u64), (&Run, Vec<&StepLine>)> = BTreeMap::new();
     for r in runs {
         for st in &r.steps {
             by.entry((&r.set, st.step)).or_insert_with(|| (r, Vec::new())).1.push(st);
@@ -66,7 +66,7 @@ fn measured_table(s: &mut String, runs: &[Run]) {
             mean(v.iter().map(|x| x.train_s)),
             list(&rr),
             list(&ri),
-            super::idle_fraction(&ri, roll),
+            idle_fraction(&ri, roll),
             imbalance(&rr),
         );
     }
