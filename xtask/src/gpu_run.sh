@@ -103,8 +103,10 @@ step() {
         local bin="$here/bin/gpu-bench"
         if [ -n "$dry" ]; then
             bin=${TLT_DRY_BENCH:?a dry run needs TLT_DRY_BENCH (a gpu-bench binary)}
-            set -- --device sim --arch tiny --context 40 --batches 1,2 --steps 2 --verify 2,4 --tau 2,4 \
-                --sd-batches 1,2 --sd-tokens 12 --drafter-batches 1,2 --contexts 48,96 --sweep-batches 1,2 \
+            # Every section at one shape: the dry run checks the plan's files and output, not the kernels (the
+            # tests run those); 7 s a run instead of 26 s with two of each.
+            set -- --device sim --arch tiny --context 40 --batches 1 --steps 1 --verify 2 --tau 2 \
+                --sd-batches 1 --sd-tokens 8 --drafter-batches 1 --contexts 48 --sweep-batches 1 \
                 --out "$log/$name.json"
         fi
         "${run[@]}" "$bin" "$@" > "$log/$name.log" 2>&1 || rc=$?
