@@ -31,7 +31,7 @@ const SMOLLM2_SIZE: u64 = 98_362_432;
 pub fn cache_dir() -> PathBuf {
     match std::env::var_os("TLT_CACHE") {
         Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => crate::workspace_root().join(".cache"),
+        _ => crate::workspace::workspace_root().join(".cache"),
     }
 }
 

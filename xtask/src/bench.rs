@@ -12,7 +12,8 @@ use std::process::{Command, ExitCode, ExitStatus};
 
 use anyhow::{bail, Context, Result};
 
-use crate::{all_features, assets, cargo, exit_code, workspace_root};
+use crate::assets;
+use crate::workspace::{all_features, cargo, exit_code, workspace_root};
 
 /// Where `tlt-bench` finds the SmolLM2 GGUF (`bench/src/env.rs`'s `GGUF_VAR`; the tests read it too).
 const GGUF_VAR: &str = "TLT_SMOLLM2_GGUF";
@@ -71,7 +72,7 @@ fn environment(args: &[String]) -> Result<Vec<(&'static str, OsString)>> {
     }
     if let Some(device) = flag_value(args, "--device") {
         // An unknown name is `tlt-bench`'s to report, with its own message.
-        if crate::is_cuda(device).unwrap_or(false) {
+        if crate::workspace::is_cuda(device).unwrap_or(false) {
             env.push(("LD_LIBRARY_PATH", assets::nvrtc_library_path()?));
         }
     }

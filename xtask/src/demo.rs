@@ -5,7 +5,8 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 
-use crate::{assets, cargo, exit_code, run, workspace_root};
+use crate::assets;
+use crate::workspace::{cargo, exit_code, run, workspace_root};
 
 /// Options of `demo`.
 #[derive(Debug, clap::Args)]
@@ -36,7 +37,7 @@ pub(crate) struct DemoArgs {
 
 /// `demo`: the `train` example's `--mode compare` (built with the features `args` need) into `target/demo`.
 pub(crate) fn demo(args: &DemoArgs) -> Result<ExitCode> {
-    let cuda = crate::is_cuda(&args.device)?;
+    let cuda = crate::workspace::is_cuda(&args.device)?;
     let model = match &args.model {
         Some(m) => m.clone(),
         None => assets::fetch_assets()?,

@@ -107,18 +107,18 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&dir);
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin)?;
-    let mut selection = vec!["--features", crate::CUDA_FEATURES];
-    selection.extend(crate::CUDA_TEST_TARGETS.iter().flat_map(|t| ["--test", *t]));
-    selection.extend(crate::cuda_package_args());
+    let mut selection = vec!["--features", crate::workspace::CUDA_FEATURES];
+    selection.extend(crate::workspace::CUDA_TEST_TARGETS.iter().flat_map(|t| ["--test", *t]));
+    selection.extend(crate::workspace::cuda_package_args());
     let mut copied: Vec<(PathBuf, PathBuf)> = built_tests(&cargo, &selection, "the CUDA test executables")?
         .into_iter()
         .map(|(exe, pkg)| {
-            let name = crate::CUDA_PACKAGES.into_iter().find(|p| pkg.contains(p)).unwrap_or("x");
+            let name = crate::workspace::CUDA_PACKAGES.into_iter().find(|p| pkg.contains(p)).unwrap_or("x");
             (exe, bin.join(format!("test-{name}")))
         })
         .collect();
-    if copied.len() != crate::CUDA_PACKAGES.len() {
-        bail!("expected {} CUDA test executables, found {}", crate::CUDA_PACKAGES.len(), copied.len());
+    if copied.len() != crate::workspace::CUDA_PACKAGES.len() {
+        bail!("expected {} CUDA test executables, found {}", crate::workspace::CUDA_PACKAGES.len(), copied.len());
     }
     // NCCL on the device (tlt-comm's `nccl` feature): a one-rank communicator, as one GPU allows.
     copied.push((test_executable(&cargo, "tlt-comm", "nccl", "nccl")?, bin.join("test-tlt-comm-nccl")));
@@ -245,7 +245,7 @@ pub fn dry_run(root: &Path, bench: &Path, train: &Path, gguf: &Path) -> Result<(
     let dry = |call: &str, out: &Path, cmd: &mut Command| {
         // The test executables `build` puts in the bundle.
         let tests: Vec<String> = std::iter::once("test-tlt-comm-nccl".to_string())
-            .chain(crate::CUDA_PACKAGES.iter().map(|p| format!("test-{p}")))
+            .chain(crate::workspace::CUDA_PACKAGES.iter().map(|p| format!("test-{p}")))
             .collect();
         cmd.arg(dir.join("run.sh"))
             .arg(call)

@@ -23,14 +23,16 @@ mod demo;
 mod gpu_bundle;
 mod graph;
 mod package;
+mod testing;
+mod workspace;
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, ExitStatus};
+use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use tracing::{info, warn};
+
+use workspace::{all_features, cargo, workspace_root};
 
 /// Command line of `cargo xtask`.
 #[derive(Debug, Parser)]
@@ -142,236 +144,6 @@ enum Cmd {
     },
 }
 
-/// Whether `device` names a CUDA device (`cuda` or `cuda:N`); an error for anything but those and `cpu`. The
-/// names `tlt_model::Device` parses, which `tlt-bench` checks again; this crate does not link `tlt-model`.
-pub(crate) fn is_cuda(device: &str) -> Result<bool> {
-    match device.split_once(':') {
-        None if device == "cpu" => Ok(false),
-        None if device == "cuda" => Ok(true),
-        Some(("cuda", n)) if n.parse::<usize>().is_ok() => Ok(true),
-        _ => bail!("device must be cpu, cuda or cuda:N, got {device:?}"),
-    }
-}
-
-/// The workspace root (the parent of this crate's directory).
-pub(crate) fn workspace_root() -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().unwrap_or(manifest).to_path_buf()
-}
-
-/// The cargo that runs us (`$CARGO`), or `cargo` from `PATH`.
-pub(crate) fn cargo() -> Command {
-    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cmd.current_dir(workspace_root());
-    cmd
-}
-
-/// Runs `cmd`, returning its exit status.
-fn run(mut cmd: Command) -> Result<ExitStatus> {
-    info!(command = ?cmd, "running");
-    cmd.status().with_context(|| format!("starting {:?}", cmd.get_program()))
-}
-
-/// Maps a child's exit status to ours (a signal becomes 1).
-fn exit_code(status: ExitStatus) -> ExitCode {
-    match status.code() {
-        Some(0) => ExitCode::SUCCESS,
-        Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
-        None => ExitCode::FAILURE,
-    }
-}
-
-fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
-    let all = all_features();
-    if !no_lint {
-        // Formatting and clippy first: both are fast next to the release build, and CI should fail on them.
-        let mut fmt = cargo();
-        fmt.args(["fmt", "--all", "--check"]);
-        let code = run(fmt)?;
-        if !code.success() {
-            return Ok(exit_code(code));
-        }
-        // Clippy once as the workspace builds and once with the CUDA and MPI code its features leave off (the
-        // code under `cfg(not(feature))` and under `cfg(feature)`); rustdoc's link checks (broken and private
-        // intra-doc links) once, with every feature: it documents a superset. The whole workspace is selected each
-        // time, so the dependencies resolve (and build) alike.
-        // The second pass adds `tlt-bench/candle-ref` (the decode and llama.cpp suites), which the tests leave out.
-        let lint_all = format!("{all},tlt-bench/candle-ref");
-        for features in [None, Some(lint_all.as_str())] {
-            let mut clippy = cargo();
-            clippy.args(["clippy", "--workspace", "--all-targets"]);
-            if let Some(f) = features {
-                clippy.args(["--features", f]);
-            }
-            clippy.args(["--", "-D", "warnings"]);
-            let code = run(clippy)?;
-            if !code.success() {
-                return Ok(exit_code(code));
-            }
-        }
-        let mut doc = cargo();
-        doc.env("RUSTDOCFLAGS", "-D warnings").args(["doc", "--no-deps", "--workspace", "--features", &all]);
-        let code = run(doc)?;
-        if !code.success() {
-            return Ok(exit_code(code));
-        }
-        graph::check(cargo)?;
-        package::check(cargo)?;
-    }
-    let gguf = assets::fetch_assets()?;
-    // Every release build below uses the same features (CUDA and MPI on), so the workspace compiles once: the
-    // CUDA code runs against the simulated device (no driver here) and NVRTC compiles the kernels; the MPI tests
-    // run under `mpirun`.
-    let nvrtc = assets::nvrtc_library_path()?;
-    let env = |cmd: &mut Command| {
-        cmd.env("TLT_SMOLLM2_GGUF", &gguf).env("LD_LIBRARY_PATH", &nvrtc).env("TLT_REQUIRE_NVRTC", "1");
-        // The runners run one test (or rank) per core: one kernel thread each (tlt-kernels' spinning team, rayon's
-        // pool under candle), else two teams of all the cores spin on the same cores waiting for each other's
-        // descheduled helpers. Tests that exercise several threads set their count explicitly.
-        cmd.env("TLT_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
-        if gpu {
-            cmd.env("TLT_REQUIRE_GPU", "1");
-        }
-    };
-    // Doc tests first (nextest does not run them), so the runner's summary of all other tests comes last.
-    let mut doc = cargo();
-    doc.args(["test", "--release", "--workspace", "--features", &all, "--doc"]);
-    env(&mut doc);
-    let code = run(doc)?;
-    if !code.success() {
-        return Ok(exit_code(code));
-    }
-    let nextest = cargo().args(["nextest", "--version"]).output().is_ok_and(|o| o.status.success());
-    let mut cmd = cargo();
-    if nextest {
-        // The MPI tests run below under `cargo test` (one is a custom harness nextest cannot list).
-        cmd.args(["nextest", "run", "--release", "--workspace", "--features", &all]);
-        cmd.args(["-E", "not (binary(mpi) | binary(data_parallel) | binary(nccl) | binary(chaos))"]);
-    } else {
-        warn!("cargo-nextest is not installed; falling back to `cargo test`");
-        cmd.args(["test", "--release", "--workspace", "--features", &all]);
-        cmd.args(["--lib", "--bins", "--tests", "--exclude", "tlt-comm"]);
-    }
-    cmd.args(args);
-    env(&mut cmd);
-    // The EAGLE export check runs in Python; with its packages installed, a skip would hide a failure.
-    match assets::python_check_deps() {
-        Ok(dir) => {
-            let mut paths = vec![dir];
-            paths.extend(
-                std::env::var_os("PYTHONPATH")
-                    .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-                    .unwrap_or_default(),
-            );
-            cmd.env("PYTHONPATH", std::env::join_paths(paths)?).env("TLT_REQUIRE_PYTHON_CHECK", "1");
-        }
-        Err(e) => warn!("the Python EAGLE export check will be skipped: {e:#}"),
-    }
-    let code = run(cmd)?;
-    if !code.success() {
-        return Ok(exit_code(code));
-    }
-    // The export parity check needs torch, transformers and speculators (~6 GB): run only when installed.
-    match assets::python_export_deps(false)? {
-        Some(_) => {
-            let out = workspace_root().join("target").join("export-check-tiny");
-            let mut args = vec!["check-export".to_string(), "--tiny".into(), "--new-tokens".into(), "16".into()];
-            args.extend(["--out".to_string(), out.display().to_string()]);
-            let code = bench::run(&args)?;
-            if !code.success() {
-                eprintln!("error: export parity check: `tlt-bench check-export --tiny` failed ({code})");
-                return Ok(ExitCode::FAILURE);
-            }
-        }
-        None => println!(
-            "SKIP export parity check (scripts/check_export_parity.py: transformers/speculators loading of exported \
-             policies and drafters): its Python packages are not installed; fetch them with `{}`",
-            assets::EXPORT_CHECK_FETCH
-        ),
-    }
-    // The MPI engine across processes (`mpirun -np 2` and 3), data-parallel GRPO on 2 ranks against one (a missing
-    // MPI runtime fails here rather than skipping), NCCL's error without a driver, and the chaos harness at its
-    // default size (it kills ranks of 2-rank jobs): the build above, linked.
-    let mut mpi = cargo();
-    mpi.args(["test", "--release", "--workspace", "--features", &all]);
-    mpi.args(["--test", "mpi", "--test", "data_parallel", "--test", "nccl", "--test", "chaos", "--", "--nocapture"]);
-    mpi.env("TLT_REQUIRE_MPI", "1");
-    env(&mut mpi);
-    let code = run(mpi)?;
-    if !code.success() {
-        return Ok(exit_code(code));
-    }
-    // The GPU plan's calls, with their GPU steps stubbed (gpu-bench on the simulated device, as the release tests
-    // above built it): the device tool's file and output rules and the plan's budgets hold.
-    let (bench, train) =
-        (workspace_root().join("target/release/gpu-bench"), workspace_root().join("target/release/train"));
-    if let Err(e) = gpu_bundle::dry_run(&workspace_root(), &bench, &train, &gguf) {
-        eprintln!("error: gpu-bundle dry run: {e:#}");
-        return Ok(ExitCode::FAILURE);
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `chaos`: the chaos harness (`examples/tests/chaos.rs`) at the asked size, with every feature (`train` has its
-/// kill points), MPI required; the tally goes to `target/chaos/report.json`.
-fn chaos(kills: usize, rank_kills: usize, seed: u64) -> Result<ExitCode> {
-    let report = workspace_root().join("target").join("chaos").join("report.json");
-    let mut cmd = cargo();
-    cmd.args(["test", "--release", "--workspace", "--features", &all_features(), "--test", "chaos"]);
-    cmd.args(["--", "--nocapture", "--test-threads", "1"]);
-    cmd.env("TLT_CHAOS_KILLS", kills.to_string()).env("TLT_CHAOS_RANK_KILLS", rank_kills.to_string());
-    cmd.env("TLT_CHAOS_SEED", seed.to_string()).env("TLT_CHAOS_REPORT", &report).env("TLT_REQUIRE_MPI", "1");
-    let code = run(cmd)?;
-    if code.success() {
-        println!("chaos report: {}", report.display());
-    }
-    Ok(exit_code(code))
-}
-
-/// `test-cuda`: the CUDA path's tests alone, with the CUDA features: NVRTC compiles of our kernels for sm_80 and
-/// sm_90 with no spills, and the device tests of every package on the CUDA device when a driver loads (with `gpu`,
-/// a missing driver fails them), else on the simulated device.
-fn cuda_tests(gpu: bool) -> Result<ExitCode> {
-    let lib_path = assets::nvrtc_library_path()?;
-    let mut cuda = cargo();
-    cuda.args(["test", "--release"])
-        .args(cuda_package_args())
-        .args(["--features", CUDA_FEATURES])
-        .args(CUDA_TEST_TARGETS.iter().flat_map(|t| ["--test", t]))
-        .args(["--", "--nocapture"])
-        .env("LD_LIBRARY_PATH", lib_path)
-        .env("TLT_REQUIRE_NVRTC", "1");
-    if gpu {
-        cuda.env("TLT_REQUIRE_GPU", "1");
-    }
-    Ok(exit_code(run(cuda)?))
-}
-
-/// Every feature of the workspace's optional code: CUDA (with `tlt-examples`') and MPI/NCCL.
-fn all_features() -> String {
-    format!("{CUDA_FEATURES},tlt-examples/cuda,{MPI_FEATURES},tlt-examples/failpoints")
-}
-
-/// The test targets of the CUDA path: the NVRTC and GPU-kernel tests (`cuda`), and the device tests of the host
-/// code (`device`, `gpu`), which run on the CUDA device when a driver loads, else on the simulated one.
-pub(crate) const CUDA_TEST_TARGETS: [&str; 3] = ["cuda", "device", "gpu"];
-
-/// The features that turn the CUDA code on, for the packages that have it.
-pub(crate) const CUDA_FEATURES: &str =
-    "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda,tlt-spec-decode/cuda,tlt-drafter/cuda,tlt-rl/cuda";
-
-/// The features that turn the MPI and NCCL engines on, and data-parallel training with them.
-pub(crate) const MPI_FEATURES: &str = "tlt-comm/mpi,tlt-comm/nccl,tlt-rl/mpi,tlt-examples/mpi";
-
-/// The packages with CUDA code (each has a `cuda` test target).
-pub(crate) const CUDA_PACKAGES: [&str; 6] =
-    ["tlt-kernels", "tlt-cudagraph", "tlt-model", "tlt-spec-decode", "tlt-drafter", "tlt-rl"];
-
-/// `-p P` for every package of [`CUDA_PACKAGES`].
-pub(crate) fn cuda_package_args() -> Vec<&'static str> {
-    CUDA_PACKAGES.iter().flat_map(|p| ["-p", p]).collect()
-}
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -403,8 +175,8 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::CheckExport { args } => bench::forward("check-export", args),
-        Cmd::Test { gpu, no_lint, args } => test(gpu, no_lint, &args),
-        Cmd::TestCuda { gpu } => cuda_tests(gpu),
+        Cmd::Test { gpu, no_lint, args } => testing::test(gpu, no_lint, &args),
+        Cmd::TestCuda { gpu } => testing::cuda_tests(gpu),
         Cmd::GpuBundle { dry_run: true, .. } => {
             // gpu-bench and train with the features the release tests build them with, so that a dry run after them
             // rebuilds nothing.
@@ -433,24 +205,9 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Fuzz { args } => bench::forward("fuzz", args),
         Cmd::Demo(args) => demo::demo(&args),
-        Cmd::Chaos { kills, rank_kills, seed } => chaos(kills, rank_kills, seed),
+        Cmd::Chaos { kills, rank_kills, seed } => testing::chaos(kills, rank_kills, seed),
         Cmd::Roofline { args } => bench::forward("roofline", args),
         Cmd::Bench { args } => bench::forward("bench", args),
         Cmd::Graph { dot } => graph::print(dot).map(|()| ExitCode::SUCCESS),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn device_names() {
-        assert!(!is_cuda("cpu").unwrap());
-        assert!(is_cuda("cuda").unwrap());
-        assert!(is_cuda("cuda:1").unwrap());
-        assert!(is_cuda("cuda:x").is_err());
-        assert!(is_cuda("gpu").is_err());
-        assert!(is_cuda("cpu:0").is_err());
     }
 }
