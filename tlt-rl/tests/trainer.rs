@@ -83,6 +83,7 @@ fn timeless(m: &StepMetrics, arms: bool) -> String {
     // Wall-clock shares and per-round times.
     m.tail_share = 0.0;
     m.round_seconds.clear();
+    m.round_end_s.clear();
     serde_json::to_string(&m).unwrap()
 }
 
