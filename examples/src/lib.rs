@@ -82,3 +82,8 @@ pub use tlt_model::assets::SMOLLM2_GGUF;
 pub fn default_model() -> PathBuf {
     tlt_model::assets::smollm2_gguf()
 }
+
+/// The workspace README's Rust examples, compiled and run as doc tests (what a new user copies must work).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
