@@ -235,3 +235,8 @@ mod tests {
         c.barrier().unwrap();
     }
 }
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

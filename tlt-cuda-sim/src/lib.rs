@@ -175,3 +175,8 @@ impl LaunchRecord {
         Self { kernel: l.kernel, grid: l.grid, block: l.block }
     }
 }
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -44,3 +44,8 @@ pub mod worker;
 
 pub use error::{Error, Result};
 pub use server::{bind, tune_allocator, ServeConfig, Server, CONTROL_SLOTS, LISTEN_BACKLOG};
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
