@@ -24,7 +24,7 @@ mod transfer;
 #[cfg(feature = "cuda")]
 pub use device::{driver_available, gpu_or_skip, CudaGpu, CUBLAS_WORKSPACE_BYTES};
 
-/// Opens CUDA device `ordinal` behind the seam ([`CudaGpu::open`](device::CudaGpu)).
+/// Opens CUDA device `ordinal` behind the seam (`CudaGpu::open`, feature `cuda`).
 ///
 /// # Errors
 /// As `CudaGpu::open`; in a build without the `cuda` feature, [`crate::Error::CudaUnavailable`].
