@@ -9,7 +9,8 @@ use std::path::PathBuf;
 fn main() {
     let here = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     // tlt-kernels' `cuda/` (its build script's `cuda_dir`, through `links`), so a published crate finds it too.
-    let kernels = PathBuf::from(std::env::var("DEP_TLT_KERNELS_CUDA_DIR").expect("tlt-kernels' build script sets cuda_dir"));
+    let kernels =
+        PathBuf::from(std::env::var("DEP_TLT_KERNELS_CUDA_DIR").expect("tlt-kernels' build script sets cuda_dir"));
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let mut sources: Vec<PathBuf> = std::fs::read_dir(&kernels)
         .expect("tlt-kernels/cuda is readable")
