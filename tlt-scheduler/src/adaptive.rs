@@ -191,9 +191,7 @@ impl AdaptiveDecoder {
                 let rounds = (after.seq_rounds - before.seq_rounds).max(1);
                 let accept = (after.committed - before.committed) as f64 / rounds as f64;
                 self.mab.record_step(&choice, accept, batch, secs.max(1e-9))?;
-                let p = choice.plan;
-                let kind = self.mab.config().drafters.get(choice.drafter).map(|d| format!("{d}/")).unwrap_or_default();
-                *self.trace.arms.entry(format!("{kind}{}:{}:{}", p.steps, p.top_k, p.verify_tokens)).or_default() += 1;
+                *self.trace.arms.entry(self.mab.arm_name(choice.arm)).or_default() += 1;
                 self.trace.accept_lens.push(accept);
                 self.trace.sd_steps += 1;
                 self.trace.sd_seconds += t.elapsed().as_secs_f64();

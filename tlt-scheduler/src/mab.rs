@@ -355,6 +355,39 @@ impl BegMab {
         summary(self.cfg.statistic, &self.buckets[bucket].window, arm)
     }
 
+    /// The arm the bandit would exploit in `bucket` now (the first best score among the arms with a sample in the
+    /// bucket's window, as [`Self::select`] ranks them) and its score; `None` for an unknown bucket or an empty
+    /// window.
+    pub fn leader(&self, bucket: usize) -> Option<(usize, f64)> {
+        let b = self.buckets.get(bucket)?;
+        let mut best: Option<(usize, f64)> = None;
+        for &a in &b.arms {
+            if let Some(s) = summary(self.cfg.statistic, &b.window, a) {
+                if best.is_none_or(|(_, top)| s > top) {
+                    best = Some((a, s));
+                }
+            }
+        }
+        best
+    }
+
+    /// The arms of `bucket` (as in [`Choice::arm`]; the plain arm last when configured).
+    pub fn bucket_arms(&self, bucket: usize) -> &[usize] {
+        self.buckets.get(bucket).map_or(&[], |b| b.arms.as_slice())
+    }
+
+    /// An arm's name: `plain`, or `steps:top_k:verify_tokens` after its drafter kind's name and a slash when
+    /// kinds are named (the names of [`DecodeTrace::arms`](crate::DecodeTrace)).
+    pub fn arm_name(&self, arm: usize) -> String {
+        let n = self.cfg.num_arms();
+        if arm >= n {
+            return "plain".into();
+        }
+        let p = self.cfg.arms[arm % self.cfg.arms.len()];
+        let kind = self.cfg.drafters.get(arm / self.cfg.arms.len()).map(|d| format!("{d}/")).unwrap_or_default();
+        format!("{kind}{}:{}:{}", p.steps, p.top_k, p.verify_tokens)
+    }
+
     /// The configuration.
     pub fn config(&self) -> &MabConfig {
         &self.cfg

@@ -491,6 +491,8 @@ pub struct Limits {
     pub vocab_size: usize,
     /// Prompt plus output fit in this.
     pub context: usize,
+    /// Prompt plus output fit in the KV pool's tokens too ([`crate::pool::Pool::tokens`]).
+    pub pool_tokens: usize,
     /// The model's end-of-sequence tokens.
     pub eos: Vec<u32>,
 }
@@ -527,6 +529,17 @@ pub fn check_ids(field: &str, ids: &[i64], max_new_tokens: usize, limits: &Limit
                 "{} prompt tokens + {max_new_tokens} new tokens exceed the model's context of {}",
                 out.len(),
                 limits.context
+            ),
+        ));
+    }
+    if out.len() + max_new_tokens > limits.pool_tokens {
+        return Err(invalid(
+            field,
+            format!(
+                "{} prompt tokens + {max_new_tokens} new tokens exceed the KV pool's {} tokens (raise \
+                 --max-total-tokens or --mem-fraction-static)",
+                out.len(),
+                limits.pool_tokens
             ),
         ));
     }

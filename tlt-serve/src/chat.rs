@@ -294,7 +294,7 @@ mod tests {
     }
 
     fn limits() -> Limits {
-        Limits { vocab_size: 64, context: 64, eos: vec![1] }
+        Limits { vocab_size: 64, context: 64, pool_tokens: 64, eos: vec![1] }
     }
 
     fn field(e: Error) -> String {

@@ -58,11 +58,13 @@ pub(crate) async fn model_info(State(s): State<Arc<AppState>>) -> Json<serde_jso
         "weight_version": &*s.stats.version()}))
 }
 
-/// The server arguments, and what changes: the weights' version.
+/// The server arguments, and what changes: the weights' version and what the bandits learned.
 pub(crate) async fn server_info(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let mut info = s.server_args.clone();
     if let Some(map) = info.as_object_mut() {
         map.insert("weight_version".into(), json!(&*s.stats.version()));
+        // What each sampling's bandit has learned so far (its leading arm per bucket).
+        map.insert("speculative_bandit_state".into(), json!(&*s.stats.bandit.lock()));
     }
     Json(info)
 }
@@ -85,7 +87,7 @@ pub struct LoadsQuery {
 
 /// `GET /v1/loads` (SGLang's): the load of the one rank (`dp_rank` 0) from the server's counters, and the
 /// aggregate over ranks. `num_used_tokens` are the running requests' prompt and output tokens;
-/// `max_total_num_tokens` is what the caches may hold at most (`max_running` requests of a full context), and
+/// `max_total_num_tokens` is the KV pool's tokens (what the caches may hold at most, see [`crate::pool`]), and
 /// `token_usage` their ratio. SGLang's fields this server does not measure (`num_total_tokens`, `gen_throughput`,
 /// `cache_hit_rate`, `utilization`, the optional sections) are left out, as SGLang leaves out unset ones.
 pub(crate) async fn loads(
@@ -101,7 +103,7 @@ pub(crate) async fn loads(
     }
     let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
     let (running, waiting, used) = (get(&s.stats.running), get(&s.stats.waiting), get(&s.stats.live_tokens));
-    let capacity = s.max_running.saturating_mul(s.limits.context) as u64;
+    let capacity = s.limits.pool_tokens as u64;
     let usage = used as f64 / capacity.max(1) as f64;
     let core: [(&str, f64); 6] = [
         ("num_running_reqs", running as f64),

@@ -23,14 +23,17 @@
 //! (`cargo xtask graph` draws the files' imports).
 
 pub mod api;
+pub mod backend;
 pub mod chat;
 pub mod control;
+pub mod decode;
 pub mod drafter;
 mod error;
 mod generate;
 pub mod guard;
 mod guard_config;
 mod info;
+pub mod pool;
 mod reply;
 pub mod routes;
 mod server;

@@ -1,5 +1,5 @@
-//! `tlt-serve --model PATH [--port N] [--no-speculate]`: an SGLang- and OpenAI-compatible rollout server with
-//! TLT's engine inside (see the crate docs for what is served).
+//! `tlt-serve --model PATH [--device cpu|cuda[:N]|sim] [--port N] [--no-speculate]`: an SGLang- and
+//! OpenAI-compatible rollout server with TLT's engine inside (see the crate docs for what is served).
 
 use std::path::PathBuf;
 
@@ -15,6 +15,25 @@ struct Args {
     /// A `.gguf` file or an HF checkpoint directory.
     #[arg(long)]
     model: PathBuf,
+    /// Where to decode: `cpu`, `cuda[:N]` (a build with the `cuda` feature) or `sim` (the simulated device: every
+    /// CUDA kernel on the CPU, slow; for CI and for trying the device path).
+    #[arg(long, default_value = "cpu")]
+    device: tlt_serve::backend::DeviceChoice,
+    /// Share of the device's memory for the weights and the KV pool together (SGLang's meaning; on the CPU, of the
+    /// host's memory). Default 0.88.
+    #[arg(long)]
+    mem_fraction_static: Option<f64>,
+    /// Tokens of the KV pool, instead of sizing it from `--mem-fraction-static`.
+    #[arg(long)]
+    max_total_tokens: Option<usize>,
+    /// A TOML file of the trainer's `[sd]` sections the server has (`gate`, `mab`, `drafters`, `suffix`), over the
+    /// defaults and the flags below.
+    #[arg(long)]
+    sd_config: Option<PathBuf>,
+    /// Drafter kinds for the bandit to choose between: `suffix` (group drafting over a prompt's siblings), `ngram`,
+    /// `eagle2` and `hybrid` (the last two with `--eagle`). Default `suffix`, or `hybrid` with `--eagle`.
+    #[arg(long, value_delimiter = ',')]
+    drafters: Vec<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -111,19 +130,29 @@ async fn serve(tuned_allocator: bool) -> Result<()> {
         tracing::warn!(error = %e, "the chat template is unusable: /v1/chat/completions will refuse requests");
         None
     });
-    let cfg = ServeConfig {
-        decode: DecodeConfig {
-            speculate: !args.no_speculate,
-            gate: tlt_scheduler::GateConfig {
-                threshold: args.sd_batch_threshold,
-                on_after: args.sd_on_after,
-                off_threshold: args.sd_batch_threshold.saturating_add(args.sd_batch_threshold / 2),
-                off_after: 2,
-            },
-            max_running: args.max_running_requests,
-            eagle: args.eagle(),
-            ..DecodeConfig::default()
+    let mut decode = DecodeConfig {
+        speculate: !args.no_speculate,
+        gate: tlt_scheduler::GateConfig {
+            threshold: args.sd_batch_threshold,
+            on_after: args.sd_on_after,
+            off_threshold: args.sd_batch_threshold.saturating_add(args.sd_batch_threshold / 2),
+            off_after: 2,
         },
+        max_running: args.max_running_requests,
+        eagle: args.eagle(),
+        drafters: args
+            .drafters
+            .iter()
+            .map(|d| serde_json::from_value(serde_json::Value::String(d.clone())))
+            .collect::<Result<_, _>>()
+            .context("--drafters: expected suffix, ngram, eagle2 or hybrid")?,
+        ..DecodeConfig::default()
+    };
+    if let Some(path) = &args.sd_config {
+        tlt_serve::decode::SdFile::read(path)?.apply(&mut decode);
+    }
+    let cfg = ServeConfig {
+        decode,
         model_name: args.model.display().to_string(),
         weight_version: args.weight_version,
         chat_template,
@@ -137,8 +166,19 @@ async fn serve(tuned_allocator: bool) -> Result<()> {
                 .transpose()
                 .context("--request-timeout")?,
         },
+        pool: tlt_serve::pool::PoolSpec {
+            mem_fraction_static: args.mem_fraction_static,
+            max_total_tokens: args.max_total_tokens,
+        },
     };
-    let server = Server::start(loaded.model, loaded.tokenizer, cfg)?;
+    let server = match args.device.open()? {
+        None => Server::start(loaded.model, loaded.tokenizer, cfg)?,
+        Some((gpu, name)) => {
+            let backend =
+                tlt_serve::backend::DeviceBackend::new(loaded.model, gpu, &name, &cfg.pool, cfg.decode.max_running)?;
+            Server::start_on(backend, loaded.tokenizer, cfg)?
+        }
+    };
     let listener =
         tlt_serve::bind(&args.host, args.port).await.with_context(|| format!("binding {}:{}", args.host, args.port))?;
     tracing::info!(address = %listener.local_addr()?, "serving");

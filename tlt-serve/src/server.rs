@@ -1,7 +1,8 @@
 //! Starting a server: its settings ([`ServeConfig`]), the engine thread, the shared state and the router
 //! ([`Server::start`]), and the listening socket ([`bind`]).
 
-use crate::{api, drafter, guard, routes, server_info, state, stats, weights, worker, Error, Result};
+use crate::backend::{Backend, CpuBackend};
+use crate::{api, drafter, guard, pool, routes, server_info, state, stats, weights, worker, Error, Result};
 
 /// A server's settings besides its model.
 #[derive(Debug, Clone, Default)]
@@ -17,6 +18,8 @@ pub struct ServeConfig {
     pub chat_template: Option<tlt_rl::task::ChatTemplate>,
     /// The API key, the weight roots, the queue, batch and time bounds ([`guard::GuardConfig`]).
     pub guard: guard::GuardConfig,
+    /// How the KV pool is sized (on the CPU by [`Server::start`]; a device backend is sized when it is made).
+    pub pool: pool::PoolSpec,
 }
 
 /// Sets the process's allocator up for the engine thread (glibc only; elsewhere a no-op). Call it first thing in
@@ -81,15 +84,32 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts the engine thread on `model` and builds the routes in front of it.
+    /// Starts the engine thread on `model` on the CPU ([`CpuBackend`], its KV pool sized by `cfg.pool`) and builds
+    /// the routes in front of it.
     ///
     /// # Errors
-    /// [`Error::Model`] when the engine thread cannot start.
+    /// As [`Server::start_on`], and [`Error::Invalid`] for a pool that holds no request.
     pub fn start(model: tlt_model::Llama, tokenizer: Option<tokenizers::Tokenizer>, cfg: ServeConfig) -> Result<Self> {
+        let backend = CpuBackend::new(model, &cfg.pool, cfg.decode.max_running)?;
+        Self::start_on(backend, tokenizer, cfg)
+    }
+
+    /// Starts the engine thread on `backend` and builds the routes in front of it.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for invalid settings; [`Error::Model`] when the engine thread cannot start.
+    pub fn start_on<B: Backend>(
+        backend: B,
+        tokenizer: Option<tokenizers::Tokenizer>,
+        cfg: ServeConfig,
+    ) -> Result<Self> {
+        let model = backend.model();
         let c = model.config();
+        let pool = backend.pool();
         let limits = api::Limits {
             vocab_size: c.vocab_size,
             context: c.max_position_embeddings,
+            pool_tokens: pool.tokens,
             eos: c.eos_token_id.as_ref().map(tlt_model::EosTokens::ids).unwrap_or_default(),
         };
         if cfg.decode.max_running == 0 {
@@ -99,6 +119,7 @@ impl Server {
             let reason = "the queue and batch bounds must be at least 1";
             return Err(Error::Invalid { field: "max_queued".into(), reason: reason.into() });
         }
+        cfg.decode.validate()?;
         let weight_roots = weights::WeightRoots::new(&cfg.guard.weights_dirs)?;
         if weight_roots.is_empty() {
             tracing::info!("no --weights-dir: /update_weights_from_disk refuses every path");
@@ -109,26 +130,31 @@ impl Server {
         let stats = std::sync::Arc::new(stats::Stats::default());
         *stats.weight_version.write().map_err(|_| Error::Model("the version lock is poisoned".into()))? =
             cfg.weight_version.as_deref().unwrap_or("default").into();
+        let bandit = decode.speculate.then(|| decode.decoder()).transpose()?;
         let server_args = server_info::server_args(&server_info::RunningArgs {
             model_path: &cfg.model_name,
             has_tokenizer: tokenizer.is_some(),
-            weight_dtype: model.inference_dtype(),
+            weight_dtype: backend.weight_dtype(),
             context_length: limits.context,
             vocab_size: limits.vocab_size,
-            max_running_requests: cfg.decode.max_running,
-            speculate: cfg.decode.speculate,
-            eagle: cfg.decode.eagle.is_some(),
+            max_running_requests: cfg.decode.max_running.min(pool.sequences),
+            pool,
+            device: backend.device(),
+            dtype: backend.dtype(),
+            speculative_algorithm: decode.speculative_algorithm(),
+            bandit: bandit.as_ref().map(|d| crate::decode::bandit_arms(d.mab())),
         });
         let tokenizer = tokenizer.map(std::sync::Arc::new);
         let engine_tokenizer = tokenizer.clone();
         let engine_stats = stats.clone();
         let eagle =
-            decode.eagle.as_ref().map(|e| drafter::OnlineDrafter::new(&model, e, stats.drafter.clone())).transpose()?;
+            decode.eagle.as_ref().map(|e| drafter::OnlineDrafter::new(model, e, stats.drafter.clone())).transpose()?;
+        let max_running = cfg.decode.max_running.min(pool.sequences);
         let engine = std::thread::Builder::new()
             .name("tlt-serve-engine".into())
             .spawn(move || {
                 let run = std::panic::AssertUnwindSafe(|| {
-                    worker::run(model, &rx, &decode, &engine_stats, eagle, engine_tokenizer);
+                    worker::run(backend, &rx, &decode, &engine_stats, eagle, engine_tokenizer);
                 });
                 if let Err(p) = std::panic::catch_unwind(run) {
                     let cause = p
@@ -150,7 +176,7 @@ impl Server {
             next_stream: std::sync::atomic::AtomicU64::new(1),
             stats,
             chat_template: cfg.chat_template,
-            max_running: cfg.decode.max_running,
+            max_running,
             server_args,
             weight_roots,
             guard: cfg.guard,

@@ -9,9 +9,9 @@
 //!   `weight_transfer_config` (null: no weight-transfer engine is served, so TRL's NCCL weight sync refuses to start
 //!   with its own message) and `model_config.logprobs_mode`.
 //!
-//! Every value is what the server does, not what a client hopes for: one process on the CPU (tensor, data, pipeline
-//! and expert parallelism 1), no memory saver, activations in f32, the model's context, and at most
-//! `max_running_requests` requests of a full context in the caches.
+//! Every value is what the server does, not what a client hopes for: one process on one device (tensor, data,
+//! pipeline and expert parallelism 1), no memory saver, the device's activations, the model's context, the KV pool
+//! it sized, and the bandit's arms.
 
 use serde_json::{json, Value};
 use tlt_kernels::WeightDType;
@@ -31,10 +31,16 @@ pub struct RunningArgs<'a> {
     pub vocab_size: usize,
     /// Most requests decoding at once.
     pub max_running_requests: usize,
-    /// Whether the SD gate may speculate.
-    pub speculate: bool,
-    /// Whether the drafter is TLT's online EAGLE-2 (else prompt-lookup n-grams).
-    pub eagle: bool,
+    /// The KV pool.
+    pub pool: crate::pool::Pool,
+    /// The device (`cpu`, `cuda:N`, `sim`).
+    pub device: String,
+    /// The activations' and the KV cache's element type.
+    pub dtype: &'static str,
+    /// SGLang's `speculative_algorithm` (`None`: no speculation).
+    pub speculative_algorithm: Option<&'static str>,
+    /// The bandit's buckets and arms ([`crate::decode::bandit_arms`]), with speculation.
+    pub bandit: Option<Value>,
 }
 
 /// SGLang's name of the weights' storage format (`quantization`): none for f32, f16 and bf16 weights (a dtype, not
@@ -60,22 +66,17 @@ fn weight_dtype(d: WeightDType) -> &'static str {
     }
 }
 
-/// The server arguments, as SGLang's `/get_server_info` names them, plus TRL's `vllm_config`. `dtype` is the
-/// activations' (`float32`: the CPU forward computes in f32 whatever the weights' storage, which `weight_dtype`
-/// and `quantization` give). `max_total_tokens` is the bound the caches really have: `max_running_requests`
-/// requests of a full context (each request's cache grows to at most the context; more requests wait).
+/// The server arguments, as SGLang's `/get_server_info` names them, plus TRL's `vllm_config` and the bandit's arms
+/// (`speculative_bandit`). `dtype` is the activations' (`float32` on the CPU, whatever the weights' storage, which
+/// `weight_dtype` and `quantization` give; `bfloat16` on a device). `max_total_tokens` is the KV pool's tokens,
+/// the bound the caches really have (a request waits until the pool holds its prompt and `max_new_tokens`).
 pub fn server_args(a: &RunningArgs<'_>) -> Value {
-    let max_total_tokens = a.max_running_requests.saturating_mul(a.context_length);
-    let speculative_algorithm = match (a.speculate, a.eagle) {
-        (false, _) => None,
-        (true, false) => Some("NGRAM"),
-        (true, true) => Some("EAGLE"),
-    };
+    let max_total_tokens = a.pool.tokens;
     // TRL reads `model_config.logprobs_mode`: the served log-probs are after temperature scaling (penalties other
     // than the neutral ones are refused; top-k/top-p are not applied to them, as SGLang's default), which is what
     // vLLM's `processed_logprobs` gives for TRL's sampling (top-k and top-p off).
     let vllm_config = json!({
-        "model_config": {"model": a.model_path, "max_model_len": a.context_length, "dtype": "float32",
+        "model_config": {"model": a.model_path, "max_model_len": a.context_length, "dtype": a.dtype,
             "logprobs_mode": "processed_logprobs"},
         "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1, "pipeline_parallel_size": 1},
         "weight_transfer_config": null,
@@ -88,13 +89,13 @@ pub fn server_args(a: &RunningArgs<'_>) -> Value {
         "load_format": "auto",
         "trust_remote_code": false,
         "is_embedding": false,
-        "dtype": "float32",
+        "dtype": a.dtype,
         "weight_dtype": weight_dtype(a.weight_dtype),
         "quantization": quantization(a.weight_dtype),
-        "kv_cache_dtype": "float32",
+        "kv_cache_dtype": a.dtype,
         "context_length": a.context_length,
         "vocab_size": a.vocab_size,
-        "device": "cpu",
+        "device": a.device,
         "tp_size": 1,
         "dp_size": 1,
         "pp_size": 1,
@@ -113,7 +114,9 @@ pub fn server_args(a: &RunningArgs<'_>) -> Value {
         "max_running_requests": a.max_running_requests,
         "max_total_tokens": max_total_tokens,
         "chunked_prefill_size": -1,
-        "speculative_algorithm": speculative_algorithm,
+        "speculative_algorithm": a.speculative_algorithm,
+        "speculative_bandit": a.bandit,
+        "kv_pool": {"tokens": a.pool.tokens, "sequences": a.pool.sequences, "bytes_per_token": a.pool.token_bytes},
         "internal_states": [{"max_total_num_tokens": max_total_tokens,
             "max_running_requests": a.max_running_requests}],
         "version": env!("CARGO_PKG_VERSION"),

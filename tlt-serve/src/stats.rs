@@ -13,6 +13,10 @@ pub struct Stats {
     pub running: AtomicU64,
     /// Tokens (prompts and outputs) of the running requests, as the engine thread last counted them.
     pub live_tokens: AtomicU64,
+    /// Tokens of the KV pool the running requests hold (their prompts and `max_new_tokens`).
+    pub reserved_tokens: AtomicU64,
+    /// Tokens the KV pool holds ([`crate::pool::Pool::tokens`]).
+    pub pool_tokens: AtomicU64,
     /// Requests finished with an output.
     pub finished: AtomicU64,
     /// Requests the engine failed.
@@ -45,6 +49,9 @@ pub struct Stats {
     pub drafter: std::sync::Arc<crate::drafter::DrafterStats>,
     /// The version of the weights the engine decodes with now (set by the engine thread on an update).
     pub weight_version: std::sync::RwLock<std::sync::Arc<str>>,
+    /// Per sampling (an engine's requests), what its bandit has learned: each bucket's leading arm
+    /// ([`crate::decode::bandit_leaders`]), as of its last speculative round.
+    pub bandit: parking_lot::Mutex<std::collections::BTreeMap<String, serde_json::Value>>,
     /// Why the engine thread died (its panic's message), once it has: every route then answers 503.
     pub engine_failure: std::sync::OnceLock<String>,
 }

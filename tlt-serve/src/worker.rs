@@ -16,12 +16,14 @@ use std::sync::{mpsc, Arc};
 
 use tlt_model::Llama;
 use tlt_spec_decode::{
-    Drafter, Engine, FinishReason, Finished, GroupId, NgramDrafter, Plan, RequestId, SamplingParams, SpecParams,
+    Drafter, Engine, FinishReason, Finished, GroupId, RequestId, SamplingParams, SpecParams, Target,
 };
 use tokio::sync::oneshot;
 
 use crate::api::Sampling;
-use crate::drafter::{EagleConfig, OnlineDrafter};
+use crate::backend::Backend;
+pub use crate::decode::DecodeConfig;
+use crate::drafter::OnlineDrafter;
 use crate::stats::Stats;
 use crate::{Error, Result};
 
@@ -143,69 +145,6 @@ impl Output {
     }
 }
 
-/// How the engine thread decodes: TLT's adaptive rollout. Each lane's rounds go through a
-/// [`tlt_scheduler::AdaptiveDecoder`]: the SD gate sees the lane's live batch before every round and turns
-/// speculation on once it has shrunk (the long tail), off when it grows again; in the speculative phase the bandit
-/// picks the draft plan for the batch's bucket, rewarded with the round's committed tokens per second.
-#[derive(Debug, Clone)]
-pub struct DecodeConfig {
-    /// Speculate where the gate lets it (prompt-lookup n-grams, or the online EAGLE drafter with
-    /// [`DecodeConfig::eagle`]); off: plain decoding always.
-    pub speculate: bool,
-    /// When to speculate. Default TLT's: on once the batch has been at most 32 for 10 rounds, off above 48.
-    pub gate: tlt_scheduler::GateConfig,
-    /// The draft plans to choose from. Default: one chain of 4 drafts (5 tokens verified).
-    pub mab: tlt_scheduler::MabConfig,
-    /// Most requests decoding at once, all engines together (SGLang's `--max-running-requests`); more wait in a
-    /// queue, so the KV caches stay bounded however many clients connect. Default 256.
-    pub max_running: usize,
-    /// Draft with TLT's online EAGLE-2 drafter (trained on the served requests' hidden states) instead of n-grams.
-    pub eagle: Option<EagleConfig>,
-    /// Tests only (no flag sets it): the engine thread panics when it admits a request with this `rid`, so that
-    /// tests can see what a dead engine thread answers.
-    #[doc(hidden)]
-    pub panic_on_rid: Option<String>,
-}
-
-impl Default for DecodeConfig {
-    fn default() -> Self {
-        Self {
-            speculate: true,
-            gate: tlt_scheduler::GateConfig::default(),
-            mab: tlt_scheduler::MabConfig {
-                arms: vec![Plan { steps: 4, top_k: 1, verify_tokens: 5 }],
-                thresholds: vec![1],
-                ..tlt_scheduler::MabConfig::default()
-            },
-            max_running: 256,
-            eagle: None,
-            panic_on_rid: None,
-        }
-    }
-}
-
-impl DecodeConfig {
-    /// Speculation in every round, whatever the batch (no gate): for tests and for measuring SD at any batch.
-    pub fn always_speculate() -> Self {
-        let gate =
-            tlt_scheduler::GateConfig { threshold: usize::MAX, on_after: 1, off_threshold: usize::MAX, off_after: 1 };
-        Self { gate, ..Self::default() }
-    }
-
-    /// A fresh decoder for a lane.
-    ///
-    /// # Errors
-    /// [`Error::Engine`] when the gate or bandit settings are invalid.
-    pub fn decoder(&self) -> Result<tlt_scheduler::AdaptiveDecoder> {
-        let decoder = if self.speculate {
-            tlt_scheduler::AdaptiveDecoder::new(self.gate.clone(), self.mab.clone())
-        } else {
-            tlt_scheduler::AdaptiveDecoder::plain()
-        };
-        decoder.map_err(|e| Error::Engine(e.to_string()))
-    }
-}
-
 /// Requests that share an engine: same sampling, same stop tokens.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Key {
@@ -228,6 +167,21 @@ impl Key {
     }
 }
 
+impl Key {
+    /// The sampling, for reports.
+    fn name(&self) -> String {
+        let f = |bits: u32| f32::from_bits(bits);
+        format!(
+            "temperature={} top_p={:?} top_k={:?} stop={:?} stop_strings={:?}",
+            f(self.temperature),
+            self.top_p.map(f),
+            self.top_k,
+            self.stop,
+            self.stop_strings
+        )
+    }
+}
+
 /// The server's tokenizer, shared, as the engine's stop-string decoder (special tokens skipped).
 #[derive(Debug)]
 struct SharedTokenizer(Arc<tokenizers::Tokenizer>);
@@ -245,22 +199,35 @@ struct Pending {
     reply: oneshot::Sender<Result<Output>>,
     /// Streaming: the channel, and how many tokens went out on it.
     progress: Option<(tokio::sync::mpsc::UnboundedSender<Progress>, usize)>,
+    /// Tokens of the KV pool it holds (its prompt and `max_new_tokens`).
+    reserved: u64,
+}
+
+impl Pending {
+    /// Gives the request's tokens back to the pool and counts it as no longer running.
+    fn release(&self, stats: &Stats) {
+        Stats::sub(&stats.running, 1);
+        Stats::sub(&stats.reserved_tokens, self.reserved);
+    }
 }
 
 /// One engine and its requests' reply channels.
-struct Lane {
+struct Lane<T: Target> {
     key: Key,
-    engine: Engine<Arc<Llama>>,
+    engine: Engine<T>,
     drafter: Option<Box<dyn Drafter>>,
     decoder: tlt_scheduler::AdaptiveDecoder,
     pending: HashMap<RequestId, Pending>,
 }
 
-impl Lane {
+impl<T: Target> Lane<T> {
+    /// A lane over `target` for requests sampled as `s`, with `decoder` (a fresh one, or the one a lane of the same
+    /// sampling left: the gate and the bandit keep what they learned).
     fn new(
-        model: Arc<Llama>,
+        target: T,
         s: &Sampling,
         cfg: &DecodeConfig,
+        decoder: tlt_scheduler::AdaptiveDecoder,
         eagle: Option<&OnlineDrafter>,
         tokenizer: Option<&Arc<tokenizers::Tokenizer>>,
     ) -> Result<Self> {
@@ -272,19 +239,15 @@ impl Lane {
             // One seed for every engine: a request's own seed chose its coin stream.
             seed: 0,
         };
-        let mut engine = Engine::new(model, params).map_err(|e| Error::Engine(e.to_string()))?;
+        let mut engine = Engine::new(target, params).map_err(|e| Error::Engine(e.to_string()))?;
         if !s.stop_strings.is_empty() {
             let tok = tokenizer.ok_or_else(|| Error::Engine("stop strings without a tokenizer".into()))?;
             engine = engine.with_decoder(Box::new(SharedTokenizer(tok.clone())));
         }
         // The online drafter trains on the target's hidden states of what this engine decodes.
         engine.record_hidden(eagle.is_some());
-        let drafter: Option<Box<dyn Drafter>> = match (cfg.speculate, eagle) {
-            (false, _) => None,
-            (true, Some(d)) => Some(Box::new(d.proposer())),
-            (true, None) => Some(Box::new(NgramDrafter::default())),
-        };
-        Ok(Self { key: Key::of(s), engine, drafter, decoder: cfg.decoder()?, pending: HashMap::new() })
+        let drafter = cfg.drafter(eagle)?;
+        Ok(Self { key: Key::of(s), engine, drafter, decoder, pending: HashMap::new() })
     }
 
     /// One round; the requests it finished go back to their handlers. On an engine error every request of the lane
@@ -297,11 +260,13 @@ impl Lane {
         let _ = self.decoder.drain_trace();
         if let Ok(tlt_scheduler::Phase::Speculative) = stepped {
             Stats::add(&stats.sd_rounds, 1);
+            let leaders = crate::decode::bandit_leaders(self.decoder.mab());
+            stats.bandit.lock().insert(self.key.name(), serde_json::Value::Array(leaders));
         }
         if let Err(e) = stepped {
-            Stats::sub(&stats.running, self.pending.len() as u64);
             Stats::add(&stats.failed, self.pending.len() as u64);
             for (_, p) in self.pending.drain() {
+                p.release(stats);
                 let _ = p.reply.send(Err(Error::Engine(e.to_string())));
             }
             return false;
@@ -341,7 +306,7 @@ impl Lane {
             }
             f.hidden = None;
             let Some(p) = self.pending.remove(&f.id) else { continue };
-            Stats::sub(&stats.running, 1);
+            p.release(stats);
             let out = output(f, version.clone(), stats);
             let _ = p.reply.send(Ok(out));
         }
@@ -357,7 +322,7 @@ impl Lane {
                 Ok(false) => {}
                 Err(e) => {
                     if let Some(p) = self.pending.remove(&id) {
-                        Stats::sub(&stats.running, 1);
+                        p.release(stats);
                         Stats::add(&stats.failed, 1);
                         let _ = p.reply.send(Err(Error::Engine(e.to_string())));
                     }
@@ -403,11 +368,14 @@ fn output(f: Finished, weight_version: Arc<str>, stats: &Stats) -> Output {
 const PAUSED_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// The engine thread's state.
-struct Worker<'c> {
-    model: Arc<Llama>,
+struct Worker<'c, B: Backend> {
+    backend: B,
     cfg: &'c DecodeConfig,
     stats: &'c Stats,
-    lanes: Vec<Lane>,
+    lanes: Vec<Lane<B::Target>>,
+    /// The decoders of lanes gone idle or dropped for a weight update, newest last (at most [`KEPT_DECODERS`]): a
+    /// new lane of the same sampling continues with its gate and bandit.
+    kept: VecDeque<(Key, tlt_scheduler::AdaptiveDecoder)>,
     /// Requests received and not yet admitted: beyond `max_running`, or held while an update waits for the running
     /// ones to finish.
     held: VecDeque<Job>,
@@ -420,21 +388,27 @@ struct Worker<'c> {
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
 }
 
-/// The engine thread's loop: until every sender of `msgs` is gone and nothing runs; then the online drafter (`eagle`,
-/// drafting for every engine when given) is checkpointed. `tokenizer` matches stop strings.
-pub fn run(
-    model: Llama,
+/// Samplings whose gate and bandit the engine thread keeps while no request of theirs runs.
+const KEPT_DECODERS: usize = 64;
+
+/// The engine thread's loop on `backend`: until every sender of `msgs` is gone and nothing runs; then the online
+/// drafter (`eagle`, drafting for every engine when given) is checkpointed. `tokenizer` matches stop strings.
+pub fn run<B: Backend>(
+    backend: B,
     msgs: &mpsc::Receiver<Msg>,
     cfg: &DecodeConfig,
     stats: &Stats,
     eagle: Option<OnlineDrafter>,
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
 ) {
+    let pool = backend.pool();
+    stats.pool_tokens.store(pool.tokens as u64, Ordering::Relaxed);
     let mut w = Worker {
-        model: Arc::new(model),
+        backend,
         cfg,
         stats,
         lanes: Vec::new(),
+        kept: VecDeque::new(),
         held: VecDeque::new(),
         update: None,
         paused: false,
@@ -464,7 +438,7 @@ pub fn run(
         }
         let eagle = w.eagle.as_ref();
         w.lanes.retain_mut(|l| l.engine.is_idle() || l.round(stats, eagle));
-        w.lanes.retain(|l| !l.engine.is_idle() || !l.pending.is_empty());
+        w.keep_idle_decoders();
         let running = w.running();
         if let Some(d) = w.eagle.as_mut() {
             d.on_round(running);
@@ -475,9 +449,38 @@ pub fn run(
     }
 }
 
-impl Worker<'_> {
+impl<B: Backend> Worker<'_, B> {
     fn running(&self) -> usize {
         self.lanes.iter().map(|l| l.engine.num_live()).sum()
+    }
+
+    /// Drops the idle lanes (`all`: every lane, for a weight update), keeping their decoders.
+    fn drop_lanes(&mut self, all: bool) {
+        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.lanes)
+            .into_iter()
+            .partition(|l| all || (l.engine.is_idle() && l.pending.is_empty()));
+        self.lanes = kept;
+        for lane in gone {
+            self.kept.retain(|(k, _)| *k != lane.key);
+            if self.kept.len() == KEPT_DECODERS {
+                self.kept.pop_front();
+            }
+            self.kept.push_back((lane.key, lane.decoder));
+        }
+    }
+
+    fn keep_idle_decoders(&mut self) {
+        if self.lanes.iter().any(|l| l.engine.is_idle() && l.pending.is_empty()) {
+            self.drop_lanes(false);
+        }
+    }
+
+    /// The decoder for a new lane of sampling `key`: the one a lane of it left, else a fresh one.
+    fn decoder_for(&mut self, key: &Key) -> Result<tlt_scheduler::AdaptiveDecoder> {
+        match self.kept.iter().position(|(k, _)| k == key).and_then(|i| self.kept.remove(i)) {
+            Some((_, d)) => Ok(d),
+            None => self.cfg.decoder(),
+        }
     }
 
     fn handle(&mut self, m: Msg) {
@@ -522,7 +525,7 @@ impl Worker<'_> {
             let _ = u.reply.send(Err(Error::Busy("another weight update is in progress".into())));
             return;
         }
-        if !u.model.config().same_architecture(self.model.config()) {
+        if !u.model.config().same_architecture(self.backend.model().config()) {
             let _ = u.reply.send(Err(Error::Invalid {
                 field: "model_path".into(),
                 reason: "its config.json differs from the served model's: only weights can change".into(),
@@ -547,12 +550,16 @@ impl Worker<'_> {
             return;
         }
         let Some((u, aborted)) = self.update.take() else { return };
-        // Engines hold the old model; idle lanes go with it.
-        self.lanes.clear();
+        // Engines hold the old model; idle lanes go with it (their gates and bandits stay).
+        self.drop_lanes(true);
         let Update { model, version, reply, .. } = *u;
-        self.model = Arc::new(model);
+        if let Err(e) = self.backend.update(model) {
+            tracing::error!(error = %e, "the weight update failed");
+            let _ = reply.send(Err(e));
+            return;
+        }
         if let Some(d) = self.eagle.as_mut() {
-            if let Err(e) = d.retarget(&self.model) {
+            if let Err(e) = d.retarget(self.backend.model()) {
                 tracing::error!(error = %e, "the online drafter after the weight update");
             }
         }
@@ -565,18 +572,38 @@ impl Worker<'_> {
         let _ = reply.send(Ok(aborted));
     }
 
-    /// Admits held requests, oldest first, while no update waits and fewer than `max_running` run (the bound on the
-    /// engines' caches: past it, a request costs its queue entry only). A request whose client went away while it
-    /// waited is dropped.
+    /// Admits held requests, oldest first, while no update waits, fewer than `max_running` run and the KV pool has
+    /// room for the oldest one's prompt and `max_new_tokens` (a request never starts without the cache it may
+    /// need; past the bounds it costs its queue entry only). A request whose client went away while it waited is
+    /// dropped; one larger than the whole pool is refused.
     fn admit_held(&mut self) {
-        while self.update.is_none() && self.running() < self.cfg.max_running {
+        let pool = self.backend.pool();
+        while self.update.is_none() && self.running() < self.cfg.max_running.min(pool.sequences) {
+            let Some(job) = self.held.front() else { break };
+            let need = (job.prompt.len() + job.sampling.max_new_tokens) as u64;
+            let closed = job.reply.is_closed();
+            let reserved = self.stats.reserved_tokens.load(Ordering::Relaxed);
+            if !closed && need <= pool.tokens as u64 && reserved + need > pool.tokens as u64 {
+                break;
+            }
             let Some(job) = self.held.pop_front() else { break };
             Stats::sub(&self.stats.waiting, 1);
-            if job.reply.is_closed() {
+            if closed {
                 Stats::add(&self.stats.aborted, 1);
                 continue;
             }
-            self.admit(job);
+            if need > pool.tokens as u64 {
+                Stats::add(&self.stats.failed, 1);
+                let _ = job.reply.send(Err(Error::Invalid {
+                    field: "max_new_tokens".into(),
+                    reason: format!(
+                        "the prompt and max_new_tokens need {need} tokens of the KV pool, which holds {}",
+                        pool.tokens
+                    ),
+                }));
+                continue;
+            }
+            self.admit(job, need);
         }
     }
 
@@ -610,7 +637,7 @@ impl Worker<'_> {
     }
 
     /// Adds `job` to the lane of its sampling (made when new); an error goes straight back to its handler.
-    fn admit(&mut self, job: Job) {
+    fn admit(&mut self, job: Job, need: u64) {
         if job.rid.is_some() && job.rid == self.cfg.panic_on_rid {
             #[allow(clippy::panic)] // The failpoint's purpose.
             {
@@ -621,13 +648,10 @@ impl Worker<'_> {
         let key = Key::of(&job.sampling);
         let at = match self.lanes.iter().position(|l| l.key == key) {
             Some(i) => i,
-            None => match Lane::new(
-                self.model.clone(),
-                &job.sampling,
-                self.cfg,
-                self.eagle.as_ref(),
-                self.tokenizer.as_ref(),
-            ) {
+            None => match self.decoder_for(&key).and_then(|decoder| {
+                let target = self.backend.target();
+                Lane::new(target, &job.sampling, self.cfg, decoder, self.eagle.as_ref(), self.tokenizer.as_ref())
+            }) {
                 Ok(lane) => {
                     self.lanes.push(lane);
                     self.lanes.len() - 1
@@ -652,8 +676,9 @@ impl Worker<'_> {
         match added.map(|ids| ids[0]) {
             Ok(id) => {
                 Stats::add(&stats.running, 1);
+                Stats::add(&stats.reserved_tokens, need);
                 let progress = job.progress.map(|tx| (tx, 0));
-                lane.pending.insert(id, Pending { rid: job.rid, reply: job.reply, progress });
+                lane.pending.insert(id, Pending { rid: job.rid, reply: job.reply, progress, reserved: need });
             }
             Err(e) => {
                 Stats::add(&stats.failed, 1);

@@ -179,12 +179,17 @@ fn wait_for(addr: SocketAddr, what: &str, ok: impl Fn(&Value) -> bool) -> Value 
 
 #[test]
 fn loads_report_running_and_waiting_requests_and_their_tokens() {
-    let addr = serve_with(tiny(), DecodeConfig { max_running: 1, ..DecodeConfig::default() });
+    let capacity = 4096; // the KV pool's tokens, given
+    let cfg = tlt_serve::ServeConfig {
+        decode: DecodeConfig { max_running: 1, ..DecodeConfig::default() },
+        pool: tlt_serve::pool::PoolSpec { max_total_tokens: Some(capacity), ..Default::default() },
+        ..tlt_serve::ServeConfig::default()
+    };
+    let addr = serve_config(tiny(), None, cfg);
     let v = loads(addr);
     assert_eq!(v["dp_rank_count"], 1);
     assert!(v["timestamp"].as_str().unwrap().ends_with('Z'), "{v}");
     assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
-    let capacity = 512; // one request of the tiny model's full context
     assert_eq!(
         v["loads"][0],
         json!({"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0,

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tlt_drafter::TrainConfig;
 use tlt_model::Llama;
+use tlt_serve::decode::DrafterChoice;
 use tlt_serve::drafter::EagleConfig;
 use tlt_serve::worker::DecodeConfig;
 
@@ -42,7 +43,8 @@ fn eagle(init: Option<&Path>, checkpoint: Option<&Path>, steps_per_version: u64)
         publish_every: 5,
         ..EagleConfig::default()
     };
-    DecodeConfig { eagle: Some(cfg), ..DecodeConfig::always_speculate() }
+    // EAGLE alone (the default with it is the hybrid with group drafting), so that its acceptance is its own.
+    DecodeConfig { eagle: Some(cfg), drafters: vec![DrafterChoice::Eagle2], ..DecodeConfig::always_speculate() }
 }
 
 /// `k` prompts of 6 tokens from `seed`.

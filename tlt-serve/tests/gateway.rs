@@ -138,13 +138,16 @@ fn server_info_carries_the_args_slime_trl_and_the_router_read() {
         ("model_path", json!("tiny")),
         ("context_length", json!(common::tiny().config().max_position_embeddings)),
         ("max_running_requests", json!(256)),
-        ("max_total_tokens", json!(256 * common::tiny().config().max_position_embeddings)),
         ("speculative_algorithm", json!("NGRAM")),
         ("weight_version", json!("v1")),
     ] {
         assert_eq!(info[key], want, "{key} in {info}");
     }
-    // What /v1/loads bounds the caches by is the same number.
+    // The KV pool, sized from the host's memory: at least one full context, and what /v1/loads bounds the caches by.
+    let pool = info["max_total_tokens"].as_u64().unwrap();
+    assert!(pool >= common::tiny().config().max_position_embeddings as u64, "{info}");
+    assert_eq!(info["kv_pool"]["tokens"], pool);
+    assert_eq!(info["internal_states"][0]["max_total_num_tokens"], pool);
     let (_, loads) = common::get_body(addr, "/v1/loads");
     let loads: Value = serde_json::from_str(&loads).unwrap();
     assert_eq!(loads["loads"][0]["max_total_num_tokens"], info["max_total_tokens"]);

@@ -58,7 +58,7 @@ pub const CUDA_TEST_TARGETS: [&str; 3] = ["cuda", "device", "gpu"];
 
 /// The features that turn the CUDA code on, for the packages that have it.
 pub const CUDA_FEATURES: &str =
-    "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda,tlt-spec-decode/cuda,tlt-drafter/cuda,tlt-rl/cuda";
+    "tlt-kernels/cuda,tlt-cudagraph/cuda,tlt-model/cuda,tlt-spec-decode/cuda,tlt-drafter/cuda,tlt-rl/cuda,tlt-serve/cuda";
 
 /// The features that turn the MPI and NCCL engines on, and data-parallel training with them.
 pub const MPI_FEATURES: &str = "tlt-comm/mpi,tlt-comm/nccl,tlt-rl/mpi,tlt-examples/mpi";

@@ -275,8 +275,8 @@ impl CudaLlama {
     /// [`Error::InvalidInput`] for a model of another configuration or a weight this model lacks (or has and
     /// `model` lacks); [`Error::Kernel`] when a copy fails.
     pub fn update_weights(&mut self, model: &Llama) -> Result<()> {
-        if model.config() != &self.cfg {
-            return Err(Error::InvalidInput("update_weights needs a model of the same configuration".into()));
+        if !model.config().same_architecture(&self.cfg) {
+            return Err(Error::InvalidInput("update_weights needs a model of the same architecture".into()));
         }
         let mut which = vec![Weight::Embed, Weight::Head, Weight::Norm];
         for l in 0..self.cfg.num_hidden_layers {

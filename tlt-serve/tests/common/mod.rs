@@ -59,7 +59,11 @@ pub fn serve_with(model: Llama, decode: DecodeConfig) -> SocketAddr {
 /// A server of `model` with `tokenizer` and `cfg` on a free port; its address. The runtime lives as long as the
 /// test process.
 pub fn serve_config(model: Llama, tokenizer: Option<tokenizers::Tokenizer>, cfg: ServeConfig) -> SocketAddr {
-    let server = Server::start(model, tokenizer, cfg).unwrap();
+    serve_server(Server::start(model, tokenizer, cfg).unwrap())
+}
+
+/// `server` on a free port; its address. The runtime lives as long as the test process.
+pub fn serve_server(server: Server) -> SocketAddr {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
     let addr = listener.local_addr().unwrap();
