@@ -260,6 +260,9 @@ impl<T: Target> Lane<T> {
         let _ = self.decoder.drain_trace();
         if let Ok(tlt_scheduler::Phase::Speculative) = stepped {
             Stats::add(&stats.sd_rounds, 1);
+        }
+        // The bandit learns in the gate's speculative phase, from its plain arm's rounds too.
+        if self.decoder.gate().phase() == tlt_scheduler::Phase::Speculative {
             let leaders = crate::decode::bandit_leaders(self.decoder.mab());
             stats.bandit.lock().insert(self.key.name(), serde_json::Value::Array(leaders));
         }

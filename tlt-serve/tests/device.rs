@@ -5,7 +5,8 @@
 //!   started on it), not the old ones;
 //! - the KV pool (slots of the device cache) queues what it cannot hold at once and refuses only what it can never
 //!   hold; without the pool's bound the device target runs out of slots (the negative control);
-//! - the online EAGLE drafter learns from the device target's hidden states, and its accept length rises.
+//! - the online EAGLE drafter learns from the device target's hidden states, and its accept length rises (in
+//!   `drafter.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // Tests: a panic is the failure report.
 
 use std::net::SocketAddr;
@@ -13,37 +14,11 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 use tlt_model::Llama;
-use tlt_serve::backend::DeviceBackend;
 use tlt_serve::decode::DrafterChoice;
-use tlt_serve::pool::PoolSpec;
 use tlt_serve::worker::DecodeConfig;
-use tlt_serve::{ServeConfig, Server};
 
 mod common;
 use common::*;
-
-/// A server of `model` on a fresh simulated device, decoding as `decode`, with a pool of `tokens` (slots of the
-/// model's full context); its address.
-fn serve_sim(model: Llama, decode: DecodeConfig, tokens: usize) -> SocketAddr {
-    let gpu = Arc::new(tlt_cuda_sim::SimGpu::new(tlt_cuda_sim::Schedule::Lazy));
-    let guard = tlt_serve::guard::GuardConfig { weights_dirs: vec![std::env::temp_dir()], ..Default::default() };
-    let pool = PoolSpec { max_total_tokens: Some(tokens), ..PoolSpec::default() };
-    let cfg = ServeConfig {
-        decode,
-        model_name: "tiny".into(),
-        weight_version: Some("v1".into()),
-        guard,
-        pool,
-        ..ServeConfig::default()
-    };
-    let backend = DeviceBackend::new(model, gpu, "sim", &cfg.pool, cfg.decode.max_running).unwrap();
-    serve_server(Server::start_on(backend, None, cfg).unwrap())
-}
-
-/// Tokens of one slot of [`tiny`]'s device cache (its context, plus the largest draft tree).
-fn slot() -> usize {
-    tiny().config().max_position_embeddings + tlt_kernels::cuda::MAX_TREE_NODES + 1
-}
 
 /// Repetitive prompts (n-gram drafts get accepted).
 fn prompts() -> Vec<Vec<u32>> {
@@ -70,8 +45,8 @@ fn accepted(answers: &[Value]) -> u64 {
 #[test]
 fn sd_on_the_device_serves_the_tokens_of_sd_off_greedy_and_sampled_with_log_probs() {
     let ngram = DecodeConfig { drafters: vec![DrafterChoice::Ngram], ..DecodeConfig::always_speculate() };
-    let sd = serve_sim(tiny(), ngram, 4 * slot());
-    let off = serve_sim(tiny(), DecodeConfig { speculate: false, ..DecodeConfig::default() }, 4 * slot());
+    let sd = serve_sim(tiny(), ngram, 4 * sim_slot());
+    let off = serve_sim(tiny(), DecodeConfig { speculate: false, ..DecodeConfig::default() }, 4 * sim_slot());
     let info: Value = serde_json::from_str(&get_body(sd, "/get_server_info").1).unwrap();
     assert_eq!(info["device"], "sim", "{info}");
     assert_eq!(info["dtype"], "bfloat16");
@@ -100,8 +75,8 @@ fn a_weight_update_in_place_serves_the_new_models_tokens() {
     cfg.eos_token_id = old.config().eos_token_id.clone();
     let new = Llama::random(cfg, 99).unwrap();
     let decode = DecodeConfig { drafters: vec![DrafterChoice::Ngram], ..DecodeConfig::always_speculate() };
-    let addr = serve_sim(old, decode.clone(), 2 * slot());
-    let fresh = serve_sim(new.clone(), decode, 2 * slot());
+    let addr = serve_sim(old, decode.clone(), 2 * sim_slot());
+    let fresh = serve_sim(new.clone(), decode, 2 * sim_slot());
     let before: Vec<Vec<u32>> = generate(addr, &prompts()[..2], 0.0, 12).iter().map(ids).collect();
     let dir = std::env::temp_dir().join(format!("tlt-serve-device-update-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -121,7 +96,7 @@ fn a_weight_update_in_place_serves_the_new_models_tokens() {
 fn the_pool_queues_what_it_cannot_hold_and_refuses_only_what_it_never_can() {
     // Two slots; eight requests at once: they all run, at most two at a time, with the tokens they decode alone.
     let decode = DecodeConfig { drafters: vec![DrafterChoice::Ngram], ..DecodeConfig::always_speculate() };
-    let addr = serve_sim(tiny(), decode, 2 * slot() + slot() / 2);
+    let addr = serve_sim(tiny(), decode, 2 * sim_slot() + sim_slot() / 2);
     let info: Value = serde_json::from_str(&get_body(addr, "/get_server_info").1).unwrap();
     assert_eq!(info["kv_pool"]["sequences"], 2, "{info}");
     assert_eq!(info["max_running_requests"], 2);
@@ -170,7 +145,7 @@ fn without_the_pool_the_device_target_runs_out_of_slots() {
     // The negative control of the test above: the device cache's slots are a hard bound, and an engine admitting
     // by requests alone fails the third request of a two-slot cache.
     let gpu = Arc::new(tlt_cuda_sim::SimGpu::new(tlt_cuda_sim::Schedule::Lazy));
-    let target = tlt_spec_decode::cuda::CudaTarget::new(&tiny(), gpu, 2, slot(), 0).unwrap();
+    let target = tlt_spec_decode::cuda::CudaTarget::new(&tiny(), gpu, 2, sim_slot(), 0).unwrap();
     let mut engine = tlt_spec_decode::Engine::new(&target, tlt_spec_decode::SpecParams::greedy(4)).unwrap();
     engine.add_request(&[2, 3, 4]).unwrap();
     engine.add_request(&[3, 4, 5]).unwrap();

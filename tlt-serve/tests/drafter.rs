@@ -221,3 +221,28 @@ fn the_drafter_is_checkpointed_when_the_server_stops_and_starts_from_either_form
     assert!(matches!(&err, Err(tlt_serve::Error::Invalid { field, .. }) if field == "drafter"), "{:?}", err.err());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_online_drafter_learns_from_the_device_targets_hidden_states() {
+    // The same drafter and requests as above, the target on the simulated device: its hidden rows come back from the
+    // device's verification (packed for the accepted nodes), the drafter trains on them, and drafts better.
+    let v1 = tiny();
+    let measure = prompts(8, 1);
+    let want = plain(&v1, &measure);
+    let slots = 40 * sim_slot();
+    let (a0, _) = accept_length(serve_sim(tiny(), eagle(None, None, 0), slots), &measure);
+    let live = serve_sim(tiny(), eagle(None, None, STEPS), slots);
+    let training: Vec<Vec<u32>> = measure.iter().cloned().chain((2..5).flat_map(|seed| prompts(8, seed))).collect();
+    batch(live, &training);
+    wait_for_steps(live, STEPS);
+    let (a1, out) = accept_length(live, &measure);
+    println!("accept length on the simulated device: untrained {a0:.3}, after {STEPS} online steps {a1:.3}");
+    assert!(
+        a1 > a0 + 0.3,
+        "online training on the device's hidden states did not raise the accept length: {a0:.3} -> {a1:.3}"
+    );
+    // The device computes in bf16: its greedy tokens may differ from the f32 host model's in a near-tie, but not
+    // mostly.
+    let same = out.iter().zip(&want).filter(|(a, b)| a == b).count();
+    assert!(same * 2 >= want.len(), "{same} of {} answers equal the host's plain decoding", want.len());
+}

@@ -156,3 +156,26 @@ pub fn metric(addr: SocketAddr, name: &str) -> f64 {
 pub fn ids(v: &Value) -> Vec<u32> {
     v["output_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
 }
+
+/// A server of `model` on a fresh simulated device, decoding as `decode`, with a pool of `tokens` (slots of the
+/// model's full context); its address.
+pub fn serve_sim(model: Llama, decode: DecodeConfig, tokens: usize) -> SocketAddr {
+    let gpu = std::sync::Arc::new(tlt_cuda_sim::SimGpu::new(tlt_cuda_sim::Schedule::Lazy));
+    let guard = tlt_serve::guard::GuardConfig { weights_dirs: vec![std::env::temp_dir()], ..Default::default() };
+    let pool = tlt_serve::pool::PoolSpec { max_total_tokens: Some(tokens), ..Default::default() };
+    let cfg = ServeConfig {
+        decode,
+        model_name: "tiny".into(),
+        weight_version: Some("v1".into()),
+        guard,
+        pool,
+        ..ServeConfig::default()
+    };
+    let backend = tlt_serve::backend::DeviceBackend::new(model, gpu, "sim", &cfg.pool, cfg.decode.max_running).unwrap();
+    serve_server(Server::start_on(backend, None, cfg).unwrap())
+}
+
+/// Tokens of one slot of [`tiny`]'s device cache (its context, plus the largest draft tree).
+pub fn sim_slot() -> usize {
+    tiny().config().max_position_embeddings + tlt_kernels::cuda::MAX_TREE_NODES + 1
+}
