@@ -24,9 +24,11 @@ use serde_json::{json, Value};
 use tlt_model::Llama;
 use tlt_rl::task::{builtin, ChatTemplate};
 use tlt_serve::api::seeded_stream;
+use tlt_serve::backend::{slot_len, DeviceBackend, DeviceChoice, GRAPH_BUDGET};
 use tlt_serve::worker::DecodeConfig;
 use tlt_serve::{ServeConfig, Server};
-use tlt_spec_decode::{Drafter, Engine, GroupId, NgramDrafter, SamplingParams, SpecParams};
+use tlt_spec_decode::cuda::CudaTarget;
+use tlt_spec_decode::{Engine, GroupId, SamplingParams, SpecParams, Target};
 use tracing::{info, warn};
 
 use crate::report::{self, median, Header};
@@ -66,14 +68,19 @@ pub struct ServeArgs {
     /// Seed of the problems and of the samples' seeds.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// `cpu` (the default): this suite measures the CPU path; a CUDA device is refused with what to run instead.
+    /// Where both paths decode: `cpu` (SmolLM2), `cuda[:N]` (SmolLM2 on the GPU, bf16) or `sim` (the simulated
+    /// device, every CUDA kernel on the CPU: a two-layer model of 512 tokens with random weights, the prompts' ids
+    /// taken modulo 512, for CI: its times measure the simulator, its outputs the device path's correctness).
     #[arg(long, default_value = "cpu")]
-    pub(crate) device: String,
+    pub(crate) device: DeviceChoice,
     /// Keep glibc's default allocator settings instead of the ones the server binary runs with
     /// (`tlt_serve::tune_allocator`), for both paths.
     #[arg(long)]
     system_allocator: bool,
 }
+
+/// The vocabulary of `--device sim`'s model.
+const SIM_VOCAB: usize = 512;
 
 /// One request of the workload.
 #[derive(Debug, Clone)]
@@ -109,6 +116,9 @@ pub struct Run {
     pub differing: Vec<Differing>,
     /// Engine rounds (batched target forwards) the rollout took.
     pub rounds: u64,
+    /// HTTP only: rounds the SD gate ran speculatively, and the accept length (tokens committed per speculative
+    /// request-round) over them.
+    pub sd_rounds_accept: Option<(u64, f64)>,
 }
 
 /// An HTTP output that differs from its in-process twin.
@@ -159,6 +169,9 @@ pub struct ServeReport {
     /// Per speculation setting other than `off` (when `off` ran): median throughput over `off`'s of the same repeat,
     /// in process and over HTTP.
     pub sd_speedup: Vec<(Sd, f64, f64)>,
+    /// Per speculation setting other than `off` and repeat (when `off` ran): in-process outputs equal to `off`'s of
+    /// the same repeat, of how many (lossless decoding: all).
+    pub equal_to_off: Vec<(Sd, usize, usize, usize)>,
     /// The concurrency check.
     pub concurrency: Concurrency,
     /// Whether both paths ran with the server binary's allocator settings (`tlt_serve::tune_allocator`).
@@ -207,9 +220,30 @@ pub enum Sd {
     Always,
 }
 
-/// The rollout in process: one engine, round by round through the same adaptive decoder (gate and bandit) as the
-/// server's engine thread.
-fn in_process(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd) -> Result<(f64, Vec<Vec<u32>>, u64)> {
+/// The rollout in process on `device`: one engine over `model` (a fresh device target on a device), round by round
+/// through the same adaptive decoder (gate and bandit) and drafters as the server's engine thread.
+fn in_process(
+    model: &Llama,
+    device: DeviceChoice,
+    reqs: &[Req],
+    temperature: f64,
+    sd: Sd,
+) -> Result<(f64, Vec<Vec<u32>>, u64)> {
+    match device.open()? {
+        None => decode_in_process(model, reqs, temperature, sd),
+        Some((gpu, _)) => {
+            let target = CudaTarget::new(model, gpu, reqs.len(), slot_len(model.config()), GRAPH_BUDGET)?;
+            decode_in_process(&target, reqs, temperature, sd)
+        }
+    }
+}
+
+fn decode_in_process<T: Target>(
+    target: T,
+    reqs: &[Req],
+    temperature: f64,
+    sd: Sd,
+) -> Result<(f64, Vec<Vec<u32>>, u64)> {
     let params = SpecParams {
         sampling: SamplingParams { temperature: temperature as f32, top_k: None, top_p: None },
         max_new_tokens: reqs.iter().map(|r| r.limit).max().unwrap_or(1),
@@ -219,16 +253,15 @@ fn in_process(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd) -> Result<(
     };
     let cfg = decode(sd);
     let t0 = Instant::now();
-    let mut e = Engine::new(model, params)?;
-    let mut ngram = NgramDrafter::default();
+    let mut e = Engine::new(target, params)?;
+    let mut drafter = cfg.drafter(None)?;
     let mut decoder = cfg.decoder()?;
     for r in reqs {
         e.key_streams_from(seeded_stream(r.seed, 0));
         e.add_to_group(GroupId(r.prompt as u64), &r.ids, 1, r.limit)?;
     }
     while !e.is_idle() {
-        let drafter = cfg.speculate.then_some(&mut ngram as &mut dyn Drafter);
-        decoder.step(&mut e, drafter)?;
+        decoder.step(&mut e, drafter.as_deref_mut())?;
         let _ = decoder.drain_trace();
     }
     let wall = t0.elapsed().as_secs_f64();
@@ -238,13 +271,26 @@ fn in_process(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd) -> Result<(
     Ok((wall, done.into_iter().map(|f| f.tokens).collect(), rounds))
 }
 
-/// A server of `model` on a free port; its address and the runtime serving it (drop it to stop the server).
-/// `max_running`: the server's admission bound (`None`: its default).
-fn start(model: Llama, sd: Sd, max_running: Option<usize>) -> Result<(SocketAddr, tokio::runtime::Runtime)> {
+/// A server of `model` on `device` on a free port; its address and the runtime serving it (drop it to stop the
+/// server). `max_running`: the server's admission bound (`None`: its default); on a device the KV pool holds that
+/// many slots.
+fn start(
+    model: Llama,
+    device: DeviceChoice,
+    sd: Sd,
+    max_running: Option<usize>,
+) -> Result<(SocketAddr, tokio::runtime::Runtime)> {
     let mut decode = decode(sd);
     decode.max_running = max_running.unwrap_or(decode.max_running);
-    let cfg = ServeConfig { decode, model_name: "bench".into(), ..ServeConfig::default() };
-    let server = Server::start(model, None, cfg)?;
+    let mut cfg = ServeConfig { decode, model_name: "bench".into(), ..ServeConfig::default() };
+    let server = match device.open()? {
+        None => Server::start(model, None, cfg)?,
+        Some((gpu, name)) => {
+            cfg.pool.max_total_tokens = Some(cfg.decode.max_running * slot_len(model.config()));
+            let backend = DeviceBackend::new(model, gpu, &name, &cfg.pool, cfg.decode.max_running)?;
+            Server::start_on(backend, None, cfg)?
+        }
+    };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let listener = rt.block_on(tlt_serve::bind("127.0.0.1", 0))?;
     let addr = listener.local_addr()?;
@@ -313,10 +359,18 @@ fn metric(addr: SocketAddr, name: &str) -> Result<f64> {
 
 /// The rollout over HTTP against a fresh server that admits every request at once, as in process (the default
 /// bound, 256, would queue half of them); its run (outputs not yet compared) and outputs.
-fn http_run(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd, repeat: usize) -> Result<(Run, Vec<Vec<u32>>)> {
-    let (addr, rt) = start(model.clone(), sd, Some(reqs.len()))?;
+fn http_run(
+    model: &Llama,
+    device: DeviceChoice,
+    reqs: &[Req],
+    temperature: f64,
+    sd: Sd,
+    repeat: usize,
+) -> Result<(Run, Vec<Vec<u32>>)> {
+    let (addr, rt) = start(model.clone(), device, sd, Some(reqs.len()))?;
     let (wall, outs, lat) = over_http(addr, reqs, temperature)?;
     let rounds = metric(addr, "engine_rounds_total")? as u64;
+    let sd_rounds_accept = Some((metric(addr, "engine_sd_rounds_total")? as u64, metric(addr, "spec_accept_length")?));
     rt.shutdown_background();
     let tokens: usize = outs.iter().map(Vec::len).sum();
     let run = Run {
@@ -331,6 +385,7 @@ fn http_run(model: &Llama, reqs: &[Req], temperature: f64, sd: Sd, repeat: usize
         outputs_equal: None,
         differing: Vec::new(),
         rounds,
+        sd_rounds_accept,
     };
     Ok((run, outs))
 }
@@ -351,7 +406,7 @@ fn rss_mib() -> (f64, f64) {
 
 /// `--concurrent` short requests at once against a fresh server with its default admission bound (256 running).
 fn concurrency(model: &Llama, args: &ServeArgs, prompt: &[u32]) -> Result<Concurrency> {
-    let (addr, rt) = start(model.clone(), Sd::Gated, None)?;
+    let (addr, rt) = start(model.clone(), args.device, Sd::Gated, Some(args.concurrent.min(256)))?;
     let (before, _) = rss_mib();
     let reqs: Vec<Req> = (0..args.concurrent)
         .map(|i| Req { prompt: 0, ids: Arc::new(prompt.to_vec()), limit: args.concurrent_tokens, seed: i as u64 })
@@ -386,7 +441,23 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let path = crate::env::smollm2_gguf()?;
     let loaded = tlt_model::load_gguf(&path).with_context(|| format!("loading {}", path.display()))?;
     let (model, tok) = (loaded.model, loaded.tokenizer.context("the GGUF carries no tokenizer")?);
-    let reqs = workload(args, &tok)?;
+    let model = match args.device {
+        DeviceChoice::Sim => {
+            // Two small layers and a vocabulary of SIM_VOCAB (the simulator runs every CUDA thread of the LM head
+            // on the CPU); the prompts' ids are taken modulo it below.
+            let mut cfg = tlt_model::LlamaConfig::tiny(SIM_VOCAB, 64, 2);
+            cfg.eos_token_id = Some(tlt_model::EosTokens::One(1));
+            cfg.max_position_embeddings = 512;
+            Llama::random(cfg, args.seed)?
+        }
+        _ => model,
+    };
+    let mut reqs = workload(args, &tok)?;
+    if args.device == DeviceChoice::Sim {
+        for r in &mut reqs {
+            r.ids = Arc::new(r.ids.iter().map(|&t| t % SIM_VOCAB as u32).collect());
+        }
+    }
     let mut limits: Vec<usize> = reqs.iter().map(|r| r.limit).collect();
     limits.sort_unstable();
     let pick = |q: f64| limits[((limits.len() as f64 * q).ceil() as usize).saturating_sub(1)];
@@ -394,16 +465,17 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     info!(requests = reqs.len(), mean_prompt, limits = ?(pick(0.5), pick(0.9), pick(1.0)), "workload");
 
     let mut runs = Vec::new();
+    let mut twins: Vec<(Sd, usize, Vec<Vec<u32>>)> = Vec::new();
     for repeat in 0..args.repeats {
         for &sd in &args.sd {
             // The pair's order alternates with the repeat, so that an order effect cancels in the medians.
             let http_first = repeat % 2 == 1;
             let mut http = None;
             if http_first {
-                http = Some(http_run(&model, &reqs, args.temperature, sd, repeat)?);
+                http = Some(http_run(&model, args.device, &reqs, args.temperature, sd, repeat)?);
             }
-            let (wall, twin, rounds) = in_process(&model, &reqs, args.temperature, sd)?;
-            let tokens: usize = twin.iter().map(Vec::len).sum();
+            let (wall, twin_outputs, rounds) = in_process(&model, args.device, &reqs, args.temperature, sd)?;
+            let tokens: usize = twin_outputs.iter().map(Vec::len).sum();
             info!(repeat, ?sd, wall, tokens, "in process");
             runs.push(Run {
                 path: "in_process",
@@ -417,14 +489,17 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 outputs_equal: None,
                 differing: Vec::new(),
                 rounds,
+                sd_rounds_accept: None,
             });
             let (mut run, outs) = match http {
                 Some(h) => h,
-                None => http_run(&model, &reqs, args.temperature, sd, repeat)?,
+                None => http_run(&model, args.device, &reqs, args.temperature, sd, repeat)?,
             };
+            let twin = twins.len();
+            twins.push((sd, repeat, twin_outputs));
             run.differing = outs
                 .iter()
-                .zip(&twin)
+                .zip(&twins[twin].2)
                 .enumerate()
                 .filter(|(_, (a, b))| a != b)
                 .map(|(i, (a, b))| Differing {
@@ -443,6 +518,15 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             runs.push(run);
         }
     }
+    let off = |repeat: usize| twins.iter().find(|t| t.0 == Sd::Off && t.1 == repeat).map(|t| &t.2);
+    let equal_to_off: Vec<(Sd, usize, usize, usize)> = twins
+        .iter()
+        .filter(|t| t.0 != Sd::Off)
+        .filter_map(|(sd, repeat, outs)| {
+            let base = off(*repeat)?;
+            Some((*sd, *repeat, outs.iter().zip(base).filter(|(a, b)| a == b).count(), outs.len()))
+        })
+        .collect();
     let tps = |path: &str, sd: Sd| -> Vec<f64> {
         runs.iter().filter(|r| r.path == path && r.sd == sd).map(|r| r.tokens_per_s).collect()
     };
@@ -467,6 +551,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         limit_p50_p90_max: (pick(0.5), pick(0.9), pick(1.0)),
         http_over_in_process: ratios,
         sd_speedup: speedups,
+        equal_to_off,
         runs,
         concurrency,
         tuned_allocator,
@@ -477,6 +562,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if differing > 0 {
         bail!("{differing} HTTP outputs differ from their in-process twins (listed in target/bench/serve.json)");
     }
+    if let Some((sd, repeat, equal, n)) = report.equal_to_off.iter().find(|e| e.2 != e.3) {
+        bail!("SD {sd:?}, repeat {repeat}: {equal} of {n} outputs equal SD off's (lossless decoding gives all)");
+    }
     Ok(())
 }
 
@@ -484,8 +572,8 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
     let mut s = format!(
         "# bench serve\n\n{} on {} ({} threads), commit {}\n\n`{}`\n\n{} requests ({} prompts x {} samples, T = {}), \
          mean prompt {:.0} tokens, token limits p50/p90/max {}/{}/{}; allocator: {}\n\n\
-         | path | SD | repeat | wall s | tokens | tok/s | rounds | p50 s | p99 s | equal to in-process |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | path | SD | repeat | wall s | tokens | tok/s | rounds | SD rounds | accept length | p50 s | p99 s | equal to in-process |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         r.header.timestamp,
         r.header.machine.cpu_model,
         r.header.machine.candle_threads,
@@ -504,7 +592,7 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
     let opt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
     for run in &r.runs {
         s += &format!(
-            "| {} | {} | {} | {:.1} | {} | {:.1} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {:.1} | {} | {:.1} | {} | {} | {} | {} | {} | {} |\n",
             run.path,
             format!("{:?}", run.sd).to_lowercase(),
             run.repeat,
@@ -512,6 +600,8 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
             run.tokens,
             run.tokens_per_s,
             run.rounds,
+            run.sd_rounds_accept.map_or("-".to_string(), |a| a.0.to_string()),
+            run.sd_rounds_accept.map_or("-".to_string(), |a| format!("{:.2}", a.1)),
             opt(run.latency_p50_s),
             opt(run.latency_p99_s),
             run.outputs_equal.map_or("-".to_string(), |n| n.to_string()),
@@ -528,6 +618,10 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
     s += "\nHTTP / in-process throughput, median over pairs (target >= 0.95):";
     for (sd, m, lo, hi) in &r.http_over_in_process {
         s += &format!(" SD {sd:?} {m:.3} ({lo:.3}..{hi:.3});");
+    }
+    s += "\n\nOutputs equal to SD off's (in process, same repeat):";
+    for (sd, repeat, equal, n) in &r.equal_to_off {
+        s += &format!(" SD {sd:?} repeat {repeat}: {equal} of {n};");
     }
     s += "\n\nSpeed-up over SD off, median over repeats:";
     for (sd, inp, http) in &r.sd_speedup {

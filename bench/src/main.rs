@@ -194,10 +194,7 @@ fn bench(suite: Suite) -> Result<()> {
             cpu_only("llamacpp", &args.device)?;
             bench_llamacpp::run(&args)
         }
-        Suite::Serve(args) => {
-            cpu_only("serve", &args.device)?;
-            bench_serve::run(&args)
-        }
+        Suite::Serve(args) => bench_serve::run(&args),
         Suite::Group(args) => {
             cpu_only("group", &args.device)?;
             bench_group::run(&args)

@@ -108,6 +108,12 @@ pub struct DeviceBackend {
     name: String,
 }
 
+/// Positions of one slot of a device cache for `cfg`'s model: a full context and the largest draft tree's tentative
+/// nodes.
+pub fn slot_len(cfg: &tlt_model::LlamaConfig) -> usize {
+    cfg.max_position_embeddings + tlt_kernels::cuda::MAX_TREE_NODES + 1
+}
+
 /// Bytes of device memory the CUDA graphs of decode and verify shapes may hold.
 pub const GRAPH_BUDGET: u64 = 1 << 28;
 
@@ -124,8 +130,7 @@ impl DeviceBackend {
         let (free, total) = gpu.memory().map_err(|e| Error::Model(format!("{name}: {e}")))?;
         let weights = model.weights().num_params() * 2;
         let reserved = weights as u64 + GRAPH_BUDGET;
-        // A slot holds a full context and the largest draft tree's tentative nodes.
-        let slot_len = cfg.max_position_embeddings + tlt_kernels::cuda::MAX_TREE_NODES + 1;
+        let slot_len = slot_len(cfg);
         let pool = spec.size(max_running, per_token, crate::pool::Memory { free, total, reserved }, Some(slot_len))?;
         let target = CudaTarget::new(&model, gpu, pool.sequences, slot_len, GRAPH_BUDGET)
             .map_err(|e| Error::Model(format!("{name}: {e}")))?;

@@ -43,11 +43,21 @@ pub fn forward(command: &str, args: Vec<String>) -> Result<ExitCode> {
 
 /// Builds `tlt-bench` and runs it with `args` (its command first) and the environment the command needs.
 pub fn run(args: &[String]) -> Result<ExitStatus> {
+    // `candle-ref`: the decode and llama.cpp suites' reference, which the test build leaves out.
+    run_with(args, &format!("{},tlt-bench/candle-ref", all_features()))
+}
+
+/// [`run`] built with the release tests' features (no `candle-ref`: no suite that needs it), so that `cargo xtask
+/// test` compiles nothing but the binary.
+pub fn run_as_tested(args: &[String]) -> Result<ExitStatus> {
+    run_with(args, &all_features())
+}
+
+fn run_with(args: &[String], features: &str) -> Result<ExitStatus> {
     let env = environment(args)?;
     let status = cargo()
-        // `candle-ref`: the decode and llama.cpp suites' reference, which the test build leaves out.
         .args(["build", "--release", "--quiet", "--workspace", "--bin", "tlt-bench"])
-        .args(["--features", &format!("{},tlt-bench/candle-ref", all_features())])
+        .args(["--features", features])
         .status()
         .context("cargo build tlt-bench")?;
     if !status.success() {

@@ -120,6 +120,16 @@ pub fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
             assets::EXPORT_CHECK_FETCH
         ),
     }
+    // The rollout server on the simulated device, small: HTTP against in process on the device, every output equal
+    // to its twin and to SD off's (the suite fails otherwise).
+    let serve = ["serve", "--device", "sim", "--prompts", "4", "--samples", "4", "--max-new-tokens", "48"];
+    let serve_rest = ["--min-new-tokens", "4", "--repeats", "1", "--sd", "off,gated,always", "--concurrent", "16"];
+    let args: Vec<String> = ["bench"].iter().chain(&serve).chain(&serve_rest).map(|a| a.to_string()).collect();
+    let code = bench::run_as_tested(&args)?;
+    if !code.success() {
+        eprintln!("error: `cargo xtask {}` failed ({code})", args.join(" "));
+        return Ok(ExitCode::FAILURE);
+    }
     // The MPI engine across processes (`mpirun -np 2` and 3), data-parallel GRPO on 2 ranks against one (a missing
     // MPI runtime fails here rather than skipping), NCCL's error without a driver, and the chaos harness at its
     // default size (it kills ranks of 2-rank jobs): the build above, linked.

@@ -177,5 +177,5 @@ pub fn serve_sim(model: Llama, decode: DecodeConfig, tokens: usize) -> SocketAdd
 
 /// Tokens of one slot of [`tiny`]'s device cache (its context, plus the largest draft tree).
 pub fn sim_slot() -> usize {
-    tiny().config().max_position_embeddings + tlt_kernels::cuda::MAX_TREE_NODES + 1
+    tlt_serve::backend::slot_len(tiny().config())
 }
