@@ -52,8 +52,28 @@ pub struct Stats {
     /// Per sampling (an engine's requests), what its bandit has learned: each bucket's leading arm
     /// ([`crate::decode::bandit_leaders`]), as of its last speculative round.
     pub bandit: parking_lot::Mutex<std::collections::BTreeMap<String, serde_json::Value>>,
+    /// Speculative request-rounds and the tokens they committed, per (weight version, drafter version), the newest
+    /// [`VERSIONS_KEPT`] pairs: the accept length of each, so that a stale or corrupted drafter shows as the version
+    /// whose acceptance fell.
+    pub accept_by_version: parking_lot::Mutex<Vec<VersionAccept>>,
     /// Why the engine thread died (its panic's message), once it has: every route then answers 503.
     pub engine_failure: std::sync::OnceLock<String>,
+}
+
+/// (Weight version, drafter version) pairs whose acceptance `/metrics` reports.
+pub const VERSIONS_KEPT: usize = 16;
+
+/// Acceptance under one weight version and one drafter version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VersionAccept {
+    /// The weights' version.
+    pub weight_version: std::sync::Arc<str>,
+    /// The drafter's (0 without the online drafter).
+    pub drafter_version: u64,
+    /// Speculative request-rounds.
+    pub request_rounds: u64,
+    /// Tokens they committed (accepted drafts and the bonus tokens).
+    pub committed: u64,
 }
 
 /// `counter` read for a report.
@@ -62,6 +82,27 @@ fn get(counter: &AtomicU64) -> u64 {
 }
 
 impl Stats {
+    /// Counts `request_rounds` speculative request-rounds that committed `committed` tokens under the current weight
+    /// and drafter versions.
+    pub fn record_accept(&self, request_rounds: u64, committed: u64) {
+        let (weight_version, drafter_version) = (self.version(), get(&self.drafter.version));
+        let mut all = self.accept_by_version.lock();
+        let at = all.iter().position(|v| v.weight_version == weight_version && v.drafter_version == drafter_version);
+        let entry = match at {
+            Some(i) => &mut all[i],
+            None => {
+                if all.len() == VERSIONS_KEPT {
+                    all.remove(0);
+                }
+                all.push(VersionAccept { weight_version, drafter_version, request_rounds: 0, committed: 0 });
+                let last = all.len() - 1;
+                &mut all[last]
+            }
+        };
+        entry.request_rounds += request_rounds;
+        entry.committed += committed;
+    }
+
     /// Adds `n` to `counter`.
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
@@ -163,6 +204,23 @@ impl Stats {
                 out,
                 "# HELP tlt_serve_{name} {help}\n# TYPE tlt_serve_{name} {kind}\ntlt_serve_{name} {value}"
             );
+        }
+        let by_version = self.accept_by_version.lock();
+        if !by_version.is_empty() {
+            let name = "tlt_serve_spec_accept_length_by_version";
+            let _ = writeln!(
+                out,
+                "# HELP {name} Mean tokens committed per speculative request-round, per weight and drafter version.\n\
+                 # TYPE {name} gauge"
+            );
+            for v in by_version.iter() {
+                let labels = format!(
+                    "weight_version=\"{}\",drafter_version=\"{}\"",
+                    v.weight_version.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n"),
+                    v.drafter_version
+                );
+                let _ = writeln!(out, "{name}{{{labels}}} {}", v.committed as f64 / v.request_rounds.max(1) as f64);
+            }
         }
         out
     }

@@ -254,12 +254,14 @@ impl<T: Target> Lane<T> {
     /// gets it, and the lane is to be dropped (returns false).
     fn round(&mut self, stats: &Stats, eagle: Option<&OnlineDrafter>) -> bool {
         let drafter = self.drafter.as_deref_mut();
-        let before = self.engine.counters().seq_rounds;
+        let before = *self.engine.counters();
         let stepped = self.decoder.step(&mut self.engine, drafter);
         // The decisions are the gate's and the bandit's to keep; the trace would only grow.
         let _ = self.decoder.drain_trace();
         if let Ok(tlt_scheduler::Phase::Speculative) = stepped {
             Stats::add(&stats.sd_rounds, 1);
+            let after = self.engine.counters();
+            stats.record_accept(after.seq_rounds - before.seq_rounds, after.committed - before.committed);
         }
         // The bandit learns in the gate's speculative phase, from its plain arm's rounds too.
         if self.decoder.gate().phase() == tlt_scheduler::Phase::Speculative {
@@ -275,7 +277,7 @@ impl<T: Target> Lane<T> {
             return false;
         }
         Stats::add(&stats.rounds, 1);
-        Stats::add(&stats.request_rounds, self.engine.counters().seq_rounds.saturating_sub(before));
+        Stats::add(&stats.request_rounds, self.engine.counters().seq_rounds.saturating_sub(before.seq_rounds));
         self.stream_progress(stats);
         self.answer_finished(stats, eagle);
         true

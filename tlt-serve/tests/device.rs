@@ -1,5 +1,5 @@
-//! The server on a device (`--device sim` in CI: `CudaTarget` on the simulated device, every CUDA kernel and the
-//! host's stream protocol on the CPU; the same code serves `--device cuda`):
+//! The server on a device (`CudaTarget`): in CI on the simulated device (every CUDA kernel and the host's stream
+//! protocol on the CPU), on a GPU machine on the CUDA device (the GPU plan runs this suite):
 //! - `/generate` with log-probs, greedy and sampled, gives SD on exactly the tokens of SD off, on the device;
 //! - a weight update written into the device buffers in place serves the new model's tokens (those of a server
 //!   started on it), not the old ones;
@@ -10,7 +10,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // Tests: a panic is the failure report.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use serde_json::{json, Value};
 use tlt_model::Llama;
@@ -48,7 +47,7 @@ fn sd_on_the_device_serves_the_tokens_of_sd_off_greedy_and_sampled_with_log_prob
     let sd = serve_sim(tiny(), ngram, 4 * sim_slot());
     let off = serve_sim(tiny(), DecodeConfig { speculate: false, ..DecodeConfig::default() }, 4 * sim_slot());
     let info: Value = serde_json::from_str(&get_body(sd, "/get_server_info").1).unwrap();
-    assert_eq!(info["device"], "sim", "{info}");
+    assert_eq!(info["device"], test_device().1, "{info}");
     assert_eq!(info["dtype"], "bfloat16");
     assert_eq!(info["kv_pool"]["sequences"], 4);
     for temperature in [0.0, 0.8] {
@@ -144,7 +143,7 @@ fn the_pool_queues_what_it_cannot_hold_and_refuses_only_what_it_never_can() {
 fn without_the_pool_the_device_target_runs_out_of_slots() {
     // The negative control of the test above: the device cache's slots are a hard bound, and an engine admitting
     // by requests alone fails the third request of a two-slot cache.
-    let gpu = Arc::new(tlt_cuda_sim::SimGpu::new(tlt_cuda_sim::Schedule::Lazy));
+    let (gpu, _) = test_device();
     let target = tlt_spec_decode::cuda::CudaTarget::new(&tiny(), gpu, 2, sim_slot(), 0).unwrap();
     let mut engine = tlt_spec_decode::Engine::new(&target, tlt_spec_decode::SpecParams::greedy(4)).unwrap();
     engine.add_request(&[2, 3, 4]).unwrap();

@@ -162,6 +162,17 @@ fn the_online_drafter_learns_keeps_acceptance_across_a_weight_update_and_resumes
     assert_eq!(state.step, STEPS);
     let (a2_live, out) = accept_length(live, &measure);
     assert_eq!(out, plain(&v2, &measure), "SD after the update is not v2's plain decoding");
+    // /metrics splits the accept length by weight and drafter version: both weight versions are there.
+    let text = get_body(live, "/metrics").1;
+    let by_version: Vec<(&str, f64)> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("tlt_serve_spec_accept_length_by_version{"))
+        .filter_map(|l| l.split_once("} ").map(|(labels, v)| (labels, v.parse::<f64>().unwrap())))
+        .collect();
+    for version in ["v1", "v2"] {
+        let want = format!("weight_version=\"{version}\"");
+        assert!(by_version.iter().any(|(l, a)| l.contains(&want) && (1.0..=5.0).contains(a)), "{text}");
+    }
     // Online training goes on with v2's requests (a new step budget for the new version).
     batch(live, &training);
     wait_for_steps(live, 2 * STEPS);

@@ -64,8 +64,8 @@ pub const CUDA_FEATURES: &str =
 pub const MPI_FEATURES: &str = "tlt-comm/mpi,tlt-comm/nccl,tlt-rl/mpi,tlt-examples/mpi";
 
 /// The packages with CUDA code (each has a `cuda` test target).
-pub const CUDA_PACKAGES: [&str; 6] =
-    ["tlt-kernels", "tlt-cudagraph", "tlt-model", "tlt-spec-decode", "tlt-drafter", "tlt-rl"];
+pub const CUDA_PACKAGES: [&str; 7] =
+    ["tlt-kernels", "tlt-cudagraph", "tlt-model", "tlt-spec-decode", "tlt-drafter", "tlt-rl", "tlt-serve"];
 
 /// `-p P` for every package of [`CUDA_PACKAGES`].
 pub fn cuda_package_args() -> Vec<&'static str> {

@@ -157,10 +157,18 @@ pub fn ids(v: &Value) -> Vec<u32> {
     v["output_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
 }
 
-/// A server of `model` on a fresh simulated device, decoding as `decode`, with a pool of `tokens` (slots of the
+/// The device of a device test and its name in answers: the CUDA device on a GPU machine (`TLT_REQUIRE_GPU=1` makes
+/// a missing one an error), else a fresh simulated device.
+pub fn test_device() -> (tlt_kernels::cuda::SharedGpu, &'static str) {
+    let gpu = tlt_cuda_sim::test_devices("tlt-serve", &[tlt_cuda_sim::Schedule::Lazy]).unwrap().remove(0);
+    let name = if tlt_kernels::cuda::driver_available() { "cuda:0" } else { "sim" };
+    (gpu, name)
+}
+
+/// A server of `model` on a fresh [`test_device`], decoding as `decode`, with a pool of `tokens` (slots of the
 /// model's full context); its address.
 pub fn serve_sim(model: Llama, decode: DecodeConfig, tokens: usize) -> SocketAddr {
-    let gpu = std::sync::Arc::new(tlt_cuda_sim::SimGpu::new(tlt_cuda_sim::Schedule::Lazy));
+    let (gpu, name) = test_device();
     let guard = tlt_serve::guard::GuardConfig { weights_dirs: vec![std::env::temp_dir()], ..Default::default() };
     let pool = tlt_serve::pool::PoolSpec { max_total_tokens: Some(tokens), ..Default::default() };
     let cfg = ServeConfig {
@@ -171,7 +179,7 @@ pub fn serve_sim(model: Llama, decode: DecodeConfig, tokens: usize) -> SocketAdd
         pool,
         ..ServeConfig::default()
     };
-    let backend = tlt_serve::backend::DeviceBackend::new(model, gpu, "sim", &cfg.pool, cfg.decode.max_running).unwrap();
+    let backend = tlt_serve::backend::DeviceBackend::new(model, gpu, name, &cfg.pool, cfg.decode.max_running).unwrap();
     serve_server(Server::start_on(backend, None, cfg).unwrap())
 }
 
