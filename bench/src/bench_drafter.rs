@@ -494,7 +494,11 @@ fn train_within(
 /// Runs `trainer` as a background trainer on a buffer of `samples` and times `n` pause requests, each after
 /// a random-ish 50-150 ms of running.
 fn measure_preemption(trainer: DrafterTrainer, samples: &[Arc<FeatureSample>], n: usize) -> Result<PreemptionReport> {
-    let buffer = Arc::new(OnlineBuffer::new(BufferConfig { max_samples: samples.len().max(1), keep_steps: 2 })?);
+    let buffer = Arc::new(OnlineBuffer::new(BufferConfig {
+        max_samples: samples.len().max(1),
+        keep_steps: 2,
+        ..BufferConfig::default()
+    })?);
     for s in samples {
         buffer.push((**s).clone())?;
     }

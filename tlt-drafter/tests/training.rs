@@ -383,7 +383,9 @@ fn online_training_next_to_rollouts_loses_nothing_and_pauses_within_a_step() {
     let t = trainer(&target, DrafterKind::Eagle2, cfg);
     let slot = Arc::new(WeightsSlot::new(t.runtime(&F32).unwrap()));
     let trainer = Arc::new(Mutex::new(t));
-    let buffer = Arc::new(OnlineBuffer::new(BufferConfig { max_samples: 12, keep_steps: 2 }).unwrap());
+    let buffer = Arc::new(
+        OnlineBuffer::new(BufferConfig { max_samples: 12, keep_steps: 2, ..BufferConfig::default() }).unwrap(),
+    );
     let step = online_step_fn(
         trainer.clone(),
         buffer.clone(),

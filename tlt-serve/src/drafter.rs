@@ -28,6 +28,12 @@ use tlt_spec_decode::Finished;
 
 use crate::{Error, Result};
 
+/// Tokens the online drafter's sample buffer holds by default (a million: at SmolLM2's width, 2.3 GB of final-norm
+/// features, were it not for the byte bound).
+pub const DEFAULT_BUFFER_TOKENS: usize = 1 << 20;
+/// Bytes the online drafter's sample buffer holds by default (1 GiB).
+pub const DEFAULT_BUFFER_BYTES: usize = 1 << 30;
+
 /// How the server's online EAGLE-2 drafter starts, trains and is kept.
 #[derive(Debug, Clone)]
 pub struct EagleConfig {
@@ -48,7 +54,8 @@ pub struct EagleConfig {
     pub steps_per_version: Option<u64>,
     /// Optimizer, batch and loss settings. Default the trainer's (`sd.drafter_train`: constant LR 3e-4).
     pub train: TrainConfig,
-    /// Samples kept: the last 2 weight versions', at most 2,000.
+    /// Samples kept: the last 2 weight versions', at most 2,000 of them, [`DEFAULT_BUFFER_TOKENS`] tokens and
+    /// [`DEFAULT_BUFFER_BYTES`] bytes.
     pub buffer: BufferConfig,
     /// Publish the weights to the engines every this many steps. Default 5.
     pub publish_every: u64,
@@ -63,7 +70,11 @@ impl Default for EagleConfig {
             tail_batch: 4,
             steps_per_version: None,
             train: TrainConfig { schedule: tlt_model::optim::LrSchedule::constant(3e-4), ..TrainConfig::default() },
-            buffer: BufferConfig::default(),
+            buffer: BufferConfig {
+                max_tokens: Some(DEFAULT_BUFFER_TOKENS),
+                max_bytes: Some(DEFAULT_BUFFER_BYTES),
+                ..BufferConfig::default()
+            },
             publish_every: 5,
         }
     }
@@ -78,6 +89,8 @@ pub struct DrafterStats {
     pub version: AtomicU64,
     /// Samples in the training buffer.
     pub samples: AtomicU64,
+    /// Bytes they hold (tokens and hidden rows).
+    pub buffer_bytes: AtomicU64,
     /// Checkpoints written.
     pub checkpoints: AtomicU64,
 }
@@ -238,7 +251,9 @@ impl OnlineDrafter {
     /// Refreshes the figures the trainer thread does not keep (it keeps steps and versions as it publishes).
     fn report(&self) {
         self.stats.version.store(self.slot.version(), Ordering::Relaxed);
-        self.stats.samples.store(self.buffer.stats().held as u64, Ordering::Relaxed);
+        let held = self.buffer.stats();
+        self.stats.samples.store(held.held as u64, Ordering::Relaxed);
+        self.stats.buffer_bytes.store(held.held_bytes as u64, Ordering::Relaxed);
     }
 }
 

@@ -76,6 +76,9 @@ struct Args {
     /// Most drafter optimizer steps per weight version (default: unbounded).
     #[arg(long)]
     drafter_steps_per_version: Option<u64>,
+    /// Most MiB of samples (tokens and hidden rows) the online drafter's buffer holds; the oldest go first.
+    #[arg(long, default_value_t = tlt_serve::drafter::DEFAULT_BUFFER_BYTES >> 20)]
+    drafter_buffer_mib: usize,
     /// Require `Authorization: Bearer KEY` on every route but `/health*` and `/metrics` (SGLang's `--api-key`).
     /// Default: none, every route open.
     #[arg(long)]
@@ -106,6 +109,7 @@ impl Args {
             ..Default::default()
         };
         cfg.train.schedule = tlt_model::optim::LrSchedule::constant(self.drafter_lr);
+        cfg.buffer.max_bytes = Some(self.drafter_buffer_mib.saturating_mul(1 << 20).max(1));
         (self.eagle || self.drafter.is_some()).then_some(cfg)
     }
 }

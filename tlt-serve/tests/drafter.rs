@@ -151,6 +151,8 @@ fn the_online_drafter_learns_keeps_acceptance_across_a_weight_update_and_resumes
     let (a1, out) = accept_length(live, &measure);
     assert_eq!(out, plain(&v1, &measure));
     assert_eq!(metric(live, "drafter_steps_total"), STEPS as f64, "the step budget per version was exceeded");
+    let bytes = metric(live, "drafter_buffer_bytes");
+    assert!(bytes > 0.0 && bytes <= tlt_serve::drafter::DEFAULT_BUFFER_BYTES as f64, "{bytes}");
     assert!(a1 > a0 + 0.3, "online training did not raise the accept length: {a0:.3} -> {a1:.3}");
 
     // A weight update: the drafter takes the new embedding and LM head and is checkpointed.

@@ -98,6 +98,11 @@ impl FeatureSample {
     pub fn train_positions(&self) -> usize {
         self.tokens.len() - self.response_start
     }
+
+    /// Bytes it holds: its tokens and its feature rows (4 bytes a value).
+    pub fn bytes(&self) -> usize {
+        4 * (self.tokens.len() + self.hidden.len() * self.hidden.width())
+    }
 }
 
 /// Limits of an [`OnlineBuffer`] (TLT keeps the last 2 RL steps, at most a few thousand samples).
@@ -108,21 +113,32 @@ pub struct BufferConfig {
     pub max_samples: usize,
     /// Samples of the last this many RL steps are kept (`>= 1`). Default 2.
     pub keep_steps: u64,
+    /// Most tokens held (prompts and responses, every sample's); the oldest go first, and a longer sample is
+    /// dropped. Default `None`: unbounded.
+    pub max_tokens: Option<usize>,
+    /// Most bytes held ([`FeatureSample::bytes`]: tokens and feature rows); the oldest go first, and a larger sample
+    /// is dropped. Default `None`: unbounded.
+    pub max_bytes: Option<usize>,
 }
 
 impl Default for BufferConfig {
     fn default() -> Self {
-        Self { max_samples: 2000, keep_steps: 2 }
+        Self { max_samples: 2000, keep_steps: 2, max_tokens: None, max_bytes: None }
     }
 }
 
 impl BufferConfig {
+    /// Whether `tokens` and `bytes` exceed the token or byte limit.
+    fn over(&self, tokens: usize, bytes: usize) -> bool {
+        self.max_tokens.is_some_and(|m| tokens > m) || self.max_bytes.is_some_and(|m| bytes > m)
+    }
+
     /// Checks both limits are positive.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the field.
     pub fn validate(&self) -> Result<()> {
-        if self.max_samples == 0 || self.keep_steps == 0 {
+        if self.max_samples == 0 || self.keep_steps == 0 || self.max_tokens == Some(0) || self.max_bytes == Some(0) {
             return Err(Error::InvalidArgument(format!("buffer limits must be positive: {self:?}")));
         }
         Ok(())
@@ -140,6 +156,10 @@ pub struct BufferStats {
     pub held: usize,
     /// Training positions held now.
     pub held_positions: usize,
+    /// Tokens held now.
+    pub held_tokens: usize,
+    /// Bytes held now ([`FeatureSample::bytes`]).
+    pub held_bytes: usize,
 }
 
 /// The contents of an [`OnlineBuffer`] ([`OnlineBuffer::parts`]).
@@ -162,6 +182,27 @@ struct Inner {
     step: u64,
     evicted: u64,
     positions: usize,
+    tokens: usize,
+    bytes: usize,
+}
+
+impl Inner {
+    /// Whether the held samples are within `cfg`'s limits.
+    fn within(&self, cfg: &BufferConfig) -> bool {
+        self.items.len() <= cfg.max_samples && !cfg.over(self.tokens, self.bytes)
+    }
+
+    fn add(&mut self, s: &FeatureSample) {
+        self.positions += s.train_positions();
+        self.tokens += s.tokens.len();
+        self.bytes += s.bytes();
+    }
+
+    fn sub(&mut self, s: &FeatureSample) {
+        self.positions -= s.train_positions();
+        self.tokens -= s.tokens.len();
+        self.bytes -= s.bytes();
+    }
 }
 
 /// A thread-safe, bounded FIFO of rollout [`FeatureSample`]s: rollout threads push, the trainer draws. Each sample gets
@@ -187,7 +228,8 @@ impl OnlineBuffer {
         &self.cfg
     }
 
-    /// Adds a sample (evicting the oldest when full) and returns its id.
+    /// Adds a sample (evicting the oldest while a limit is exceeded) and returns its id. A sample over the token or
+    /// byte limit by itself is dropped at once (counted as evicted).
     ///
     /// # Errors
     /// If the sample is malformed ([`FeatureSample::validate`]).
@@ -196,9 +238,13 @@ impl OnlineBuffer {
         let mut g = self.inner.lock();
         let id = g.next_id;
         g.next_id += 1;
-        g.positions += sample.train_positions();
+        if self.cfg.over(sample.tokens.len(), sample.bytes()) {
+            g.evicted += 1;
+            return Ok(id);
+        }
+        g.add(&sample);
         g.items.push_back((id, Arc::new(sample)));
-        while g.items.len() > self.cfg.max_samples {
+        while !g.within(&self.cfg) {
             Self::pop_front(&mut g);
         }
         Ok(id)
@@ -206,7 +252,7 @@ impl OnlineBuffer {
 
     fn pop_front(g: &mut Inner) {
         if let Some((_, s)) = g.items.pop_front() {
-            g.positions -= s.train_positions();
+            g.sub(&s);
             g.evicted += 1;
         }
     }
@@ -218,15 +264,12 @@ impl OnlineBuffer {
         g.step = step;
         let keep = self.cfg.keep_steps;
         let before = g.items.len();
-        let mut positions = g.positions;
-        g.items.retain(|(_, s)| {
-            let keep_it = s.rl_step + keep > step;
-            if !keep_it {
-                positions -= s.train_positions();
-            }
-            keep_it
-        });
-        g.positions = positions;
+        let (kept, gone): (VecDeque<_>, VecDeque<_>) =
+            std::mem::take(&mut g.items).into_iter().partition(|(_, s)| s.rl_step + keep > step);
+        for (_, s) in &gone {
+            g.sub(s);
+        }
+        g.items = kept;
         g.evicted += (before - g.items.len()) as u64;
     }
 
@@ -266,7 +309,7 @@ impl OnlineBuffer {
                 cfg.max_samples
             )));
         }
-        let mut positions = 0;
+        let mut held = Inner::default();
         let mut last = None;
         for (id, s) in &parts.items {
             s.validate()?;
@@ -277,7 +320,13 @@ impl OnlineBuffer {
                 )));
             }
             last = Some(*id);
-            positions += s.train_positions();
+            held.add(s);
+        }
+        if cfg.over(held.tokens, held.bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "{} tokens and {} bytes exceed the buffer's {:?} and {:?}",
+                held.tokens, held.bytes, cfg.max_tokens, cfg.max_bytes
+            )));
         }
         if parts.evicted + parts.items.len() as u64 != parts.next_id {
             return Err(Error::InvalidArgument(format!(
@@ -292,7 +341,7 @@ impl OnlineBuffer {
             next_id: parts.next_id,
             step: parts.step,
             evicted: parts.evicted,
-            positions,
+            ..held
         };
         Ok(b)
     }
@@ -300,7 +349,14 @@ impl OnlineBuffer {
     /// Lifetime counts.
     pub fn stats(&self) -> BufferStats {
         let g = self.inner.lock();
-        BufferStats { pushed: g.next_id, evicted: g.evicted, held: g.items.len(), held_positions: g.positions }
+        BufferStats {
+            pushed: g.next_id,
+            evicted: g.evicted,
+            held: g.items.len(),
+            held_positions: g.positions,
+            held_tokens: g.tokens,
+            held_bytes: g.bytes,
+        }
     }
 }
 
@@ -318,13 +374,44 @@ mod tests {
     }
 
     #[test]
+    fn bounded_in_tokens_and_bytes() {
+        // Samples of 4 tokens and 3 rows of width 2: 16 + 24 = 40 bytes each.
+        assert_eq!(sample(4, 0).bytes(), 40);
+        let by_tokens = BufferConfig { max_tokens: Some(10), ..BufferConfig::default() };
+        let b = OnlineBuffer::new(by_tokens).unwrap();
+        for _ in 0..5 {
+            b.push(sample(4, 0)).unwrap();
+        }
+        assert_eq!(b.ids(), vec![3, 4]);
+        let s = b.stats();
+        assert_eq!((s.held_tokens, s.held_bytes, s.pushed, s.evicted), (8, 80, 5, 3));
+        // One sample over the limit by itself is dropped, the others stay.
+        b.push(sample(11, 0)).unwrap();
+        assert_eq!(b.ids(), vec![3, 4]);
+        assert_eq!(b.stats().evicted, 4);
+        let by_bytes = BufferConfig { max_bytes: Some(100), ..BufferConfig::default() };
+        let b = OnlineBuffer::new(by_bytes).unwrap();
+        for _ in 0..4 {
+            b.push(sample(4, 0)).unwrap();
+        }
+        assert_eq!(b.ids(), vec![2, 3]);
+        assert_eq!(b.stats().held_bytes, 80);
+        b.set_step(5);
+        assert_eq!((b.stats().held_tokens, b.stats().held_bytes), (0, 0));
+        assert!(OnlineBuffer::new(BufferConfig { max_bytes: Some(0), ..BufferConfig::default() }).is_err());
+    }
+
+    #[test]
     fn bounded_fifo_with_step_window() {
-        let b = OnlineBuffer::new(BufferConfig { max_samples: 3, keep_steps: 2 }).unwrap();
+        let b = OnlineBuffer::new(BufferConfig { max_samples: 3, keep_steps: 2, ..BufferConfig::default() }).unwrap();
         for i in 0..5 {
             assert_eq!(b.push(sample(4, i / 2)).unwrap(), i);
         }
         assert_eq!(b.ids(), vec![2, 3, 4]);
-        assert_eq!(b.stats(), BufferStats { pushed: 5, evicted: 2, held: 3, held_positions: 9 });
+        assert_eq!(
+            b.stats(),
+            BufferStats { pushed: 5, evicted: 2, held: 3, held_positions: 9, held_tokens: 12, held_bytes: 120 }
+        );
         b.set_step(2); // keeps steps 1 and 2: samples 2, 3 (step 1) and 4 (step 2)
         assert_eq!(b.ids(), vec![2, 3, 4]);
         b.set_step(3); // keeps step 2 only
@@ -344,7 +431,7 @@ mod tests {
         let mut s = sample(4, 0);
         s.tokens.push(1);
         assert!(b.push(s).is_err());
-        assert!(OnlineBuffer::new(BufferConfig { max_samples: 0, keep_steps: 1 }).is_err());
+        assert!(OnlineBuffer::new(BufferConfig { max_samples: 0, keep_steps: 1, ..BufferConfig::default() }).is_err());
         assert!(b.sample(3, &mut SeededRng::new(0)).is_empty());
     }
 }

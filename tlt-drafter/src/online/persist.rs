@@ -154,7 +154,7 @@ mod tests {
     fn a_saved_buffer_loads_identically_and_draws_the_same_samples() {
         let dir = std::env::temp_dir().join(format!("tlt-buffer-persist-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let cfg = BufferConfig { max_samples: 4, keep_steps: 2 };
+        let cfg = BufferConfig { max_samples: 4, keep_steps: 2, ..BufferConfig::default() };
         let b = OnlineBuffer::new(cfg).unwrap();
         for i in 0..6 {
             b.push(sample(3 + i, i as u64 / 2, i as f32)).unwrap();
@@ -185,7 +185,7 @@ mod tests {
         b.push(sample(5, 4, 1.0)).unwrap();
         assert!(b.stats().held > 1);
         b.save(&path).unwrap();
-        let small = BufferConfig { max_samples: 1, keep_steps: 2 };
+        let small = BufferConfig { max_samples: 1, keep_steps: 2, ..BufferConfig::default() };
         assert!(matches!(OnlineBuffer::load(small, &path), Err(Error::Malformed { .. })));
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 8]).unwrap();
