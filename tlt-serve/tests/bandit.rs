@@ -158,3 +158,41 @@ fn without_a_per_token_cost_the_bandit_drafts_at_batch_sixteen_too() {
     assert_eq!(l[0]["leader"], "4:1:5", "{l:?}");
     assert_eq!(l[1]["leader"], "2:1:3", "{l:?}");
 }
+
+/// Engine rounds so far that the SD gate ran plain.
+fn plain_rounds(addr: std::net::SocketAddr) -> f64 {
+    metric(addr, "engine_rounds_total") - metric(addr, "engine_sd_rounds_total")
+}
+
+#[test]
+fn the_gate_keeps_its_state_across_an_idle_spell_and_a_weight_update() {
+    // TLT's gate (on after 10 rounds at a batch of at most 32), one chain arm and no plain arm: a fresh gate runs
+    // its first 9 rounds plain (the control), a kept one speculates from the first round.
+    let mab = tlt_scheduler::MabConfig {
+        arms: vec![Plan { steps: 4, top_k: 1, verify_tokens: 5 }],
+        thresholds: vec![1],
+        ..tlt_scheduler::MabConfig::default()
+    };
+    let decode = DecodeConfig { mab, drafters: vec![DrafterChoice::Ngram], ..DecodeConfig::default() };
+    let model = tiny();
+    let addr = serve_with(model.clone(), decode);
+    let body = json!({"input_ids": [2, 3, 4, 2, 3, 4, 2, 3], "sampling_params": {"temperature": 0,
+        "max_new_tokens": 40, "ignore_eos": true}});
+    let (status, first) = post(addr, "/generate", &body);
+    assert_eq!(status, 200, "{first}");
+    let plain = plain_rounds(addr);
+    // The tenth qualifying round is the first speculative one.
+    assert!(plain >= 9.0, "a fresh gate speculated after {plain} plain rounds");
+    // Idle, then a weight update (the same weights, a new version): the engine is rebuilt, its gate kept.
+    let dir = std::env::temp_dir().join(format!("tlt-serve-gate-kept-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    tlt_model::save_hf_dir(&model, None, &dir, candle_core::DType::F32).unwrap();
+    let (status, v) = post(addr, "/update_weights_from_disk", &json!({"model_path": dir, "weight_version": "v2"}));
+    assert_eq!(status, 200, "{v}");
+    let (status, after) = post(addr, "/generate", &body);
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(after["meta_info"]["weight_version"], "v2");
+    assert_eq!(plain_rounds(addr), plain, "the gate was reset by the update: it ran plain rounds again");
+    assert_eq!(ids(&after), ids(&first), "the same weights decode the same tokens");
+    let _ = std::fs::remove_dir_all(&dir);
+}
