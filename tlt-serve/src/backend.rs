@@ -37,6 +37,11 @@ pub trait Backend: Send + 'static {
     fn dtype(&self) -> &'static str;
     /// The format the forward reads the linear layers in.
     fn weight_dtype(&self) -> tlt_kernels::WeightDType;
+    /// The device and its slots' shape (sequences, positions each), for the EAGLE drafter's forward beside the
+    /// target's; `None` on the CPU.
+    fn device_slots(&self) -> Option<(SharedGpu, usize, usize)> {
+        None
+    }
 }
 
 /// The CPU: `tlt_model::Llama`'s f32 forward; a request's cache grows with its tokens.
@@ -104,6 +109,8 @@ pub struct DeviceBackend {
     /// The host copy: the architecture check, the online drafter's embeddings and head.
     model: Llama,
     target: Arc<CudaTarget>,
+    gpu: SharedGpu,
+    slot_len: usize,
     pool: Pool,
     name: String,
 }
@@ -132,10 +139,10 @@ impl DeviceBackend {
         let reserved = weights as u64 + GRAPH_BUDGET;
         let slot_len = slot_len(cfg);
         let pool = spec.size(max_running, per_token, crate::pool::Memory { free, total, reserved }, Some(slot_len))?;
-        let target = CudaTarget::new(&model, gpu, pool.sequences, slot_len, GRAPH_BUDGET)
+        let target = CudaTarget::new(&model, gpu.clone(), pool.sequences, slot_len, GRAPH_BUDGET)
             .map_err(|e| Error::Model(format!("{name}: {e}")))?;
         tracing::info!(device = name, slots = pool.sequences, slot_len, tokens = pool.tokens, "KV pool on the device");
-        Ok(Self { model, target: Arc::new(target), pool, name: name.into() })
+        Ok(Self { model, target: Arc::new(target), gpu, slot_len, pool, name: name.into() })
     }
 }
 
@@ -170,6 +177,10 @@ impl Backend for DeviceBackend {
 
     fn weight_dtype(&self) -> tlt_kernels::WeightDType {
         tlt_kernels::WeightDType::Bf16
+    }
+
+    fn device_slots(&self) -> Option<(SharedGpu, usize, usize)> {
+        Some((self.gpu.clone(), self.pool.sequences, self.slot_len))
     }
 }
 

@@ -190,20 +190,37 @@ impl DecodeConfig {
     /// # Errors
     /// [`Error::Engine`] for a kind that needs the EAGLE drafter without one, or invalid suffix settings.
     pub fn drafter(&self, eagle: Option<&OnlineDrafter>) -> Result<Option<Box<dyn Drafter>>> {
+        self.drafter_on(eagle, None)
+    }
+
+    /// [`Self::drafter`], the EAGLE drafter's forward on a device with `exec` when given.
+    ///
+    /// # Errors
+    /// As [`Self::drafter`].
+    pub fn drafter_on(
+        &self,
+        eagle: Option<&OnlineDrafter>,
+        exec: Option<&crate::drafter::DeviceExec>,
+    ) -> Result<Option<Box<dyn Drafter>>> {
         if !self.speculate {
             return Ok(None);
         }
         let engine = |e: tlt_spec_decode::Error| Error::Engine(e.to_string());
-        let eagle = || eagle.map(OnlineDrafter::proposer).ok_or_else(|| Error::Engine("no EAGLE drafter".into()));
+        let eagle = || eagle.ok_or_else(|| Error::Engine("no EAGLE drafter".into()));
+        let suffix = || SuffixDrafter::new(self.suffix).map_err(engine);
         let mut members: Vec<Box<dyn Drafter>> = Vec::new();
         for kind in self.kinds() {
             members.push(match kind {
                 DrafterChoice::Ngram => Box::new(NgramDrafter::default()),
-                DrafterChoice::Suffix => Box::new(SuffixDrafter::new(self.suffix).map_err(engine)?),
-                DrafterChoice::Eagle2 => Box::new(eagle()?),
-                DrafterChoice::Hybrid => {
-                    Box::new(HybridDrafter::new(SuffixDrafter::new(self.suffix).map_err(engine)?, eagle()?))
-                }
+                DrafterChoice::Suffix => Box::new(suffix()?),
+                DrafterChoice::Eagle2 => match exec {
+                    Some(x) => Box::new(eagle()?.proposer_on(x.clone())),
+                    None => Box::new(eagle()?.proposer()),
+                },
+                DrafterChoice::Hybrid => match exec {
+                    Some(x) => Box::new(HybridDrafter::new(suffix()?, eagle()?.proposer_on(x.clone()))),
+                    None => Box::new(HybridDrafter::new(suffix()?, eagle()?.proposer())),
+                },
             });
         }
         if members.len() == 1 {

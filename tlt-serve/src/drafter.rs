@@ -34,6 +34,10 @@ pub const DEFAULT_BUFFER_TOKENS: usize = 1 << 20;
 /// Bytes the online drafter's sample buffer holds by default (1 GiB).
 pub const DEFAULT_BUFFER_BYTES: usize = 1 << 30;
 
+/// The executor the EAGLE proposers of a device backend share: the drafter's forward on the device (its weights
+/// uploaded once per published version, its KV cache in slots), as the trainer's rollouts on a device draft.
+pub type DeviceExec = Arc<parking_lot::Mutex<tlt_drafter::cuda::CudaDrafter>>;
+
 /// How the server's online EAGLE-2 drafter starts, trains and is kept.
 #[derive(Debug, Clone)]
 pub struct EagleConfig {
@@ -91,6 +95,8 @@ pub struct DrafterStats {
     pub samples: AtomicU64,
     /// Bytes they hold (tokens and hidden rows).
     pub buffer_bytes: AtomicU64,
+    /// 1 when the drafter's forward runs on the device (the engines' device), else 0.
+    pub on_device: AtomicU64,
     /// Checkpoints written.
     pub checkpoints: AtomicU64,
 }
@@ -187,6 +193,11 @@ impl OnlineDrafter {
     /// A proposer for one engine: it drafts with the newest published weights, picked up between rounds.
     pub fn proposer(&self) -> EagleProposer {
         EagleProposer::new(self.slot.clone())
+    }
+
+    /// A proposer for one engine drafting on a device with `exec` (shared by every engine on it).
+    pub fn proposer_on(&self, exec: DeviceExec) -> EagleProposer<DeviceExec> {
+        EagleProposer::with_executor(self.slot.clone(), exec)
     }
 
     /// A request finished (or was aborted): its tokens and the target's hidden states become training data.

@@ -229,6 +229,7 @@ impl<T: Target> Lane<T> {
         cfg: &DecodeConfig,
         decoder: tlt_scheduler::AdaptiveDecoder,
         eagle: Option<&OnlineDrafter>,
+        exec: Option<&crate::drafter::DeviceExec>,
         tokenizer: Option<&Arc<tokenizers::Tokenizer>>,
     ) -> Result<Self> {
         let params = SpecParams {
@@ -246,7 +247,7 @@ impl<T: Target> Lane<T> {
         }
         // The online drafter trains on the target's hidden states of what this engine decodes.
         engine.record_hidden(eagle.is_some());
-        let drafter = cfg.drafter(eagle)?;
+        let drafter = cfg.drafter_on(eagle, exec)?;
         Ok(Self { key: Key::of(s), engine, drafter, decoder, pending: HashMap::new() })
     }
 
@@ -391,6 +392,8 @@ struct Worker<'c, B: Backend> {
     eagle: Option<OnlineDrafter>,
     /// The model's tokenizer (stop strings are matched in its decoding).
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    /// On a device, the EAGLE drafter's forward there, shared by the engines' proposers.
+    device_drafter: Option<crate::drafter::DeviceExec>,
 }
 
 /// Samplings whose gate and bandit the engine thread keeps while no request of theirs runs.
@@ -408,6 +411,24 @@ pub fn run<B: Backend>(
 ) {
     let pool = backend.pool();
     stats.pool_tokens.store(pool.tokens as u64, Ordering::Relaxed);
+    // The drafter's forward beside the target's on a device (as the trainer's rollouts draft there); on failure
+    // it drafts on the host.
+    let device_drafter = match (eagle.is_some() && cfg.speculate, backend.device_slots()) {
+        (true, Some((gpu, slots, max_len))) => {
+            let opts = tlt_drafter::cuda::CudaDraftOptions { slots, max_len };
+            match tlt_drafter::cuda::CudaDrafter::new(gpu, opts) {
+                Ok(d) => {
+                    stats.drafter.on_device.store(1, Ordering::Relaxed);
+                    Some(Arc::new(parking_lot::Mutex::new(d)))
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the EAGLE drafter drafts on the host: its device cache failed");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
     let mut w = Worker {
         backend,
         cfg,
@@ -419,6 +440,7 @@ pub fn run<B: Backend>(
         paused: false,
         eagle,
         tokenizer,
+        device_drafter,
     };
     loop {
         let live: usize = w.lanes.iter().map(|l| l.engine.live_tokens()).sum();
@@ -655,7 +677,8 @@ impl<B: Backend> Worker<'_, B> {
             Some(i) => i,
             None => match self.decoder_for(&key).and_then(|decoder| {
                 let target = self.backend.target();
-                Lane::new(target, &job.sampling, self.cfg, decoder, self.eagle.as_ref(), self.tokenizer.as_ref())
+                let (eagle, exec, tok) = (self.eagle.as_ref(), self.device_drafter.as_ref(), self.tokenizer.as_ref());
+                Lane::new(target, &job.sampling, self.cfg, decoder, eagle, exec, tok)
             }) {
                 Ok(lane) => {
                     self.lanes.push(lane);

@@ -151,6 +151,7 @@ fn the_online_drafter_learns_keeps_acceptance_across_a_weight_update_and_resumes
     let (a1, out) = accept_length(live, &measure);
     assert_eq!(out, plain(&v1, &measure));
     assert_eq!(metric(live, "drafter_steps_total"), STEPS as f64, "the step budget per version was exceeded");
+    assert_eq!(metric(live, "drafter_on_device"), 0.0, "a CPU server's drafter claims a device");
     let bytes = metric(live, "drafter_buffer_bytes");
     assert!(bytes > 0.0 && bytes <= tlt_serve::drafter::DEFAULT_BUFFER_BYTES as f64, "{bytes}");
     assert!(a1 > a0 + 0.3, "online training did not raise the accept length: {a0:.3} -> {a1:.3}");
@@ -238,13 +239,15 @@ fn the_drafter_is_checkpointed_when_the_server_stops_and_starts_from_either_form
 #[test]
 fn the_online_drafter_learns_from_the_device_targets_hidden_states() {
     // The same drafter and requests as above, the target on the simulated device: its hidden rows come back from the
-    // device's verification (packed for the accepted nodes), the drafter trains on them, and drafts better.
+    // device's verification (packed for the accepted nodes), the drafter trains on them (on the host) and drafts
+    // better, its forward on the device beside the target's.
     let v1 = tiny();
     let measure = prompts(8, 1);
     let want = plain(&v1, &measure);
     let slots = 40 * sim_slot();
     let (a0, _) = accept_length(serve_sim(tiny(), eagle(None, None, 0), slots), &measure);
     let live = serve_sim(tiny(), eagle(None, None, STEPS), slots);
+    assert_eq!(metric(live, "drafter_on_device"), 1.0, "the drafter drafts on the host");
     let training: Vec<Vec<u32>> = measure.iter().cloned().chain((2..5).flat_map(|seed| prompts(8, seed))).collect();
     batch(live, &training);
     wait_for_steps(live, STEPS);
