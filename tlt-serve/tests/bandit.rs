@@ -196,3 +196,33 @@ fn the_gate_keeps_its_state_across_an_idle_spell_and_a_weight_update() {
     assert_eq!(ids(&after), ids(&first), "the same weights decode the same tokens");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn two_drafter_kinds_are_arms_of_the_bandit_and_stay_lossless() {
+    // `--drafters suffix,ngram`: every plan is an arm once per kind; the kinds draft in turn as the bandit picks,
+    // and the tokens are plain decoding's.
+    let mab = tlt_scheduler::MabConfig {
+        arms: vec![Plan { steps: 4, top_k: 1, verify_tokens: 5 }],
+        thresholds: vec![1],
+        plain_arm: true,
+        epsilon: 0.5,
+        ..tlt_scheduler::MabConfig::default()
+    };
+    let kinds = vec![DrafterChoice::Suffix, DrafterChoice::Ngram];
+    let decode = DecodeConfig { mab, drafters: kinds, ..DecodeConfig::always_speculate() };
+    let sd = serve_with(tiny(), decode);
+    let off = serve_with(tiny(), DecodeConfig { speculate: false, ..DecodeConfig::default() });
+    let info: Value = serde_json::from_str(&get_body(sd, "/get_server_info").1).unwrap();
+    assert_eq!(info["speculative_bandit"]["buckets"][0]["arms"], json!(["suffix/4:1:5", "ngram/4:1:5", "plain"]));
+    let prompts: Vec<Vec<u32>> = (0..4u32).map(|i| (0..10).map(|j| 2 + (i + j % 3) % 20).collect()).collect();
+    let body = json!({"input_ids": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 32,
+        "ignore_eos": true}});
+    let (a, b) = (post(sd, "/generate", &body), post(off, "/generate", &body));
+    assert_eq!((a.0, b.0), (200, 200));
+    let (a, b) = (a.1.as_array().unwrap().clone(), b.1.as_array().unwrap().clone());
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(ids(x), ids(y));
+    }
+    let accepted: u64 = a.iter().map(|v| v["meta_info"]["spec_accept_token_num"].as_u64().unwrap()).sum();
+    assert!(accepted > 0, "no draft accepted: the test cannot tell SD from plain");
+}
