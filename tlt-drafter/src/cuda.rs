@@ -29,9 +29,10 @@ use tlt_kernels::cuda::{
 };
 use tlt_model::device_step::{StepLayout, StepMeta};
 
+pub use crate::cuda_online::CudaOnlineTrainer;
 pub use crate::cuda_train::{CudaDrafterTrainer, DeviceLoss, DraftArena};
 
-use crate::config::DrafterKind;
+use crate::config::{DrafterConfig, DrafterKind};
 use crate::exec::{DraftExecutor, Forward};
 use crate::runtime::{Attend, DraftRuntime, ExportedLinear, Group, Row};
 use crate::{Error, Result};
@@ -238,6 +239,20 @@ impl CudaDrafter {
         let free = Arc::new(Mutex::new((0..opts.slots).rev().collect()));
         let scratch = Recycler::new(SCRATCH_IDLE_BYTES);
         Ok(Self { w: None, cache: None, meta, features, results, scratch, gpu, opts, free, target_blocks, uploads: 0 })
+    }
+
+    /// The device memory a drafter of `cfg` takes at most with `opts`, in bytes: two versions of its weights in bf16
+    /// (the one drafting and the next, uploaded beside it), each with its copy of the target's embedding and LM head;
+    /// its cache (keys and values of its layer for every slot); the idle activations it keeps.
+    pub fn memory(cfg: &DrafterConfig, opts: CudaDraftOptions) -> usize {
+        let shapes = match cfg.kind {
+            DrafterKind::Eagle2 => crate::Eagle2Weights::expected_shapes(cfg),
+            DrafterKind::Eagle3 => crate::Eagle3Weights::expected_shapes(cfg),
+        };
+        let layer: usize = shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        let weights = 2 * (layer + 2 * cfg.vocab_size() * cfg.hidden_size());
+        let cache = opts.slots * opts.max_len * 2 * cfg.llama.kv_dim() * 2;
+        2 * weights + cache + SCRATCH_IDLE_BYTES
     }
 
     /// Weight versions uploaded to the device so far: the first round's, then one per version the proposer's slot

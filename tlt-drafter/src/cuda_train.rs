@@ -630,6 +630,41 @@ impl CudaDrafterTrainer {
         Ok(StepStats { step: self.steps, eval, grad_norm, lr, seconds: t0.elapsed().as_secs_f64() })
     }
 
+    /// Sets the optimizer's state: `steps` updates applied, and each parameter's AdamW moments by checkpoint name
+    /// (`(name, exp_avg, exp_avg_sq)`, every trained parameter once), e.g. a resumed host trainer's.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a missing, unknown, repeated or wrongly sized parameter (nothing is changed);
+    /// the device's error.
+    pub fn set_optimizer_state(&mut self, steps: u64, moments: &[(String, Vec<f32>, Vec<f32>)]) -> Result<()> {
+        let (mut m, mut v) = (vec![0f32; self.groups.total], vec![0f32; self.groups.total]);
+        let mut seen = vec![false; self.named.len()];
+        for (name, a, b) in moments {
+            let i = self.named.iter().position(|n| &n.name == name);
+            let i = i.ok_or_else(|| Error::InvalidArgument(format!("optimizer state for an unknown {name}")))?;
+            let r = self.named[i].range.clone();
+            if seen[i] || a.len() != r.len() || b.len() != r.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "optimizer state for {name}: repeated, or {} and {} values for {}",
+                    a.len(),
+                    b.len(),
+                    r.len()
+                )));
+            }
+            seen[i] = true;
+            m[r.clone()].copy_from_slice(a);
+            v[r].copy_from_slice(b);
+        }
+        if let Some(i) = seen.iter().position(|s| !s) {
+            return Err(Error::InvalidArgument(format!("no optimizer state for {}", self.named[i].name)));
+        }
+        let g = self.gpu.as_ref();
+        self.m = DeviceBuf::from_host(g, &m).map_err(kern)?;
+        self.v = DeviceBuf::from_host(g, &v).map_err(kern)?;
+        self.steps = steps;
+        Ok(())
+    }
+
     /// Arena `arena` on the host by checkpoint name (`model.fc.weight`, `model.layers.0.self_attn.q_proj.weight`,
     /// ...: [`Eagle2Weights::named_tensors`]' names), each flat row-major, in arena order.
     ///

@@ -84,6 +84,7 @@ mod batch;
 pub mod checkpoint;
 mod config;
 pub mod cuda;
+mod cuda_online;
 mod cuda_train;
 mod eagle2;
 mod eagle3;

@@ -207,5 +207,7 @@ fn eagle2_sd_on_the_device_equals_plain_decoding_on_the_device() {
     }
 }
 
+#[path = "device/online.rs"]
+mod online;
 #[path = "device/train.rs"]
 mod train;

@@ -122,6 +122,36 @@ impl TrainConfig {
     pub fn lr_at(&self, step: u64) -> f64 {
         self.schedule.lr_at(step)
     }
+
+    /// The random stream of the step after `step` completed steps: `SeededRng::new(seed).fork(step)`.
+    pub fn step_rng(&self, step: u64) -> SeededRng {
+        SeededRng::new(self.seed).fork(step)
+    }
+
+    /// The input-noise seed of the step after `step` completed steps (what [`DrafterTrainer::step`] perturbs with).
+    pub fn noise_seed(&self, step: u64) -> u64 {
+        self.step_rng(step).fork(NOISE_STREAM).next_u64()
+    }
+
+    /// The samples the step after `step` completed steps trains on, from an [`OnlineBuffer`]: `samples_per_step`
+    /// uniform draws with replacement ([`OnlineBuffer::sample`]), duplicates and samples without a training
+    /// position dropped, with their buffer ids.
+    pub fn draw_from_buffer(&self, step: u64, buffer: &OnlineBuffer) -> Vec<(u64, Arc<FeatureSample>)> {
+        let mut rng = self.step_rng(step);
+        let mut out: Vec<(u64, Arc<FeatureSample>)> = Vec::new();
+        for (id, s) in buffer.sample(self.samples_per_step, &mut rng) {
+            if window(&s, self.window).is_some() && !out.iter().any(|(i, _)| *i == id) {
+                out.push((id, s));
+            }
+        }
+        out
+    }
+
+    /// The most positions (rows x padded row length) one packed batch of a step has: at most `samples_per_step`
+    /// rows (one window each at least), each at most `row_len` and `tokens_per_step` long.
+    pub fn max_positions(&self) -> usize {
+        self.samples_per_step.saturating_mul(self.row_len.min(self.tokens_per_step))
+    }
 }
 
 /// The drafter a [`DrafterTrainer`] trains: EAGLE-2 or EAGLE-3.
@@ -369,7 +399,7 @@ impl DrafterTrainer {
 
     /// The random stream of the next step: `SeededRng::new(seed).fork(steps_done)`.
     pub fn step_rng(&self) -> SeededRng {
-        SeededRng::new(self.cfg.seed).fork(self.step)
+        self.cfg.step_rng(self.step)
     }
 
     /// The samples the next step trains on, drawn from `pool` without repetition (up to `samples_per_step`
@@ -386,18 +416,9 @@ impl DrafterTrainer {
         cand[..k].iter().map(|&i| pool[i].clone()).collect()
     }
 
-    /// Like [`Self::draw`] from an [`OnlineBuffer`]: `samples_per_step` uniform draws with replacement
-    /// ([`OnlineBuffer::sample`]), duplicates and samples without a training position dropped. Returns the
-    /// buffer ids too.
+    /// Like [`Self::draw`] from an [`OnlineBuffer`]: [`TrainConfig::draw_from_buffer`] at this trainer's step.
     pub fn draw_from_buffer(&self, buffer: &OnlineBuffer) -> Vec<(u64, Arc<FeatureSample>)> {
-        let mut rng = self.step_rng();
-        let mut out: Vec<(u64, Arc<FeatureSample>)> = Vec::new();
-        for (id, s) in buffer.sample(self.cfg.samples_per_step, &mut rng) {
-            if window(&s, self.cfg.window).is_some() && !out.iter().any(|(i, _)| *i == id) {
-                out.push((id, s));
-            }
-        }
-        out
+        self.cfg.draw_from_buffer(self.step, buffer)
     }
 
     /// The loss on `samples` (packed as a step would, in order, without input noise), without training.
@@ -462,7 +483,7 @@ impl DrafterTrainer {
     pub fn step(&mut self, samples: &[Arc<FeatureSample>]) -> Result<StepStats> {
         let t0 = Instant::now();
         let lr = self.cfg.lr_at(self.step);
-        let noise_seed = self.step_rng().fork(NOISE_STREAM).next_u64();
+        let noise_seed = self.cfg.noise_seed(self.step);
         let (total, eval) = self.loss(samples, Some(noise_seed))?;
         if !eval.loss.is_finite() {
             return Err(Error::InvalidArgument(format!("non-finite loss {} at step {}", eval.loss, self.step)));

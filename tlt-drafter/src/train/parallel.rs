@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use tlt_model::optim::ParamState;
 
-use super::{DrafterTrainer, StepStats, Totals, NOISE_STREAM};
+use super::{DrafterTrainer, StepStats, Totals};
 use crate::online::FeatureSample;
 use crate::{Error, Result};
 
@@ -34,7 +34,7 @@ impl DrafterTrainer {
     ) -> Result<Option<StepStats>> {
         let t0 = Instant::now();
         let lr = self.cfg.lr_at(self.step);
-        let noise_seed = self.step_rng().fork(NOISE_STREAM).next_u64();
+        let noise_seed = self.cfg.noise_seed(self.step);
         let sizes: Vec<usize> = self.opt.params().iter().map(|(_, v)| v.elem_count()).collect();
         // [gradient × positions of every parameter..., whether each has a gradient..., positions, failures]
         let total: usize = sizes.iter().sum();
