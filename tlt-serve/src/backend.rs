@@ -11,7 +11,7 @@ use tlt_model::Llama;
 use tlt_spec_decode::cuda::CudaTarget;
 use tlt_spec_decode::Target;
 
-use crate::pool::{Pool, PoolSpec};
+use crate::pool::{Beside, Pool, PoolSpec};
 use crate::{Error, Result};
 
 /// A device the engine thread decodes on: the engines' target, the weights it serves and how they change, and its
@@ -125,18 +125,25 @@ pub fn slot_len(cfg: &tlt_model::LlamaConfig) -> usize {
 pub const GRAPH_BUDGET: u64 = 1 << 28;
 
 impl DeviceBackend {
-    /// Uploads `model` to `gpu` (named `name` in answers) with a KV cache sized by `spec` against the device's memory:
-    /// as many slots of a full context (plus the largest draft tree) as the pool's tokens hold, at most
-    /// `max_running`.
+    /// Uploads `model` to `gpu` (named `name` in answers) with a KV cache sized by `spec` against the device's memory,
+    /// less what `beside` takes (the online drafter's, when it runs there): as many slots of a full context (plus
+    /// the largest draft tree) as the pool's tokens hold, at most `max_running`.
     ///
     /// # Errors
     /// [`Error::Invalid`] for a pool that holds no full request; [`Error::Model`] when the device fails.
-    pub fn new(model: Llama, gpu: SharedGpu, name: &str, spec: &PoolSpec, max_running: usize) -> Result<Self> {
+    pub fn new(
+        model: Llama,
+        gpu: SharedGpu,
+        name: &str,
+        spec: &PoolSpec,
+        max_running: usize,
+        beside: Beside,
+    ) -> Result<Self> {
         let cfg = model.config();
-        let per_token = kv_bytes_per_token(cfg, 2);
+        let per_token = kv_bytes_per_token(cfg, 2) + beside.per_token;
         let (free, total) = gpu.memory().map_err(|e| Error::Model(format!("{name}: {e}")))?;
         let weights = model.weights().num_params() * 2;
-        let reserved = weights as u64 + GRAPH_BUDGET;
+        let reserved = weights as u64 + GRAPH_BUDGET + beside.bytes;
         let slot_len = slot_len(cfg);
         let pool = spec.size(max_running, per_token, crate::pool::Memory { free, total, reserved }, Some(slot_len))?;
         let target = CudaTarget::new(&model, gpu.clone(), pool.sequences, slot_len, GRAPH_BUDGET)

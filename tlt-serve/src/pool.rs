@@ -32,6 +32,16 @@ pub struct Memory {
     pub reserved: u64,
 }
 
+/// Device memory other parts take beside the target's weights and KV cache, out of the same static share (as SGLang
+/// counts its draft model's weights and cache): the online drafter's training and forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Beside {
+    /// Bytes in all.
+    pub bytes: u64,
+    /// Bytes per token of the pool (the drafter's own cache).
+    pub per_token: usize,
+}
+
 /// The host's memory from `/proc/meminfo` (`MemAvailable`, `MemTotal`); zero where it cannot be read (the pool
 /// must then be given with `--max-total-tokens`).
 pub fn host_memory() -> Memory {

@@ -147,8 +147,12 @@ impl Server {
         let tokenizer = tokenizer.map(std::sync::Arc::new);
         let engine_tokenizer = tokenizer.clone();
         let engine_stats = stats.clone();
-        let eagle =
-            decode.eagle.as_ref().map(|e| drafter::OnlineDrafter::new(model, e, stats.drafter.clone())).transpose()?;
+        let gpu = backend.device_slots().map(|(gpu, ..)| gpu);
+        let eagle = decode
+            .eagle
+            .as_ref()
+            .map(|e| drafter::OnlineDrafter::new(model, e, stats.drafter.clone(), gpu))
+            .transpose()?;
         let max_running = cfg.decode.max_running.min(pool.sequences);
         let engine = std::thread::Builder::new()
             .name("tlt-serve-engine".into())

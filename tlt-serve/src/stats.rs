@@ -139,7 +139,7 @@ impl Stats {
         const COUNTER: &str = "counter";
         let share = get(&self.spec_rounds) as f64 / (get(&self.request_rounds) as f64).max(1.0);
         let d = &self.drafter;
-        let rows: [(&str, &str, &str, f64); 24] = [
+        let rows: [(&str, &str, &str, f64); 25] = [
             ("waiting_requests", GAUGE, "Requests queued for the engine, not yet decoding.", get(&self.waiting) as f64),
             ("running_requests", GAUGE, "Requests decoding.", get(&self.running) as f64),
             ("requests_total", COUNTER, "Requests finished with an output.", get(&self.finished) as f64),
@@ -186,6 +186,12 @@ impl Stats {
             ("drafter_samples", GAUGE, "Finished requests held as drafter training data.", get(&d.samples) as f64),
             ("drafter_buffer_bytes", GAUGE, "Bytes of the drafter's training data.", get(&d.buffer_bytes) as f64),
             ("drafter_on_device", GAUGE, "1 when the drafter's forward runs on the device.", get(&d.on_device) as f64),
+            (
+                "drafter_trains_on_device",
+                GAUGE,
+                "1 when the drafter trains on the device.",
+                get(&d.trains_on_device) as f64,
+            ),
             ("drafter_checkpoints_total", COUNTER, "Drafter checkpoints written.", get(&d.checkpoints) as f64),
             (
                 "paused",

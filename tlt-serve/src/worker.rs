@@ -445,7 +445,8 @@ pub fn run<B: Backend>(
     loop {
         let live: usize = w.lanes.iter().map(|l| l.engine.live_tokens()).sum();
         stats.live_tokens.store(live as u64, Ordering::Relaxed);
-        let first = if w.running() > 0 || w.update.is_some() || !w.held.is_empty() {
+        let idle_training = w.eagle.as_ref().is_some_and(OnlineDrafter::trains_when_idle);
+        let first = if w.running() > 0 || w.update.is_some() || !w.held.is_empty() || idle_training {
             None
         } else {
             match msgs.recv() {
@@ -471,7 +472,7 @@ pub fn run<B: Backend>(
             d.on_round(running);
         }
     }
-    if let Some(Err(e)) = w.eagle.as_ref().map(OnlineDrafter::save) {
+    if let Some(Err(e)) = w.eagle.as_mut().map(OnlineDrafter::save) {
         tracing::error!(error = %e, "checkpointing the online drafter at shutdown");
     }
 }

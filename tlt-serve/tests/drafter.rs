@@ -19,6 +19,9 @@ use common::*;
 
 /// Optimizer steps the drafter takes on the first weight version.
 const STEPS: u64 = 150;
+/// Optimizer steps of the drafter trained on the simulated device (about 2 s each there: every kernel's threads are
+/// fibers on the CPU).
+const DEVICE_STEPS: u64 = 40;
 
 /// The online drafter's settings for these tests: the drafter-training tests' small-model config, training only
 /// while nothing runs (so a measurement's batch decodes with one drafter version), checkpointed to `checkpoint`.
@@ -111,12 +114,12 @@ fn scratch(name: &str) -> PathBuf {
     d
 }
 
-/// Waits (at most 120 s) until the live drafter has taken `steps` optimizer steps.
+/// Waits (at most 240 s) until the live drafter has taken `steps` optimizer steps.
 fn wait_for_steps(addr: SocketAddr, steps: u64) {
     let t0 = Instant::now();
     while metric(addr, "drafter_steps_total") < steps as f64 {
         let done = metric(addr, "drafter_steps_total");
-        assert!(t0.elapsed() < Duration::from_secs(120), "the drafter did not train: {done} of {steps} steps");
+        assert!(t0.elapsed() < Duration::from_secs(240), "the drafter did not train: {done} of {steps} steps");
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -152,6 +155,7 @@ fn the_online_drafter_learns_keeps_acceptance_across_a_weight_update_and_resumes
     assert_eq!(out, plain(&v1, &measure));
     assert_eq!(metric(live, "drafter_steps_total"), STEPS as f64, "the step budget per version was exceeded");
     assert_eq!(metric(live, "drafter_on_device"), 0.0, "a CPU server's drafter claims a device");
+    assert_eq!(metric(live, "drafter_trains_on_device"), 0.0, "a CPU server's drafter claims to train on a device");
     let bytes = metric(live, "drafter_buffer_bytes");
     assert!(bytes > 0.0 && bytes <= tlt_serve::drafter::DEFAULT_BUFFER_BYTES as f64, "{bytes}");
     assert!(a1 > a0 + 0.3, "online training did not raise the accept length: {a0:.3} -> {a1:.3}");
@@ -239,20 +243,21 @@ fn the_drafter_is_checkpointed_when_the_server_stops_and_starts_from_either_form
 #[test]
 fn the_online_drafter_learns_from_the_device_targets_hidden_states() {
     // The same drafter and requests as above, the target on the simulated device: its hidden rows come back from the
-    // device's verification (packed for the accepted nodes), the drafter trains on them (on the host) and drafts
-    // better, its forward on the device beside the target's.
+    // device's verification (packed for the accepted nodes), the drafter trains on them on the device (the engine
+    // thread steps it while nothing runs) and drafts better, its forward on the device beside the target's.
     let v1 = tiny();
     let measure = prompts(8, 1);
     let want = plain(&v1, &measure);
     let slots = 40 * sim_slot();
     let (a0, _) = accept_length(serve_sim(tiny(), eagle(None, None, 0), slots), &measure);
-    let live = serve_sim(tiny(), eagle(None, None, STEPS), slots);
+    let live = serve_sim(tiny(), eagle(None, None, DEVICE_STEPS), slots);
     assert_eq!(metric(live, "drafter_on_device"), 1.0, "the drafter drafts on the host");
+    assert_eq!(metric(live, "drafter_trains_on_device"), 1.0, "the drafter trains on the host");
     let training: Vec<Vec<u32>> = measure.iter().cloned().chain((2..5).flat_map(|seed| prompts(8, seed))).collect();
     batch(live, &training);
-    wait_for_steps(live, STEPS);
+    wait_for_steps(live, DEVICE_STEPS);
     let (a1, out) = accept_length(live, &measure);
-    println!("accept length on the simulated device: untrained {a0:.3}, after {STEPS} online steps {a1:.3}");
+    println!("accept length on the simulated device: untrained {a0:.3}, after {DEVICE_STEPS} online steps {a1:.3}");
     assert!(
         a1 > a0 + 0.3,
         "online training on the device's hidden states did not raise the accept length: {a0:.3} -> {a1:.3}"
@@ -261,4 +266,37 @@ fn the_online_drafter_learns_from_the_device_targets_hidden_states() {
     // mostly.
     let same = out.iter().zip(&want).filter(|(a, b)| a == b).count();
     assert!(same * 2 >= want.len(), "{same} of {} answers equal the host's plain decoding", want.len());
+}
+
+#[test]
+fn the_device_trainer_steps_once_per_round_in_the_tail_and_never_above_it() {
+    // The online drafter on a device backend's GPU, driven as the engine thread drives it: a round with more
+    // requests running than the tail threshold takes no step, a round in the tail (or idle) takes exactly one.
+    let model = tiny();
+    let (gpu, _) = test_device();
+    let stats = std::sync::Arc::new(tlt_serve::drafter::DrafterStats::default());
+    let DecodeConfig { eagle: Some(mut cfg), .. } = eagle(None, None, 100) else { unreachable!() };
+    cfg.tail_batch = 2;
+    let mut d = tlt_serve::drafter::OnlineDrafter::new(&model, &cfg, stats.clone(), Some(gpu)).unwrap();
+    let steps = || stats.steps.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(stats.trains_on_device.load(std::sync::atomic::Ordering::Relaxed), 1, "the drafter trains on the host");
+    assert!(!d.trains_when_idle(), "an empty buffer gives the idle engine nothing to train");
+    d.on_round(0);
+    assert_eq!(steps(), 0, "a step without samples");
+    let params =
+        tlt_spec_decode::SpecParams { stop_token_ids: Some(vec![]), ..tlt_spec_decode::SpecParams::greedy(24) };
+    let mut e = tlt_spec_decode::Engine::new(&model, params).unwrap();
+    e.record_hidden(true);
+    for p in prompts(4, 9) {
+        e.add_request(&p).unwrap();
+    }
+    e.run_to_completion(None, &tlt_spec_decode::Plan::chain(1)).unwrap();
+    for f in e.take_finished() {
+        d.observe(&f).unwrap();
+    }
+    assert!(d.trains_when_idle(), "new samples give the idle engine something to train");
+    for (running, want) in [(3, 0), (8, 0), (2, 1), (3, 1), (0, 2), (1, 3), (5, 3)] {
+        d.on_round(running);
+        assert_eq!(steps(), want, "after a round with {running} running");
+    }
 }
