@@ -119,6 +119,9 @@ pub struct Run {
     /// HTTP only: rounds the SD gate ran speculatively, and the accept length (tokens committed per speculative
     /// request-round) over them.
     pub sd_rounds_accept: Option<(u64, f64)>,
+    /// HTTP with `tlt` only: the online drafter's optimizer steps during the run (it trains only in the tail and
+    /// idle time), and whether it trained on the device.
+    pub drafter_steps_on_device: Option<(u64, bool)>,
 }
 
 /// An HTTP output that differs from its in-process twin.
@@ -199,11 +202,15 @@ fn workload(args: &ServeArgs, tok: &tokenizers::Tokenizer) -> Result<Vec<Req>> {
     Ok(reqs)
 }
 
-/// The server's decode settings: speculation off, gated (TLT's default gate) or in every round.
-fn decode(sd: Sd) -> DecodeConfig {
+/// The server's decode settings: speculation off, gated (TLT's default gate) or in every round, or TLT with its online
+/// EAGLE drafter (the server's `--eagle`: hybrid drafting, the drafter trained in the tail); `in_process`: the
+/// in-process twin's, which drafts without the EAGLE drafter (it has no engine thread to train one).
+fn decode(sd: Sd, in_process: bool) -> DecodeConfig {
     match sd {
         Sd::Off => DecodeConfig { speculate: false, ..DecodeConfig::default() },
         Sd::Gated => DecodeConfig::default(),
+        Sd::Tlt if in_process => DecodeConfig::default(),
+        Sd::Tlt => DecodeConfig { eagle: Some(tlt_serve::drafter::EagleConfig::default()), ..DecodeConfig::default() },
         Sd::Always => DecodeConfig::always_speculate(),
     }
 }
@@ -218,6 +225,10 @@ pub enum Sd {
     Gated,
     /// Speculation in every round.
     Always,
+    /// The gate and bandit with TLT's online EAGLE drafter (hybrid with group suffix drafting), trained while at most
+    /// 4 requests run (on the device with a device backend). Its in-process twin drafts without it (the same
+    /// outputs: decoding is lossless).
+    Tlt,
 }
 
 /// The rollout in process on `device`: one engine over `model` (a fresh device target on a device), round by round
@@ -251,7 +262,7 @@ fn decode_in_process<T: Target>(
         stop: Vec::new(),
         seed: 0,
     };
-    let cfg = decode(sd);
+    let cfg = decode(sd, true);
     let t0 = Instant::now();
     let mut e = Engine::new(target, params)?;
     let mut drafter = cfg.drafter(None)?;
@@ -280,7 +291,7 @@ fn start(
     sd: Sd,
     max_running: Option<usize>,
 ) -> Result<(SocketAddr, tokio::runtime::Runtime)> {
-    let mut decode = decode(sd);
+    let mut decode = decode(sd, false);
     decode.max_running = max_running.unwrap_or(decode.max_running);
     let mut cfg = ServeConfig { decode, model_name: "bench".into(), ..ServeConfig::default() };
     let server = match device.open()? {
@@ -372,6 +383,11 @@ fn http_run(
     let (wall, outs, lat) = over_http(addr, reqs, temperature)?;
     let rounds = metric(addr, "engine_rounds_total")? as u64;
     let sd_rounds_accept = Some((metric(addr, "engine_sd_rounds_total")? as u64, metric(addr, "spec_accept_length")?));
+    let drafter_steps_on_device = if sd == Sd::Tlt {
+        Some((metric(addr, "drafter_steps_total")? as u64, metric(addr, "drafter_trains_on_device")? > 0.0))
+    } else {
+        None
+    };
     rt.shutdown_background();
     let tokens: usize = outs.iter().map(Vec::len).sum();
     let run = Run {
@@ -387,6 +403,7 @@ fn http_run(
         differing: Vec::new(),
         rounds,
         sd_rounds_accept,
+        drafter_steps_on_device,
     };
     Ok((run, outs))
 }
@@ -491,6 +508,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 differing: Vec::new(),
                 rounds,
                 sd_rounds_accept: None,
+                drafter_steps_on_device: None,
             });
             let (mut run, outs) = match http {
                 Some(h) => h,
@@ -613,6 +631,15 @@ fn markdown(r: &ServeReport, args: &ServeArgs) -> String {
             s += &format!(
                 "\nDiffers ({:?}, repeat {}): request {} (seed {}), {} tokens over HTTP vs {} in process, from position {}\n",
                 run.sd, run.repeat, d.request, d.seed, d.tokens.0, d.tokens.1, d.first_difference
+            );
+        }
+    }
+    for run in &r.runs {
+        if let Some((steps, on_device)) = run.drafter_steps_on_device {
+            let site = if on_device { "on the device" } else { "on the host" };
+            s += &format!(
+                "\nOnline drafter (HTTP, repeat {}): {steps} optimizer steps during the run, {site}\n",
+                run.repeat
             );
         }
     }

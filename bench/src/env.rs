@@ -12,6 +12,8 @@ use tracing::info;
 pub const GGUF_VAR: &str = "TLT_SMOLLM2_GGUF";
 /// The asset cache (`$TLT_CACHE`, else `<workspace>/.cache`, as `cargo xtask` resolves it).
 pub const CACHE_VAR: &str = "TLT_CACHE";
+/// Where the suites write their JSON and Markdown (default `target/bench` of the workspace they were built in).
+pub const OUT_VAR: &str = "TLT_BENCH_DIR";
 /// The directory of the export check's Python packages (`cargo xtask fetch-assets --python-checks`).
 pub const PYEXPORT_VAR: &str = "TLT_PYEXPORT_DEPS";
 

@@ -55,9 +55,11 @@ pub fn command_line() -> String {
     std::iter::once("cargo xtask".to_string()).chain(std::env::args().skip(1)).collect::<Vec<_>>().join(" ")
 }
 
-/// Writes `target/bench/<suite>.json` (pretty-printed `report`) and `target/bench/<suite>.md` (`table`).
+/// Writes `<suite>.json` (pretty-printed `report`) and `<suite>.md` (`table`) into `$TLT_BENCH_DIR`, else
+/// `target/bench`.
 pub fn write_outputs(suite: &str, report: &impl Serialize, table: &str) -> Result<()> {
-    let dir = crate::env::workspace_root().join("target").join("bench");
+    let dir = std::env::var_os(crate::env::OUT_VAR)
+        .map_or_else(|| crate::env::workspace_root().join("target").join("bench"), std::path::PathBuf::from);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let json = serde_json::to_string_pretty(report)?;
     write(&dir.join(format!("{suite}.json")), &json)?;

@@ -445,9 +445,15 @@ pub fn run<B: Backend>(
     loop {
         let live: usize = w.lanes.iter().map(|l| l.engine.live_tokens()).sum();
         stats.live_tokens.store(live as u64, Ordering::Relaxed);
-        let idle_training = w.eagle.as_ref().is_some_and(OnlineDrafter::trains_when_idle);
-        let first = if w.running() > 0 || w.update.is_some() || !w.held.is_empty() || idle_training {
+        let first = if w.running() > 0 || w.update.is_some() || !w.held.is_empty() {
             None
+        } else if w.eagle.as_ref().is_some_and(OnlineDrafter::trains_when_idle) {
+            // Idle with a drafter to train on the device: a step per pass, messages between them.
+            match msgs.try_recv() {
+                Ok(m) => Some(m),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            }
         } else {
             match msgs.recv() {
                 Ok(m) => Some(m),

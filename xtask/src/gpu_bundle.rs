@@ -151,6 +151,18 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
         bail!("building gpu-bench and train failed");
     }
     copied.push((root.join("target/release/gpu-bench"), bin.join("gpu-bench")));
+    // tlt-serve on the GPU (the `serve` call): `bench serve --device cuda`, a bundle of its own (21 MB stripped).
+    let serve = root.join("target").join("gpu-serve");
+    let _ = std::fs::remove_dir_all(&serve);
+    std::fs::create_dir_all(serve.join("bin"))?;
+    let status = cargo()
+        .args(["build", "--release", "-p", "tlt-bench", "--features", "cuda", "--bin", "tlt-bench"])
+        .status()
+        .context("cargo build tlt-bench")?;
+    if !status.success() {
+        bail!("building tlt-bench failed");
+    }
+    copied.push((root.join("target/release/tlt-bench"), serve.join("bin").join("tlt-bench")));
     let e2e = root.join("target").join("gpu-e2e");
     let _ = std::fs::remove_dir_all(&e2e);
     std::fs::create_dir_all(e2e.join("bin"))?;
@@ -165,6 +177,7 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
     write_scripts(root, &dir)?;
     write_scripts(root, &ranks)?;
     write_scripts(root, &e2e)?;
+    write_scripts(root, &serve)?;
     let size = |d: &Path| -> u64 {
         copied
             .iter()
@@ -173,11 +186,12 @@ pub fn build(root: &Path, cargo: impl Fn() -> Command) -> Result<PathBuf> {
             .map(|m| m.len())
             .sum()
     };
-    let (mb, ranks_mb, e2e_mb) = (size(&dir), size(&ranks), size(&e2e));
+    let (mb, ranks_mb, e2e_mb, serve_mb) = (size(&dir), size(&ranks), size(&e2e), size(&serve));
     let calls: Vec<&str> = CALLS.iter().map(|c| c.name).collect();
     info!(dir = %dir.display(), mb = mb / 1_000_000, "GPU bundle ready: one call per `run.sh CALL`: {calls:?}");
     info!(dir = %ranks.display(), mb = ranks_mb / 1_000_000, "the `ranks` call's bundle: `target/gpu-ranks/run.sh ranks`");
     info!(dir = %e2e.display(), mb = e2e_mb / 1_000_000, "the `e2e` call's bundle: `target/gpu-e2e/run.sh e2e`");
+    info!(dir = %serve.display(), mb = serve_mb / 1_000_000, "the `serve` call's bundle: `target/gpu-serve/run.sh serve`");
     Ok(dir)
 }
 
@@ -231,8 +245,13 @@ fn write_scripts(root: &Path, dir: &Path) -> Result<()> {
 ///
 /// # Errors
 /// When a call breaks a rule or the script cannot run.
-pub fn dry_run(root: &Path, bench: &Path, train: &Path, gguf: &Path) -> Result<()> {
-    for (what, bin) in [("gpu-bench on the simulated device", bench), ("train on the CPU", train)] {
+pub fn dry_run(root: &Path, bench: &Path, train: &Path, serve: &Path, gguf: &Path) -> Result<()> {
+    let bins = [
+        ("gpu-bench on the simulated device", bench),
+        ("train on the CPU", train),
+        ("tlt-bench's serve suite on the simulated device", serve),
+    ];
+    for (what, bin) in bins {
         if !bin.exists() {
             bail!("{} is missing: the dry run runs {what}", bin.display());
         }
@@ -255,6 +274,7 @@ pub fn dry_run(root: &Path, bench: &Path, train: &Path, gguf: &Path) -> Result<(
             .env("TLT_DRY_TESTS", tests.join(" "))
             .env("TLT_DRY_BENCH", bench)
             .env("TLT_DRY_TRAIN", train)
+            .env("TLT_DRY_SERVE", serve)
             .env("TLT_DRY_GGUF", gguf)
             .current_dir(root);
     };

@@ -25,13 +25,15 @@ pub const OPTIONAL_LIMIT_S: u64 = 300;
 /// The calls of the plan, in order: call 1 (`all`: compile-kernels, the CUDA suites, gpu-bench on SmolLM2 and one
 /// 8B shape), call 2 (`e2e`: the demo's TLT-vs-baseline comparison on the GPU with SmolLM2's real weights, from
 /// `target/gpu-e2e`); then the optional calls (`extra`: the Qwen3-8B sweep; `peer`: HF transformers; `ranks`: 2
-/// MPI ranks on the GPU, from `target/gpu-ranks`) and the sections of call 1 alone, for reruns.
-pub const CALLS: [Call; 7] = [
+/// MPI ranks on the GPU, from `target/gpu-ranks`; `serve`: `tlt-serve` on the GPU against SD off, from
+/// `target/gpu-serve`) and the sections of call 1 alone, for reruns.
+pub const CALLS: [Call; 8] = [
     Call { name: "all", default: true, limit_s: 6 * 60 },
     Call { name: "e2e", default: true, limit_s: 5 * 60 },
     Call { name: "extra", default: false, limit_s: OPTIONAL_LIMIT_S },
     Call { name: "peer", default: false, limit_s: OPTIONAL_LIMIT_S },
     Call { name: "ranks", default: false, limit_s: OPTIONAL_LIMIT_S },
+    Call { name: "serve", default: false, limit_s: OPTIONAL_LIMIT_S },
     Call { name: "tests", default: false, limit_s: OPTIONAL_LIMIT_S },
     Call { name: "bench", default: false, limit_s: OPTIONAL_LIMIT_S },
 ];

@@ -13,6 +13,8 @@
 #   peer    optional: HF transformers' eager and compiled `generate` on the SmolLM2 shape
 #   ranks   optional, from its own bundle (target/gpu-ranks): data-parallel GRPO on 2 MPI ranks sharing the GPU
 #           (Open MPI from the bundle's pinned wheel), plain and with the EAGLE drafter's versions sent to rank 1
+#   serve   optional, from its own bundle (target/gpu-serve): tlt-serve on the GPU with SmolLM2's real weights (the
+#           parts, as for e2e), `bench serve --device cuda`: SD off, gated, and TLT with its drafter trained there
 #   tests | bench   a section of `all` alone (to rerun it; tests starts with compile-kernels too)
 # on a GPU machine with no Rust toolchain (NVRTC 13 and cuBLAS 13 from the Python environment's nvidia-* wheels or
 # the toolkit). Every step has a time budget (`timeout -k`) and is isolated: a failing step is reported and the rest
@@ -23,14 +25,15 @@
 # gpu-bundle --dry-run` (run by `cargo xtask test`) checks those rules, the budgets, and a call killed halfway.
 # TLT_DRY_RUN=1 stubs every GPU step: the test executables (TLT_DRY_TESTS names them) and the peer print canned
 # output, gpu-bench runs on the simulated device (TLT_DRY_BENCH names the binary), the e2e call's train runs on the
-# CPU (TLT_DRY_TRAIN, on TLT_DRY_GGUF with e2e-dry.toml).
+# CPU (TLT_DRY_TRAIN, on TLT_DRY_GGUF with e2e-dry.toml), the serve call's bench on the simulated device
+# (TLT_DRY_SERVE, a tlt-bench binary, a two-request load).
 # shellcheck disable=SC2317 # the *_notes hooks are called indirectly (`post=FUNCTION step ...`)
 set -uo pipefail
 call=${1:-}
 case "$call" in
-    all | e2e | extra | peer | ranks | tests | bench) ;;
+    all | e2e | extra | peer | ranks | serve | tests | bench) ;;
     *)
-        echo "usage: run.sh all|e2e|extra|peer|ranks|tests|bench" >&2
+        echo "usage: run.sh all|e2e|extra|peer|ranks|serve|tests|bench" >&2
         exit 2
         ;;
 esac
@@ -331,12 +334,42 @@ ranks() {
     post=ranks_notes step ranks-data-parallel 240 env TLT_DP_DEVICE=0 TLT_REQUIRE_MPI=1 "$here/bin/ranks-data-parallel"
 }
 
+# tlt-serve on the GPU (its own bundle, `target/gpu-serve`): `bench serve --device cuda` on SmolLM2's real weights, the
+# rollout-shaped load (GRPO groups of 8, long-tailed token limits) over HTTP against tlt-serve's device backend and in
+# process on the same device target: SD off, TLT's gate and bandit, and TLT with the online EAGLE drafter trained on
+# the device in the tail. It fails when an output differs from its twin's or from SD off's.
+serve_notes() {
+    echo
+    grep -E '^\| (http|in_process) |^Online drafter|^Speed-up|^Outputs equal|^Concurrency' "$log/serve.md" 2> /dev/null \
+        | cut -c1-200 | head -14 | sed 's/^/  /'
+}
+serve() {
+    local bench="$here/bin/tlt-bench" device=cuda model=${TLT_SMOLLM2_GGUF:-} budget=270
+    local size=(--prompts 16 --samples 8 --max-new-tokens 512 --min-new-tokens 16 --repeats 1 --concurrent 256)
+    if [ -n "$dry" ]; then
+        bench=${TLT_DRY_SERVE:?a dry run needs TLT_DRY_SERVE (a tlt-bench binary)}
+        model=${TLT_DRY_GGUF:?a dry run needs TLT_DRY_GGUF (the SmolLM2 GGUF)}
+        device=sim
+        size=(--prompts 1 --samples 2 --max-new-tokens 6 --min-new-tokens 2 --repeats 1 --concurrent 2)
+    fi
+    if [ -z "$model" ]; then
+        status=1
+        failed_steps="$failed_steps serve-smollm2"
+        say "serve-smollm2: rc 2 in 0 s (budget $budget s); not run: no SmolLM2 weights (send each" \
+            "target/gpu-weights/part-K of \`cargo xtask gpu-bundle --weights\` by its own call first)"
+        return
+    fi
+    post=serve_notes step serve-smollm2 "$budget" live env TLT_SMOLLM2_GGUF="$model" TLT_BENCH_DIR="$log" \
+        "$bench" bench serve --device "$device" "${size[@]}" --sd off,gated,tlt
+}
+
 case "$call" in
     all) compile_kernels; tests; bench ;;
     e2e) e2e ;;
     extra) extra ;;
     peer) peer ;;
     ranks) ranks ;;
+    serve) serve ;;
     tests) compile_kernels; tests ;;
     bench) bench ;;
 esac

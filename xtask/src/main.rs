@@ -178,19 +178,29 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Test { gpu, no_lint, args } => testing::test(gpu, no_lint, &args),
         Cmd::TestCuda { gpu } => testing::cuda_tests(gpu),
         Cmd::GpuBundle { dry_run: true, .. } => {
-            // gpu-bench and train with the features the release tests build them with, so that a dry run after them
-            // rebuilds nothing.
+            // gpu-bench, train and tlt-bench with the features the release tests build them with, so that a dry run
+            // after them rebuilds nothing.
             let status = cargo()
-                .args(["build", "--release", "--workspace", "--bin", "gpu-bench", "--bin", "train"])
+                .args([
+                    "build",
+                    "--release",
+                    "--workspace",
+                    "--bin",
+                    "gpu-bench",
+                    "--bin",
+                    "train",
+                    "--bin",
+                    "tlt-bench",
+                ])
                 .args(["--features", &all_features()])
                 .status()
                 .context("cargo build gpu-bench and train")?;
             if !status.success() {
-                bail!("building gpu-bench and train failed");
+                bail!("building gpu-bench, train and tlt-bench failed");
             }
             let (root, gguf) = (workspace_root(), assets::fetch_assets()?);
             let (bench, train) = (root.join("target/release/gpu-bench"), root.join("target/release/train"));
-            gpu_bundle::dry_run(&root, &bench, &train, &gguf)?;
+            gpu_bundle::dry_run(&root, &bench, &train, &root.join("target/release/tlt-bench"), &gguf)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::GpuBundle { weights, dry_run: false } => {

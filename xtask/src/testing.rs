@@ -143,10 +143,11 @@ pub fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
         return Ok(exit_code(code));
     }
     // The GPU plan's calls, with their GPU steps stubbed (gpu-bench on the simulated device, as the release tests
-    // above built it): the device tool's file and output rules and the plan's budgets hold.
-    let (bench, train) =
-        (workspace_root().join("target/release/gpu-bench"), workspace_root().join("target/release/train"));
-    if let Err(e) = gpu_bundle::dry_run(&workspace_root(), &bench, &train, &gguf) {
+    // above built it; tlt-bench's serve suite there, as built for the run above): the device tool's file and output
+    // rules and the plan's budgets hold.
+    let root = workspace_root();
+    let (bench, train) = (root.join("target/release/gpu-bench"), root.join("target/release/train"));
+    if let Err(e) = gpu_bundle::dry_run(&root, &bench, &train, &root.join("target/release/tlt-bench"), &gguf) {
         eprintln!("error: gpu-bundle dry run: {e:#}");
         return Ok(ExitCode::FAILURE);
     }
