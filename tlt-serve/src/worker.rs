@@ -385,6 +385,8 @@ struct Worker<'c, B: Backend> {
     /// Requests received and not yet admitted: beyond `max_running`, or held while an update waits for the running
     /// ones to finish.
     held: VecDeque<Job>,
+    /// Requests that arrived while paused, admitted after the continue (not counted by a flush).
+    parked: VecDeque<Job>,
     /// A pending update and how many requests it aborted.
     update: Option<(Box<Update>, usize)>,
     paused: bool,
@@ -436,6 +438,7 @@ pub fn run<B: Backend>(
         lanes: Vec::new(),
         kept: VecDeque::new(),
         held: VecDeque::new(),
+        parked: VecDeque::new(),
         update: None,
         paused: false,
         eagle,
@@ -519,11 +522,13 @@ impl<B: Backend> Worker<'_, B> {
 
     fn handle(&mut self, m: Msg) {
         match m {
-            // Admitted by `admit_held`; counted as waiting until then.
+            // Admitted by `admit_held`; counted as waiting until then. While paused, parked until the continue (as
+            // SGLang holds requests that arrive while paused before its scheduler, so they never block a flush).
+            Msg::Job(job) if self.paused => self.parked.push_back(job),
             Msg::Job(job) => self.held.push_back(job),
             Msg::Abort { rid, reply } => {
                 let which = |p: Option<&String>| rid.is_none() || p == rid.as_ref();
-                let n = self.abort_running(|p| which(p.rid.as_ref())) + self.abort_held(|j| which(j.rid.as_ref()));
+                let n = self.abort_running(|p| which(p.rid.as_ref())) + self.abort_waiting(|j| which(j.rid.as_ref()));
                 let _ = reply.send(n);
             }
             Msg::Flush { reply } => {
@@ -547,6 +552,7 @@ impl<B: Backend> Worker<'_, B> {
                 let _ = reply.send(n);
             }
             Msg::Continue => {
+                self.held.append(&mut self.parked);
                 self.paused = false;
                 self.stats.paused.store(false, Ordering::Relaxed);
             }
@@ -642,6 +648,15 @@ impl<B: Backend> Worker<'_, B> {
     }
 
     /// Ends the waiting requests `which` picks (they answer `abort` with no tokens); returns how many.
+    /// Ends the held requests `which` selects, and the parked ones too.
+    fn abort_waiting(&mut self, which: impl Fn(&Job) -> bool) -> usize {
+        let parked = std::mem::take(&mut self.parked);
+        let (gone, kept): (VecDeque<Job>, VecDeque<Job>) = parked.into_iter().partition(|j| which(j));
+        self.parked = kept;
+        self.held.extend(gone);
+        self.abort_held(which)
+    }
+
     fn abort_held(&mut self, which: impl Fn(&Job) -> bool) -> usize {
         let version = self.stats.version();
         let (gone, kept): (VecDeque<Job>, VecDeque<Job>) = self.held.drain(..).partition(|j| which(j));

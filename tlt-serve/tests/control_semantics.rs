@@ -82,3 +82,34 @@ fn health_generate_answers_without_queueing_behind_the_load() {
     }
     assert_eq!(post(addr, "/continue_generation", &json!({})).0, 200);
 }
+
+#[test]
+fn requests_arriving_while_paused_wait_for_the_continue_and_do_not_block_a_flush() {
+    // slime's update sequence with its workers still sending: pause (abort), flush, update, continue. As SGLang holds
+    // requests that arrive while paused before its scheduler, the flush succeeds and they run after the continue.
+    let addr = serve_with(slow(3), DecodeConfig::default());
+    let (status, v) = post(addr, "/pause_generation", &json!({"mode": "abort"}));
+    assert_eq!((status, &v["num_aborted_requests"]), (200, &json!(0)), "{v}");
+    let late: Vec<_> = (0..2).map(|i| send(addr, &format!("late{i}"), 4)).collect();
+    wait_for("two waiting", || metric(addr, "waiting_requests") == 2.0);
+    assert_eq!(metric(addr, "running_requests"), 0.0, "a request arriving while paused started");
+    let (status, v) = post(addr, "/flush_cache", &json!({}));
+    assert_eq!(status, 200, "requests that arrived while paused blocked the flush: {v}");
+    // One of them aborted by its rid while parked; the other runs after the continue.
+    let (status, v) = post(addr, "/abort_request", &json!({"rid": "late1"}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(post(addr, "/continue_generation", &json!({})).0, 200);
+    let mut late = late.into_iter();
+    let (status, v) = late.next().unwrap().join().unwrap();
+    assert_eq!((status, finish(&v), ids(&v).len()), (200, &json!("length"), 4), "{v}");
+    let (status, v) = late.next().unwrap().join().unwrap();
+    assert_eq!((status, finish(&v), ids(&v).len()), (200, &json!("abort"), 0), "{v}");
+    // The control: a request that arrived before the pause, paused in place, still blocks the flush.
+    let running = send(addr, "before", 3000);
+    wait_for("one running", || metric(addr, "running_requests") == 1.0);
+    assert_eq!(post(addr, "/pause_generation", &json!({"mode": "in_place"})).0, 200);
+    assert_eq!(post(addr, "/flush_cache", &json!({})).0, 400, "flushed with a request paused in place");
+    assert_eq!(post(addr, "/abort_request", &json!({"rid": "before"})).0, 200);
+    assert_eq!(running.join().unwrap().0, 200);
+    assert_eq!(post(addr, "/continue_generation", &json!({})).0, 200);
+}
