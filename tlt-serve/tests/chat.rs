@@ -185,7 +185,7 @@ fn loads_report_running_and_waiting_requests_and_their_tokens() {
         pool: tlt_serve::pool::PoolSpec { max_total_tokens: Some(capacity), ..Default::default() },
         ..tlt_serve::ServeConfig::default()
     };
-    let addr = serve_config(tiny(), None, cfg);
+    let addr = serve_config(slow(3), None, cfg);
     let v = loads(addr);
     assert_eq!(v["dp_rank_count"], 1);
     assert!(v["timestamp"].as_str().unwrap().ends_with('Z'), "{v}");
@@ -196,25 +196,31 @@ fn loads_report_running_and_waiting_requests_and_their_tokens() {
             "max_total_num_tokens": capacity, "token_usage": 0.0, "max_running_requests": 1, "num_total_reqs": 0})
     );
 
-    // Paused in place: the first request is admitted and holds its prompt, the second waits.
-    assert_eq!(post(addr, "/pause_generation", &json!({"mode": "in_place"})).0, 200);
-    let send = |prompt: Vec<u32>| {
+    // The first request runs, then the server pauses in place: it holds its cache, and the second, arriving while
+    // paused, waits.
+    let send = |prompt: Vec<u32>, n: usize| {
         std::thread::spawn(move || {
-            let body = json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}});
+            let body = json!({"input_ids": prompt,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": true}});
             post(addr, "/generate", &body)
         })
     };
-    let first = send(vec![2, 3, 4, 5, 6]);
+    let first = send(vec![2, 3, 4, 5, 6], 3000);
     wait_for(addr, "the first request running", |l| l["num_running_reqs"] == 1);
-    let second = send(vec![7, 8, 9]);
-    let v = wait_for(addr, "one running, one waiting", |l| l["num_waiting_reqs"] == 1 && l["num_used_tokens"] == 5);
+    assert_eq!(post(addr, "/pause_generation", &json!({"mode": "in_place"})).0, 200);
+    let second = send(vec![7, 8, 9], 8);
+    let v = wait_for(addr, "one running, one waiting", |l| l["num_waiting_reqs"] == 1);
     let load = &v["loads"][0];
+    let used = load["num_used_tokens"].as_u64().unwrap();
+    assert!((5..3005).contains(&used), "the running request's prompt and tokens so far: {v}");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(loads(addr)["loads"][0]["num_used_tokens"].as_u64(), Some(used), "tokens grew while paused");
     assert_eq!((load["num_running_reqs"].as_u64(), load["num_total_reqs"].as_u64()), (Some(1), Some(2)));
-    assert_eq!(load["token_usage"].as_f64().unwrap(), 5.0 / capacity as f64);
+    assert_eq!(load["token_usage"].as_f64().unwrap(), used as f64 / capacity as f64);
     assert_eq!(
         v["aggregate"],
-        json!({"total_running_reqs": 1, "total_waiting_reqs": 1, "total_reqs": 2, "total_used_tokens": 5,
-            "avg_token_usage": 5.0 / capacity as f64})
+        json!({"total_running_reqs": 1, "total_waiting_reqs": 1, "total_reqs": 2, "total_used_tokens": used,
+            "avg_token_usage": used as f64 / capacity as f64})
     );
     let (status, text) = get_body(addr, "/v1/loads?format=prometheus&dp_rank=0");
     assert_eq!(status, 200);

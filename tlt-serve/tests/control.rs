@@ -94,9 +94,10 @@ fn pause_aborts_running_requests_by_default_and_holds_new_ones() {
     let (status, v) = post_raw(addr, "/pause_generation", b"");
     assert_eq!((status, &v["num_aborted_requests"]), (200, &json!(1)), "{v}");
     assert_eq!(client.join().unwrap().1["meta_info"]["finish_reason"]["type"], "abort");
-    // Paused: a new request is admitted and waits; `retract` is refused by name.
+    // Paused: a new request waits for the continue, not admitted (as SGLang holds it); `retract` is refused by name.
     let held = std::thread::spawn(move || post(addr, "/generate", &long_request("b", 16)));
-    wait_for("the held request to be admitted", || metric(addr, "running_requests") == 1.0);
+    wait_for("the held request to wait", || metric(addr, "waiting_requests") == 1.0);
+    assert_eq!(metric(addr, "running_requests"), 0.0, "a request that arrived while paused was admitted");
     let rounds = metric(addr, "engine_rounds_total");
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(metric(addr, "engine_rounds_total"), rounds, "a paused server ran a round");
@@ -181,9 +182,9 @@ fn an_update_can_abort_what_runs_and_bad_updates_are_refused_by_field() {
 
     // Paused in place with a request running: an update that would let it finish is refused (it could not finish
     // before `continue`, and continuing it on new weights would mix versions); one that aborts it goes through.
-    assert_eq!(post(addr, "/pause_generation", &json!({"mode": "in_place"})).0, 200);
     let client = std::thread::spawn(move || post(addr, "/generate", &long_request("r", 3000)));
     wait_for("the request to be admitted", || metric(addr, "running_requests") == 1.0);
+    assert_eq!(post(addr, "/pause_generation", &json!({"mode": "in_place"})).0, 200);
     let (status, v) = post(addr, "/update_weights_from_disk", &json!({"model_path": path}));
     assert_eq!(status, 409, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("paused in place"), "{v}");
