@@ -15,14 +15,15 @@ slime's abort (requests in flight, held by an in-place pause so that they surely
 `/flush_cache` when idle, `/get_weight_version`. Prints one line per check; exits non-zero on the first failure.
 
 `--server-kind` (default `tlt-serve`) selects the two things that differ between the servers, not the payloads:
-- where the running-request count comes from (the script's own sync point, not something slime reads):
-  `tlt_serve_running_requests` in tlt-serve's `/metrics`, or SGLang's gauge `sglang:num_running_reqs` (summed over
-  its label sets; SGLang serves `/metrics` only with `--enable-metrics`);
-- the order of the abort check. tlt-serve admits requests during an in-place pause (they run once it ends), so
-  there the pause comes first, then the requests, then `abort_all`. SGLang holds a request that arrives during a
-  pause before admission (`tokenizer_manager.py`, `generate_request`) and `abort_all` does not reach it, so there
-  the requests are sent first and paused in place once all run (the reference mock decodes slowly enough for that);
-  its running requests end with `abort` after one more decode step, i.e. after `/continue_generation`.
+- where the count of requests in the server comes from (the script's own sync point, not something slime reads):
+  `tlt_serve_running_requests` plus `tlt_serve_waiting_requests` in tlt-serve's `/metrics`, or SGLang's gauge
+  `sglang:num_running_reqs` (summed over its label sets; SGLang serves `/metrics` only with `--enable-metrics`);
+- the order of the abort check. Both hold a request that arrives during a pause outside the queue (SGLang before
+  admission, `tokenizer_manager.py`, `generate_request`), but tlt-serve counts it as waiting in its loads and
+  `abort_all` ends it (so that slime's abort-until-idle loop ends), while SGLang's `abort_all` does not reach it. So
+  on tlt-serve the pause comes first, then the requests, then `abort_all`; on SGLang the requests are sent first and
+  paused in place once all run (the reference mock decodes slowly enough for that); its running requests end with
+  `abort` after one more decode step, i.e. after `/continue_generation`.
 
 `--router ROUTER_URL`: slime's deployment, with sglang-router in front of the engine at BASE_URL. The engine registers
 with the router as slime's `SGLangEngine._register_to_router` does (`POST /workers` with its URL and `worker_type`
@@ -205,10 +206,13 @@ def sampling_params(max_new_tokens):
 
 
 def running(base, kind):
-    """The server's running-request count from /metrics (see the module docstring)."""
+    """The server's count of the requests it holds from /metrics (see the module docstring): tlt-serve's running and
+    waiting ones (requests that arrive while it is paused wait for the continue, as SGLang holds them before its
+    scheduler), SGLang's running ones."""
     text = requests.get(f"{base}/metrics", timeout=60).text
     if kind == "tlt-serve":
-        return float(next(l.split()[1] for l in text.splitlines() if l.startswith("tlt_serve_running_requests ")))
+        names = ("tlt_serve_running_requests ", "tlt_serve_waiting_requests ")
+        return sum(float(l.split()[1]) for l in text.splitlines() if l.startswith(names))
     samples = [l for l in text.splitlines() if l.startswith("sglang:num_running_reqs{") or l.startswith("sglang:num_running_reqs ")]
     assert samples, "no sglang:num_running_reqs in /metrics (SGLang serves it with --enable-metrics)"
     return sum(float(l.rsplit(None, 1)[1]) for l in samples)
@@ -269,8 +273,9 @@ def main():
         print(f"ok through the router, top_logprobs_num 2 refused: {r.status_code} {r.json()['error']['message']}")
 
     # Abort: requests in flight, then what still runs is aborted, as slime does once it has enough samples. They are
-    # held by an in-place pause so that they surely still run when the abort comes (on tlt-serve's tiny test model a
-    # request would otherwise finish within milliseconds); the order depends on the server (module docstring).
+    # held by an in-place pause so that they are surely still in the server when the abort comes (on tlt-serve's tiny
+    # test model a request would otherwise finish within milliseconds; there they wait for the continue, as SGLang
+    # holds requests that arrive while paused); the order depends on the server (module docstring).
     answers = []
     def long_request(ids):
         answers.append(post(f"{gen}/generate", payload(ids, 64), "POST /generate (aborted)"))
@@ -281,7 +286,7 @@ def main():
         t.start()
     deadline = time.time() + 30
     while running(base, kind) < len(prompts):
-        assert time.time() < deadline, "the requests were not admitted"
+        assert time.time() < deadline, "the requests did not reach the server"
         time.sleep(0.01)
     if kind == "sglang":
         post(f"{base}/pause_generation", {"mode": "in_place"}, "POST /pause_generation (in_place)")

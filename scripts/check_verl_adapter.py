@@ -81,7 +81,9 @@ async def raw(base, method, path, body=None):
 async def running(base, kind):
     _, text = await raw(base, "GET", "/metrics")
     if kind == "tlt-serve":
-        return float(next(l.split()[1] for l in text.splitlines() if l.startswith("tlt_serve_running_requests ")))
+        # Running and waiting: requests that arrive while paused wait for the continue, as SGLang holds them.
+        names = ("tlt_serve_running_requests ", "tlt_serve_waiting_requests ")
+        return sum(float(l.split()[1]) for l in text.splitlines() if l.startswith(names))
     samples = [l for l in text.splitlines() if l.startswith("sglang:num_running_reqs")]
     assert samples, "no sglang:num_running_reqs in /metrics (start the mock with --enable-metrics)"
     return sum(float(l.rsplit(None, 1)[1]) for l in samples)
@@ -177,9 +179,9 @@ async def check_server(base, prompts, kind, update_dir):
         pass
     print(line + "; image_data refused")
 
-    # Aborts of requests in flight. tlt-serve admits requests during an in-place pause, so they are paused first;
-    # SGLang holds requests that arrive while paused before admission, where abort_all does not reach them, so
-    # there they are sent first and paused once they run (see check_slime_client.py).
+    # Aborts of requests in flight. tlt-serve holds requests that arrive during an in-place pause as waiting, where
+    # abort_all ends them, so they are paused first; SGLang holds them before admission, where abort_all does not
+    # reach them, so there they are sent first and paused once they run (see check_slime_client.py).
     ids = [rid() for _ in range(3)]
     long = agent_loop_params(max_tokens=64, ignore_eos=True)
     if kind == "tlt-serve":
@@ -191,7 +193,7 @@ async def check_server(base, prompts, kind, update_dir):
             break
         await asyncio.sleep(0.01)
     else:
-        raise AssertionError("the requests were not admitted")
+        raise AssertionError("the requests did not reach the server")
     if kind == "sglang":
         status, text = await raw(base, "POST", "/pause_generation", {"mode": "in_place"})
         assert status == 200, text

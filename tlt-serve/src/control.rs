@@ -41,8 +41,9 @@ pub(crate) async fn flush_cache(State(s): State<Arc<AppState>>) -> Response {
 }
 
 /// `POST /pause_generation` (body optional, as SGLang's clients send it with or without `{"mode": ...}`): no round
-/// runs until `/continue_generation`; requests are still taken (admitted, not advanced). Mode `abort` (the default)
-/// first ends the running and the queued requests (SGLang's), `in_place` keeps them.
+/// runs until `/continue_generation`; requests are still taken and wait for it outside the queue (as SGLang holds
+/// them before its scheduler: they block neither a flush nor an update; an abort ends them). Mode `abort` (the
+/// default) first ends the running and the queued requests (SGLang's), `in_place` keeps them.
 pub(crate) async fn pause(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let req: PauseRequest = if body.iter().all(u8::is_ascii_whitespace) {
         PauseRequest::default()
