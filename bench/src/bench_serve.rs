@@ -298,7 +298,7 @@ fn start(
         None => Server::start(model, None, cfg)?,
         Some((gpu, name)) => {
             cfg.pool.max_total_tokens = Some(cfg.decode.max_running * slot_len(model.config()));
-            let beside = cfg.decode.beside(model.config())?;
+            let beside = cfg.decode.beside(model.config());
             let backend = DeviceBackend::new(model, gpu, &name, &cfg.pool, cfg.decode.max_running, beside)?;
             Server::start_on(backend, None, cfg)?
         }

@@ -172,12 +172,9 @@ impl DecodeConfig {
     }
 
     /// The device memory the online drafter takes beside a device target of `model` (none without one), which a
-    /// device backend's KV pool leaves to it.
-    ///
-    /// # Errors
-    /// As [`crate::drafter::device_footprint`].
-    pub fn beside(&self, model: &tlt_model::LlamaConfig) -> Result<crate::pool::Beside> {
-        self.eagle.as_ref().map_or(Ok(crate::pool::Beside::default()), |e| crate::drafter::device_footprint(model, e))
+    /// device backend's KV pool leaves to it ([`crate::drafter::device_footprint`]).
+    pub fn beside(&self, model: &tlt_model::LlamaConfig) -> crate::pool::Beside {
+        self.eagle.as_ref().map(|e| crate::drafter::device_footprint(model, e)).unwrap_or_default()
     }
 
     /// A fresh decoder for an engine.

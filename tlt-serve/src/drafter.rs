@@ -175,18 +175,21 @@ fn start_trainer(model: &Llama, cfg: &EagleConfig) -> Result<DrafterTrainer> {
 }
 
 /// Device memory the online drafter of `cfg` takes beside a device target of `model` (its training and its forward),
-/// out of the static share the KV pool is sized from.
-///
-/// # Errors
-/// [`Error::Invalid`] for a drafter the device trainer does not cover.
-pub fn device_footprint(model: &tlt_model::LlamaConfig, cfg: &EagleConfig) -> Result<crate::pool::Beside> {
+/// out of the static share the KV pool is sized from. A drafter the device trainer does not cover trains on the host
+/// ([`OnlineDrafter::new`]) and takes no training memory there.
+pub fn device_footprint(model: &tlt_model::LlamaConfig, cfg: &EagleConfig) -> crate::pool::Beside {
     let dcfg = DrafterConfig::eagle2_from_target(model, false);
-    let invalid = |e: tlt_drafter::Error| Error::Invalid { field: "drafter".into(), reason: e.to_string() };
-    let train = CudaOnlineTrainer::memory(&dcfg, &cfg.train).map_err(invalid)?;
+    let train = CudaOnlineTrainer::memory(&dcfg, &cfg.train).unwrap_or(0);
     let forward =
         tlt_drafter::cuda::CudaDrafter::memory(&dcfg, tlt_drafter::cuda::CudaDraftOptions { slots: 0, max_len: 0 });
     // The drafter's cache: keys and values of its one layer, bf16, per position of every slot.
-    Ok(crate::pool::Beside { bytes: (train + forward) as u64, per_token: 2 * dcfg.llama.kv_dim() * 2 })
+    crate::pool::Beside { bytes: (train + forward) as u64, per_token: 2 * dcfg.llama.kv_dim() * 2 }
+}
+
+/// Whether a trainer at `steps` has used the budget of `budget` steps of the version begun at `start` (`None`:
+/// unbounded).
+fn budget_spent(steps: u64, start: u64, budget: Option<u64>) -> bool {
+    budget.is_some_and(|b| steps >= start.saturating_add(b))
 }
 
 impl OnlineDrafter {
@@ -255,10 +258,8 @@ impl OnlineDrafter {
         let (budget, start, counted) = (cfg.steps_per_version, epoch_start.clone(), trainer.clone());
         let (live, published) = (stats.clone(), slot.clone());
         let bounded = move || {
-            if let Some(b) = budget {
-                if counted.lock().steps_done() >= start.load(Ordering::Relaxed).saturating_add(b) {
-                    return Ok(MicroStepOutcome::NoData);
-                }
+            if budget_spent(counted.lock().steps_done(), start.load(Ordering::Relaxed), budget) {
+                return Ok(MicroStepOutcome::NoData);
             }
             let out = step()?;
             live.steps.store(counted.lock().steps_done(), Ordering::Relaxed);
@@ -324,8 +325,7 @@ impl OnlineDrafter {
     fn device_step(&mut self) {
         let Site::Device { trainer, publish_every, budget, trained } = &mut self.site else { return };
         self.fresh.store(false, Ordering::Relaxed);
-        let start = self.epoch_start.load(Ordering::Relaxed);
-        if budget.is_some_and(|b| trainer.steps_done() >= start.saturating_add(b)) {
+        if budget_spent(trainer.steps_done(), self.epoch_start.load(Ordering::Relaxed), *budget) {
             *trained = false;
             return;
         }

@@ -178,7 +178,7 @@ async fn serve(tuned_allocator: bool) -> Result<()> {
     let server = match args.device.open()? {
         None => Server::start(loaded.model, loaded.tokenizer, cfg)?,
         Some((gpu, name)) => {
-            let beside = cfg.decode.beside(loaded.model.config())?;
+            let beside = cfg.decode.beside(loaded.model.config());
             let max_running = cfg.decode.max_running;
             let backend =
                 tlt_serve::backend::DeviceBackend::new(loaded.model, gpu, &name, &cfg.pool, max_running, beside)?;

@@ -179,7 +179,7 @@ pub fn serve_sim(model: Llama, decode: DecodeConfig, tokens: usize) -> SocketAdd
         pool,
         ..ServeConfig::default()
     };
-    let beside = cfg.decode.beside(model.config()).unwrap();
+    let beside = cfg.decode.beside(model.config());
     let backend =
         tlt_serve::backend::DeviceBackend::new(model, gpu, name, &cfg.pool, cfg.decode.max_running, beside).unwrap();
     serve_server(Server::start_on(backend, None, cfg).unwrap())
