@@ -7,7 +7,8 @@
 //!
 //! Engines, not a home-made transport: [`SelfComm`] is the one-rank job (every collective is the identity), and
 //! `mpi::MpiComm` (feature `mpi`) runs ranks as MPI processes launched by `mpirun`/`srun`. Device tensors go
-//! through NCCL: `nccl::NcclComm` (feature `nccl`), one rank per GPU, its unique id broadcast over a [`Comm`].
+//! through NCCL: `nccl::NcclComm` (feature `nccl`), one rank per GPU, its unique id broadcast over a [`Comm`] or
+//! read from torch's `TCPStore` ([`store`]) when the other ranks are a torch job's.
 //!
 //! ```
 //! use tlt_comm::{Comm, SelfComm};
@@ -26,6 +27,7 @@ pub mod launch;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod store;
 
 /// A point-to-point message tag (which kind of control message).
 pub type Tag = u16;
@@ -38,6 +40,10 @@ pub enum Error {
     /// the threading level needed), or no CUDA driver or NCCL library loads.
     #[error("communication engine unavailable: {0}")]
     Unavailable(String),
+    /// torch's `TCPStore` (where a trainer's process group meets) could not be reached, or answered otherwise than
+    /// torch does, or a key was not set in time.
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
     /// A rank out of range, a message to oneself, or buffers whose lengths differ across ranks.
     #[error("invalid communication: {0}")]
     Invalid(String),

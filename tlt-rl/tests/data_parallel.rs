@@ -330,6 +330,11 @@ fn against_one_rank(mode: &str, root: &Path) -> RunLog {
     r0
 }
 
+/// Rank 1's delay per round (ms) once rank 0 has finished its share, in the stealing tests. With none, a 2-core
+/// machine loaded by other work once let rank 1 run through its queued groups before rank 0's request for work
+/// reached it: one step of four stole nothing ([1, 2, 0, 1]).
+const HELD_MS: u64 = 5;
+
 /// Rollout imbalance of a run: per step, the slowest rank's rollout time over the mean.
 fn imbalance(log: &RunLog) -> Vec<f64> {
     log.rank_rollout_s.iter().map(|r| r.iter().copied().fold(0.0, f64::max) / (r.iter().sum::<f64>() / 2.0)).collect()
@@ -339,11 +344,12 @@ fn imbalance(log: &RunLog) -> Vec<f64> {
 /// group at a time: without stealing rank 0 idles while rank 1's queued groups wait; with it rank 0 takes them in
 /// every step, so rank 1 decodes fewer groups (fewer engine rounds: counted, not timed), and the
 /// tokens and weights stay those of the balanced run (coins keyed by request, gradients by the groups' owners).
+/// Once released, rank 1 takes [`HELD_MS`] per round, so its queue outlasts rank 0's request for work.
 fn stealing_is_lossless(root: &Path, balanced: &RunLog) {
     let mut runs = Vec::new();
     for steal in [false, true] {
         let out = root.join(format!("skew-steal-{steal}"));
-        let mut env = vec![("TLT_DP_SKEW", "0".to_string())];
+        let mut env = vec![("TLT_DP_SKEW", HELD_MS.to_string())];
         if !steal {
             env.push(("TLT_DP_NOSTEAL", "1".into()));
         }
@@ -383,7 +389,7 @@ fn stealing_is_lossless(root: &Path, balanced: &RunLog) {
 /// float-summation distance of it.
 fn three_ranks_steal(root: &Path, balanced: &RunLog) {
     let out = root.join("three-ranks");
-    let (ok, secs, err) = mpirun_n(3, &out, &[("TLT_DP_SKEW", "0".to_string())]);
+    let (ok, secs, err) = mpirun_n(3, &out, &[("TLT_DP_SKEW", HELD_MS.to_string())]);
     assert!(ok, "mpirun -np 3 (skewed) failed:\n{err}");
     let logs: Vec<RunLog> = (0..3).map(|r| read_log(&out, r)).collect();
     let (gap, _) = weight_gap(&balanced.weights, &logs[0].weights);

@@ -70,19 +70,29 @@ fn a_slow_verifier_hides_behind_decoding() {
         assert!(mo.reward_s >= 0.9 * 32.0 * delay.as_secs_f64());
     }
     // The median pair: overlapped generation within 40% of max(rollout, rewards) (the last wave's rewards, an
-    // eighth of them, can only start when it finishes), and well under their sum.
-    let mut ratios: Vec<(f64, f64)> = pairs
-        .iter()
-        .map(|(s, o)| {
-            let m = &o.metrics;
-            (generation_s(o) / m.rollout_s.max(m.reward_s), generation_s(o) / generation_s(s))
-        })
-        .collect();
-    ratios.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let (to_max, to_serial) = ratios[1];
-    println!("median: overlapped / max(rollout, rewards) = {to_max:.2}; overlapped / serial = {to_serial:.2}");
-    assert!(to_max < 1.4, "overlapped generation is {to_max:.2}x max(rollout, rewards)");
-    assert!(to_serial < 0.8, "overlapped generation is {to_serial:.2}x the serial one");
+    // eighth of them, can only start when it finishes).
+    let mut to_max: Vec<f64> =
+        pairs.iter().map(|(_, o)| generation_s(o) / o.metrics.rollout_s.max(o.metrics.reward_s)).collect();
+    to_max.sort_by(f64::total_cmp);
+    // Well under the sum, measured two ways that a loaded machine cannot fake: within one step (its generation
+    // against its own rollout plus its rewards, the serial cost of the same work), and across steps by the fastest
+    // of each kind (load only adds time). The median of per-pair ratios was asserted until a CI run on a loaded
+    // 2-core machine decoded one serial step 1.6x faster than its overlapped twin (0.153 s against 0.247 s): 0.86.
+    let mut to_own_sum: Vec<f64> =
+        pairs.iter().map(|(_, o)| generation_s(o) / (o.metrics.rollout_s + o.metrics.reward_s)).collect();
+    to_own_sum.sort_by(f64::total_cmp);
+    let fastest = |f: fn(&(StepReport, StepReport)) -> &StepReport| {
+        pairs.iter().map(|p| generation_s(f(p))).fold(f64::INFINITY, f64::min)
+    };
+    let to_serial = fastest(|p| &p.1) / fastest(|p| &p.0);
+    println!(
+        "median: overlapped / max(rollout, rewards) = {:.2}; overlapped / (its rollout + its rewards) = {:.2}; \
+         fastest overlapped / fastest serial = {to_serial:.2}",
+        to_max[1], to_own_sum[1]
+    );
+    assert!(to_max[1] < 1.4, "overlapped generation is {:.2}x max(rollout, rewards)", to_max[1]);
+    assert!(to_own_sum[1] < 0.8, "overlapped generation is {:.2}x its rollout plus its rewards", to_own_sum[1]);
+    assert!(to_serial < 0.8, "the fastest overlapped generation is {to_serial:.2}x the fastest serial one");
     // The median pair's share of hidden reward time (the smallest of the three was asserted until a CI run on a
     // loaded 2-core machine decoded one step twice as fast as the others and hid 32% behind it, 86-88% in the
     // other two pairs; the medians above already set the bar).

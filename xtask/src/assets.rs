@@ -126,8 +126,10 @@ fn ensure_wheel(dir: &Path, requirement: &str, prefix: &str) -> Result<PathBuf> 
 /// (`openai`: `tlt-serve`'s OpenAI endpoints read by the official client; `requests` and `packaging`: what TRL's
 /// client code needs; `aiohttp`: the verl adapter's HTTP client (`python/tlt_verl`); `aiohttp`, `setproctitle`,
 /// `orjson`, `uvicorn` and `fastapi`: sglang-router's dependencies, pinned here because it is installed without
-/// them (below); all in `tlt-serve/tests/python_clients.rs`.)
-const PY_CHECK_REQUIREMENTS: [&str; 10] = [
+/// them (below); all in `tlt-serve/tests/python_clients.rs`. `torch`: its `TCPStore`, the rendezvous of a trainer's
+/// weight-update group, in `tlt-comm/tests/store.rs`; PyPI's Linux wheel is the CUDA build and `import torch` needs
+/// its `nvidia-*` libraries, about 5.4 GB and 3 minutes on a 2-core VM, the lightest way to the real store.)
+const PY_CHECK_REQUIREMENTS: [&str; 11] = [
     "safetensors==0.8.0",
     "numpy==2.4.6",
     "openai==3.51.0",
@@ -138,6 +140,7 @@ const PY_CHECK_REQUIREMENTS: [&str; 10] = [
     "orjson==3.13.0",
     "uvicorn==0.54.0",
     "fastapi==0.165.0",
+    "torch==2.14.1",
 ];
 
 /// Python packages the checks install without their dependencies: TRL's would pull torch, transformers and vLLM (GPU
