@@ -16,7 +16,7 @@ use serde_json::json;
 use crate::api::{AbortRequest, PauseRequest, UpdateWeightsRequest};
 use crate::reply::answer;
 use crate::state::AppState;
-use crate::worker::{Msg, Update};
+use crate::worker::{Msg, Update, Weights};
 use crate::Error;
 
 /// `GET /get_weight_version`.
@@ -102,10 +102,10 @@ pub(crate) async fn abort(State(s): State<Arc<AppState>>, body: Result<Json<Abor
 }
 
 /// The update in progress: taken, or refused (409) while another holds it; released when dropped.
-struct OneUpdate<'a>(&'a std::sync::atomic::AtomicBool);
+pub(crate) struct OneUpdate<'a>(&'a std::sync::atomic::AtomicBool);
 
 impl<'a> OneUpdate<'a> {
-    fn take(flag: &'a std::sync::atomic::AtomicBool) -> crate::Result<Self> {
+    pub(crate) fn take(flag: &'a std::sync::atomic::AtomicBool) -> crate::Result<Self> {
         flag.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
             .map(|_| Self(flag))
             .map_err(|_| Error::Busy("another weight update is in progress: refused before loading".into()))
@@ -143,7 +143,7 @@ pub(crate) async fn update_weights(
         let aborted = s
             .control(|reply| {
                 Msg::Update(Box::new(Update {
-                    model: loaded.model,
+                    model: Weights::Model(Box::new(loaded.model)),
                     version,
                     abort_running: req.abort_all_requests,
                     reply,

@@ -2,7 +2,9 @@
 //! ([`Server::start`]), and the listening socket ([`bind`]).
 
 use crate::backend::{Backend, CpuBackend};
-use crate::{api, drafter, guard, pool, routes, server_info, state, stats, weights, worker, Error, Result};
+use crate::{
+    api, distributed, drafter, guard, pool, routes, server_info, state, stats, weights, worker, Error, Result,
+};
 
 /// A server's settings besides its model.
 #[derive(Debug, Clone, Default)]
@@ -144,6 +146,7 @@ impl Server {
             speculative_algorithm: decode.speculative_algorithm(),
             bandit: bandit.as_ref().map(|d| crate::decode::bandit_arms(d.mab())),
         });
+        let groups = distributed::Groups::new(&backend.device(), backend.model());
         let tokenizer = tokenizer.map(std::sync::Arc::new);
         let engine_tokenizer = tokenizer.clone();
         let engine_stats = stats.clone();
@@ -184,6 +187,7 @@ impl Server {
             server_args,
             weight_roots,
             guard: cfg.guard,
+            groups,
         });
         Ok(Self { router: routes::router(state), engine })
     }

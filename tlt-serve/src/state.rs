@@ -40,6 +40,8 @@ pub struct AppState {
     pub weight_roots: crate::weights::WeightRoots,
     /// The key, the bounds.
     pub guard: crate::guard_config::GuardConfig,
+    /// The weight-update groups joined (`/init_weights_update_group`).
+    pub groups: crate::distributed::Groups,
 }
 
 impl AppState {

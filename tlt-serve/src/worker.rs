@@ -62,11 +62,20 @@ pub enum Msg {
     Update(Box<Update>),
 }
 
+/// What an update brings.
+#[derive(Debug)]
+pub enum Weights {
+    /// A whole model (loaded off the engine thread; same architecture as the served one).
+    Model(Box<Llama>),
+    /// Tensors by HF name, laid over the served weights (a bucket of a distributed update).
+    Tensors(Vec<(String, candle_core::Tensor)>),
+}
+
 /// New weights for the engine thread.
 #[derive(Debug)]
 pub struct Update {
-    /// The model (already loaded, off the engine thread; same architecture as the served one).
-    pub model: Llama,
+    /// The weights.
+    pub model: Weights,
     /// Its version, reported in every response decoded with it.
     pub version: String,
     /// End the running requests now (they answer with finish reason `abort`) instead of letting them finish.
@@ -560,12 +569,22 @@ impl<B: Backend> Worker<'_, B> {
         }
     }
 
-    fn begin_update(&mut self, u: Box<Update>) {
+    fn begin_update(&mut self, mut u: Box<Update>) {
         if self.update.is_some() {
             let _ = u.reply.send(Err(Error::Busy("another weight update is in progress".into())));
             return;
         }
-        if !u.model.config().same_architecture(self.backend.model().config()) {
+        if let Weights::Tensors(t) = &mut u.model {
+            match crate::distributed::overlay(self.backend.model(), std::mem::take(t)) {
+                Ok(m) => u.model = Weights::Model(Box::new(m)),
+                Err(e) => {
+                    let _ = u.reply.send(Err(e));
+                    return;
+                }
+            }
+        }
+        let Weights::Model(model) = &u.model else { return };
+        if !model.config().same_architecture(self.backend.model().config()) {
             let _ = u.reply.send(Err(Error::Invalid {
                 field: "model_path".into(),
                 reason: "its config.json differs from the served model's: only weights can change".into(),
@@ -593,7 +612,11 @@ impl<B: Backend> Worker<'_, B> {
         // Engines hold the old model; idle lanes go with it (their gates and bandits stay).
         self.drop_lanes(true);
         let Update { model, version, reply, .. } = *u;
-        if let Err(e) = self.backend.update(model) {
+        let Weights::Model(model) = model else {
+            let _ = reply.send(Err(Error::Engine("an update's tensors were not laid over the weights".into())));
+            return;
+        };
+        if let Err(e) = self.backend.update(*model) {
             tracing::error!(error = %e, "the weight update failed");
             let _ = reply.send(Err(e));
             return;
