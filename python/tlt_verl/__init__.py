@@ -38,7 +38,7 @@ server's `context_length` from `/get_server_info` when `max_model_len` is not gi
 `return_logprob`; `top_k` of 0 or below -> left out (SGLang's "off"); `seed` -> `sampling_seed`; keys whose value is
 None -> left out; anything else is sent as it is (tlt-serve refuses, by name, what it does not serve, e.g.
 `repetition_penalty` other than 1). `TokenOutput.num_preempted` is SGLang's `meta_info.num_retractions` when the
-server sends it; `extra_info` carries `weight_version` and the raw finish reason (verl versions whose `TokenOutput`
+server sends it; `extra_fields` carries `weight_version` and the raw finish reason (verl versions whose `TokenOutput`
 lacks that field drop it: pydantic ignores unknown fields).
 
 Not served here: `image_data` / `video_data` (a NotImplementedError: tlt-serve serves text models), routed experts,
@@ -46,8 +46,9 @@ and verl's own weight synchronization (`CheckpointEngineManager` pushes tensors 
 NCCL/CUDA IPC); save the policy and call `update_weights_from_disk` instead. `wake_up` and `sleep` are no-ops (an
 external server keeps its memory, as verl's servers do in standalone mode); profiling calls are no-ops.
 
-Using it from verl (not tried here: verl needs torch and Ray; `scripts/check_verl_adapter.py` checks the HTTP contract
-and the registry path against stand-ins shaped as above). Put this directory's parent (`python/`) on `PYTHONPATH` of
+Using it from verl (`scripts/check_verl_adapter.py` checks the HTTP contract, and the registry path in verl 0.9.1
+itself: `LLMServerManager.create` in standalone mode on a local Ray, its load balancer and `LLMServerClient.generate`;
+against stand-ins shaped as above where verl does not import). Put this directory's parent (`python/`) on `PYTHONPATH` of
 every Ray node, give the server addresses in the rollout config's extension dict and register the replica before
 verl builds its `AgentLoopManager`, in the same process:
 
@@ -98,14 +99,14 @@ STOP_REASONS = {"abort": "aborted", "stop": "completed", "length": "completed"}
 
 @dataclass
 class TokenOutput:
-    """verl's `TokenOutput`, for when verl is not importable (same field names; `extra_info` added)."""
+    """verl's `TokenOutput`, for when verl is not importable (same field names)."""
 
     token_ids: list[int]
     log_probs: Optional[list[float]] = None
     routed_experts: Optional[Any] = None
     stop_reason: Optional[str] = None
     num_preempted: Optional[int] = None
-    extra_info: dict[str, Any] = field(default_factory=dict)
+    extra_fields: dict[str, Any] = field(default_factory=dict)
 
 
 _VERL_IMPORT_TRIED = False
@@ -196,7 +197,7 @@ def token_output(answer: dict[str, Any], return_logprob: bool):
         log_probs=log_probs,
         stop_reason=STOP_REASONS.get(kind, kind),
         num_preempted=meta.get("num_retractions"),
-        extra_info={"weight_version": meta.get("weight_version"), "finish_reason": kind},
+        extra_fields={"weight_version": meta.get("weight_version"), "finish_reason": kind},
     )
 
 
@@ -376,14 +377,23 @@ class _ReplicaMethods:
     async def clear_kv_cache(self):
         return await self._call("clear_kv_cache")
 
-    async def abort_all_requests(self) -> dict[str, Any]:
+    async def abort_all_requests(self, reject_request: bool = False) -> dict[str, Any]:
+        """Ends every running request (`reject_request` is accepted: requests sent while none runs are served)."""
         return await self._call("abort_all_requests")
 
     async def abort_request(self, request_id: str) -> dict[str, Any]:
         return await self._call("abort_request", request_id)
 
-    async def resume_all_requests(self):
-        """A no-op: aborted requests have answered with what they had (verl's base replica only logs here)."""
+    async def resume_generation(self):
+        """A no-op: aborted requests have answered with what they had, and new ones are served."""
+
+    resume_all_requests = resume_generation  # verl before 0.9's name
+
+    async def release_kv_cache(self):
+        """A no-op: the external server keeps its memory."""
+
+    async def resume_kv_cache(self):
+        """A no-op: the external server keeps its memory."""
 
     async def start_profile(self, **kwargs):
         await self._call("start_profile", **kwargs)
@@ -453,8 +463,8 @@ def verl_replica_class():
     from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
     class TltServeVerlReplica(_ReplicaMethods, RolloutReplica):
-        def __init__(self, replica_rank, config, model_config, gpus_per_node=8, is_reward_model=False):
-            super().__init__(replica_rank, config, model_config, gpus_per_node, is_reward_model)
+        def __init__(self, replica_rank, config, model_config, gpus_per_node=8, is_reward_model=False, **kwargs):
+            super().__init__(replica_rank, config, model_config, gpus_per_node, is_reward_model, **kwargs)
             addrs = addresses_from(self.config)
             if replica_rank >= len(addrs):
                 raise ValueError(f"replica {replica_rank} has no tlt-serve address ({len(addrs)} given: {addrs})")

@@ -8,7 +8,7 @@
 //! legacy and the libuv servers alike: a query is one byte naming it followed by its arguments, strings and byte
 //! vectors as a little-endian `u64` length and the bytes, integers in native (little-endian) order. A connection
 //! opens with `VALIDATE` (a magic number the server checks) and a `PING` whose nonce comes back. User keys carry the
-//! store's `/` prefix, as `TCPStore::set/get/add` add it; a [`Prefixed`] key is what torch's `PrefixStore` makes of
+//! store's `/` prefix, as `TCPStore::set/get/add` add it; [`prefixed`] gives the key torch's `PrefixStore` makes of
 //! one (`prefix + "/" + key`, nested).
 //!
 //! Tested against torch's own `TCPStore` and `PrefixStore` (`tests/store.rs`, `scripts/check_tcpstore.py`).

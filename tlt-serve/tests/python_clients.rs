@@ -8,7 +8,8 @@
 //! - TRL's `VLLMClient` request and parsing code (`scripts/check_trl_client.py`, trl 1.16.0 installed without its
 //!   GPU dependencies), whose samples are then checked against SGLang's `/generate` with the same seed;
 //! - the verl adapter (`python/tlt_verl`, aiohttp) driven as verl's agent loop drives its rollout servers
-//!   (`scripts/check_verl_adapter.py`), against the SGLang mock and the binary;
+//!   (`scripts/check_verl_adapter.py`), against the SGLang mock and the binary, and registered in verl 0.9.1 itself
+//!   (its `LLMServerManager` on a local Ray, its load balancer and `LLMServerClient`);
 //! - slime's deployment: PyPI's sglang-router 0.3.2 (the Rust gateway, started as slime starts it:
 //!   `scripts/run_sglang_router.py`, 127.0.0.1 only, killed at the end) in front of the binary, the engine
 //!   registered as slime registers it, slime's rollout, eval and abort through it (`check_slime_client.py --router`);
@@ -312,6 +313,10 @@ fn verls_rollout_server_contract_holds_through_the_adapter() {
         &[format!("http://127.0.0.1:{port}"), prompts, "--update-weights-from".into(), dir.display().to_string()],
     );
     assert!(out.contains("verl adapter: all checks passed"), "{out}");
+    // With the checks required, verl itself (installed by `cargo xtask test`) drove the adapter, not stand-ins.
+    if std::env::var_os("TLT_REQUIRE_PYTHON_CHECK").is_some() {
+        assert!(out.contains(" itself: get_rollout_replica_class"), "verl's own classes did not run:\n{out}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -128,8 +128,11 @@ fn ensure_wheel(dir: &Path, requirement: &str, prefix: &str) -> Result<PathBuf> 
 /// `orjson`, `uvicorn` and `fastapi`: sglang-router's dependencies, pinned here because it is installed without
 /// them (below); all in `tlt-serve/tests/python_clients.rs`. `torch`: its `TCPStore`, the rendezvous of a trainer's
 /// weight-update group, in `tlt-comm/tests/store.rs`; PyPI's Linux wheel is the CUDA build and `import torch` needs
-/// its `nvidia-*` libraries, about 5.4 GB and 3 minutes on a 2-core VM, the lightest way to the real store.)
-const PY_CHECK_REQUIREMENTS: [&str; 11] = [
+/// its `nvidia-*` libraries, about 5.4 GB and 3 minutes on a 2-core VM, the lightest way to the real store. `ray`
+/// to `codetiming`: what verl 0.9.1's rollout modules import (its `LLMServerManager`, replica registry, load balancer
+/// and `RolloutConfig`), for the verl adapter's check against verl itself; verl goes without its own dependencies
+/// (below), which would pull its whole training stack.)
+const PY_CHECK_REQUIREMENTS: [&str; 19] = [
     "safetensors==0.8.0",
     "numpy==2.4.6",
     "openai==3.51.0",
@@ -141,12 +144,20 @@ const PY_CHECK_REQUIREMENTS: [&str; 11] = [
     "uvicorn==0.54.0",
     "fastapi==0.165.0",
     "torch==2.14.1",
+    "ray==2.60.0",
+    "omegaconf==2.3.1",
+    "hydra-core==1.3.8",
+    "transformers==5.10.4",
+    "cloudpickle==3.1.3",
+    "pyvers==0.2.3",
+    "cachetools==8.0.2",
+    "codetiming==1.4.0",
 ];
 
 /// Python packages the checks install without their dependencies: TRL's would pull torch, transformers and vLLM (GPU
 /// builds); its client code the check runs needs only `requests` and `packaging` (above). sglang-router (the Rust
 /// gateway slime puts in front of every engine, a CPU wheel) goes without its own so that the versions above hold.
-const PY_CHECK_NO_DEPS: [&str; 2] = ["trl==1.16.0", "sglang-router==0.3.2"];
+const PY_CHECK_NO_DEPS: [&str; 4] = ["trl==1.16.0", "sglang-router==0.3.2", "verl==0.9.1", "tensordict==0.10.0"];
 
 /// Installs [`PY_CHECK_REQUIREMENTS`], then [`PY_CHECK_NO_DEPS`] without dependencies, with `pip install --target`
 /// into `<cache>/pydeps` (once; a marker file records success) and returns that directory, for `PYTHONPATH`.
