@@ -32,6 +32,39 @@ pub mod store;
 /// A point-to-point message tag (which kind of control message).
 pub type Tag = u16;
 
+/// The element types a torch tensor crosses the wire in (NCCL broadcasts name the tensor's own type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    /// `torch.float32`.
+    F32,
+    /// `torch.float16`.
+    F16,
+    /// `torch.bfloat16`.
+    Bf16,
+}
+
+impl Elem {
+    /// Bytes per element.
+    #[must_use]
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::Bf16 => 2,
+        }
+    }
+
+    /// The type torch names `name` (`bfloat16`, `float16`/`half`, `float32`/`float`, with or without `torch.`).
+    #[must_use]
+    pub fn from_torch(name: &str) -> Option<Self> {
+        match name.strip_prefix("torch.").unwrap_or(name) {
+            "float32" | "float" => Some(Self::F32),
+            "float16" | "half" => Some(Self::F16),
+            "bfloat16" => Some(Self::Bf16),
+            _ => None,
+        }
+    }
+}
+
 /// Everything that can go wrong in `tlt-comm`.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

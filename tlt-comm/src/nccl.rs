@@ -19,7 +19,7 @@ use cudarc::nccl::safe::{Comm as Nccl, Id, ReduceOp};
 use tlt_kernels::cuda::plan::Buf;
 use tlt_kernels::cuda::CudaGpu;
 
-use crate::{Comm, Error, Result};
+use crate::{Comm, Elem, Error, Result};
 
 /// Bytes of an NCCL unique id.
 const ID_BYTES: usize = 128;
@@ -73,28 +73,6 @@ impl<T> DeviceSlice<T> for Raw<'_, T> {
 impl<T> DevicePtrMut<T> for Raw<'_, T> {
     fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
         (self.addr, SyncOnDrop::Sync(None))
-    }
-}
-
-/// The element types a torch tensor crosses NCCL in, as a broadcast names them (torch passes the tensor's own type).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Elem {
-    /// `torch.float32`.
-    F32,
-    /// `torch.float16`.
-    F16,
-    /// `torch.bfloat16`.
-    Bf16,
-}
-
-impl Elem {
-    /// Bytes per element.
-    #[must_use]
-    pub fn bytes(self) -> usize {
-        match self {
-            Self::F32 => 4,
-            Self::F16 | Self::Bf16 => 2,
-        }
     }
 }
 

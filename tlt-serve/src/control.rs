@@ -101,6 +101,18 @@ pub(crate) async fn abort(State(s): State<Arc<AppState>>, body: Result<Json<Abor
     .await
 }
 
+/// Hands `weights` to the engine thread, which swaps them in between rounds (see [`update_weights`]) under `version`
+/// (absent: the version stays); the number of requests aborted for it (`abort_running`).
+pub(crate) async fn swap_in(
+    s: &AppState,
+    weights: Weights,
+    version: Option<String>,
+    abort_running: bool,
+) -> crate::Result<usize> {
+    let version = version.unwrap_or_else(|| s.stats.version().to_string());
+    s.control(|reply| Msg::Update(Box::new(Update { model: weights, version, abort_running, reply }))).await?
+}
+
 /// The update in progress: taken, or refused (409) while another holds it; released when dropped.
 pub(crate) struct OneUpdate<'a>(&'a std::sync::atomic::AtomicBool);
 
@@ -139,17 +151,8 @@ pub(crate) async fn update_weights(
         let loaded = tokio::task::spawn_blocking(move || roots.load(&requested))
             .await
             .map_err(|_| Error::Engine("loading the weights failed (see the server's log)".into()))??;
-        let version = req.weight_version.clone().unwrap_or_else(|| s.stats.version().to_string());
-        let aborted = s
-            .control(|reply| {
-                Msg::Update(Box::new(Update {
-                    model: Weights::Model(Box::new(loaded.model)),
-                    version,
-                    abort_running: req.abort_all_requests,
-                    reply,
-                }))
-            })
-            .await??;
+        let weights = Weights::Model(Box::new(loaded.model));
+        let aborted = swap_in(s, weights, req.weight_version.clone(), req.abort_all_requests).await?;
         Ok(json!({"success": true, "message": format!("loaded {}", req.model_path),
             "num_paused_requests": aborted, "weight_version": &*s.stats.version()}))
     })

@@ -19,6 +19,7 @@ use std::time::Duration;
 use candle_core::Tensor;
 use serde::Deserialize;
 use tlt_comm::store::TcpStore;
+use tlt_comm::Elem;
 use tlt_model::Llama;
 
 use crate::{Error, Result};
@@ -164,7 +165,7 @@ impl Groups {
                 return Err(bad("shapes", format!("`{name}` is {served:?} in the served model, not {shape:?}")));
             }
             elems.push(
-                Elem::parse(dtype)
+                Elem::from_torch(dtype)
                     .ok_or_else(|| bad("dtypes", format!("`{dtype}` is not served: bfloat16, float16 or float32")))?,
             );
         }
@@ -172,34 +173,11 @@ impl Groups {
     }
 }
 
-/// A tensor's element type as it crosses the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Elem {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl Elem {
-    fn parse(s: &str) -> Option<Self> {
-        match s.strip_prefix("torch.").unwrap_or(s) {
-            "float32" | "float" => Some(Self::F32),
-            "float16" | "half" => Some(Self::F16),
-            "bfloat16" => Some(Self::Bf16),
-            _ => None,
-        }
-    }
-}
-
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 /// `bytes` of a tensor of `elem` (little-endian, as the device holds them) as an f32 tensor of `shape`.
 fn tensor(elem: Elem, bytes: &[u8], shape: &[usize]) -> Result<Tensor> {
     let n: usize = shape.iter().product();
-    let width = match elem {
-        Elem::F32 => 4,
-        Elem::F16 | Elem::Bf16 => 2,
-    };
-    if bytes.len() != n * width {
+    if bytes.len() != n * elem.bytes() {
         return Err(Error::Model(format!("received {} bytes for a tensor of {n} elements", bytes.len())));
     }
     let values: Vec<f32> = match elem {
@@ -263,7 +241,7 @@ fn receive_nccl(
     req: &UpdateDistributedRequest,
     elems: &[Elem],
 ) -> Result<Vec<(String, Tensor)>> {
-    use tlt_comm::nccl::{Elem as Wire, NcclComm};
+    use tlt_comm::nccl::NcclComm;
     let comm_err = |e: tlt_comm::Error| Error::Engine(format!("weight-update group `{name}`: {e}"));
     if group.comm.is_none() {
         let ordinal = ordinal.ok_or_else(|| Error::Engine("no CUDA device".into()))?;
@@ -274,12 +252,7 @@ fn receive_nccl(
     let comm = group.comm.as_ref().ok_or_else(|| Error::Engine("no communicator".into()))?;
     let mut out = Vec::with_capacity(req.names.len());
     for ((name, shape), &elem) in req.names.iter().zip(&req.shapes).zip(elems) {
-        let wire = match elem {
-            Elem::F32 => Wire::F32,
-            Elem::F16 => Wire::F16,
-            Elem::Bf16 => Wire::Bf16,
-        };
-        let bytes = comm.broadcast_to_host(0, wire, shape.iter().product()).map_err(comm_err)?;
+        let bytes = comm.broadcast_to_host(0, elem, shape.iter().product()).map_err(comm_err)?;
         out.push((name.clone(), tensor(elem, &bytes, shape)?));
     }
     Ok(out)
@@ -298,7 +271,7 @@ mod tests {
         let bytes: Vec<u8> = v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect();
         assert_eq!(tensor(Elem::Bf16, &bytes, &[1, 3]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), v);
         assert!(tensor(Elem::F16, &bytes[..4], &[3]).is_err(), "a short tensor is an error");
-        assert_eq!(Elem::parse("torch.bfloat16"), Some(Elem::Bf16));
-        assert_eq!(Elem::parse("int8"), None);
+        assert_eq!(Elem::from_torch("torch.bfloat16"), Some(Elem::Bf16));
+        assert_eq!(Elem::from_torch("int8"), None);
     }
 }

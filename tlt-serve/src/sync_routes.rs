@@ -41,7 +41,7 @@ pub(crate) async fn init(
             return Err(Error::Busy(format!("group `{}` is already joined: destroy it first", req.group_name)));
         }
         let r = req.clone();
-        let mut store = tokio::task::spawn_blocking(move || {
+        let store = tokio::task::spawn_blocking(move || {
             let mut store = TcpStore::connect(&r.master_address, r.master_port, RENDEZVOUS_TIMEOUT)?;
             store.join()?;
             Ok::<_, tlt_comm::Error>(store)
@@ -51,7 +51,6 @@ pub(crate) async fn init(
         .map_err(|e| Error::Engine(e.to_string()))?;
         if let Some(why) = s.groups.no_nccl() {
             // Joined, so the trainer's rendezvous completes; it reads the refusal from this answer.
-            let _ = store.check(tlt_comm::store::INIT_KEY);
             return Err(Error::Invalid { field: "backend".into(), reason: why });
         }
         let group = Group {
@@ -91,13 +90,14 @@ pub(crate) async fn update(
 ) -> Response {
     answer(s, body, async |s: &AppState, req: UpdateDistributedRequest| {
         let elems = s.groups.check(&req)?;
+        // Taken before the group leaves the map, so that a refused concurrent update cannot drop it.
+        let _one = crate::control::OneUpdate::take(&s.stats.updating)?;
         let Some(group) = s.groups.joined()?.remove(&req.group_name) else {
             return Err(Error::Invalid {
                 field: "group_name".into(),
                 reason: format!("no group `{}` is joined: init it first", req.group_name),
             });
         };
-        let _one = crate::control::OneUpdate::take(&s.stats.updating)?;
         let ordinal = s.groups.ordinal;
         let r = req.clone();
         let (group, received) = tokio::task::spawn_blocking(move || receive(ordinal, group, &r, &elems))
@@ -105,18 +105,9 @@ pub(crate) async fn update(
             .map_err(|_| blocking_failed())?;
         s.groups.joined()?.insert(req.group_name.clone(), group);
         let tensors = received?;
-        let version = req.weight_version.clone().unwrap_or_else(|| s.stats.version().to_string());
         let n = tensors.len();
-        let aborted = s
-            .control(|reply| {
-                crate::worker::Msg::Update(Box::new(crate::worker::Update {
-                    model: crate::worker::Weights::Tensors(tensors),
-                    version,
-                    abort_running: req.abort_all_requests,
-                    reply,
-                }))
-            })
-            .await??;
+        let weights = crate::worker::Weights::Tensors(tensors);
+        let aborted = crate::control::swap_in(s, weights, req.weight_version.clone(), req.abort_all_requests).await?;
         Ok(json!({"success": true, "message": format!("updated {n} tensors from group `{}`", req.group_name),
             "num_paused_requests": aborted, "weight_version": &*s.stats.version()}))
     })
