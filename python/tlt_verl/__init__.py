@@ -211,7 +211,9 @@ class TltServeServer:
     `max_new_tokens` uses; None: the server's `context_length` from `/get_server_info`, if it answers one.
     `prompt_length` and `response_length`: verl's defaults for a request without `max_tokens`/`max_new_tokens`
     (else the server's default). `timeout`: seconds for one request in all (None: no limit; rollouts can be long).
-    `max_connections`: aiohttp's connection limit (0: none; verl sends a whole batch at once).
+    `max_connections`: aiohttp's connection limit (0: none; verl sends a whole batch at once). `api_key`: sent as
+    `Authorization: Bearer <key>` on every request (tlt-serve's and SGLang's `--api-key`); None: the environment's
+    `TLT_API_KEY` (how a key reaches servers verl builds in its Ray actors); empty: none.
 
     Usable directly (`await server.generate(...)`) or as a Ray actor (`ray.remote(TltServeServer)`), as verl uses
     its servers. One aiohttp session per event loop."""
@@ -225,6 +227,7 @@ class TltServeServer:
         response_length: Optional[int] = None,
         timeout: Optional[float] = None,
         max_connections: int = 0,
+        api_key: Optional[str] = None,
     ):
         address = address.rstrip("/")
         self.base_url = address if "://" in address else f"http://{address}"
@@ -234,6 +237,7 @@ class TltServeServer:
         self.response_length = response_length
         self.timeout = timeout
         self.max_connections = max_connections
+        self.api_key = os.environ.get("TLT_API_KEY", "") if api_key is None else api_key
         self._session: Optional[aiohttp.ClientSession] = None
         self._session_loop = None
         self._inflight: set[str] = set()
@@ -246,6 +250,7 @@ class TltServeServer:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_connections),
                 timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=30),
+                headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None,
             )
             self._session_loop = loop
         return self._session

@@ -34,14 +34,20 @@ fn bench_attention(c: &mut Criterion) {
     let shape = AttnShape::new(9, 3, 64); // SmolLM2-135M
     let base = 256;
     let mut g = c.benchmark_group("tree_attention");
-    // n = 1: plain decode; n = 8: a binary-ish draft tree.
+    // n = 1: plain decode; n = 8: a binary-ish draft tree; n = 48: a wide one (every node gathers its own
+    // ancestors); a 256-token prefill chunk.
     let tree: Vec<Option<usize>> = vec![None, Some(0), Some(0), Some(1), Some(1), Some(2), Some(3), Some(6)];
-    for (name, n) in [("decode", 1usize), ("tree", 8)] {
+    let wide: Vec<Option<usize>> = (0..48).map(|i: usize| i.checked_sub(1).map(|p| p / 3)).collect();
+    for (name, n, vis) in [
+        ("decode", 1usize, Visibility::Causal),
+        ("tree", 8, Visibility::Tree(&tree)),
+        ("tree", 48, Visibility::Tree(&wide)),
+        ("prefill", 256, Visibility::Causal),
+    ] {
         let q = values(n * shape.q_width(), 3);
         let keys = values((base + n) * shape.kv_width(), 4);
         let vals = values((base + n) * shape.kv_width(), 5);
         let mut out = vec![0.0; n * shape.q_width()];
-        let vis = if n == 1 { Visibility::Causal } else { Visibility::Tree(&tree) };
         for isa in Isa::available() {
             g.bench_function(BenchmarkId::new(name, format!("ctx{base}_n{n}_{}", isa.name())), |b| {
                 b.iter(|| {

@@ -19,8 +19,9 @@ use crate::error::check_len;
 use crate::simd::{Scalar, Simd};
 use crate::{Error, Isa, Result};
 
-/// Key rows per tile.
+/// Key rows per tile (a multiple of every ISA's lanes: a tile's sums are taken lane by lane over it whole).
 const TILE: usize = 32;
+const _: () = assert!(TILE % 16 == 0);
 
 /// Head layout of one attention layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -285,6 +286,17 @@ struct Scratch {
     s: Vec<f32>,
     /// Whether a query vector sees any row of the current tile.
     live: Vec<bool>,
+    /// One tree token's gathered key and value rows of one kv head, `[rows, head_dim]` each.
+    gk: Vec<f32>,
+    gv: Vec<f32>,
+}
+
+/// Key and value rows of one kv head: row `r`'s elements start `r * stride` after `k` and `v`.
+#[derive(Clone, Copy)]
+struct Kv {
+    k: *const f32,
+    v: *const f32,
+    stride: usize,
 }
 
 thread_local! {
@@ -371,21 +383,51 @@ unsafe fn attend<S: Simd>(a: &Args<'_>, out: SendPtr, heads: Range<usize>, sc: &
             for e in 0..nq * d {
                 *b.acc.add(e) = 0.0;
             }
-            let kp = a.k.as_ptr().add(g * d);
-            let vp = a.v.as_ptr().add(g * d);
-            // The committed prefix: every query vector sees every row.
+            let kvw = kvh * d;
+            let cache = Kv { k: a.k.as_ptr().add(g * d), v: a.v.as_ptr().add(g * d), stride: kvw };
+            // Tiles start at multiples of TILE in every query's own key order (its logical positions: the
+            // prefix, then its visible new rows), so a row's result is the same bits whatever the base and the
+            // tree around it (decode, prefill chunk, verify node). Whole prefix tiles serve every query at once.
+            let whole = a.base / TILE * TILE;
             let mut r0 = 0;
-            while r0 < a.base {
-                let r1 = (r0 + TILE).min(a.base);
-                tile::<S>(a, b, kp, vp, r0..r1, 0, None);
-                r0 = r1;
+            while r0 < whole {
+                tile::<S>(a, b, cache, r0..r0 + TILE, 0..nq, false);
+                r0 += TILE;
             }
-            // The new rows: token i only sees rows r <= i, so tile [r0, r1) only concerns tokens >= r0.
-            r0 = 0;
-            while r0 < a.n {
-                let r1 = (r0 + TILE).min(a.n);
-                tile::<S>(a, b, kp, vp, a.base + r0..a.base + r1, r0 * gh, Some(r0));
-                r0 = r1;
+            if a.words == 0 {
+                // Causal: logical positions are the rows; the new rows only concern tokens at or after them.
+                let end = a.base + a.n;
+                while r0 < end {
+                    let r1 = (r0 + TILE).min(end);
+                    tile::<S>(a, b, cache, r0..r1, r0.saturating_sub(a.base) * gh..nq, true);
+                    r0 = r1;
+                }
+            } else {
+                // A tree: each token's key order is the prefix's last partial tile, then its ancestors by depth,
+                // gathered into contiguous rows for its query heads.
+                for i in 0..a.n {
+                    sc.gk.clear();
+                    sc.gv.clear();
+                    let mut push = |row: usize| {
+                        let (kr, vr) = (cache.k.add(row * kvw), cache.v.add(row * kvw));
+                        sc.gk.extend_from_slice(std::slice::from_raw_parts(kr, d));
+                        sc.gv.extend_from_slice(std::slice::from_raw_parts(vr, d));
+                    };
+                    (whole..a.base).for_each(&mut push);
+                    for x in 0..=i {
+                        if (*a.anc.get_unchecked(i * a.words + x / 64) >> (x % 64)) & 1 == 1 {
+                            push(a.base + x);
+                        }
+                    }
+                    let len = sc.gk.len() / d;
+                    let tail = Kv { k: sc.gk.as_ptr(), v: sc.gv.as_ptr(), stride: d };
+                    let mut t0 = 0;
+                    while t0 < len {
+                        let t1 = (t0 + TILE).min(len);
+                        tile::<S>(a, b, tail, t0..t1, i * gh..(i + 1) * gh, false);
+                        t0 = t1;
+                    }
+                }
             }
             for j in 0..nq {
                 let dst = op.add((j / gh) * qw + (g * gq + h0 + j % gh) * d);
@@ -413,7 +455,8 @@ unsafe fn dots4<S: Simd>(q: *const f32, k: [*const f32; 4], d: usize) -> [f32; 4
             }
             e += S::LANES;
         }
-        let mut out = S::reduce_add4(acc[0], acc[1], acc[2], acc[3]);
+        // Each row reduced as `dot1` reduces it, so a row's score does not depend on its place in the tile.
+        let mut out = [S::reduce_add(acc[0]), S::reduce_add(acc[1]), S::reduce_add(acc[2]), S::reduce_add(acc[3])];
         for x in 0..4 {
             for t in e..d {
                 out[x] += *q.add(t) * *k[x].add(t);
@@ -441,32 +484,25 @@ unsafe fn dot1<S: Simd>(q: *const f32, k: *const f32, d: usize) -> f32 {
     }
 }
 
-/// Processes key/value rows `rows` (absolute, `< base + n`) for query vectors `j0..n * group`: scores, optional
-/// masking (`new_start` is the index among the new tokens of `rows.start` when these are new rows), online
-/// softmax update and value accumulation.
+/// Processes key/value rows `rows` of `kv` (`rows.len() <= TILE`, `rows.start` a multiple of `TILE` in the key
+/// order of every query vector of `js`) for those query vectors: scores, the causal mask when `causal` (rows are
+/// then the cache's, new token `i` seeing rows `< base + i + 1`), online softmax update and value accumulation.
+/// Every sum is taken over the tile's positions as if it were full (missing rows add nothing), so a query's
+/// result depends only on its own visible rows in order.
 ///
 /// # Safety
-/// As [`attend`]; `kp`/`vp` point at this group's first key/value element; `rows.len() <= TILE`.
+/// As [`attend`]; `kv` points at this group's rows, at least `rows.end` of them.
 #[inline(always)]
-unsafe fn tile<S: Simd>(
-    a: &Args<'_>,
-    b: Buf,
-    kp: *const f32,
-    vp: *const f32,
-    rows: Range<usize>,
-    j0: usize,
-    new_start: Option<usize>,
-) {
+unsafe fn tile<S: Simd>(a: &Args<'_>, b: Buf, kv: Kv, rows: Range<usize>, js: Range<usize>, causal: bool) {
     unsafe {
         let d = a.shape.head_dim;
-        let kvw = a.shape.n_kv_heads * d;
         let gq = b.gh;
-        let nq = a.n * gq;
         let t = rows.len();
         let lanes = S::LANES;
+        let (kp, vp, kvw) = (kv.k, kv.v, kv.stride);
 
-        // 1. Scores, four key rows at a time.
-        for j in j0..nq {
+        // 1. Scores, four key rows at a time (each the same bits as alone).
+        for j in js.clone() {
             let qj = b.qs.add(j * d);
             let srow = b.s.add(j * TILE);
             let mut tt = 0;
@@ -487,27 +523,19 @@ unsafe fn tile<S: Simd>(
             }
         }
 
-        // 2. Mask the new rows a token does not see.
-        if let Some(r0) = new_start {
-            for j in j0..nq {
-                let i = j / gq;
+        // 2. Mask the new rows a token does not see yet.
+        if causal && rows.end > a.base {
+            for j in js.clone() {
+                let last = a.base + j / gq;
                 let srow = b.s.add(j * TILE);
-                for tt in 0..t {
-                    let r = r0 + tt;
-                    let visible = if a.words == 0 {
-                        r <= i
-                    } else {
-                        (*a.anc.get_unchecked(i * a.words + r / 64) >> (r % 64)) & 1 == 1
-                    };
-                    if !visible {
-                        *srow.add(tt) = f32::NEG_INFINITY;
-                    }
+                for tt in last.saturating_sub(rows.start) + 1..t {
+                    *srow.add(tt) = f32::NEG_INFINITY;
                 }
             }
         }
 
         // 3. Online softmax: rescale the running state to the new max, turn scores into probabilities.
-        for j in j0..nq {
+        for j in js.clone() {
             let srow = b.s.add(j * TILE);
             let mut mv = S::splat(f32::NEG_INFINITY);
             let mut tt = 0;
@@ -529,16 +557,17 @@ unsafe fn tile<S: Simd>(
             for x in 0..t {
                 *srow.add(x) = exp_approx(*srow.add(x) - m_new);
             }
+            // The full tile's lanes, the missing rows as zeros: the sum's order is fixed by positions alone.
+            for x in t..TILE {
+                *srow.add(x) = 0.0;
+            }
             let mut sv = S::zero();
             tt = 0;
-            while tt + lanes <= t {
+            while tt < TILE {
                 sv = S::add(sv, S::load(srow.add(tt)));
                 tt += lanes;
             }
-            let mut sum = S::reduce_add(sv);
-            for x in tt..t {
-                sum += *srow.add(x);
-            }
+            let sum = S::reduce_add(sv);
             let corr = exp_approx(m_old - m_new);
             *b.l.add(j) = *b.l.add(j) * corr + sum;
             *b.m.add(j) = m_new;
@@ -552,7 +581,7 @@ unsafe fn tile<S: Simd>(
 
         // 4. acc_j += P_j · V_tile, four vectors of head_dim at a time held in registers.
         let vrow0 = vp.add(rows.start * kvw);
-        for j in j0..nq {
+        for j in js {
             if !*b.live.add(j) {
                 continue;
             }

@@ -34,11 +34,6 @@ pub(crate) unsafe trait Simd: Copy {
     unsafe fn reduce_add(v: Self::V) -> f32;
     /// Maximum of all lanes.
     unsafe fn reduce_max(v: Self::V) -> f32;
-    /// The lane sums of four vectors (implementations may share shuffles between them).
-    #[inline(always)]
-    unsafe fn reduce_add4(a: Self::V, b: Self::V, c: Self::V, d: Self::V) -> [f32; 4] {
-        unsafe { [Self::reduce_add(a), Self::reduce_add(b), Self::reduce_add(c), Self::reduce_add(d)] }
-    }
     /// Hints the cache line at `p` into L1 (never faults, whatever `p` is).
     unsafe fn prefetch(p: *const u8);
     /// `LANES` IEEE half floats from `p`, widened.
@@ -197,17 +192,6 @@ mod x86 {
             }
         }
         #[inline(always)]
-        unsafe fn reduce_add4(a: Self::V, b: Self::V, c: Self::V, d: Self::V) -> [f32; 4] {
-            unsafe {
-                // [a, b, c, d] partial sums in each 128-bit half, then the halves added.
-                let abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-                let s = _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-                let mut out = [0f32; 4];
-                _mm_storeu_ps(out.as_mut_ptr(), s);
-                out
-            }
-        }
-        #[inline(always)]
         unsafe fn prefetch(p: *const u8) {
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
         }
@@ -289,21 +273,6 @@ mod x86 {
         #[inline(always)]
         unsafe fn reduce_max(v: Self::V) -> f32 {
             unsafe { _mm512_reduce_max_ps(v) }
-        }
-        #[inline(always)]
-        unsafe fn reduce_add4(a: Self::V, b: Self::V, c: Self::V, d: Self::V) -> [f32; 4] {
-            unsafe {
-                // Fold 256-bit halves pairwise, then 128-bit quarters, so 128-bit lane i holds vector i's partial
-                // sums; finish within lanes.
-                let ab = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b));
-                let cd = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(c, d), _mm512_shuffle_f32x4::<0xEE>(c, d));
-                let x = _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(ab, cd), _mm512_shuffle_f32x4::<0xDD>(ab, cd));
-                let x = _mm512_add_ps(x, _mm512_permute_ps::<0xB1>(x));
-                let x = _mm512_add_ps(x, _mm512_permute_ps::<0x4E>(x));
-                let mut lanes = [0f32; 16];
-                _mm512_storeu_ps(lanes.as_mut_ptr(), x);
-                [lanes[0], lanes[4], lanes[8], lanes[12]]
-            }
         }
         #[inline(always)]
         unsafe fn prefetch(p: *const u8) {

@@ -56,6 +56,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/get_world_size", get(crate::trl::world_size))
         .route("/get_tensor_parallel_size/", get(crate::trl::tensor_parallel_size))
         .route("/reset_prefix_cache/", post(crate::trl::reset_prefix_cache))
+        .route("/reset_prefix_cache", post(crate::trl::reset_prefix_cache))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::from_fn_with_state(state.clone(), crate::guard::guard))
         .with_state(state)

@@ -1,7 +1,8 @@
 //! TRL's older `vllm-serve` surface (`trl vllm-serve`; TRL 1.x's client uses `/v1/completions` instead, served by
 //! [`crate::routes`]): `POST /generate/` with a batch of prompts
 //! and `n` completions each, `GET /health/`, `/get_world_size/`, `/get_tensor_parallel_size/`, and
-//! `POST /reset_prefix_cache/` (nothing is cached across requests: a no-op that says so). Sampling options this
+//! `POST /reset_prefix_cache/` and vLLM's `/reset_prefix_cache` (nothing is cached across requests: a no-op that says
+//! so). Sampling options this
 //! server does not implement (`repetition_penalty` other than 1, `min_p` above 0, guided decoding, extra
 //! `generation_kwargs`) are refused with a 400 naming them rather than ignored.
 
@@ -135,7 +136,8 @@ pub async fn tensor_parallel_size() -> Json<serde_json::Value> {
     Json(json!({"tensor_parallel_size": 1}))
 }
 
-/// `POST /reset_prefix_cache/`: nothing is cached across requests.
+/// `POST /reset_prefix_cache/` (TRL's `vllm-serve`) and `POST /reset_prefix_cache` (vLLM's, which TRL 1.16's client
+/// posts after a weight sync): nothing is cached across requests.
 pub async fn reset_prefix_cache() -> Json<serde_json::Value> {
     Json(
         json!({"message": "Request received, resetting prefix cache status: True (nothing is cached across requests)"}),

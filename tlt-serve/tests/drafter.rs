@@ -124,6 +124,16 @@ fn wait_for_steps(addr: SocketAddr, steps: u64) {
     }
 }
 
+/// The gauge `name` once the engine thread has set it (it builds the device drafter after the routes are up), or
+/// what it reads after 60 s.
+fn settled_gauge(addr: SocketAddr, name: &str, want: f64) -> f64 {
+    let t0 = Instant::now();
+    while metric(addr, name) != want && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    metric(addr, name)
+}
+
 fn update(addr: SocketAddr, model: &Llama, dir: &Path, version: &str) {
     tlt_model::save_hf_dir(model, None, dir, candle_core::DType::F32).unwrap();
     let body = json!({"model_path": dir, "weight_version": version});
@@ -251,8 +261,8 @@ fn the_online_drafter_learns_from_the_device_targets_hidden_states() {
     let slots = 40 * sim_slot();
     let (a0, _) = accept_length(serve_sim(tiny(), eagle(None, None, 0), slots), &measure);
     let live = serve_sim(tiny(), eagle(None, None, DEVICE_STEPS), slots);
-    assert_eq!(metric(live, "drafter_on_device"), 1.0, "the drafter drafts on the host");
-    assert_eq!(metric(live, "drafter_trains_on_device"), 1.0, "the drafter trains on the host");
+    assert_eq!(settled_gauge(live, "drafter_on_device", 1.0), 1.0, "the drafter drafts on the host");
+    assert_eq!(settled_gauge(live, "drafter_trains_on_device", 1.0), 1.0, "the drafter trains on the host");
     let training: Vec<Vec<u32>> = measure.iter().cloned().chain((2..5).flat_map(|seed| prompts(8, seed))).collect();
     batch(live, &training);
     wait_for_steps(live, DEVICE_STEPS);

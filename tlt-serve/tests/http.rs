@@ -323,6 +323,39 @@ fn generate_takes_a_batch_and_answers_a_list() {
     }
 }
 
+/// Batch invariance through the server: a seeded request's tokens and log-probabilities are the same bits sent alone
+/// and sent at once with three copies of itself and four other prompts, whose trees its rounds verify beside its own
+/// (speculation on in every round; drafts accepted), and the same as with speculation off.
+#[test]
+fn a_seeded_request_is_the_same_bits_alone_beside_others_and_unspeculated() {
+    let (sd, plain) = (serve(true), serve(false));
+    let body = |p: &[u32]| {
+        json!({"input_ids": p, "return_logprob": true,
+            "sampling_params": {"temperature": 0.7, "max_new_tokens": 48, "ignore_eos": true, "sampling_seed": 7}})
+    };
+    let probe = prompts()[0].clone();
+    let answer = |v: &Value| (v["output_ids"].clone(), v["meta_info"]["output_token_logprobs"].clone());
+    let alone = answer(&post(sd, "/generate", &body(&probe)).1);
+    assert_eq!(alone.0.as_array().map(Vec::len), Some(48), "{alone:?}");
+    assert_eq!(answer(&post(plain, "/generate", &body(&probe)).1), alone, "speculation off");
+    let mut sent: Vec<Vec<u32>> = vec![probe.clone(); 4];
+    sent.extend(prompts()[1..5].iter().cloned());
+    let handles: Vec<_> = sent
+        .into_iter()
+        .map(|p| {
+            let b = body(&p);
+            std::thread::spawn(move || (p, post(sd, "/generate", &b).1))
+        })
+        .collect();
+    for h in handles {
+        let (p, v) = h.join().unwrap();
+        if p == probe {
+            assert_eq!(answer(&v), alone, "beside others");
+        }
+    }
+    assert!(metric(sd, "spec_accept_length") > 1.0, "no drafts accepted: {}", get_body(sd, "/metrics").1);
+}
+
 /// SGLang's seeds: requests without `sampling_seed` get coins of their own (a GRPO group sent as separate requests
 /// differs), requests with the same seed and prompt get the same sample.
 #[test]

@@ -7,6 +7,8 @@
 //!   what its rollout sends and reads answers as it does, with `requests`);
 //! - TRL's `VLLMClient` request and parsing code (`scripts/check_trl_client.py`, trl 1.16.0 installed without its
 //!   GPU dependencies), whose samples are then checked against SGLang's `/generate` with the same seed;
+//! - TRL's `GRPOTrainer` itself training against the binary through `python/tlt_trl`, its weights synced by disk
+//!   (`scripts/check_trl_grpo.py`), the served tokens then the synced checkpoint's;
 //! - the verl adapter (`python/tlt_verl`, aiohttp) driven as verl's agent loop drives its rollout servers
 //!   (`scripts/check_verl_adapter.py`), against the SGLang mock and the binary, and registered in verl 0.9.1 itself
 //!   (its `LLMServerManager` on a local Ray, its load balancer and `LLMServerClient`);
@@ -68,6 +70,11 @@ fn importable(test: &str, module: &str) -> bool {
 /// The binary serving a tiny model (byte-level tokenizer, ChatML chat template in `tokenizer_config.json`) on a
 /// free port, SD on; its checkpoint directory and port.
 fn serve_binary(name: &str) -> (Serving, std::path::PathBuf, u16) {
+    serve_binary_with(name, &[])
+}
+
+/// [`serve_binary`] with more command-line arguments.
+fn serve_binary_with(name: &str, args: &[&str]) -> (Serving, std::path::PathBuf, u16) {
     let dir = std::env::temp_dir().join(format!("tlt-serve-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let mut cfg = LlamaConfig::tiny(264, 64, 2);
@@ -86,6 +93,7 @@ fn serve_binary(name: &str) -> (Serving, std::path::PathBuf, u16) {
         // The verl adapter's check updates the weights from the checkpoint itself.
         .arg("--weights-dir")
         .arg(&dir)
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -159,6 +167,48 @@ fn slimes_rollout_payloads_and_parsing_work() {
         "check_slime_client.py",
         &[format!("http://127.0.0.1:{port}"), serde_json::to_string(&prompts).unwrap()],
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// TRL 1.16's `GRPOTrainer`, unchanged, against the binary through `python/tlt_trl` (`scripts/check_trl_grpo.py`):
+/// it constructs (TRL's start-up checks), trains two GRPO steps with its generation through TRL's client and two
+/// weight syncs (the first the initial weights, the second the weights after a step), and what the server serves
+/// after the last sync is the greedy decoding of that synced checkpoint in process, token for token. The server runs
+/// with `--api-key`: the client sends it on every request.
+#[test]
+fn trls_grpo_trainer_constructs_trains_and_syncs_its_weights_into_the_server() {
+    let modules = "trl.trainer.grpo_trainer, datasets, accelerate, torch, transformers";
+    if !importable("trls_grpo_trainer_constructs_trains_and_syncs_its_weights_into_the_server", modules) {
+        return;
+    }
+    let key = "trl-grpo-key";
+    let (_serving, dir, port) = serve_binary_with("trl-grpo", &["--api-key", key]);
+    let url = format!("http://127.0.0.1:{port}");
+    let weights = dir.join("trl-sync");
+    let args = [url, dir.display().to_string(), weights.display().to_string(), key.to_string()];
+    let out = run_script("check_trl_grpo.py", &args);
+    let last: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    let synced = tlt_model::load(Path::new(last["dir"].as_str().unwrap())).unwrap().model;
+    let prompt = [72u32, 105, 33];
+    let mut cache = synced.new_cache();
+    let seq = cache.add_sequence();
+    let argmax =
+        |row: Vec<f32>| row.iter().enumerate().fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0;
+    let mut next = argmax(synced.prefill(&mut cache, seq, &prompt).unwrap().to_vec1().unwrap()) as u32;
+    let mut want = vec![next];
+    while want.len() < 12 {
+        next = argmax(synced.decode(&mut cache, &[(seq, next)]).unwrap().to_vec2().unwrap().remove(0)) as u32;
+        want.push(next);
+    }
+    let body = serde_json::json!({"input_ids": prompt,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": true}});
+    let addr = ([127, 0, 0, 1], port).into();
+    let bearer = format!("Bearer {key}");
+    let headers = [("Content-Type", "application/json"), ("Authorization", bearer.as_str())];
+    let (status, answer) = common::request(addr, "POST", "/generate", &headers, body.to_string().as_bytes());
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["meta_info"]["weight_version"], last["weight_version"]);
+    assert_eq!(common::ids(&answer), want, "the server does not serve the synced checkpoint");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -306,12 +356,21 @@ fn verls_rollout_server_contract_holds_through_the_adapter() {
         "check_verl_adapter.py",
         &[format!("http://127.0.0.1:{mock_port}"), prompts.clone(), "--server-kind".into(), "sglang".into()],
     );
-    // Then the binary, with a weight update from the checkpoint it serves.
-    let (_serving, dir, port) = serve_binary("verl");
+    // Then the binary, with an API key and a weight update from the checkpoint it serves.
+    let (_serving, dir, port) = serve_binary_with("verl", &["--api-key", "verl-key"]);
+    let url = format!("http://127.0.0.1:{port}");
     let out = run_script(
         "check_verl_adapter.py",
-        &[format!("http://127.0.0.1:{port}"), prompts, "--update-weights-from".into(), dir.display().to_string()],
+        &[
+            url,
+            prompts,
+            "--update-weights-from".into(),
+            dir.display().to_string(),
+            "--api-key".into(),
+            "verl-key".into(),
+        ],
     );
+    assert!(out.contains("ok key:"), "{out}");
     assert!(out.contains("verl adapter: all checks passed"), "{out}");
     // With the checks required, verl itself (installed by `cargo xtask test`) drove the adapter, not stand-ins.
     if std::env::var_os("TLT_REQUIRE_PYTHON_CHECK").is_some() {

@@ -9,7 +9,7 @@ use engine_common::{greedy_reference, oracle, run_batches};
 use tlt_kernels::log_softmax;
 use tlt_model::{Llama, LlamaConfig, LogitsFor, SeqInput, Tap};
 use tlt_spec_decode::{
-    DraftContext, Drafter, Engine, Error, FinishReason, NgramDrafter, Plan, SamplingParams, SpecParams,
+    DraftContext, Drafter, Engine, Error, FinishReason, Finished, NgramDrafter, Plan, SamplingParams, SpecParams,
 };
 
 const VOCAB: usize = 32;
@@ -139,6 +139,55 @@ fn logprobs_and_hidden_states_match_a_teacher_forced_forward() {
                 assert!(d < 1e-3, "hidden {t} differs by {d}");
             }
             assert_eq!(f.token_hidden(0), hidden.row(f.prompt.len() - 1));
+        }
+    }
+}
+
+/// Speculative decoding commits plain decoding's tokens with plain decoding's log-probabilities, by bits, whether
+/// a request runs alone or beside five others (other trees, other round starts), greedy and sampled, over contexts
+/// that cross the attention's key tiles. The drafts come from an oracle of the plain run's own tokens (every 3rd
+/// wrong), so most are accepted and committed from verify trees.
+#[test]
+fn speculative_log_probs_are_plain_decodings_bits_alone_and_in_any_batch() {
+    let m = model();
+    let ps = prompts();
+    let bits =
+        |f: &Finished| -> (Vec<u32>, Vec<u32>) { (f.tokens.clone(), f.logprobs.iter().map(|v| v.to_bits()).collect()) };
+    for temperature in [0.0, 0.8] {
+        let params = SpecParams {
+            sampling: SamplingParams { temperature, top_k: None, top_p: Some(0.95) },
+            max_new_tokens: 48,
+            stop_token_ids: Some(vec![]),
+            seed: 3,
+            ..SpecParams::default()
+        };
+        // Runs `prompts` (whose first is prompt `first` of the whole list) in one engine.
+        let run = |first: usize, prompts: &[Vec<u32>], source: Option<&[Vec<u32>]>| -> (Vec<Finished>, u64) {
+            let mut engine = Engine::new(&m, params.clone()).unwrap();
+            engine.key_streams_from(first as u64);
+            for p in prompts {
+                engine.add_request(p).unwrap();
+            }
+            let plan = Plan { steps: 5, top_k: 2, verify_tokens: 8 };
+            match source {
+                Some(src) => {
+                    let mut o = oracle(VOCAB, prompts, src, 3, true);
+                    engine.run_to_completion(Some(&mut o), &plan).unwrap();
+                }
+                None => engine.run_to_completion(None, &Plan::chain(1)).unwrap(),
+            }
+            let mut fin = engine.take_finished();
+            fin.sort_by_key(|f| f.id);
+            (fin, engine.counters().accepted)
+        };
+        let plain: Vec<Finished> = (0..ps.len()).map(|k| run(k, &ps[k..=k], None).0.remove(0)).collect();
+        let source: Vec<Vec<u32>> = plain.iter().map(|f| f.tokens.clone()).collect();
+        let (together, accepted) = run(0, &ps, Some(&source));
+        assert!(accepted > 100, "T={temperature}: only {accepted} drafts accepted");
+        for k in 0..ps.len() {
+            let (alone, _) = run(k, &ps[k..=k], Some(&source[k..=k]));
+            assert_eq!(bits(&alone[0]), bits(&plain[k]), "T={temperature}, prompt {k}: speculative alone");
+            assert_eq!(bits(&together[k]), bits(&plain[k]), "T={temperature}, prompt {k}: beside the others");
         }
     }
 }

@@ -131,8 +131,10 @@ fn ensure_wheel(dir: &Path, requirement: &str, prefix: &str) -> Result<PathBuf> 
 /// its `nvidia-*` libraries, about 5.4 GB and 3 minutes on a 2-core VM, the lightest way to the real store. `ray`
 /// to `codetiming`: what verl 0.9.1's rollout modules import (its `LLMServerManager`, replica registry, load balancer
 /// and `RolloutConfig`), for the verl adapter's check against verl itself; verl goes without its own dependencies
-/// (below), which would pull its whole training stack.)
-const PY_CHECK_REQUIREMENTS: [&str; 19] = [
+/// (below), which would pull its whole training stack. `accelerate`, `datasets` and `pyarrow`: what TRL's
+/// `GRPOTrainer` needs to construct and train on the CPU (`scripts/check_trl_grpo.py`); datasets 5.2 with pyarrow 24-26
+/// cannot fingerprint a dataset on Python 3.11 (dill fails on pyarrow's `MonthDayNano`), 4.8 can.)
+const PY_CHECK_REQUIREMENTS: [&str; 22] = [
     "safetensors==0.8.0",
     "numpy==2.4.6",
     "openai==3.51.0",
@@ -152,6 +154,9 @@ const PY_CHECK_REQUIREMENTS: [&str; 19] = [
     "pyvers==0.2.3",
     "cachetools==8.0.2",
     "codetiming==1.4.0",
+    "accelerate==1.16.0",
+    "datasets==4.8.0",
+    "pyarrow==24.0.0",
 ];
 
 /// Python packages the checks install without their dependencies: TRL's would pull torch, transformers and vLLM (GPU
