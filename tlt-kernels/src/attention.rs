@@ -21,7 +21,7 @@ use crate::{Error, Isa, Result};
 
 /// Key rows per tile (a multiple of every ISA's lanes: a tile's sums are taken lane by lane over it whole).
 const TILE: usize = 32;
-const _: () = assert!(TILE % 16 == 0);
+const _: () = assert!(TILE.is_multiple_of(16));
 
 /// Head layout of one attention layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
