@@ -8,6 +8,12 @@
 //! comes from memory once per kv head, for all query heads sharing it and all `n` query tokens. No
 //! `[n, base + n]` mask is ever built: visibility among the new tokens comes from per-node ancestor bitsets of the
 //! `n` new tokens (or from `r <= i` for causal attention).
+//!
+//! Position invariance: a token's output bits depend only on the key rows it sees, in its own order (the prefix,
+//! then its ancestors by depth). Tiles start at multiples of `TILE` in that order, a tile's sums always run over
+//! its `TILE` positions, and a row's score is reduced the same way wherever it sits; a tree node's rows past the
+//! prefix's whole tiles are gathered into contiguous scratch. So a decode step, a prefill chunk's token and a verify
+//! node at the same position give the same bits, whatever the round's base and the tree around them.
 
 // Hot loops index fixed-size register arrays on purpose (closures would not inherit the target features).
 #![allow(clippy::needless_range_loop)]
