@@ -172,20 +172,33 @@ const PY_CHECK_NO_DEPS: [&str; 4] = ["trl==1.16.0", "sglang-router==0.3.2", "ver
 pub fn python_check_deps() -> Result<PathBuf> {
     let dir = cache_dir().join("pydeps");
     let all = [&PY_CHECK_REQUIREMENTS[..], &PY_CHECK_NO_DEPS[..]].concat();
-    let marker = dir.join(format!(".installed-{}", all.join("+")));
+    let marker = install_marker(&dir, &all);
     if marker.exists() {
         info!(dir = %dir.display(), "Python check packages present");
         return Ok(dir);
     }
     info!(packages = ?all, dest = %dir.display(), "installing Python check packages with pip");
-    pip_install_target(&dir, &PY_CHECK_REQUIREMENTS, &[], None)?;
-    pip_install_target(&dir, &PY_CHECK_NO_DEPS, &["--no-deps"], Some(&marker))?;
+    pip_install_target(&dir, &PY_CHECK_REQUIREMENTS, &[])?;
+    pip_install_target(&dir, &PY_CHECK_NO_DEPS, &["--no-deps"])?;
+    record_install(&marker, &all)?;
     Ok(dir)
 }
 
-/// `python -m pip install [flags] --target dir packages` (`$PYTHON` or `python3`), then writes `marker` (when
-/// given) to record success.
-fn pip_install_target(dir: &Path, packages: &[&str], flags: &[&str], marker: Option<&Path>) -> Result<()> {
+/// The file in `dir` that records a completed install of `packages`: named by the SHA-256 of the list (a name of
+/// the list itself passes the file system's 255 bytes), which it holds.
+fn install_marker(dir: &Path, packages: &[&str]) -> PathBuf {
+    let list = packages.join("\n");
+    let digest = sha256_of(list.as_bytes(), &mut std::io::sink()).unwrap_or_default();
+    dir.join(format!(".installed-{}", &digest[..16]))
+}
+
+/// Records a completed install of `packages` in `marker` (see [`install_marker`]).
+fn record_install(marker: &Path, packages: &[&str]) -> Result<()> {
+    std::fs::write(marker, packages.join("\n")).with_context(|| format!("writing {}", marker.display()))
+}
+
+/// `python -m pip install [flags] --target dir packages` (`$PYTHON` or `python3`).
+fn pip_install_target(dir: &Path, packages: &[&str], flags: &[&str]) -> Result<()> {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let status = Command::new(&python)
         .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input", "--upgrade"])
@@ -198,10 +211,7 @@ fn pip_install_target(dir: &Path, packages: &[&str], flags: &[&str], marker: Opt
     if !status.success() {
         bail!("`{python} -m pip install --target {} {}` failed ({status})", dir.display(), packages.join(" "));
     }
-    match marker {
-        Some(m) => std::fs::write(m, b"").with_context(|| format!("writing {}", m.display())),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 /// Python packages of the export parity check (`scripts/check_export_parity.py`), pinned: speculators' model code
@@ -221,7 +231,7 @@ pub const EXPORT_CHECK_FETCH: &str = "cargo xtask fetch-assets --python-checks";
 /// When pip is missing or the install fails.
 pub fn python_export_deps(install: bool) -> Result<Option<PathBuf>> {
     let dir = cache_dir().join("pyexport");
-    let marker = dir.join(format!(".installed-{}", EXPORT_CHECK_REQUIREMENTS.join("+")));
+    let marker = install_marker(&dir, &EXPORT_CHECK_REQUIREMENTS);
     if marker.exists() {
         return Ok(Some(dir));
     }
@@ -230,7 +240,8 @@ pub fn python_export_deps(install: bool) -> Result<Option<PathBuf>> {
     }
     info!(packages = ?EXPORT_CHECK_REQUIREMENTS, dest = %dir.display(), "installing the export check's Python packages \
           with pip (about 6 GB: PyPI's torch is the CUDA build)");
-    pip_install_target(&dir, &EXPORT_CHECK_REQUIREMENTS, &[], Some(&marker))?;
+    pip_install_target(&dir, &EXPORT_CHECK_REQUIREMENTS, &[])?;
+    record_install(&marker, &EXPORT_CHECK_REQUIREMENTS)?;
     Ok(Some(dir))
 }
 

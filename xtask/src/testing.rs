@@ -2,7 +2,7 @@
 
 use std::process::{Command, ExitCode};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use tracing::warn;
 
 use crate::workspace::{
@@ -85,19 +85,14 @@ pub fn test(gpu: bool, no_lint: bool, args: &[String]) -> Result<ExitCode> {
     }
     cmd.args(args);
     env(&mut cmd);
-    // The EAGLE export check runs in Python; with its packages installed, a skip would hide a failure.
-    match assets::python_check_deps() {
-        Ok(dir) => {
-            let mut paths = vec![dir];
-            paths.extend(
-                std::env::var_os("PYTHONPATH")
-                    .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-                    .unwrap_or_default(),
-            );
-            cmd.env("PYTHONPATH", std::env::join_paths(paths)?).env("TLT_REQUIRE_PYTHON_CHECK", "1");
-        }
-        Err(e) => warn!("the Python EAGLE export check will be skipped: {e:#}"),
-    }
+    // The Python checks (the EAGLE export, the frameworks' clients, torch's store) run with their packages
+    // installed and required: a failed install fails the test command rather than letting their tests skip.
+    let dir = assets::python_check_deps().context("installing the Python checks' packages")?;
+    let mut paths = vec![dir];
+    paths.extend(
+        std::env::var_os("PYTHONPATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default(),
+    );
+    cmd.env("PYTHONPATH", std::env::join_paths(paths)?).env("TLT_REQUIRE_PYTHON_CHECK", "1");
     let code = run(cmd)?;
     if !code.success() {
         return Ok(exit_code(code));
