@@ -85,6 +85,8 @@ def _client_class():
             """Writes the streamed tensors as a checkpoint and has the server load it (`/update_weights_from_disk`)."""
             from safetensors.torch import save_file
 
+            if self.hf_config is None:
+                raise TltClientError("no model config: build the trainer after tlt_trl.install()")
             names = [m[0] for m in metadata]
             tensors = {}
             for name, tensor in named_params:
@@ -97,8 +99,6 @@ def _client_class():
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
             save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-            if self.hf_config is None:
-                raise TltClientError("no model config: build the trainer after tlt_trl.install()")
             self.hf_config.to_json_file(os.path.join(tmp, "config.json"))
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
