@@ -31,6 +31,7 @@ mod drift;
 mod env;
 mod export_check;
 mod fuzz;
+mod memory_plan;
 mod report;
 mod roofline;
 mod sysinfo;
@@ -95,6 +96,9 @@ enum Cmd {
         #[arg(long, default_value_t = roofline::H200_MEASURED_COPY / 1e12)]
         copy_bandwidth: f64,
     },
+    /// The device memory plan of GRPO full fine-tuning at the paper's shapes (Qwen2.5-1.5B, Qwen2.5-7B,
+    /// Llama-3.1-8B) and the most new tokens that fit 80 GB and 141 GB; `target/bench/memory.json` and `.md`.
+    Memory,
     /// Run a benchmark suite; results go to `target/bench/<suite>.json` and `.md`.
     Bench {
         #[command(subcommand)]
@@ -180,6 +184,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Roofline { copy_bandwidth } => {
             roofline::run(&env::workspace_root().join("target").join("bench"), copy_bandwidth * 1e12)?;
         }
+        Cmd::Memory => memory_plan::run(&env::workspace_root().join("target").join("bench"))?,
         Cmd::Bench { suite } => bench(suite)?,
     }
     Ok(ExitCode::SUCCESS)

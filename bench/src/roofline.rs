@@ -21,18 +21,32 @@ pub const H200_MEASURED_COPY: f64 = 4.11e12;
 /// Contexts of the sweep.
 pub const CONTEXTS: [usize; 4] = [512, 4096, 16_384, 32_768];
 
+/// A model of `config.json`'s shapes (random weights; what the roofline and the memory plan need).
+#[allow(clippy::too_many_arguments)]
+pub fn hf_shape(
+    h: usize,
+    inter: usize,
+    layers: usize,
+    heads: usize,
+    kv: usize,
+    head_dim: usize,
+    vocab: usize,
+    tied: bool,
+    model_type: &str,
+) -> LlamaConfig {
+    let mut c = LlamaConfig::tiny(vocab, h, layers);
+    c.model_type = model_type.into();
+    c.intermediate_size = inter;
+    c.num_attention_heads = heads;
+    c.num_key_value_heads = Some(kv);
+    c.head_dim = Some(head_dim);
+    c.tie_word_embeddings = tied;
+    c
+}
+
 /// The models of the benchmark shapes (their config.json's shapes; `gpu-bench --arch` builds the same).
 pub fn models() -> Vec<(&'static str, LlamaConfig)> {
-    let cfg = |h, i, l, heads, kv, hd, vocab, tied: bool, model_type: &str| {
-        let mut c = LlamaConfig::tiny(vocab, h, l);
-        c.model_type = model_type.into();
-        c.intermediate_size = i;
-        c.num_attention_heads = heads;
-        c.num_key_value_heads = Some(kv);
-        c.head_dim = Some(hd);
-        c.tie_word_embeddings = tied;
-        c
-    };
+    let cfg = hf_shape;
     vec![
         ("SmolLM2-135M", cfg(576, 1536, 30, 9, 3, 64, 49_152, true, "llama")),
         ("Qwen2.5-1.5B", cfg(1536, 8960, 28, 12, 2, 128, 151_936, true, "qwen2")),

@@ -11,14 +11,21 @@
 //! answers and what it last said it was doing. An abandoned operation keeps its buffers (MPI may still write them)
 //! and marks the communicator failed: dropping it then aborts the job instead of finalising MPI with ranks that
 //! may never arrive.
+//!
+//! **Any length.** MPI counts a message's elements in a C `int` (at most 2^31 - 1): all-reduces and broadcasts go as
+//! consecutive chunks of at most [`MpiComm::max_count`] elements (default [`MpiComm::DEFAULT_MAX_COUNT`]), each its
+//! own collective with its own bounded wait, so a flattened gradient of billions of parameters sums in pieces and
+//! the copies MPI needs hold one chunk, not the whole buffer. All-gathers and messages past MPI's count are errors.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::borrow::Cow;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use mpi::collective::SystemOperation;
-use mpi::datatype::PartitionMut;
+use mpi::datatype::{Equivalence, PartitionMut};
 use mpi::environment::Universe;
 use mpi::point_to_point::MatchedReceiveVec;
 use mpi::request::{Request, StaticScope};
@@ -88,19 +95,37 @@ impl Handles {
     }
 
     /// Sends a copy of `bytes` to `to` with `tag` without waiting (completed by later calls).
-    fn send(&mut self, to: i32, tag: i32, bytes: &[u8]) {
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for more bytes than MPI's `int` count (nothing is sent).
+    fn send(&mut self, to: i32, tag: i32, bytes: &[u8]) -> Result<()> {
+        count(bytes.len())?;
         self.progress();
         let (buf, data) = Leaked::new(bytes.to_vec());
         let request = self.world.process_at_rank(to).immediate_send_with_tag(StaticScope, &*data, tag);
         self.pending.push(Pending { request, buf });
+        Ok(())
     }
 
     /// A message with `tag` from any rank, if one has arrived.
-    fn try_recv(&mut self, tag: i32) -> Option<(usize, Vec<u8>)> {
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a message whose length MPI's `int` count cannot say (only a sender outside this crate
+    /// sends one): it is left unreceived, its handle leaked, since rsmpi can neither receive nor drop it.
+    fn try_recv(&mut self, tag: i32) -> Result<Option<(usize, Vec<u8>)>> {
         self.progress();
-        let probed = self.world.any_process().immediate_matched_probe_with_tag(tag)?;
-        let (bytes, status) = probed.matched_receive_vec::<u8>();
-        usize::try_from(status.source_rank()).ok().map(|from| (from, bytes))
+        let Some((message, status)) = self.world.any_process().immediate_matched_probe_with_tag(tag) else {
+            return Ok(None);
+        };
+        if status.count(u8::equivalent_datatype()) < 0 {
+            std::mem::forget(message);
+            return Err(Error::Invalid(format!(
+                "a message (tag {tag}) from rank {} longer than MPI's int count",
+                status.source_rank()
+            )));
+        }
+        let (bytes, status) = (message, status).matched_receive_vec::<u8>();
+        Ok(usize::try_from(status.source_rank()).ok().map(|from| (from, bytes)))
     }
 }
 
@@ -150,6 +175,8 @@ struct Shared {
     deadlines: Mutex<Deadlines>,
     /// Operations started (numbers them in `doing`).
     ops: AtomicU64,
+    /// The most elements one MPI call moves ([`MpiComm::set_max_count`]).
+    max_count: AtomicUsize,
     /// An operation was abandoned (why): finalising could wait forever.
     failed: Mutex<Option<String>>,
     stop: AtomicBool,
@@ -185,11 +212,65 @@ unsafe impl Send for Shared {}
 // SAFETY: as above: shared references only reach the handles through the mutex.
 unsafe impl Sync for Shared {}
 
+/// `n` as MPI's `int` count.
+///
+/// # Errors
+/// [`Error::Invalid`] past `i32::MAX`.
 fn count(n: usize) -> Result<Count> {
     Count::try_from(n).map_err(|_| Error::Invalid(format!("{n} elements exceed MPI's int count")))
 }
 
+/// `n` if it is a usable chunk limit: at least one element, at most MPI's `int` count.
+///
+/// # Errors
+/// [`Error::Invalid`] otherwise.
+fn check_max_count(n: usize) -> Result<usize> {
+    if n == 0 || count(n).is_err() {
+        return Err(Error::Invalid(format!("a chunk of {n} elements (1 to {} fit MPI's int count)", Count::MAX)));
+    }
+    Ok(n)
+}
+
+/// `0..len` as consecutive ranges of at most `max` elements (`max` 0 counts as 1); none for `len` 0.
+fn chunks(len: usize, max: usize) -> impl Iterator<Item = Range<usize>> {
+    let max = max.max(1);
+    (0..len).step_by(max).map(move |start| start..len.min(start.saturating_add(max)))
+}
+
+/// Where each rank's part of an all-gather of `lens` bytes lies in the whole, and the whole's length.
+///
+/// # Errors
+/// [`Error::Invalid`] when a part (-1: past MPI's count) or the whole exceeds MPI's `int` count.
+fn gather_layout(lens: &[Count]) -> Result<(Vec<Count>, Count)> {
+    if let Some(r) = lens.iter().position(|&l| l < 0) {
+        return Err(Error::Invalid(format!("rank {r}'s part of an all-gather exceeds MPI's int count")));
+    }
+    let mut displs = Vec::with_capacity(lens.len());
+    let mut total: Count = 0;
+    for &l in lens {
+        displs.push(total);
+        total = total.checked_add(l).ok_or_else(|| Error::Invalid("gathered bytes exceed MPI's int count".into()))?;
+    }
+    Ok((displs, total))
+}
+
+/// What a chunk's wait names: the operation alone when it is one chunk, else with chunk `i` (from 0) of `total`.
+fn chunk_what(what: &str, i: usize, total: usize) -> Cow<'_, str> {
+    if total > 1 {
+        Cow::Owned(format!("{what}, chunk {} of {total}", i + 1))
+    } else {
+        Cow::Borrowed(what)
+    }
+}
+
 impl MpiComm {
+    /// The most elements one MPI call moves unless [`Self::set_max_count`] says otherwise: 2^27. MPI counts elements
+    /// in a C `int` (at most 2^31 - 1), so longer buffers go as chunks; 2^27 elements stay under 2^31 bytes even
+    /// for 8-byte elements (f64), so no transport that counts bytes in an `int` overflows either, and the two copies
+    /// an all-reduce chunk needs (send and receive) take at most 1 GiB each, not two of the whole buffer. An extra
+    /// collective per 0.5 to 1 GiB costs nothing next to moving it.
+    pub const DEFAULT_MAX_COUNT: usize = 1 << 27;
+
     /// Initialises MPI (once per process) and joins the world communicator, with the default [`Deadlines`].
     ///
     /// # Errors
@@ -221,6 +302,7 @@ impl MpiComm {
             doing: Mutex::new("starting".into()),
             deadlines: Mutex::new(deadlines),
             ops: AtomicU64::new(0),
+            max_count: AtomicUsize::new(Self::DEFAULT_MAX_COUNT),
             failed: Mutex::new(None),
             stop: AtomicBool::new(false),
         });
@@ -236,6 +318,24 @@ impl MpiComm {
     /// The waits' limits from now on.
     pub fn set_deadlines(&self, deadlines: Deadlines) {
         *lock(&self.shared.deadlines) = deadlines;
+    }
+
+    /// Moves at most `n` elements per MPI call from now on: longer all-reduces and broadcasts go as consecutive
+    /// chunks (see [`Self::DEFAULT_MAX_COUNT`]). Every rank must use the same limit, since each chunk is its own
+    /// collective. The sums and bytes do not depend on it (sums are elementwise), though with more than two ranks
+    /// the MPI library may pick another summation order for another message size.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for 0 or more than `i32::MAX` (MPI's `int` count); the limit is then unchanged.
+    pub fn set_max_count(&self, n: usize) -> Result<()> {
+        self.shared.max_count.store(check_max_count(n)?, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The most elements one MPI call moves ([`Self::set_max_count`]; [`Self::DEFAULT_MAX_COUNT`] at first).
+    #[must_use]
+    pub fn max_count(&self) -> usize {
+        self.shared.max_count.load(Ordering::Relaxed)
     }
 
     fn world(&self) -> MutexGuard<'_, Handles> {
@@ -288,23 +388,43 @@ impl MpiComm {
         }
     }
 
-    /// An all-reduce (sum) of `buf` in place.
+    /// An all-reduce (sum) of `buf` in place, in chunks of at most [`Self::max_count`] elements, each through the
+    /// same two chunk-sized copies (MPI reads one and writes the other). An empty `buf` moves nothing.
     fn all_reduce<T>(&self, op: &str, buf: &mut [T]) -> Result<()>
     where
         T: Copy + Default + 'static,
         [T]: Buffer + BufferMut,
     {
         let what = self.enter(op);
-        let (send, send_ref) = Leaked::new(buf.to_vec());
-        let (recv, recv_ref) = Leaked::new(vec![T::default(); buf.len()]);
-        let request =
-            self.world().world.immediate_all_reduce_into(StaticScope, &*send_ref, recv_ref, SystemOperation::sum());
-        self.complete(&what, request)?;
-        // SAFETY: the all-reduce completed; its references went into the consumed request.
-        let (_, out) = unsafe { (send.take(), recv.take()) };
-        buf.copy_from_slice(&out);
+        let max = self.max_count();
+        let total = buf.len().div_ceil(max);
+        let (mut send, mut recv) = (Vec::new(), Vec::new());
+        for (i, range) in chunks(buf.len(), max).enumerate() {
+            let part = &mut buf[range];
+            send.clear();
+            send.extend_from_slice(part);
+            recv.resize(part.len(), T::default());
+            (send, recv) = self.all_reduce_chunk(&chunk_what(&what, i, total), send, recv)?;
+            part.copy_from_slice(&recv);
+        }
         self.leave(&what);
         Ok(())
+    }
+
+    /// One all-reduce (sum) of `send` into `recv` (same length, within MPI's count); both back once it completed.
+    fn all_reduce_chunk<T>(&self, what: &str, send: Vec<T>, recv: Vec<T>) -> Result<(Vec<T>, Vec<T>)>
+    where
+        T: 'static,
+        [T]: Buffer + BufferMut,
+    {
+        count(send.len().max(recv.len()))?;
+        let (send, send_ref) = Leaked::new(send);
+        let (recv, recv_ref) = Leaked::new(recv);
+        let request =
+            self.world().world.immediate_all_reduce_into(StaticScope, &*send_ref, recv_ref, SystemOperation::sum());
+        self.complete(what, request)?;
+        // SAFETY: the all-reduce completed; its references went into the consumed request.
+        Ok(unsafe { (send.take(), recv.take()) })
     }
 
     /// Every rank's `mine` (one value each), in rank order.
@@ -317,14 +437,30 @@ impl MpiComm {
         Ok(unsafe { (send.take(), recv.take()) }.1)
     }
 
-    /// `root`'s `buf` into every rank's `buf` (same length everywhere).
-    fn broadcast_into(&self, what: &str, root: i32, buf: &mut [u8]) -> Result<()> {
-        let (data, data_ref) = Leaked::new(buf.to_vec());
+    /// `root`'s `buf` into every rank's `buf` (same length everywhere), in chunks of at most `max` bytes, each
+    /// through the same chunk-sized copy. An empty `buf` moves nothing (and MPI may reject an empty buffer's
+    /// dangling address).
+    fn broadcast_into(&self, what: &str, root: i32, buf: &mut [u8], max: usize) -> Result<()> {
+        let total = buf.len().div_ceil(max.max(1));
+        let mut data = Vec::new();
+        for (i, range) in chunks(buf.len(), max).enumerate() {
+            let part = &mut buf[range];
+            data.clear();
+            data.extend_from_slice(part);
+            data = self.broadcast_chunk(&chunk_what(what, i, total), root, data)?;
+            part.copy_from_slice(&data);
+        }
+        Ok(())
+    }
+
+    /// One broadcast of `root`'s `data` into every rank's (within MPI's count); back once it completed.
+    fn broadcast_chunk(&self, what: &str, root: i32, data: Vec<u8>) -> Result<Vec<u8>> {
+        count(data.len())?;
+        let (data, data_ref) = Leaked::new(data);
         let request = self.world().world.process_at_rank(root).immediate_broadcast_into(StaticScope, data_ref);
         self.complete(what, request)?;
         // SAFETY: completed, as above.
-        buf.copy_from_slice(&unsafe { data.take() });
-        Ok(())
+        Ok(unsafe { data.take() })
     }
 }
 
@@ -333,10 +469,11 @@ fn serve(shared: &Shared) {
     while !shared.stop.load(Ordering::Relaxed) {
         {
             let mut h = lock(&shared.handles);
-            while let Some((from, _)) = h.try_recv(PING) {
+            while let Ok(Some((from, _))) = h.try_recv(PING) {
                 let doing = lock(&shared.doing).clone();
                 if let Ok(to) = i32::try_from(from) {
-                    h.send(to, PONG, doing.as_bytes());
+                    // An answer is a short string: within MPI's count.
+                    let _ = h.send(to, PONG, doing.as_bytes());
                 }
             }
         }
@@ -385,14 +522,9 @@ impl Comm for MpiComm {
 
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let what = self.enter("all-gather");
-        let lens = self.all_gather_one(&what, count(mine.len())?)?;
-        let mut displs = Vec::with_capacity(self.size);
-        let mut total: Count = 0;
-        for &l in &lens {
-            displs.push(total);
-            total =
-                total.checked_add(l).ok_or_else(|| Error::Invalid("gathered bytes exceed MPI's int count".into()))?;
-        }
+        // A part past MPI's count goes as -1, so that every rank (not only its own) returns the error.
+        let lens = self.all_gather_one(&what, count(mine.len()).unwrap_or(-1))?;
+        let (displs, total) = gather_layout(&lens)?;
         if total == 0 {
             // Every part empty: nothing to move (and MPI may reject a zero-length buffer's dangling address).
             self.leave(&what);
@@ -423,15 +555,12 @@ impl Comm for MpiComm {
     fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) -> Result<()> {
         let root = self.peer(root)?;
         let what = self.enter("broadcast");
+        let max = self.max_count();
         let mut len = u64::try_from(buf.len()).unwrap_or(u64::MAX).to_le_bytes();
-        self.broadcast_into(&what, root, &mut len)?;
+        self.broadcast_into(&what, root, &mut len, max)?;
         let len = u64::from_le_bytes(len);
         buf.resize(usize::try_from(len).map_err(|_| Error::Invalid(format!("a broadcast of {len} bytes")))?, 0);
-        count(buf.len())?;
-        if !buf.is_empty() {
-            // A zero-length broadcast has nothing to move (and MPI may reject an empty buffer's dangling address).
-            self.broadcast_into(&what, root, buf)?;
-        }
+        self.broadcast_into(&what, root, buf, max)?;
         self.leave(&what);
         Ok(())
     }
@@ -444,13 +573,11 @@ impl Comm for MpiComm {
             return Err(Error::Invalid(format!("tag {tag} (at most {MAX_TAG}; higher ones are the liveness checks')")));
         }
         let to = self.peer(to)?;
-        count(bytes.len())?;
-        self.world().send(to, i32::from(tag), bytes);
-        Ok(())
+        self.world().send(to, i32::from(tag), bytes)
     }
 
     fn try_recv(&self, tag: Tag) -> Result<Option<(usize, Vec<u8>)>> {
-        Ok(self.world().try_recv(i32::from(tag)))
+        self.world().try_recv(i32::from(tag))
     }
 
     fn recv(&self, tag: Tag) -> Result<(usize, Vec<u8>)> {
@@ -477,7 +604,7 @@ impl Comm for MpiComm {
         let mut peers = lock(&self.shared.peers);
         {
             let mut h = self.world();
-            while let Some((from, bytes)) = h.try_recv(PONG) {
+            while let Ok(Some((from, bytes))) = h.try_recv(PONG) {
                 if let Some(p) = peers.get_mut(from) {
                     *p = Peer { heard: Some(now), doing: String::from_utf8_lossy(&bytes).into_owned(), asked: None };
                 }
@@ -486,8 +613,9 @@ impl Comm for MpiComm {
                 let recent = p.heard.is_some_and(|t| now.duration_since(t) < ASK_AFTER);
                 if r != self.rank && p.asked.is_none() && !recent {
                     if let Ok(to) = i32::try_from(r) {
-                        h.send(to, PING, &[]);
-                        p.asked = Some(now);
+                        if h.send(to, PING, &[]).is_ok() {
+                            p.asked = Some(now);
+                        }
                     }
                 }
             }
@@ -517,5 +645,72 @@ impl Comm for MpiComm {
         // every rank).
         *lock(&self.shared.failed) = Some(e.to_string());
         Err(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every length and limit of a small grid: the chunks cover `0..len` in order, without gaps or overlaps, each
+    /// of 1 to `max` elements, all but the last exactly `max`, `len.div_ceil(max)` of them.
+    #[test]
+    fn chunks_cover_the_buffer_in_order_within_the_limit() {
+        for len in 0..60 {
+            for max in 1..20 {
+                let parts: Vec<_> = chunks(len, max).collect();
+                assert_eq!(parts.len(), len.div_ceil(max), "len {len}, max {max}");
+                let mut next = 0;
+                for (i, p) in parts.iter().enumerate() {
+                    assert_eq!(p.start, next, "len {len}, max {max}: {parts:?}");
+                    assert!(!p.is_empty() && p.len() <= max, "len {len}, max {max}: {parts:?}");
+                    assert!(i + 1 == parts.len() || p.len() == max, "len {len}, max {max}: {parts:?}");
+                    next = p.end;
+                }
+                assert_eq!(next, len, "len {len}, max {max}");
+            }
+        }
+    }
+
+    /// Past `i32::MAX` elements (a 2.1-billion-parameter gradient): chunks within MPI's count, none past the end,
+    /// computed without touching memory.
+    #[test]
+    fn a_buffer_past_mpis_count_goes_as_chunks_within_it() {
+        let len = 5 * (1usize << 30) + 3;
+        let max = MpiComm::DEFAULT_MAX_COUNT;
+        let parts: Vec<_> = chunks(len, max).collect();
+        assert_eq!(parts.len(), 41);
+        assert!(parts.iter().all(|p| count(p.len()).is_ok()));
+        assert_eq!(parts.last(), Some(&(40 * max..len)));
+        // The end of a chunk near `usize::MAX` saturates rather than overflows.
+        let half = usize::MAX / 2 + 1;
+        assert_eq!(chunks(usize::MAX - 1, half).collect::<Vec<_>>(), [0..half, half..usize::MAX - 1]);
+        assert_eq!(chunks(3, 0).count(), 3, "a zero limit counts as one");
+    }
+
+    #[test]
+    fn the_chunk_limit_is_at_least_one_and_within_mpis_count() {
+        assert!(check_max_count(0).is_err());
+        assert!(check_max_count(Count::MAX as usize + 1).is_err());
+        assert!(check_max_count(usize::MAX).is_err());
+        assert_eq!(check_max_count(1).ok(), Some(1));
+        assert_eq!(check_max_count(Count::MAX as usize).ok(), Some(Count::MAX as usize));
+        assert!(check_max_count(MpiComm::DEFAULT_MAX_COUNT).is_ok());
+        // Within MPI's count even in bytes, for elements of up to 8 bytes.
+        assert!(count(MpiComm::DEFAULT_MAX_COUNT * std::mem::size_of::<f64>()).is_ok());
+    }
+
+    #[test]
+    fn an_all_gather_part_or_whole_past_mpis_count_is_an_error() {
+        assert_eq!(gather_layout(&[0, 3, 2]).ok(), Some((vec![0, 0, 3], 5)));
+        assert!(gather_layout(&[4, -1, 2]).is_err_and(|e| e.to_string().contains("rank 1's part")));
+        assert!(gather_layout(&[Count::MAX, 1]).is_err());
+        assert_eq!(gather_layout(&[]).ok(), Some((vec![], 0)));
+    }
+
+    #[test]
+    fn a_chunk_is_named_only_when_there_are_several() {
+        assert_eq!(chunk_what("all-reduce (f32) #4", 0, 1), "all-reduce (f32) #4");
+        assert_eq!(chunk_what("all-reduce (f32) #4", 2, 7), "all-reduce (f32) #4, chunk 3 of 7");
     }
 }

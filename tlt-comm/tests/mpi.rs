@@ -95,3 +95,25 @@ fn a_stopped_or_late_rank_ends_the_wait_with_an_error_naming_it() {
     assert!(!ok, "a wait past its limit did not end the job:\n{text}");
     assert!(text.contains("rank 0 stopped waiting for barrier") && text.contains("rank 1 answers"), "{text}");
 }
+
+/// Buffers past MPI's `int` count (2^31 + 5 elements, where rsmpi panics on a whole slice) go as chunks: a
+/// broadcast of bytes across two ranks and an f32 all-reduce on one (about 4.5 GiB, then 9 GiB of memory; 40 s on
+/// 2 cores).
+#[test]
+fn buffers_past_mpis_int_count_go_as_chunks() {
+    if !mpirun_found() {
+        println!("SKIP buffers_past_mpis_int_count_go_as_chunks: no `mpirun`");
+        return;
+    }
+    for (what, n) in [("bytes", 2), ("f32", 1)] {
+        let out = mpirun(n)
+            .env("TLT_COMM_CHECK_PAST_INT", what)
+            .arg(env!("CARGO_BIN_EXE_tlt-comm-check"))
+            .output()
+            .unwrap_or_else(|e| panic!("mpirun: {e}"));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        print!("{stdout}");
+        assert!(out.status.success(), "{what} on {n} rank(s): {stdout}{}", String::from_utf8_lossy(&out.stderr));
+        assert!((0..n).all(|r| stdout.contains(&format!("rank {r} of {n}: 2147483653 {what}"))), "{stdout}");
+    }
+}

@@ -30,6 +30,11 @@ impl Allocs {
         self.next_id
     }
 
+    /// Bytes of every live allocation together.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.map.iter().map(|(&s, &(e, _))| e - s).sum()
+    }
+
     /// Forgets the allocation at `addr`.
     pub(crate) fn remove(&mut self, addr: u64) {
         self.map.remove(&addr);

@@ -230,6 +230,12 @@ impl SimGpu {
         lock(&self.state).gemms
     }
 
+    /// Bytes of device memory allocated and not yet freed (what a memory plan is checked against).
+    #[must_use]
+    pub fn live_bytes(&self) -> u64 {
+        lock(&self.state).live.bytes()
+    }
+
     /// Operations that ran after the call that queued them returned (the stream was asynchronous).
     #[must_use]
     pub fn ran_later(&self) -> u64 {

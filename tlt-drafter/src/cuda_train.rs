@@ -402,15 +402,13 @@ impl CudaDrafterTrainer {
     /// Where the layer's gradients accumulate (slices of the gradient arena).
     fn layer_grads(&self) -> Result<LayerGrads> {
         let (gr, a) = (&self.groups, &self.grad);
-        Ok(LayerGrads {
-            in_norm: None,
-            post_norm: part(a, &gr.post_norm)?,
-            qkv: part(a, &gr.qkv)?,
-            qkv_b: gr.qkv_bias.as_ref().map(|r| part(a, r)).transpose()?,
-            o: part(a, &gr.o)?,
-            gate_up: part(a, &gr.gate_up)?,
-            down: part(a, &gr.down)?,
-        })
+        Ok(LayerGrads::full(
+            None,
+            part(a, &gr.post_norm)?,
+            part(a, &gr.qkv)?,
+            gr.qkv_bias.as_ref().map(|r| part(a, r)).transpose()?,
+            [part(a, &gr.o)?, part(a, &gr.gate_up)?, part(a, &gr.down)?],
+        ))
     }
 
     fn rows(&self, t: usize) -> Result<PackedRows> {

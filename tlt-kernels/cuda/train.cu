@@ -280,3 +280,21 @@ extern "C" __global__ void add_f32(float* dst, const float* src, unsigned long l
          i += (unsigned long long)gridDim.x * blockDim.x)
         dst[i] += src[i];
 }
+
+// dst[i] *= s (f32; s given as an f32). Grid-stride.
+extern "C" __global__ void scale_f32(float* dst, float s, unsigned long long n)
+{
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        dst[i] = dst[i] * s;
+}
+
+// out[i] = bf16(base[i] + s * delta[i]): a LoRA delta merged into a frozen bf16 weight, the sum in f32, rounded to
+// bf16 nearest even. Grid-stride.
+extern "C" __global__ void lora_merge_bf16(const bf16_t* base, const float* delta, float s, bf16_t* out,
+                                           unsigned long long n)
+{
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        out[i] = tlt_f2bf(tlt_bf2f(base[i]) + s * delta[i]);
+}

@@ -406,5 +406,9 @@ fn launches_per_decode_layer() {
 }
 #[path = "device/invariance.rs"]
 mod invariance;
+#[path = "device/lora.rs"]
+mod lora;
 #[path = "device/train.rs"]
 mod train;
+#[path = "device/train_memory.rs"]
+mod train_memory;

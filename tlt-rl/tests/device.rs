@@ -169,6 +169,14 @@ fn the_device_memory_plan_is_checked_before_the_first_rollout() {
     assert_eq!(plan.optimizer, 16 * params, "f32 master weights, two moments and gradients");
     assert!(plan.kv_cache > 0 && plan.graph_pool > 0 && plan.activations > 0 && plan.drafter > 0, "{plan:?}");
     assert_eq!(plan.reference, 0, "no KL term, no reference");
+    // The same plan from the config alone (what `cargo xtask memory` prints), the drafter's bytes given.
+    let cfg = t.policy().config();
+    assert_eq!(tlt_rl::trainer::weight_count(cfg).unwrap(), params);
+    let from_config = tlt_rl::trainer::DeviceMemoryPlan::new(cfg, params, &config(Device::Cpu), plan.drafter);
+    assert_eq!(from_config, plan);
+    let longer = TrainerConfig { max_prompt_tokens: 4096, ..config(Device::Cpu) };
+    let longer = tlt_rl::trainer::DeviceMemoryPlan::new(cfg, params, &longer, plan.drafter);
+    assert!(longer.kv_cache > plan.kv_cache && longer.activations > plan.activations, "the prompt room is planned");
     let host = TrainerConfig { update_on_device: false, ..config(Device::Cpu) };
     let p = Trainer::new(model(), Sevens, host).unwrap().with_gpu(gpu.clone()).device_memory_plan().unwrap();
     assert_eq!((p.optimizer, p.activations), (0, 0), "the update on the CPU holds nothing on the device");
@@ -177,6 +185,26 @@ fn the_device_memory_plan_is_checked_before_the_first_rollout() {
     let mut big = Trainer::new(model(), Sevens, huge).unwrap().with_gpu(gpu);
     let e = big.step(&mut tlt_rl::trainer::Quiet).unwrap_err().to_string();
     assert!(e.contains("KV cache") && e.contains("device memory"), "{e}");
+}
+
+/// With rollouts on a device a prompt longer than `max_prompt_tokens` (the room the caches reserve) is an error
+/// naming the field, not a failure inside the drafter's forward; at its length it runs. A Qwen3 policy with the
+/// update on the device (its q/k head norms have no device backward) is refused before the first rollout.
+#[test]
+fn prompts_past_the_room_and_untrainable_models_are_refused_before_the_rollout() {
+    let gpu = tlt_cuda_sim::test_devices("prompts_past_the_room", &[Schedule::Lazy]).unwrap().remove(0);
+    let run = |room: usize| {
+        let cfg = TrainerConfig { max_prompt_tokens: room, steps: 1, ..config(Device::Cpu) };
+        Trainer::new(model(), Sevens, cfg).unwrap().with_gpu(gpu.clone()).step(&mut tlt_rl::trainer::Quiet).map(|_| ())
+    };
+    let e = run(3).unwrap_err().to_string();
+    assert!(e.contains("max_prompt_tokens") && e.contains("4 tokens"), "{e}");
+    run(4).unwrap();
+    let mut q3 = model().config().clone();
+    q3.model_type = "qwen3".into();
+    let mut t = Trainer::new(Llama::random(q3, 4).unwrap(), Sevens, config(Device::Cpu)).unwrap().with_gpu(gpu);
+    let e = t.step(&mut tlt_rl::trainer::Quiet).unwrap_err().to_string();
+    assert!(e.contains("update_on_device") && e.contains("q/k head norms"), "{e}");
 }
 
 /// The device update against the CPU's on the same rollouts, with every term the device path maps back to rows: a

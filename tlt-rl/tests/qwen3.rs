@@ -119,3 +119,28 @@ fn check_export(t: &Trainer<Count>) {
     assert_eq!((ck.config.llama.head_dim(), ck.config.llama.q_dim()), (32, 128));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A Qwen3 policy with the update on a device is refused when the trainer is built, naming what is missing (the
+/// q/k head norms' backward), not after its first rollout; the same config with the update on the CPU, and a Llama
+/// policy with the update on the device, are accepted (the check refuses only what it should).
+#[test]
+fn a_device_update_of_qwen3_is_refused_at_construction() {
+    let cuda = |update_on_device: bool| TrainerConfig {
+        device: tlt_model::Device::Cuda(0),
+        update_on_device,
+        ..config(Mode::Baseline, DrafterChoice::default())
+    };
+    let Err(err) = Trainer::new(tiny_qwen3(6), Count, cuda(true)) else { panic!("a Qwen3 device update was accepted") };
+    let msg = err.to_string();
+    assert!(msg.contains("update_on_device") && msg.contains("q/k head norms"), "{msg}");
+    // Without tlt-rl's `cuda` feature a CUDA config is refused for that (`device`), never for the architecture.
+    let accepted = |r: tlt_rl::Result<Trainer<Count>>, what: &str| match r {
+        Ok(_) => {}
+        Err(e) => assert!(cfg!(not(feature = "cuda")) && !e.to_string().contains("update_on_device"), "{what}: {e}"),
+    };
+    accepted(Trainer::new(tiny_qwen3(6), Count, cuda(false)), "Qwen3 with the update on the CPU");
+    let mut llama = tiny_qwen3(6).config().clone();
+    llama.model_type = "llama".into();
+    llama.head_dim = None;
+    accepted(Trainer::new(Llama::random(llama, 6).unwrap(), Count, cuda(true)), "Llama with the update on the device");
+}

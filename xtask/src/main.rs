@@ -113,6 +113,14 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The device memory plan of GRPO runs at the paper's shapes (the trainer's own arithmetic) and the most new
+    /// tokens that fit 80 GB and 141 GB; `target/bench/memory.json` and `.md`.
+    #[command(disable_help_flag = true)]
+    Memory {
+        /// The arguments of `tlt-bench memory`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Fault injection: `train` on a tiny model killed by SIGKILL at seeded points (rollout rounds, optimizer
     /// steps, drafter steps, checkpoint writes, metrics appends; one rank of a 2-rank MPI job), resumed until done
     /// and compared bit for bit with an uninterrupted run, plus the two-rename negative control (the
@@ -217,6 +225,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Cmd::Demo(args) => demo::demo(&args),
         Cmd::Chaos { kills, rank_kills, seed } => testing::chaos(kills, rank_kills, seed),
         Cmd::Roofline { args } => bench::forward("roofline", args),
+        Cmd::Memory { args } => bench::forward("memory", args),
         Cmd::Bench { args } => bench::forward("bench", args),
         Cmd::Graph { dot } => graph::print(dot).map(|()| ExitCode::SUCCESS),
     }

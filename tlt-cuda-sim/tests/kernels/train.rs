@@ -650,6 +650,34 @@ pub fn cast_and_add_cover_every_element(dev: &SimDevice) {
     println!("cast_f32_bf16 (== half::bf16::from_f32, ties, NaN, inf, subnormal), add_f32: n = 1, 257, 2,000,000");
 }
 
+/// `scale_f32` against the host's `x * s` bit for bit, and `lora_merge_bf16` against `bf16(base + s * delta)` from
+/// the host's f32 arithmetic bit for bit; the control: merging with another scale changes the result.
+pub fn scale_and_lora_merge_match_the_host(dev: &SimDevice) {
+    for (order, dev) in variants(dev) {
+        for n in [1, 257, 300_001] {
+            let mut rng = Rng::new(n as u64 + 5);
+            let x = rng.vec(n, -10.0, 10.0);
+            let xb = dev.upload(&x);
+            dev.launch(&plan::scale_f32(xb.buf(), 0.37).unwrap()).unwrap();
+            let want: Vec<u32> = x.iter().map(|v| (v * 0.37).to_bits()).collect();
+            assert!(xb.download().iter().map(|v| v.to_bits()).collect::<Vec<_>>() == want, "{order}: scale n = {n}");
+            let base: Vec<bf16> = rng.vec(n, -1.0, 1.0).into_iter().map(bf16::from_f32).collect();
+            let delta = rng.vec(n, -0.01, 0.01);
+            let (bb, db, out) = (dev.upload(&base), dev.upload(&delta), dev.zeros::<bf16>(n));
+            let merged = |s: f32| -> Vec<u16> {
+                base.iter().zip(&delta).map(|(b, d)| bf16::from_f32(b.to_f32() + s * d).to_bits()).collect()
+            };
+            dev.launch(&plan::lora_merge(bb.buf(), db.buf(), 2.0, out.buf()).unwrap()).unwrap();
+            let got: Vec<u16> = out.download().iter().map(|b| b.to_bits()).collect();
+            assert!(got == merged(2.0), "{order}: lora_merge n = {n}");
+            if n > 1000 {
+                assert!(got != merged(1.0), "{order}: the control: another scale gives the same bits");
+            }
+        }
+    }
+    println!("scale_f32, lora_merge_bf16: == the host's f32 arithmetic bit for bit, n = 1, 257, 300,001");
+}
+
 kernel_tests!(
     rope_rows_matches_f64_and_the_decode_path => [rope_kv_write_bf16, rope_rows_bf16],
     rope_rows_back_is_the_transpose => [rope_rows_back_f32],
@@ -662,4 +690,5 @@ kernel_tests!(
     sum_squares_matches_f64 => [sum_squares_f32],
     adamw_equals_the_host_optimizer_bit_for_bit => [adamw_f32],
     cast_and_add_cover_every_element => [add_f32, cast_f32_bf16],
+    scale_and_lora_merge_match_the_host => [lora_merge_bf16, scale_f32],
 );

@@ -142,6 +142,8 @@ pub const SOURCES: &[KernelSource] = &[
             "adamw_f32",
             "cast_f32_bf16",
             "add_f32",
+            "scale_f32",
+            "lora_merge_bf16",
         ],
     },
     KernelSource {

@@ -223,6 +223,10 @@ pub struct TrainerConfig {
     pub group_size: usize,
     /// Most new tokens per sample. Default 256.
     pub max_new_tokens: usize,
+    /// Most tokens of a prompt (verl `data.max_prompt_length`). With rollouts on a device the KV cache, the
+    /// drafter's cache and the update's buffers reserve this many positions per sequence, and a longer prompt is an
+    /// error naming this field. Default 1024.
+    pub max_prompt_tokens: usize,
     /// Sampling temperature (0: greedy). Default 1.0.
     pub temperature: f64,
     /// Nucleus sampling mass. Default 1.0.
@@ -284,6 +288,7 @@ impl Default for TrainerConfig {
             prompts_per_step: 8,
             group_size: 4,
             max_new_tokens: 256,
+            max_prompt_tokens: 1024,
             temperature: 1.0,
             top_p: 1.0,
             grpo: GrpoConfig::default(),
@@ -331,6 +336,7 @@ impl TrainerConfig {
             ("prompts_per_step", self.prompts_per_step),
             ("group_size", self.group_size),
             ("max_new_tokens", self.max_new_tokens),
+            ("max_prompt_tokens", self.max_prompt_tokens),
             ("micro_batch_tokens", self.micro_batch_tokens),
             ("ppo_epochs", self.ppo_epochs),
             ("ppo_mini_batch_size", self.ppo_mini_batch_size.unwrap_or(1)),

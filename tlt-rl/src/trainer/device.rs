@@ -102,7 +102,7 @@ impl RolloutDevice {
     /// Runs the policy update ([`policy_update`] over `seqs`) on the rollouts' device, on the rollout engine's own
     /// weights (updated in place), then mirrors the new f32 weights and moments into `opt` (the host policy's
     /// variables and optimizer). The first call builds the device trainer from `opt` (a fresh run's or a resumed
-    /// checkpoint's state) with room for micro-batches of `max_rows` tokens.
+    /// checkpoint's state) with the training pass's buffers as `opts` plans them.
     ///
     /// # Errors
     /// Before any rollout (no device model yet), for an architecture the device update does not cover, and the
@@ -111,7 +111,7 @@ impl RolloutDevice {
         &self,
         ctx: &UpdateContext,
         opt: &mut tlt_model::optim::AdamW,
-        max_rows: usize,
+        opts: &tlt_model::cuda::train::TrainOptions,
         seqs: &[TrainSeq],
         stats: &mut UpdateStats,
     ) -> Result<()> {
@@ -124,7 +124,7 @@ impl RolloutDevice {
         target.with_model_mut(|model| -> Result<()> {
             let t = match train.as_mut() {
                 Some(t) => t,
-                None => train.insert(DeviceTrain::new(model, opt, ctx.reference, max_rows)?),
+                None => train.insert(DeviceTrain::new(model, opt, ctx.reference, opts)?),
             };
             policy_update(ctx, &mut DeviceUpdate { train: t, policy: model }, seqs, stats)?;
             t.mirror_to_host(opt)

@@ -59,6 +59,7 @@ impl<E: Environment> Trainer<E> {
             let prompts = (0..p as u64)
                 .map(|i| self.env().prompt(Split::Train, data_pos + i))
                 .collect::<Result<Vec<Prompt>>>()?;
+            self.check_prompt_room(&prompts)?;
             data_pos += p as u64;
             let seed = match k {
                 0 => step_seed(self.cfg.seed, step),

@@ -62,7 +62,7 @@ pub use export::{
     make_readable, serve_commands, serve_instructions, tokenizer_config, ExportConfig, Exported, EXPORT_DRAFTER_DIR,
     EXPORT_POLICY_DIR, SERVE_FILE,
 };
-pub use memory::DeviceMemoryPlan;
+pub use memory::{update_options, weight_count, DeviceMemoryPlan};
 pub use parallel::shard;
 pub use reward::ScoringConfig;
 pub use rollout::{Observer, Quiet, RolloutOutput};
@@ -77,9 +77,6 @@ use crate::{Error, Result};
 use device::RolloutDevice;
 use drafter::RolloutDrafter;
 
-/// Prompt positions the device drafter's cache reserves per request (beyond the answer and a draft tree); a longer
-/// prompt is a clear error of the drafter's forward.
-const PROMPT_ROOM: usize = 1024;
 use reward::RewardPool;
 use rollout::{spec_params, RolloutJob};
 use update::{policy_update, HostUpdate, TrainSeq, UpdateContext};
@@ -154,7 +151,7 @@ impl<E: Environment> std::fmt::Debug for Trainer<E> {
 /// answer and the largest draft tree.
 fn draft_on(cfg: &TrainerConfig, d: &mut RolloutDrafter, handle: Arc<types::GpuHandle>) {
     let slots = cfg.rollout.max_running.min(cfg.prompts_per_step * cfg.group_size).max(1);
-    let max_len = PROMPT_ROOM + cfg.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES;
+    let max_len = cfg.max_prompt_tokens + cfg.max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES;
     d.draft_on_device(handle, slots, max_len);
 }
 
@@ -209,6 +206,10 @@ impl<E: Environment> Trainer<E> {
             Mode::Tlt => AdaptiveDecoder::new(cfg.sd.gate.clone(), cfg.sd.bandit())?,
             Mode::Baseline => AdaptiveDecoder::plain()?,
         };
+        if cfg.device.is_cuda() && cfg.update_on_device {
+            tlt_model::cuda::train::check_trainable(policy.config())
+                .map_err(|e| Error::config("update_on_device", e.to_string()))?;
+        }
         let rollouts = RolloutDevice::new(cfg.device)?;
         if cfg.device.is_cuda() && !cfg.update_on_device && cfg.grpo.tis_cap.is_none() {
             tracing::warn!(
@@ -362,38 +363,33 @@ impl<E: Environment> Trainer<E> {
         self
     }
 
-    /// The most tokens of one micro-batch of the update (a sequence longer than the token budget runs alone).
-    fn update_rows(&self) -> usize {
-        self.cfg.micro_batch_tokens.max(PROMPT_ROOM + self.cfg.max_new_tokens)
-    }
-
     /// The device memory this trainer plans for, part by part (`None` with rollouts on the CPU): the rollout
-    /// engine's policy, KV cache (prompts up to 1,024 tokens) and graph pool, the EAGLE drafter's forward, and with
-    /// the update on the device its reference, f32 state and activations. Checked against the device's memory and
-    /// logged before the first rollout.
+    /// engine's policy, KV cache (prompts up to `max_prompt_tokens`) and graph pool, the EAGLE drafter's forward,
+    /// and with the update on the device its reference, f32 state and activations ([`DeviceMemoryPlan::new`]).
+    /// Checked against the device's memory and logged before the first rollout.
     pub fn device_memory_plan(&self) -> Option<DeviceMemoryPlan> {
         if !self.rollouts.handle().on_device() {
             return None;
         }
-        let cfg = self.policy.config();
         let params = self.policy.weights().num_params() as u64;
-        let slots = self.cfg.prompts_per_step * self.cfg.group_size;
-        let positions = device::cache_positions(PROMPT_ROOM, self.cfg.max_new_tokens).next_multiple_of(256);
-        let update = self.cfg.update_on_device;
-        let kl = self.cfg.grpo.kl.is_some();
-        Some(DeviceMemoryPlan {
-            policy_weights: 2 * params,
-            kv_cache: memory::kv_bytes(cfg, slots, positions),
-            graph_pool: device::GRAPH_BUDGET,
-            drafter: self.drafter.as_ref().map_or(0, RolloutDrafter::device_bytes),
-            reference: if update && kl { 2 * params } else { 0 },
-            optimizer: if update { 16 * params } else { 0 },
-            activations: if update {
-                tlt_model::cuda::train::train_memory(cfg, 0, self.update_rows()) as u64
-            } else {
-                0
-            },
-        })
+        let drafter = self.drafter.as_ref().map_or(0, RolloutDrafter::device_bytes);
+        Some(DeviceMemoryPlan::new(self.policy.config(), params, &self.cfg, drafter))
+    }
+
+    /// With rollouts on a device, every prompt within the room the device's caches reserve (`max_prompt_tokens`).
+    fn check_prompt_room(&self, prompts: &[Prompt]) -> Result<()> {
+        let room = self.cfg.max_prompt_tokens;
+        match prompts.iter().find(|p| p.ids.len() > room) {
+            Some(p) if self.rollouts.handle().on_device() => Err(Error::config(
+                "max_prompt_tokens",
+                format!(
+                    "prompt {} has {} tokens, more than the {room} the device's caches reserve",
+                    p.index,
+                    p.ids.len()
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Once, before the first rollout on a device: the memory plan against the device's memory (an error when it
@@ -403,6 +399,11 @@ impl<E: Environment> Trainer<E> {
             return Ok(());
         }
         let Some(plan) = self.device_memory_plan() else { return Ok(()) };
+        if self.cfg.update_on_device {
+            // A device given after `new` (`with_gpu`): the architecture's check `new` makes for a CUDA config.
+            tlt_model::cuda::train::check_trainable(self.policy.config())
+                .map_err(|e| Error::config("update_on_device", e.to_string()))?;
+        }
         let gpu = self.rollouts.handle().gpu()?;
         let (free, total) = gpu.memory().map_err(|e| Error::Model(e.into()))?;
         tracing::info!(device = %gpu.info().name, free, total, "device memory plan:\n{plan}");
@@ -547,6 +548,7 @@ impl<E: Environment> Trainer<E> {
     pub fn evaluate(&self, indices: Range<u64>, max_new_tokens: usize) -> Result<Evaluation> {
         let t = Instant::now();
         let prompts = indices.map(|i| self.env().prompt(Split::Eval, i)).collect::<Result<Vec<_>>>()?;
+        self.check_prompt_room(&prompts)?;
         let params = spec_params(0.0, 1.0, max_new_tokens, 0);
         let mut plain = AdaptiveDecoder::plain()?;
         let job = RolloutJob {
@@ -641,9 +643,9 @@ impl<E: Environment> Trainer<E> {
         };
         // The rollout's copy of the weights is not needed until the next rollout: free it for the update's peak.
         self.rollout_model = None;
-        let rows = self.update_rows();
+        let opts = memory::update_options(&self.cfg);
         let updated = if self.cfg.update_on_device && self.rollouts.handle().on_device() {
-            self.rollouts.update_policy(&ctx, &mut self.opt, rows, &seqs, update)
+            self.rollouts.update_policy(&ctx, &mut self.opt, &opts, &seqs, update)
         } else {
             policy_update(&ctx, &mut HostUpdate { opt: &mut self.opt }, &seqs, update)
         };

@@ -5,7 +5,7 @@
 //! f32 master weights and moments (checkpoints, the drafter's frozen target, evaluation on the CPU read them).
 
 use candle_core::{Device, Tensor, Var};
-use tlt_model::cuda::train::{Arena, CudaTrainer, TrainBatch};
+use tlt_model::cuda::train::{Arena, CudaTrainer, TrainBatch, TrainOptions};
 use tlt_model::cuda::CudaLlama;
 use tlt_model::optim::{AdamW, ParamState};
 use tlt_model::Llama;
@@ -26,10 +26,15 @@ pub(crate) struct DeviceTrain {
 
 impl DeviceTrain {
     /// A device trainer of `policy` (the rollout engine's model) whose master weights, moments and step count are
-    /// the host optimizer's (`opt`: a fresh run's or a resumed checkpoint's), with room for micro-batches of
-    /// `max_rows` tokens; `reference` is uploaded for the KL term.
-    pub(crate) fn new(policy: &mut CudaLlama, opt: &AdamW, reference: Option<&Llama>, max_rows: usize) -> Result<Self> {
-        let mut trainer = CudaTrainer::new(policy, *opt.hyper(), max_rows)?;
+    /// the host optimizer's (`opt`: a fresh run's or a resumed checkpoint's), with the training pass's buffers as
+    /// `opts` plans them; `reference` is uploaded for the KL term.
+    pub(crate) fn new(
+        policy: &mut CudaLlama,
+        opt: &AdamW,
+        reference: Option<&Llama>,
+        opts: &TrainOptions,
+    ) -> Result<Self> {
+        let mut trainer = CudaTrainer::with_options(policy, *opt.hyper(), opts)?;
         let named = |f: &dyn Fn(usize, &Var) -> Result<Vec<f32>>| -> Result<Vec<(String, Vec<f32>)>> {
             opt.params().iter().enumerate().map(|(i, (n, v))| Ok((n.clone(), f(i, v)?))).collect()
         };
@@ -44,13 +49,15 @@ impl DeviceTrain {
         let bytes = tlt_model::cuda::train::train_memory(
             policy.config(),
             t.params().last().map_or(0, |p| p.range.end),
-            t.max_rows(),
+            t.options(),
         );
         tracing::info!(
             train_bytes = bytes,
             weights_bytes = policy.weight_bytes(),
             reference_bytes = reference.as_ref().map_or(0, CudaLlama::weight_bytes),
             max_rows = t.max_rows(),
+            checkpoint = t.options().checkpoint,
+            head_rows = t.options().head_rows,
             "policy update on the device: f32 master weights, moments and gradients, and the training pass's buffers"
         );
         Ok(Self { trainer, reference })

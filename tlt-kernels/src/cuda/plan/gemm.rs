@@ -96,7 +96,32 @@ pub fn gemm(m: usize, n: usize, k: usize, x: Buf<bf16>, w: Buf<bf16>, y: GemmY) 
 /// # Errors
 /// As [`gemm`].
 pub fn gemm_dx(m: usize, n: usize, k: usize, dy: Buf<bf16>, w: Buf<bf16>, dx: GemmY) -> Result<GemmEx> {
-    check_len("dy", m * n, dy.len())?;
+    gemm_dx_ld(m, n, k, dy, n, w, dx)
+}
+
+/// The elements a row-major `[m, n]` view with rows `ld` apart spans (`ld >= n`).
+fn strided_len(m: usize, n: usize, ld: usize) -> Result<usize> {
+    if ld < n {
+        return Err(Error::InvalidArgument(format!("rows {ld} apart for {n} columns")));
+    }
+    Ok(if m == 0 { 0 } else { (m - 1) * ld + n })
+}
+
+/// [`gemm_dx`] with `dy`'s rows `ld_dy` elements apart (columns of a wider matrix: one projection of a stacked
+/// linear's output gradient).
+///
+/// # Errors
+/// As [`gemm`], and for `ld_dy < n`.
+pub fn gemm_dx_ld(
+    m: usize,
+    n: usize,
+    k: usize,
+    dy: Buf<bf16>,
+    ld_dy: usize,
+    w: Buf<bf16>,
+    dx: GemmY,
+) -> Result<GemmEx> {
+    check_len("dy", strided_len(m, n, ld_dy)?, dy.len())?;
     check_len("w", n * k, w.len())?;
     check_len("dx", m * k, dx.len())?;
     let (mi, ni, ki) = (int("m", m)?, int("n", n)?, int("k", k)?);
@@ -109,7 +134,7 @@ pub fn gemm_dx(m: usize, n: usize, k: usize, dy: Buf<bf16>, w: Buf<bf16>, dx: Ge
         a: w.addr(),
         lda: ki,
         b: dy.addr(),
-        ldb: ni,
+        ldb: int("ld_dy", ld_dy)?,
         c: dx.addr(),
         ldc: ki,
         c_f32: matches!(dx, GemmY::F32(_)),
@@ -132,7 +157,25 @@ pub fn gemm_dw(
     dw: Buf<f32>,
     accumulate: bool,
 ) -> Result<GemmEx> {
-    check_len("dy", m * n, dy.len())?;
+    gemm_dw_ld(m, n, k, dy, n, x, dw, accumulate)
+}
+
+/// [`gemm_dw`] with `dy`'s rows `ld_dy` elements apart (as [`gemm_dx_ld`]).
+///
+/// # Errors
+/// As [`gemm`], and for `ld_dy < n`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_dw_ld(
+    m: usize,
+    n: usize,
+    k: usize,
+    dy: Buf<bf16>,
+    ld_dy: usize,
+    x: Buf<bf16>,
+    dw: Buf<f32>,
+    accumulate: bool,
+) -> Result<GemmEx> {
+    check_len("dy", strided_len(m, n, ld_dy)?, dy.len())?;
     check_len("x", m * k, x.len())?;
     check_len("dw", n * k, dw.len())?;
     let (mi, ni, ki) = (int("m", m)?, int("n", n)?, int("k", k)?);
@@ -145,7 +188,7 @@ pub fn gemm_dw(
         a: x.addr(),
         lda: ki,
         b: dy.addr(),
-        ldb: ni,
+        ldb: int("ld_dy", ld_dy)?,
         c: dw.addr(),
         ldc: ki,
         c_f32: true,

@@ -419,6 +419,32 @@ pub fn cast_bf16(src: Buf<f32>, dst: Buf<bf16>) -> Result<Launch> {
     ))
 }
 
+/// `dst *= s` (`scale_f32`; f32).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a non-finite `s`.
+pub fn scale_f32(dst: Buf<f32>, s: f32) -> Result<Launch> {
+    if !s.is_finite() {
+        return Err(Error::InvalidArgument(format!("a scale of {s}")));
+    }
+    Ok(Launch::new("scale_f32", stride_grid(dst.len()), 256, vec![dst.arg(), Arg::F32(s), Arg::U64(dst.len() as u64)]))
+}
+
+/// `out = bf16(base + s * delta)` (`lora_merge_bf16`: the sum in f32, rounded to bf16 nearest even): a LoRA delta
+/// merged into a frozen bf16 weight. All three the same length.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] for different lengths; [`Error::InvalidArgument`] for a non-finite `s`.
+pub fn lora_merge(base: Buf<bf16>, delta: Buf<f32>, s: f32, out: Buf<bf16>) -> Result<Launch> {
+    check_len("delta", base.len(), delta.len())?;
+    check_len("out", base.len(), out.len())?;
+    if !s.is_finite() {
+        return Err(Error::InvalidArgument(format!("a scale of {s}")));
+    }
+    let args = vec![base.arg(), delta.arg(), Arg::F32(s), out.arg(), Arg::U64(base.len() as u64)];
+    Ok(Launch::new("lora_merge_bf16", stride_grid(base.len()), 256, args))
+}
+
 /// `dst += src` (`add_f32`; f32, the same length).
 ///
 /// # Errors

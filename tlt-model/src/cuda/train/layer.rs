@@ -12,6 +12,7 @@ use half::bf16;
 use tlt_kernels::cuda::plan::{self, Buf, GemmY, TrainAttnDims};
 use tlt_kernels::cuda::{gpu, DeviceBuf, Elem, Gpu};
 
+use super::lora::{LayerLora, LinearLora};
 use crate::config::LlamaConfig;
 use crate::device_step::{LayerBufs, LinearBufs};
 use crate::{Error, Result};
@@ -119,23 +120,71 @@ impl From<&LayerBufs> for TrainLayerBufs {
     }
 }
 
-/// Where one layer's gradients accumulate (f32, each the shape of its weight).
+/// Where one layer's gradients accumulate (f32, each the shape of its weight); `None`: the weight is frozen (no
+/// gradient computed).
 #[derive(Debug, Clone, Copy)]
 pub struct LayerGrads {
-    /// The input norm's (`None` exactly when the layer has none).
+    /// The input norm's (only for a layer with one).
     pub in_norm: Option<Buf<f32>>,
     /// The post-attention norm's.
-    pub post_norm: Buf<f32>,
+    pub post_norm: Option<Buf<f32>>,
     /// The stacked q/k/v weight's.
-    pub qkv: Buf<f32>,
-    /// The stacked q/k/v bias's (`None` exactly when the layer has none).
+    pub qkv: Option<Buf<f32>>,
+    /// The stacked q/k/v bias's (only for a layer with one).
     pub qkv_b: Option<Buf<f32>>,
     /// The output projection's.
-    pub o: Buf<f32>,
+    pub o: Option<Buf<f32>>,
     /// The stacked gate/up weight's.
-    pub gate_up: Buf<f32>,
+    pub gate_up: Option<Buf<f32>>,
     /// The down projection's.
-    pub down: Buf<f32>,
+    pub down: Option<Buf<f32>>,
+    /// Low-rank adapters on the linears (LoRA), whose gradients are added too.
+    pub lora: Option<LayerLora>,
+}
+
+impl LayerGrads {
+    /// Every weight of a layer trained, at these gradient buffers.
+    #[must_use]
+    pub fn full(
+        in_norm: Option<Buf<f32>>,
+        post_norm: Buf<f32>,
+        qkv: Buf<f32>,
+        qkv_b: Option<Buf<f32>>,
+        [o, gate_up, down]: [Buf<f32>; 3],
+    ) -> Self {
+        Self {
+            in_norm,
+            post_norm: Some(post_norm),
+            qkv: Some(qkv),
+            qkv_b,
+            o: Some(o),
+            gate_up: Some(gate_up),
+            down: Some(down),
+            lora: None,
+        }
+    }
+}
+
+/// Adds the weight gradients of the linear `y[t, out] = x[t, inp] · wᵀ` from its output gradient `dy`: the full
+/// weight's into `full`, and its adapters' (`lora`).
+#[allow(clippy::too_many_arguments)]
+fn weight_grads(
+    g: &dyn Gpu,
+    t: usize,
+    out: usize,
+    inp: usize,
+    dy: Buf<bf16>,
+    x: Buf<bf16>,
+    full: Option<Buf<f32>>,
+    lora: Option<&LinearLora>,
+) -> Result<()> {
+    if let Some(dw) = full {
+        g.gemm(&plan::gemm_dw(t, out, inp, dy, x, dw, true)?)?;
+    }
+    if let Some(l) = lora {
+        l.grads(g, t, out, inp, dy, x)?;
+    }
+    Ok(())
 }
 
 /// The first `n` elements of `b`.
@@ -196,7 +245,7 @@ impl LayerScratch {
     }
 
     /// Adds the input gradient of the RMSNorm `y = norm(x) * nw` into `dx`, from the output gradient in `dxn`, and
-    /// the weight's gradient into `dw`.
+    /// the weight's gradient into `dw` (none for a frozen norm).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn norm_back(
         &self,
@@ -205,12 +254,14 @@ impl LayerScratch {
         rows: usize,
         x: Buf<f32>,
         nw: Buf<bf16>,
-        dw: Buf<f32>,
+        dw: Option<Buf<f32>>,
         dx: Buf<f32>,
     ) -> Result<()> {
         let (dxn, dw_rows) = (head(&self.dxn, rows * d.h)?, head(&self.dw_rows, rows * d.h)?);
         g.launch(&plan::rms_norm_back(rows, d.h, d.eps, x, nw, dxn, dx, dw_rows)?)?;
-        g.launch(&plan::col_sum(rows, d.h, dw_rows, dw, true)?)?;
+        if let Some(dw) = dw {
+            g.launch(&plan::col_sum(rows, d.h, dw_rows, dw, true)?)?;
+        }
         Ok(())
     }
 }
@@ -315,7 +366,7 @@ impl TrainLayer {
             return Err(Error::InvalidInput(format!("scratch for {} rows, a layer of {}", s.cap, self.cap)));
         }
         if let Some(gr) = grads {
-            if gr.in_norm.is_some() != w.in_norm.is_some() || gr.qkv_b.is_some() != w.qkv.b.is_some() {
+            if (gr.in_norm.is_some() && w.in_norm.is_none()) || (gr.qkv_b.is_some() && w.qkv.b.is_none()) {
                 return Err(Error::InvalidInput("layer gradients do not match its weights (norm, bias)".into()));
             }
         }
@@ -399,17 +450,19 @@ impl TrainLayer {
         g.launch(&plan::cast_bf16(dx, dxb)?)?;
         let (act, d_act) = (head(&self.act, t * d.inter)?, head(&s.d_act, t * d.inter)?);
         g.gemm(&plan::gemm_dx(t, h, d.inter, dxb, w.down.w, GemmY::F32(d_act))?)?;
-        g.gemm(&plan::gemm_dw(t, h, d.inter, dxb, act, grads.down, true)?)?;
+        let lora = grads.lora.as_ref();
+        weight_grads(g, t, h, d.inter, dxb, act, grads.down, lora.map(|l| &l.down))?;
         let (gu, d_gu) = (head(&self.gu, t * 2 * d.inter)?, head(&s.d_gu, t * 2 * d.inter)?);
         g.launch(&plan::silu_mul_back(t, d.inter, gu, d_act, d_gu)?)?;
         g.gemm(&plan::gemm_dx(t, 2 * d.inter, h, d_gu, w.gate_up.w, GemmY::F32(dxn))?)?;
-        g.gemm(&plan::gemm_dw(t, 2 * d.inter, h, d_gu, head(&self.xn2, t * h)?, grads.gate_up, true)?)?;
+        let xn2 = head(&self.xn2, t * h)?;
+        weight_grads(g, t, 2 * d.inter, h, d_gu, xn2, grads.gate_up, lora.map(|l| &l.gate_up))?;
         s.norm_back(g, &d, t, head(&self.x_mid, t * h)?, w.post_norm, grads.post_norm, dx)?;
         // Attention: x_mid = x_in + o_proj(attention(rope(qkv(norm(x_in))))).
         g.launch(&plan::cast_bf16(dx, dxb)?)?;
         let (o, d_o) = (head(&self.o, t * d.q)?, head(&s.d_o, t * d.q)?);
         g.gemm(&plan::gemm_dx(t, h, d.q, dxb, w.o.w, GemmY::Bf16(d_o))?)?;
-        g.gemm(&plan::gemm_dw(t, h, d.q, dxb, o, grads.o, true)?)?;
+        weight_grads(g, t, h, d.q, dxb, o, grads.o, lora.map(|l| &l.o))?;
         let (qkv, lse) = (head(&self.qkv, t * d.qkv)?, head(&self.lse, t * d.heads)?);
         let (delta, d_qkv) = (head(&s.delta, t * d.heads)?, head(&s.d_qkv, t * d.qkv)?);
         let (attn, starts) = (d.attn(t), rows.seq_start);
@@ -423,11 +476,12 @@ impl TrainLayer {
         let d_qkvb = head(&s.d_qkvb, t * d.qkv)?;
         g.launch(&plan::cast_bf16(d_qkv, d_qkvb)?)?;
         g.gemm(&plan::gemm_dx(t, d.qkv, h, d_qkvb, w.qkv.w, GemmY::F32(dxn))?)?;
-        g.gemm(&plan::gemm_dw(t, d.qkv, h, d_qkvb, head(&self.xn1, t * h)?, grads.qkv, true)?)?;
-        match (w.in_norm, grads.in_norm) {
-            (Some(nw), Some(dw)) => s.norm_back(g, &d, t, head(&self.x_in, t * h)?, nw, dw, dx)?,
+        let xn1 = head(&self.xn1, t * h)?;
+        weight_grads(g, t, d.qkv, h, d_qkvb, xn1, grads.qkv, lora.map(|l| &l.qkv))?;
+        match w.in_norm {
+            Some(nw) => s.norm_back(g, &d, t, head(&self.x_in, t * h)?, nw, grads.in_norm, dx)?,
             // No input norm: the attention read the input itself (rounded to bf16: a straight-through gradient).
-            _ => g.launch(&plan::add_f32(dx, dxn)?)?,
+            None => g.launch(&plan::add_f32(dx, dxn)?)?,
         }
         Ok(())
     }

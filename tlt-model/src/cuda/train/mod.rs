@@ -17,6 +17,7 @@
 
 mod batch;
 mod layer;
+mod lora;
 mod pass;
 
 use half::bf16;
@@ -25,6 +26,10 @@ use tlt_kernels::cuda::{gpu, DeviceBuf, Gpu, SharedGpu};
 
 pub use self::batch::TrainBatch;
 pub use self::layer::{LayerDims, LayerGrads, LayerScratch, PackedRows, TrainLayer, TrainLayerBufs};
+pub use self::lora::{
+    lora_memory, lora_params, CudaLoraTrainer, LayerLora, LinearLora, LoraConfig, LoraParam, LoraSlot, PeftTensor,
+};
+pub use self::pass::TrainOptions;
 use self::pass::{Acts, Dims, GradBufs};
 use super::CudaLlama;
 use crate::config::LlamaConfig;
@@ -172,11 +177,33 @@ pub enum Arena {
     Grad,
 }
 
-/// The device memory a trainer of `cfg` holds for batches of `rows` rows, in bytes: master weights, moments and
-/// gradients (f32, 16 bytes per weight) and the training pass's activations.
+/// Whether the device training pass covers models of `cfg`, checked from the config alone (before any weight is
+/// loaded or any rollout runs).
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming what is not covered: Qwen3's q/k head norms, a bias on the attention output.
+pub fn check_trainable(cfg: &LlamaConfig) -> Result<()> {
+    if cfg.qk_norm() {
+        return Err(Error::InvalidInput(format!(
+            "device training of `{}` models is not implemented (the backward of their q/k head norms); train on \
+             the CPU (update_on_device = false)",
+            cfg.model_type
+        )));
+    }
+    if cfg.attention_bias()?.o {
+        return Err(Error::InvalidInput(
+            "device training supports biases on q/k/v only, not the attention output's (attention_bias)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The device memory a trainer of `cfg` over `weights` weights holds with `opts`, in bytes: master weights, moments
+/// and gradients (f32, 16 bytes per weight), the gradient norm's partial sums and the training pass's buffers
+/// (every allocation [`CudaTrainer::with_options`] makes).
 #[must_use]
-pub fn train_memory(cfg: &LlamaConfig, weights: usize, rows: usize) -> usize {
-    16 * weights + rows * Dims::new(cfg).bytes_per_row()
+pub fn train_memory(cfg: &LlamaConfig, weights: usize, opts: &TrainOptions) -> usize {
+    16 * weights + 8 * SUM_SQUARES_BLOCKS + Dims::new(cfg).bytes(opts)
 }
 
 /// Each weight's gradient in the gradient arena `grad` (laid out as `params`), by the decoder's structure.
@@ -190,24 +217,50 @@ fn grad_bufs(params: &[TrainParam], grad: &DeviceBuf<f32>, layers: usize) -> Res
     };
     let has = |name: &str| params.iter().any(|p| p.name == name);
     Ok(GradBufs {
-        embed: by_name("embed")?,
+        embed: Some(by_name("embed")?),
         head: has("head").then(|| by_name("head")).transpose()?,
-        norm: by_name("norm")?,
+        norm: Some(by_name("norm")?),
         layers: (0..layers)
             .map(|l| {
                 let n = |s: &str| format!("layers.{l}.{s}");
-                Ok(LayerGrads {
-                    in_norm: Some(by_name(&n("in_norm"))?),
-                    post_norm: by_name(&n("post_norm"))?,
-                    qkv: by_name(&n("qkv"))?,
-                    qkv_b: has(&n("qkv_bias")).then(|| by_name(&n("qkv_bias"))).transpose()?,
-                    o: by_name(&n("o"))?,
-                    gate_up: by_name(&n("gate_up"))?,
-                    down: by_name(&n("down"))?,
-                })
+                Ok(LayerGrads::full(
+                    Some(by_name(&n("in_norm"))?),
+                    by_name(&n("post_norm"))?,
+                    by_name(&n("qkv"))?,
+                    has(&n("qkv_bias")).then(|| by_name(&n("qkv_bias"))).transpose()?,
+                    [by_name(&n("o"))?, by_name(&n("gate_up"))?, by_name(&n("down"))?],
+                ))
             })
             .collect::<Result<Vec<_>>>()?,
     })
+}
+
+/// A trainer of models of `cfg` runs `model` only if it has that configuration.
+fn check_config(cfg: &LlamaConfig, model: &CudaLlama) -> Result<()> {
+    if model.config() != cfg {
+        return Err(Error::InvalidInput("a trainer runs the model of its own configuration".into()));
+    }
+    Ok(())
+}
+
+/// The training forward of `batch` through `model` into `acts` at `temperature` (a trainer's, of models of `cfg`):
+/// the checks and the pass [`CudaTrainer::forward`] and the LoRA trainer share.
+#[allow(clippy::too_many_arguments)]
+fn checked_forward(
+    g: &dyn Gpu,
+    cfg: &LlamaConfig,
+    dims: &Dims,
+    acts: &mut Acts,
+    model: &CudaLlama,
+    batch: &TrainBatch,
+    temperature: f64,
+    entropy: bool,
+) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+    check_config(cfg, model)?;
+    if !(temperature.is_finite() && temperature > 0.0) {
+        return Err(Error::InvalidInput(format!("temperature {temperature} must be finite and > 0")));
+    }
+    pass::forward(g, dims, &model.w.bufs(), acts, batch, (1.0 / temperature) as f32, entropy)
 }
 
 /// AdamW on the device over f32 master weights of a [`CudaLlama`], with the training pass's buffers.
@@ -227,28 +280,37 @@ pub struct CudaTrainer {
     grads: GradBufs,
     partials: DeviceBuf<f64>,
     acts: Acts,
+    opts: TrainOptions,
     hp: AdamWParams,
     steps: u64,
 }
 
 impl CudaTrainer {
     /// A trainer of `model`'s weights (master copies made from its bf16 weights, zero moments) with buffers for
-    /// batches of up to `max_rows` rows.
+    /// batches of up to `max_rows` rows, checkpointed, the head in chunks ([`TrainOptions::new`]).
+    ///
+    /// # Errors
+    /// As [`Self::with_options`].
+    pub fn new(model: &CudaLlama, hp: AdamWParams, max_rows: usize) -> Result<Self> {
+        Self::with_options(model, hp, &TrainOptions::new(max_rows))
+    }
+
+    /// A trainer of `model`'s weights with the training pass's buffers as `opts` plans them
+    /// ([`train_memory`] counts them).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for an architecture the training pass does not cover (Qwen3's head norms, biases
-    /// outside q/k/v), invalid `hp`, or `max_rows == 0`; [`Error::Kernel`] when the device fails (out of memory).
-    pub fn new(model: &CudaLlama, hp: AdamWParams, max_rows: usize) -> Result<Self> {
+    /// outside q/k/v), invalid `hp` or `opts`; [`Error::Kernel`] when the device fails (out of memory).
+    pub fn with_options(model: &CudaLlama, hp: AdamWParams, opts: &TrainOptions) -> Result<Self> {
         hp.validate()?;
+        opts.validate()?;
+        check_trainable(model.config())?;
         let w = model.w.bufs();
         if w.layers.iter().any(|l| l.qk_norm.is_some()) {
             return Err(Error::InvalidInput("device training of q/k head norms (Qwen3) is not implemented".into()));
         }
         if w.layers.iter().any(|l| l.o.b.is_some() || l.gate_up.b.is_some() || l.down.b.is_some()) {
             return Err(Error::InvalidInput("device training supports biases on q/k/v only".into()));
-        }
-        if max_rows == 0 {
-            return Err(Error::InvalidInput("a trainer needs room for at least one row".into()));
         }
         let gpu = model.gpu().clone();
         let g = gpu.as_ref();
@@ -274,7 +336,8 @@ impl CudaTrainer {
             grad,
             grads,
             partials: DeviceBuf::zeros(g, SUM_SQUARES_BLOCKS)?,
-            acts: Acts::new(g, &dims, max_rows)?,
+            acts: Acts::new(g, &dims, opts)?,
+            opts: *opts,
             master,
             gpu,
             cfg,
@@ -303,11 +366,14 @@ impl CudaTrainer {
         self.acts.cap
     }
 
+    /// How the training pass's buffers were planned.
+    #[must_use]
+    pub fn options(&self) -> &TrainOptions {
+        &self.opts
+    }
+
     fn check_model(&self, model: &CudaLlama) -> Result<()> {
-        if model.config() != &self.cfg {
-            return Err(Error::InvalidInput("a trainer runs the model of its own configuration".into()));
-        }
-        Ok(())
+        check_config(&self.cfg, model)
     }
 
     /// The forward of `batch` through `model` (the policy this trainer trains, or a frozen reference of the same
@@ -324,12 +390,7 @@ impl CudaTrainer {
         temperature: f64,
         entropy: bool,
     ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-        self.check_model(model)?;
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(Error::InvalidInput(format!("temperature {temperature} must be finite and > 0")));
-        }
-        let w = model.w.bufs();
-        pass::forward(self.gpu.as_ref(), &self.dims, &w, &mut self.acts, batch, (1.0 / temperature) as f32, entropy)
+        checked_forward(self.gpu.as_ref(), &self.cfg, &self.dims, &mut self.acts, model, batch, temperature, entropy)
     }
 
     /// Adds the gradient of the caller's loss to the accumulated gradients, given the loss's gradient with respect
