@@ -129,6 +129,8 @@ struct State {
     gemms: u64,
     races: Vec<String>,
     ran_later: u64,
+    /// Bytes copied from the device to the host (pageable and pinned).
+    downloaded: u64,
 }
 
 static NEXT_DEVICE: AtomicU64 = AtomicU64::new(1);
@@ -187,6 +189,7 @@ impl SimGpu {
             gemms: 0,
             races: Vec::new(),
             ran_later: 0,
+            downloaded: 0,
         };
         let info = GpuInfo {
             name: format!("simulated ({schedule:?})"),
@@ -228,6 +231,12 @@ impl SimGpu {
     #[must_use]
     pub fn gemms(&self) -> u64 {
         lock(&self.state).gemms
+    }
+
+    /// Bytes copied from the device to the host so far (pageable and pinned downloads).
+    #[must_use]
+    pub fn downloaded_bytes(&self) -> u64 {
+        lock(&self.state).downloaded
     }
 
     /// Bytes of device memory allocated and not yet freed (what a memory plan is checked against).
@@ -557,6 +566,7 @@ impl Gpu for SimGpu {
         if bytes > dst.bytes() {
             return Err(tlt_kernels::Error::InvalidArgument(format!("{bytes} bytes into {} pinned", dst.bytes())));
         }
+        lock(&self.state).downloaded += bytes as u64;
         self.enqueue(Op::DownloadPinned { src, dst: dst.ptr() as u64, bytes, cancelled: false }).map_err(to_kernels)
     }
 
@@ -567,10 +577,11 @@ impl Gpu for SimGpu {
     fn download(&self, src: u64, dst: &mut [u8]) -> tlt_kernels::Result<()> {
         let seq = lock(&self.state).queued;
         self.wait_for(seq, None).map_err(to_kernels)?;
-        let s = lock(&self.state);
+        let mut s = lock(&self.state);
         if s.physical.find(src, dst.len() as u64).is_none() {
             return Err(to_kernels(Error::BadPointer { kernel: "download".into(), arg: 0, addr: src }));
         }
+        s.downloaded += dst.len() as u64;
         // SAFETY: a physical device range of `dst.len()` bytes; all work queued before has run.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())

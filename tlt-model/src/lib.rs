@@ -51,6 +51,7 @@ mod model;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+pub mod peft;
 mod tokenizer;
 mod train;
 mod weights;

@@ -133,6 +133,26 @@ fn a_device_updated_run_resumes_exactly() {
     }
 }
 
+/// After a device update the host mirrors only the f32 weights (4 bytes per weight), not the moments: a step's
+/// device-to-host traffic stays under 8 bytes per weight, where the weights and both moments were 12 (counted by
+/// the simulated device); a checkpoint then reads the moments from the device (`a_device_updated_run_resumes_exactly`
+/// resumes bit for bit from them).
+#[test]
+fn a_device_step_copies_the_weights_to_the_host_not_the_moments() {
+    let sim = tlt_cuda_sim::SimGpu::new(Schedule::Lazy);
+    let gpu: tlt_kernels::cuda::SharedGpu = std::sync::Arc::new(sim.clone());
+    let cfg = TrainerConfig { mode: Mode::Baseline, ..config(Device::Cpu) };
+    let mut t = Trainer::new(model(), Sevens, cfg).unwrap().with_gpu(gpu);
+    let params = t.policy().weights().num_params() as u64;
+    t.step(&mut tlt_rl::trainer::Quiet).unwrap();
+    let before = sim.downloaded_bytes();
+    let r = t.step(&mut tlt_rl::trainer::Quiet).unwrap();
+    assert!(r.metrics.grad_norm > 0.0, "the second step updated nothing");
+    let per_weight = (sim.downloaded_bytes() - before) as f64 / params as f64;
+    println!("a device step downloads {per_weight:.2} bytes per weight ({params} weights)");
+    assert!((4.0..8.0).contains(&per_weight), "{per_weight:.2} bytes per weight to the host in one step");
+}
+
 #[cfg(feature = "cuda")]
 #[test]
 fn rollouts_on_the_gpu() {

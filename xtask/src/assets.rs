@@ -161,8 +161,10 @@ const PY_CHECK_REQUIREMENTS: [&str; 22] = [
 
 /// Python packages the checks install without their dependencies: TRL's would pull torch, transformers and vLLM (GPU
 /// builds); its client code the check runs needs only `requests` and `packaging` (above). sglang-router (the Rust
-/// gateway slime puts in front of every engine, a CPU wheel) goes without its own so that the versions above hold.
-const PY_CHECK_NO_DEPS: [&str; 4] = ["trl==1.16.0", "sglang-router==0.3.2", "verl==0.9.1", "tensordict==0.10.0"];
+/// gateway slime puts in front of every engine, a CPU wheel) goes without its own so that the versions above hold;
+/// PEFT's (torch, transformers, accelerate, safetensors) are above.
+const PY_CHECK_NO_DEPS: [&str; 5] =
+    ["trl==1.16.0", "sglang-router==0.3.2", "verl==0.9.1", "tensordict==0.10.0", "peft==0.21.2"];
 
 /// Installs [`PY_CHECK_REQUIREMENTS`], then [`PY_CHECK_NO_DEPS`] without dependencies, with `pip install --target`
 /// into `<cache>/pydeps` (once; a marker file records success) and returns that directory, for `PYTHONPATH`.

@@ -230,6 +230,16 @@ fn lora_steps_train_only_the_adapters_and_resume_bit_for_bit() {
     assert_ne!(adapters2, adapters0, "two steps left the adapters");
     let logits2 = logits(&mut gpu);
     assert_ne!(logits2, logits0, "the merged weights did not change the decoder");
+    // The trained adapters as PEFT names them, merged on the CPU in f32: the device decoder's logits within bf16
+    // tolerance (what `save_peft_dir` writes and `peft` loads: `tests/peft.rs`).
+    let trained = t.peft_named(&adapters2).unwrap();
+    let cpu = tlt_model::peft::merge_peft(&base, &LORA, &trained).unwrap();
+    let ids = Tensor::from_vec(PAIRS[1].0.to_vec(), (1, PAIRS[1].0.len()), &Device::Cpu).unwrap();
+    let cpu_logits = cpu.forward_train(&ids).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let v = VOCAB;
+    let last = &cpu_logits[cpu_logits.len() - v..];
+    let p = tlt_model::device_step::row_parity(&logits2[logits2.len() - v..], last, 0.1);
+    assert!(p.argmax_equal && p.rel_diff <= 0.05, "the PEFT-merged CPU model against the device decoder: {p:?}");
 
     // Resume: a fresh trainer (another seed) given the state of the first.
     let mut gpu_b = CudaLlama::new(&base, dev.clone(), 1, 64).unwrap();

@@ -9,24 +9,18 @@
 
 use std::sync::{Arc, Mutex};
 
+use tlt_model::optim::ParamState;
 use tlt_model::{Device, Llama};
 use tlt_scheduler::AdaptiveDecoder;
 use tlt_spec_decode::cuda::CudaTarget;
 
 use super::drafter::RolloutDrafter;
+use super::memory::{cache_positions, GRAPH_BUDGET};
 use super::rollout::{run_rollout, Observer, RolloutJob, RolloutOutput};
 use super::types::GpuHandle;
 use super::update::{policy_update, TrainSeq, UpdateContext, UpdateStats};
 use super::update_device::{DeviceTrain, DeviceUpdate};
 use crate::{Error, Result};
-
-/// The CUDA graph pool's memory budget of the rollout engine (captured shapes' buffers and graphs).
-pub(crate) const GRAPH_BUDGET: u64 = 2 << 30;
-
-/// The KV cache positions per sequence of the rollout engine for prompts up to `prompt_room` tokens.
-pub(crate) fn cache_positions(prompt_room: usize, max_new_tokens: usize) -> usize {
-    prompt_room + max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1
-}
 
 /// The rollout backend of a trainer.
 #[derive(Debug)]
@@ -100,8 +94,8 @@ impl RolloutDevice {
     }
 
     /// Runs the policy update ([`policy_update`] over `seqs`) on the rollouts' device, on the rollout engine's own
-    /// weights (updated in place), then mirrors the new f32 weights and moments into `opt` (the host policy's
-    /// variables and optimizer). The first call builds the device trainer from `opt` (a fresh run's or a resumed
+    /// weights (updated in place), then mirrors the new f32 weights into `opt`'s variables (the host policy; the
+    /// moments stay on the device: [`Self::optimizer_state`]). The first call builds the device trainer from `opt` (a fresh run's or a resumed
     /// checkpoint's state) with the training pass's buffers as `opts` plans them.
     ///
     /// # Errors
@@ -127,7 +121,17 @@ impl RolloutDevice {
                 None => train.insert(DeviceTrain::new(model, opt, ctx.reference, opts)?),
             };
             policy_update(ctx, &mut DeviceUpdate { train: t, policy: model }, seqs, stats)?;
-            t.mirror_to_host(opt)
+            t.mirror_weights_to_host(opt)
         })?
+    }
+
+    /// The optimizer state of the device update (moments and steps, in `opt`'s parameter order), or `None` when the
+    /// update has not run on the device: what a checkpoint saves instead of the host optimizer's stale moments.
+    ///
+    /// # Errors
+    /// A poisoned lock, or the device's errors.
+    pub(crate) fn optimizer_state(&self, opt: &tlt_model::optim::AdamW) -> Result<Option<Vec<ParamState>>> {
+        let train = self.train.lock().map_err(|_| Error::InvalidArgument("a device lock is poisoned".into()))?;
+        train.as_ref().map(|t| t.optimizer_state(opt)).transpose()
     }
 }

@@ -9,7 +9,14 @@ use tlt_model::cuda::train::{lora_memory, train_memory, LoraConfig, TrainOptions
 use tlt_model::LlamaConfig;
 
 use super::config::TrainerConfig;
-use super::device::{cache_positions, GRAPH_BUDGET};
+
+/// The CUDA graph pool's memory budget of the rollout engine (captured shapes' buffers and graphs).
+pub(crate) const GRAPH_BUDGET: u64 = 2 << 30;
+
+/// The KV cache positions per sequence of the rollout engine for prompts up to `prompt_room` tokens.
+pub(crate) fn cache_positions(prompt_room: usize, max_new_tokens: usize) -> usize {
+    prompt_room + max_new_tokens + tlt_kernels::cuda::MAX_TREE_NODES + 1
+}
 
 /// Bytes of each part of a trainer's device memory (0 for a part the run does not have).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

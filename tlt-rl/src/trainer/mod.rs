@@ -472,9 +472,19 @@ impl<E: Environment> Trainer<E> {
     }
 
     fn write_checkpoint(&self, dir: &Path, rank_decoders: Vec<tlt_scheduler::DecoderState>) -> Result<()> {
+        // With the update on a device its moments live there (the host mirrors only the weights each step).
+        let synced = match self.rollouts.optimizer_state(&self.opt)? {
+            Some(state) => {
+                let mut o = AdamW::new(self.opt.params().to_vec(), *self.opt.hyper())?;
+                o.set_state(state)?;
+                Some(o)
+            }
+            None => None,
+        };
+        let opt = synced.as_ref().unwrap_or(&self.opt);
         tlt_model::write_dir_atomic(dir, |tmp| -> Result<()> {
             tlt_model::save_hf_dir(&self.policy, None, &tmp.join(POLICY_DIR), candle_core::DType::F32)?;
-            checkpoint::save_optimizer(&self.opt, &tmp.join(OPTIMIZER_FILE))?;
+            checkpoint::save_optimizer(opt, &tmp.join(OPTIMIZER_FILE))?;
             if let Some(d) = &self.drafter {
                 d.save(&tmp.join(DRAFTER_DIR))?;
                 d.save_buffer(&tmp.join(DRAFTER_BUFFER_FILE))?;
@@ -482,14 +492,7 @@ impl<E: Environment> Trainer<E> {
             let version = self.drafter.as_ref().map_or(0, RolloutDrafter::version);
             let state = TrainerState {
                 rank_decoders,
-                ..TrainerState::new(
-                    self.step,
-                    self.cfg.clone(),
-                    &self.opt,
-                    version,
-                    self.data_pos,
-                    self.decoder.state(),
-                )
+                ..TrainerState::new(self.step, self.cfg.clone(), opt, version, self.data_pos, self.decoder.state())
             };
             state.write(tmp)
         })

@@ -1,8 +1,9 @@
 //! The policy update on the rollouts' device: the forwards, the backward and AdamW run there
 //! (`tlt_model::cuda::train::CudaTrainer`), on the very weights the rollout engine decodes with, updated in place;
 //! the GRPO loss stays on the host, on the log-probabilities the device returns (a few floats per token), so the CPU
-//! and device updates share every formula. Between steps the host policy and its optimizer mirror the device's
-//! f32 master weights and moments (checkpoints, the drafter's frozen target, evaluation on the CPU read them).
+//! and device updates share every formula. Between steps the host policy mirrors the device's f32 master weights
+//! (the drafter's frozen target, the rollout's snapshot and evaluation on the CPU read them); the moments stay on the
+//! device until a checkpoint reads them.
 
 use candle_core::{Device, Tensor, Var};
 use tlt_model::cuda::train::{Arena, CudaTrainer, TrainBatch, TrainOptions};
@@ -63,31 +64,38 @@ impl DeviceTrain {
         Ok(Self { trainer, reference })
     }
 
-    /// Copies the device's master weights and moments into the host policy's variables and optimizer (the same
-    /// names; steps as the device's).
-    pub(crate) fn mirror_to_host(&self, opt: &mut AdamW) -> Result<()> {
+    /// Copies the device's master weights into the host policy's variables (what the host reads between steps:
+    /// the rollout's snapshot, evaluation, the drafter's frozen target): 4 bytes per weight. The moments stay on the
+    /// device until a checkpoint asks for them ([`Self::optimizer_state`]).
+    pub(crate) fn mirror_weights_to_host(&self, opt: &AdamW) -> Result<()> {
         let t = &self.trainer;
-        let get = |a: Arena| -> Result<Vec<(String, Vec<f32>)>> { Ok(t.hf_named(&t.arena_to_host(a)?)?) };
-        let (w, m, v) = (get(Arena::Master)?, get(Arena::ExpAvg)?, get(Arena::ExpAvgSq)?);
-        let find = |set: &[(String, Vec<f32>)], name: &str| -> Result<Vec<f32>> {
-            set.iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, x)| x.clone())
-                .ok_or_else(|| Error::InvalidArgument(format!("the device trainer has no `{name}`")))
-        };
-        let mut state = Vec::with_capacity(opt.params().len());
+        let w = t.hf_named(&t.arena_to_host(Arena::Master)?)?;
         for (name, var) in opt.params() {
-            let t = Tensor::from_vec(find(&w, name)?, var.shape(), &Device::Cpu)?.to_dtype(var.dtype())?;
-            var.set(&t)?;
-            state.push(ParamState {
-                exp_avg: find(&m, name)?,
-                exp_avg_sq: find(&v, name)?,
-                steps: self.trainer.steps(),
-            });
+            let values = find(&w, name)?;
+            var.set(&Tensor::from_vec(values, var.shape(), &Device::Cpu)?.to_dtype(var.dtype())?)?;
         }
-        opt.set_state(state)?;
         Ok(())
     }
+
+    /// The optimizer's state as the device holds it (moments, steps), in `opt`'s parameter order: what a checkpoint
+    /// saves.
+    pub(crate) fn optimizer_state(&self, opt: &AdamW) -> Result<Vec<ParamState>> {
+        let t = &self.trainer;
+        let get = |a: Arena| -> Result<Vec<(String, Vec<f32>)>> { Ok(t.hf_named(&t.arena_to_host(a)?)?) };
+        let (m, v) = (get(Arena::ExpAvg)?, get(Arena::ExpAvgSq)?);
+        opt.params()
+            .iter()
+            .map(|(name, _)| Ok(ParamState { exp_avg: find(&m, name)?, exp_avg_sq: find(&v, name)?, steps: t.steps() }))
+            .collect()
+    }
+}
+
+/// The values of `name` in `set` (HF-named tensors of the device trainer).
+fn find(set: &[(String, Vec<f32>)], name: &str) -> Result<Vec<f32>> {
+    set.iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, x)| x.clone())
+        .ok_or_else(|| Error::InvalidArgument(format!("the device trainer has no `{name}`")))
 }
 
 /// The update's backend on the device, for one step: the trainer and the rollout engine's model.

@@ -12,7 +12,7 @@ use half::bf16;
 use tlt_kernels::cuda::plan::{self, Buf, GemmY, TrainAttnDims};
 use tlt_kernels::cuda::{gpu, DeviceBuf, Elem, Gpu};
 
-use super::lora::{LayerLora, LinearLora};
+use super::adapter::{LayerLora, LinearLora};
 use crate::config::LlamaConfig;
 use crate::device_step::{LayerBufs, LinearBufs};
 use crate::{Error, Result};

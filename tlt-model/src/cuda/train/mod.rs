@@ -11,24 +11,27 @@
 //! One decoder layer's forward and backward are reusable units ([`TrainLayer`], with [`LayerScratch`],
 //! [`TrainLayerBufs`], [`LayerGrads`], [`PackedRows`]): `tlt-drafter`'s device trainer runs EAGLE-2's layer with them.
 //!
-//! Written on the device seam ([`Gpu`]): it runs on a CUDA device and, in CI, on the
+//! Written on the device seam ([`tlt_kernels::cuda::Gpu`]): it runs on a CUDA device and, in CI, on the
 //! simulated device, every kernel included. Not supported yet: Qwen3's q/k head norms and biases on other projections
 //! than q/k/v (an error at [`CudaTrainer::new`]).
 
+mod adapter;
 mod batch;
+mod common;
 mod layer;
 mod lora;
 mod pass;
 
 use half::bf16;
-use tlt_kernels::cuda::plan::{self, AdamWStep, Buf, SUM_SQUARES_BLOCKS};
-use tlt_kernels::cuda::{gpu, DeviceBuf, Gpu, SharedGpu};
+use tlt_kernels::cuda::plan::{self, Buf, SUM_SQUARES_BLOCKS};
+use tlt_kernels::cuda::{gpu, DeviceBuf, SharedGpu};
 
+pub use self::adapter::{LayerLora, LinearLora, LoraSlot};
 pub use self::batch::TrainBatch;
+use self::common::{check_config, checked_forward};
+pub use self::common::{check_trainable, clipped_adamw_step, grad_norm, Arena};
 pub use self::layer::{LayerDims, LayerGrads, LayerScratch, PackedRows, TrainLayer, TrainLayerBufs};
-pub use self::lora::{
-    lora_memory, lora_params, CudaLoraTrainer, LayerLora, LinearLora, LoraConfig, LoraParam, LoraSlot, PeftTensor,
-};
+pub use self::lora::{lora_memory, lora_params, CudaLoraTrainer, LoraConfig, LoraParam, PeftTensor};
 pub use self::pass::TrainOptions;
 use self::pass::{Acts, Dims, GradBufs};
 use super::CudaLlama;
@@ -116,45 +119,6 @@ fn hf_ranges(params: &[TrainParam], d: &Dims) -> Result<Vec<(String, std::ops::R
     Ok(out)
 }
 
-/// The global L2 norm of the gradients `grad` on the device: f64 partial sums of a fixed grid (`sum_squares` into
-/// `partials`, [`SUM_SQUARES_BLOCKS`] of them), summed in order on the host.
-///
-/// # Errors
-/// [`Error::Kernel`] when the device fails.
-pub fn grad_norm(g: &dyn Gpu, grad: Buf<f32>, partials: &DeviceBuf<f64>) -> Result<f64> {
-    g.launch(&plan::sum_squares(grad, partials.buf())?)?;
-    Ok(partials.to_host(g)?.iter().sum::<f64>().sqrt())
-}
-
-/// What one clipped AdamW step of a device optimizer (built on the `adamw` kernel) does, decided as the host
-/// optimizer decides it ([`crate::optim::AdamW::step`]): the global norm of `grad` ([`grad_norm`]), and for a
-/// finite one the arguments of its `adamw` launches (step `steps + 1`, the clip factor of `max_grad_norm`); `None`
-/// for a non-finite norm, a skipped step that changes nothing.
-///
-/// # Errors
-/// [`Error::InvalidConfig`] for a negative or non-finite `lr`; [`Error::Kernel`] when the device fails.
-pub fn clipped_adamw_step(
-    g: &dyn Gpu,
-    grad: Buf<f32>,
-    partials: &DeviceBuf<f64>,
-    hp: &AdamWParams,
-    steps: u64,
-    lr: f64,
-    max_grad_norm: Option<f64>,
-) -> Result<(GradNorm, Option<AdamWStep>)> {
-    if !(lr.is_finite() && lr >= 0.0) {
-        return Err(Error::config("lr", lr, "must be finite and >= 0"));
-    }
-    let before = grad_norm(g, grad, partials)?;
-    if !before.is_finite() {
-        return Ok((GradNorm { before, after: before }, None));
-    }
-    let coef = crate::optim::clip_coef(before, max_grad_norm);
-    let AdamWParams { beta1, beta2, eps, weight_decay } = *hp;
-    let step = AdamWStep { lr, beta1, beta2, eps, weight_decay, step: steps + 1, coef };
-    Ok((GradNorm { before, after: if coef < 1.0 { before * coef } else { before } }, Some(step)))
-}
-
 /// `model`'s token embedding and LM head on its device (`[vocab, hidden]` bf16 each; the head is the embedding when
 /// tied): what a drafter trained beside the policy reads (`tlt-drafter`'s device trainer copies them, device to
 /// device, after each policy update). Valid while `model` lives and keeps its weights' buffers.
@@ -162,40 +126,6 @@ pub fn clipped_adamw_step(
 pub fn embedding_and_head(model: &CudaLlama) -> (Buf<bf16>, Buf<bf16>) {
     let w = model.w.bufs();
     (w.embed, w.head.unwrap_or(w.embed))
-}
-
-/// The trainer's f32 arenas, each in [`CudaTrainer::params`] order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arena {
-    /// The master weights.
-    Master,
-    /// AdamW's first moments.
-    ExpAvg,
-    /// AdamW's second moments.
-    ExpAvgSq,
-    /// The accumulated gradients.
-    Grad,
-}
-
-/// Whether the device training pass covers models of `cfg`, checked from the config alone (before any weight is
-/// loaded or any rollout runs).
-///
-/// # Errors
-/// [`Error::InvalidInput`] naming what is not covered: Qwen3's q/k head norms, a bias on the attention output.
-pub fn check_trainable(cfg: &LlamaConfig) -> Result<()> {
-    if cfg.qk_norm() {
-        return Err(Error::InvalidInput(format!(
-            "device training of `{}` models is not implemented (the backward of their q/k head norms); train on \
-             the CPU (update_on_device = false)",
-            cfg.model_type
-        )));
-    }
-    if cfg.attention_bias()?.o {
-        return Err(Error::InvalidInput(
-            "device training supports biases on q/k/v only, not the attention output's (attention_bias)".into(),
-        ));
-    }
-    Ok(())
 }
 
 /// The device memory a trainer of `cfg` over `weights` weights holds with `opts`, in bytes: master weights, moments
@@ -233,34 +163,6 @@ fn grad_bufs(params: &[TrainParam], grad: &DeviceBuf<f32>, layers: usize) -> Res
             })
             .collect::<Result<Vec<_>>>()?,
     })
-}
-
-/// A trainer of models of `cfg` runs `model` only if it has that configuration.
-fn check_config(cfg: &LlamaConfig, model: &CudaLlama) -> Result<()> {
-    if model.config() != cfg {
-        return Err(Error::InvalidInput("a trainer runs the model of its own configuration".into()));
-    }
-    Ok(())
-}
-
-/// The training forward of `batch` through `model` into `acts` at `temperature` (a trainer's, of models of `cfg`):
-/// the checks and the pass [`CudaTrainer::forward`] and the LoRA trainer share.
-#[allow(clippy::too_many_arguments)]
-fn checked_forward(
-    g: &dyn Gpu,
-    cfg: &LlamaConfig,
-    dims: &Dims,
-    acts: &mut Acts,
-    model: &CudaLlama,
-    batch: &TrainBatch,
-    temperature: f64,
-    entropy: bool,
-) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-    check_config(cfg, model)?;
-    if !(temperature.is_finite() && temperature > 0.0) {
-        return Err(Error::InvalidInput(format!("temperature {temperature} must be finite and > 0")));
-    }
-    pass::forward(g, dims, &model.w.bufs(), acts, batch, (1.0 / temperature) as f32, entropy)
 }
 
 /// AdamW on the device over f32 master weights of a [`CudaLlama`], with the training pass's buffers.
