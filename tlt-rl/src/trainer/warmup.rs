@@ -132,6 +132,7 @@ impl<E: Environment> Trainer<E> {
         let prompts = (0..w.prompts as u64)
             .map(|i| self.env().prompt(Split::Train, WARMUP_DATA_BASE + i))
             .collect::<Result<Vec<_>>>()?;
+        self.check_prompt_room(&prompts)?;
         let key = cache_key(&self.policy, &prompts, &self.cfg)?;
         let cached = w.cache_dir.as_ref().map(|d| d.join(&key));
         if let Some(dir) = cached.as_ref().filter(|d| d.join(DRAFTER_STATE).exists()) {
